@@ -1,0 +1,10 @@
+"""dsa-triton: Triton kernels for DeepSeek-style sparse attention and MXFP4 mixture-of-experts.
+
+``import dsa_triton as dt``; ``dt.registry.kernels()`` lists the registered (tunable) kernels.
+Without a GPU, kernels run on CPU tensors in the Triton interpreter (set up by :mod:`.runtime`).
+"""
+from . import runtime  # noqa: F401  (first: sets TRITON_INTERPRET=1 when there is no GPU)
+from . import registry
+from .registry import ConfigError
+
+__all__ = ["registry", "ConfigError"]

@@ -1,0 +1,130 @@
+"""Check and time every registered kernel in one call: ``python -m dsa_triton.bench``.
+
+On a GPU: measures the ceilings, then for each kernel, phase and realistic shape checks the launch
+config against the reference on fresh random inputs and times it against the baseline in the same run.
+Without a GPU: the same checks on tiny shapes in the Triton interpreter (times mean little there).
+Prints a short table last and writes ``bench-<device>-<date>.json`` and ``.md`` to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from . import registry
+from .harness import Ceilings, Measurement, measure_ceilings, measurement, rotation, time_rotating
+from .runtime import default_device, device_name, environment
+
+
+def shape_text(shape: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in shape.items())
+
+
+def bench_kernel(spec: registry.KernelSpec, phase: str, shape: dict[str, int], device: torch.device,
+                 ceilings: Ceilings | None) -> Measurement:
+    """Check the launch config on fresh inputs, then time kernel and baseline over rotated input sets."""
+    config = spec.launch_config(phase, shape, device)
+    inputs = spec.make_inputs(phase, shape, device, 1234)
+    error = spec.compare(spec.run(inputs, config), spec.reference(inputs))
+    cost = spec.cost(phase, shape)
+    sets = rotation(lambda i: spec.make_inputs(phase, shape, device, i), cost.bytes, device)
+    median = time_rotating(lambda s: spec.run(s, config), sets, device)
+    base_us = float("nan")
+    if spec.baseline is not None:
+        base_us = time_rotating(spec.baseline, sets, device)
+    return measurement(kernel=spec.name, phase=phase, shape=shape_text(shape), config=json.dumps(config),
+                       median_us=median, cost=cost, ceilings=ceilings, baseline=spec.baseline_name,
+                       baseline_us=base_us, check=error or "ok")
+
+
+def fmt(x: float, digits: int = 2) -> str:
+    return "-" if x != x or math.isinf(x) else f"{x:.{digits}f}"
+
+
+def table(rows: list[Measurement]) -> str:
+    head = "| kernel | phase | shape | us | baseline | base us | speedup | floor us | bound | of floor | TB/s | TFLOP/s | check |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r.kernel} | {r.phase} | {r.shape} | {fmt(r.median_us, 1)} | {r.baseline or '-'} | "
+            f"{fmt(r.baseline_us, 1)} | {fmt(r.speedup)} | {fmt(r.floor_us, 1)} | {r.bound or '-'} | "
+            f"{fmt(r.floor_fraction)} | {fmt(r.tbps)} | {fmt(r.tflops, 1)} | {r.check} |"
+        )
+    return "\n".join(lines)
+
+
+def dict_table(items: list[dict]) -> str:
+    """A markdown table of report rows (the union of their keys, in first-seen order)."""
+    cols = list(dict.fromkeys(k for row in items for k in row))
+    cell = lambda v: fmt(v, 3) if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(row.get(c, "")) for c in cols) + " |" for row in items]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dsa_triton.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", default="", help="comma-separated kernel names (default: all registered)")
+    parser.add_argument("--out", default="results", help="folder for the results files (default: results/)")
+    parser.add_argument("--no-ceilings", action="store_true", help="skip measuring the GPU ceilings")
+    args = parser.parse_args(argv)
+
+    import dsa_triton  # noqa: F401  (registers every kernel)
+    from tqdm import tqdm
+
+    device = default_device()
+    env = environment()
+    ceilings = None
+    if device.type == "cuda" and not args.no_ceilings:
+        ceilings = measure_ceilings(device)
+    wanted = [n for n in args.kernels.split(",") if n]
+    specs = [registry.get(n) for n in wanted] if wanted else registry.kernels()
+    jobs = [(s, p, shape) for s in specs for p in s.phases for shape in s.bench_shapes(p, device.type == "cuda")]
+    rows: list[Measurement] = []
+    for spec, phase, shape in tqdm(jobs, desc="bench", file=sys.stderr, disable=not jobs):
+        try:
+            rows.append(bench_kernel(spec, phase, shape, device, ceilings))
+        except Exception as exc:  # one broken kernel must not hide the others' numbers
+            rows.append(Measurement(spec.name, phase, shape_text(shape), "", float("nan"), check=f"error: {exc!r}"[:300]))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    report_rows: dict[str, list[dict]] = {}
+    wanted_reports = {n: f for n, f in registry.reports().items() if not wanted or n in wanted}
+    for name, fn in tqdm(wanted_reports.items(), desc="reports", file=sys.stderr, disable=not wanted_reports):
+        try:
+            report_rows[name] = fn(device, ceilings)
+        except Exception as exc:
+            report_rows[name] = [{"error": repr(exc)[:300]}]
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    stamp = dt.datetime.now(dt.timezone.utc)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench-{env['device']}-{stamp:%Y%m%d-%H%M}"
+    payload = {"date": stamp.isoformat(timespec="seconds"), "environment": env,
+               "ceilings": None if ceilings is None else ceilings.__dict__, "rows": [r.as_dict() for r in rows], "reports": report_rows}
+    (out / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    text = [f"# bench on {env['device']}, {payload['date']}", "",
+            " ".join(f"{k}={v}" for k, v in env.items()), ""]
+    if ceilings is not None:
+        text += [f"ceilings: copy {ceilings.copy_tbps:.2f} TB/s, bf16 matmul {ceilings.bf16_tflops:.0f} TFLOP/s, "
+                 f"fp8 matmul {ceilings.fp8_tflops:.0f} TFLOP/s", ""]
+    text.append(table(rows))
+    for name, items in report_rows.items():
+        text += ["", f"## {name}", "", dict_table(items)]
+    (out / f"{stem}.md").write_text("\n".join(text) + "\n")
+    print("\n".join(text))
+    print(f"\nwrote {out / stem}.json and .md")
+    failed = any(r.check != "ok" for r in rows) or any("error" in row for v in report_rows.values() for row in v)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

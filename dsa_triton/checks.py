@@ -1,0 +1,62 @@
+"""Argument checks shared by every op: a ``ValueError`` naming the argument, raised before launch."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .runtime import interpreting
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    dtype: torch.dtype | Iterable[torch.dtype] | None = None,
+    ndim: int | None = None,
+    shape: tuple[int | None, ...] | None = None,
+    device: torch.device | None = None,
+    contiguous_last: bool = True,
+) -> torch.Tensor:
+    """Validate ``t`` and return it.
+
+    ``shape`` entries of ``None`` are free. ``contiguous_last`` requires stride 1 on the last dimension,
+    which every kernel here assumes for vector loads.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in allowed:
+            names = " or ".join(str(d).replace("torch.", "") for d in allowed)
+            raise ValueError(f"{name}: dtype must be {names}, got {str(t.dtype).replace('torch.', '')}")
+    if shape is not None and ndim is None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for axis, (want, got) in enumerate(zip(shape, t.shape)):
+            if want is not None and want != got:
+                raise ValueError(f"{name}: dimension {axis} must be {want}, got shape {tuple(t.shape)}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
+    if contiguous_last and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}")
+    return t
+
+
+def check_kernel_device(name: str, t: torch.Tensor) -> torch.device:
+    """Kernels run on CUDA tensors, or on CPU tensors when the Triton interpreter is on."""
+    if t.device.type == "cuda":
+        return t.device
+    if t.device.type == "cpu" and interpreting():
+        return t.device
+    raise ValueError(
+        f"{name}: tensors on {t.device} need a CUDA device or TRITON_INTERPRET=1 (the Triton interpreter)"
+    )
+
+
+def check_positive(name: str, value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+    return value

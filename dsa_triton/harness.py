@@ -1,0 +1,152 @@
+"""One timing harness for benchmarks and the tuner.
+
+- :func:`measure_ceilings`: copy bandwidth, bf16 and fp8 matmul rates, measured in this process;
+- :func:`rotation`: enough input sets that one pass over them exceeds the L2 (60 MB on an H200);
+- :func:`time_us`: warm-up, then ``triton.testing.do_bench`` median over the rotated sets
+  (wall-clock median on the CPU interpreter, where only relative numbers mean anything);
+- :func:`floor_us` / :func:`measurement`: the floor from a :class:`~dsa_triton.registry.Cost`, and a
+  row with the ratio to a baseline timed in the same run and the fraction of the floor.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence, TypeVar
+
+import torch
+
+from .registry import Cost
+
+T = TypeVar("T")
+
+L2_BYTES = 60 * 2**20  # H200; read off the device when there is one
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Measured rates: copy in TB/s (bytes read + written), matmuls in TFLOP/s."""
+
+    copy_tbps: float
+    bf16_tflops: float
+    fp8_tflops: float
+
+    def rate(self, flop_dtype: str) -> float:
+        return {"bf16": self.bf16_tflops, "fp8": self.fp8_tflops}[flop_dtype]
+
+
+def l2_bytes(device: torch.device | None = None) -> int:
+    if device is not None and torch.device(device).type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", L2_BYTES))
+    return L2_BYTES
+
+
+def time_us(fn: Callable[[], Any], device: torch.device | str, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median time of ``fn()`` in microseconds: ``do_bench`` on CUDA, wall clock on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        import triton.testing
+
+        return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    fn()  # warm-up (interpreter: first call compiles nothing but fills caches)
+    samples = []
+    budget_end = time.perf_counter() + rep_ms / 1e3
+    while len(samples) < 3 or (time.perf_counter() < budget_end and len(samples) < 20):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(samples)
+
+
+def rotation(make_set: Callable[[int], T], bytes_per_set: float, device: torch.device | str, max_sets: int = 16) -> list[T]:
+    """Input sets ``make_set(i)`` for i = 0..n-1, with n so that one sweep touches over twice the L2 (n >= 2)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return [make_set(0)]
+    n = min(max_sets, max(2, math.ceil(2 * l2_bytes(device) / max(bytes_per_set, 1.0))))
+    return [make_set(i) for i in range(n)]
+
+
+def time_rotating(call: Callable[[T], Any], sets: Sequence[T], device: torch.device | str, **kw) -> float:
+    """Median microseconds of ``call(s)``, cycling through ``sets`` so no call finds its inputs in L2."""
+    cycle = itertools.cycle(sets)
+    return time_us(lambda: call(next(cycle)), device, **kw)
+
+
+def floor_us(cost: Cost, ceilings: Ceilings) -> tuple[float, str]:
+    """The larger of bytes / copy bandwidth and FLOPs / matmul rate, in microseconds, and which one it is."""
+    mem = cost.bytes / (ceilings.copy_tbps * 1e12) * 1e6
+    compute = cost.flops / (ceilings.rate(cost.flop_dtype) * 1e12) * 1e6 if cost.flops else 0.0
+    return (mem, "memory") if mem >= compute else (compute, f"{cost.flop_dtype} compute")
+
+
+@dataclass
+class Measurement:
+    """One timed row: kernel and baseline medians, their ratio, and the fraction of the floor reached."""
+
+    kernel: str
+    phase: str
+    shape: str
+    config: str
+    median_us: float
+    baseline: str = ""
+    baseline_us: float = float("nan")
+    speedup: float = float("nan")  # baseline_us / median_us
+    floor_us: float = float("nan")
+    bound: str = ""
+    floor_fraction: float = float("nan")  # floor_us / median_us
+    tbps: float = float("nan")
+    tflops: float = float("nan")
+    check: str = "ok"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measurement(
+    *,
+    kernel: str,
+    phase: str,
+    shape: str,
+    config: str,
+    median_us: float,
+    cost: Cost,
+    ceilings: Ceilings | None,
+    baseline: str = "",
+    baseline_us: float = float("nan"),
+    check: str = "ok",
+) -> Measurement:
+    row = Measurement(kernel, phase, shape, config, median_us, baseline, baseline_us, check=check)
+    row.speedup = baseline_us / median_us if baseline_us == baseline_us else float("nan")
+    row.tbps = cost.bytes / (median_us * 1e-6) / 1e12
+    row.tflops = cost.flops / (median_us * 1e-6) / 1e12 if cost.flops else float("nan")
+    if ceilings is not None:
+        row.floor_us, row.bound = floor_us(cost, ceilings)
+        row.floor_fraction = row.floor_us / median_us
+    return row
+
+
+def measure_ceilings(device: torch.device | str = "cuda") -> Ceilings:
+    """Copy bandwidth (2 GiB device-to-device), bf16 and fp8 e4m3 matmul rates at 8192^3, this process."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError("measure_ceilings: needs a CUDA device; the interpreter has no meaningful ceilings")
+    n_copy = 2**30  # bf16 elements: 2 GiB read + 2 GiB written
+    src = torch.randn(n_copy, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_us = time_us(lambda: dst.copy_(src), device)
+    copy_tbps = 2 * src.numel() * src.element_size() / (copy_us * 1e-6) / 1e12
+    del src, dst
+
+    n = 8192
+    flops = 2 * n**3
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    bf16_us = time_us(lambda: a @ b, device)
+    a8 = a.to(torch.float8_e4m3fn)
+    b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()  # column-major, as _scaled_mm wants
+    one = torch.ones((), device=device)
+    fp8_us = time_us(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), device)
+    return Ceilings(copy_tbps, flops / (bf16_us * 1e-6) / 1e12, flops / (fp8_us * 1e-6) / 1e12)

@@ -1,0 +1,1 @@
+"""Optuna autotuner over the kernel registry; the ``dsa-tune`` command line."""
