@@ -148,13 +148,13 @@ class KernelSpec:
 
         dev = device_name(device)
         key = self.shape_key(phase, shape)
-        cache_key = (key, dev, _lookup_generation)
+        cache_key = (tuple(sorted(shape.items())), dev, _lookup_generation)
         hit = self._cache.get(cache_key)
         if hit is not None:
             return dict(hit)
         config = None
         if _lookup is not None:
-            stored = _lookup(self.name, key, dev)
+            stored = _lookup(self.name, key, dict(shape), dev)
             if stored is not None and self.is_valid(stored, shape):
                 config = dict(stored)
         if config is None:
@@ -173,7 +173,7 @@ class KernelSpec:
 # -- the registry -------------------------------------------------------------------------------
 _KERNELS: dict[str, KernelSpec] = {}
 _REPORTS: dict[str, Callable[..., list[dict[str, Any]]]] = {}
-_lookup: Callable[[str, ShapeKey, str], Config | None] | None = None
+_lookup: Callable[[str, ShapeKey, dict[str, int], str], Config | None] | None = None
 _lookup_generation = 0
 
 
@@ -224,8 +224,10 @@ def kernels() -> list[KernelSpec]:
     return [_KERNELS[n] for n in sorted(_KERNELS)]
 
 
-def set_config_lookup(fn: Callable[[str, ShapeKey, str], Config | None] | None) -> None:
-    """Install the function ops ask for stored configs: ``fn(kernel, shape_key, device) -> config or None``.
+def set_config_lookup(fn: Callable[[str, ShapeKey, dict[str, int], str], Config | None] | None) -> None:
+    """Install the function ops ask for stored configs: ``fn(kernel, shape_key, shape, device) -> config or None``.
+
+    ``shape`` is the exact (unbucketed) shape, so a database can prefer an exact match over the same bucket.
 
     The tuning database installs itself here on import; tests install their own. Clears the caches.
     """
