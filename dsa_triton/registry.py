@@ -148,7 +148,7 @@ class KernelSpec:
 
         dev = device_name(device)
         key = self.shape_key(phase, shape)
-        cache_key = (tuple(sorted(shape.items())), dev, _lookup_generation)
+        cache_key = (phase, tuple(sorted(shape.items())), dev, _lookup_generation)
         hit = self._cache.get(cache_key)
         if hit is not None:
             return dict(hit)
