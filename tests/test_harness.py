@@ -1,0 +1,88 @@
+"""Harness arithmetic: floors, ratios, rotation sizing and the bench entry point on the CPU."""
+import json
+import math
+
+import pytest
+import torch
+
+from dsa_triton import harness
+from dsa_triton.harness import Ceilings, floor_us, measurement, rotation
+from dsa_triton.registry import Cost
+
+CEIL = Ceilings(copy_tbps=4.0, bf16_tflops=500.0, fp8_tflops=1000.0)
+
+
+def test_floor_picks_the_larger_term():
+    # 4 GB at 4 TB/s = 1000 us; 1e12 flop at 500 TFLOP/s = 2000 us -> compute bound
+    us, bound = floor_us(Cost(bytes=4e9, flops=1e12, flop_dtype="bf16"), CEIL)
+    assert us == pytest.approx(2000.0) and bound == "bf16 compute"
+    us, bound = floor_us(Cost(bytes=4e9, flops=1e12, flop_dtype="fp8"), CEIL)
+    assert us == pytest.approx(1000.0) and bound == "memory"
+    us, bound = floor_us(Cost(bytes=8e9), CEIL)
+    assert us == pytest.approx(2000.0) and bound == "memory"
+
+
+def test_floor_rejects_unknown_flop_dtype():
+    with pytest.raises(KeyError):
+        floor_us(Cost(bytes=1.0, flops=1.0, flop_dtype="int4"), CEIL)
+
+
+def test_measurement_ratios():
+    row = measurement(kernel="k", phase="decode", shape="T=1", config="{}", median_us=500.0,
+                      cost=Cost(bytes=1e9, flops=1e11), ceilings=CEIL, baseline="torch", baseline_us=2000.0)
+    assert row.speedup == pytest.approx(4.0)
+    assert row.floor_us == pytest.approx(250.0)  # 1e9 B at 4 TB/s
+    assert row.floor_fraction == pytest.approx(0.5)
+    assert row.tbps == pytest.approx(2.0)
+    assert row.tflops == pytest.approx(200.0)
+    without_baseline = measurement(kernel="k", phase="decode", shape="", config="{}", median_us=1.0,
+                                   cost=Cost(bytes=1.0), ceilings=None)
+    assert math.isnan(without_baseline.speedup) and math.isnan(without_baseline.floor_fraction)
+
+
+def test_rotation_covers_twice_l2(monkeypatch):
+    monkeypatch.setattr(harness, "l2_bytes", lambda device=None: 60 * 2**20)
+    made = []
+    fake_cuda = torch.device("cuda")
+    sets = rotation(lambda i: made.append(i) or i, 10 * 2**20, fake_cuda)
+    assert sets == list(range(12))  # 12 x 10 MiB = 2 x 60 MiB
+    assert rotation(lambda i: i, 4 * 2**30, fake_cuda) == [0, 1]  # huge sets: still two
+    assert len(rotation(lambda i: i, 1, fake_cuda)) == 16  # tiny sets: capped
+    assert rotation(lambda i: i, 1, torch.device("cpu")) == [0]
+
+
+def test_time_us_cpu_is_positive_and_runs_fn():
+    calls = []
+    us = harness.time_us(lambda: calls.append(1), "cpu", rep_ms=5)
+    assert us >= 0 and len(calls) >= 4
+
+
+def test_bench_entry_point_runs_a_registered_kernel(tmp_path, monkeypatch):
+    from dsa_triton import bench, registry
+    from tests.test_registry import toy_spec
+
+    registry.register(toy_spec("toy_bench", baseline=lambda inputs: inputs["x"] + inputs["x"], baseline_name="torch add"))
+    try:
+        assert bench.main(["--kernels", "toy_bench", "--out", str(tmp_path)]) == 0
+        results = list(tmp_path.glob("*.json"))
+        assert len(results) == 1
+        payload = json.loads(results[0].read_text())
+        assert payload["environment"]["device"] == "cpu-interpreter"
+        rows = payload["rows"]
+        assert len(rows) == 2 and {r["phase"] for r in rows} == {"decode", "prefill"}
+        assert all(r["check"] == "ok" and r["baseline"] == "torch add" and r["speedup"] > 0 for r in rows)
+    finally:
+        registry.unregister("toy_bench")
+
+
+def test_bench_reports_a_wrong_kernel(tmp_path):
+    from dsa_triton import bench, registry
+    from tests.test_registry import toy_spec
+
+    registry.register(toy_spec("toy_wrong", run=lambda inputs, config: inputs["x"] * 3))
+    try:
+        assert bench.main(["--kernels", "toy_wrong", "--out", str(tmp_path)]) == 1
+        rows = json.loads(next(tmp_path.glob("*.json")).read_text())["rows"]
+        assert all(r["check"] == "mismatch" for r in rows)
+    finally:
+        registry.unregister("toy_wrong")

@@ -1,0 +1,135 @@
+"""Registry logic: bucketing, shape keys, config validation, defaults and the lookup hook."""
+import pytest
+import torch
+
+from dsa_triton import registry
+from dsa_triton.registry import ConfigError, Cost, KernelSpec, ShapeKey, bucket
+
+
+def toy_spec(name="toy_scale", default=None, **overrides) -> KernelSpec:
+    """A throw-away spec over y = 2x with a BLOCK that must divide N."""
+    fields = dict(
+        name=name,
+        phases=("decode", "prefill"),
+        space={"BLOCK": (16, 32, 64), "num_warps": (1, 2, 4)},
+        default=default or (lambda phase, shape: {"BLOCK": 16, "num_warps": 1}),
+        fixed_dims=("D",),
+        bucketed_dims=("T",),
+        make_inputs=lambda phase, shape, device, seed: {"x": torch.randn(shape["T"], shape["D"], generator=torch.Generator().manual_seed(seed))},
+        run=lambda inputs, config: inputs["x"] * 2,
+        reference=lambda inputs: inputs["x"] * 2,
+        compare=lambda out, ref: None if torch.equal(out, ref) else "mismatch",
+        cost=lambda phase, shape: Cost(bytes=8.0 * shape["T"] * shape["D"]),
+        bench_shapes=lambda phase, gpu: [{"T": 3, "D": 64}],
+        constraint=lambda config, shape: None if shape["D"] % config["BLOCK"] == 0 else "BLOCK must divide D",
+    )
+    fields.update(overrides)
+    return KernelSpec(**fields)
+
+
+@pytest.mark.parametrize("n, want", [(0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (4096, 4096), (4097, 8192), (131071, 131072)])
+def test_bucket_rounds_up_to_power_of_two(n, want):
+    assert bucket(n) == want
+
+
+def test_bucket_rejects_negative():
+    with pytest.raises(ValueError):
+        bucket(-1)
+
+
+def test_shape_key_buckets_only_bucketed_dims():
+    spec = toy_spec()
+    key = spec.shape_key("decode", {"T": 100, "D": 96})
+    assert key == ShapeKey("decode", (("D", 96), ("T", 128)))
+    assert str(key) == "decode:D=96,T=128"
+    assert ShapeKey.parse(str(key)) == key
+    # a fixed dim is never bucketed: D=96 and D=128 are different keys
+    assert spec.shape_key("decode", {"T": 100, "D": 128}) != key
+    # same bucket, same key
+    assert spec.shape_key("decode", {"T": 65, "D": 96}) == key
+
+
+def test_shape_key_rejects_missing_dims_and_unknown_phase():
+    spec = toy_spec()
+    with pytest.raises(ValueError, match="lacks dimensions"):
+        spec.shape_key("decode", {"T": 4})
+    with pytest.raises(ValueError, match="phase"):
+        spec.shape_key("train", {"T": 4, "D": 64})
+
+
+def test_validate_rejects_bad_configs():
+    spec = toy_spec()
+    shape = {"T": 4, "D": 48}
+    assert spec.validate({"BLOCK": 16, "num_warps": 2}, shape)
+    with pytest.raises(ConfigError, match="unknown"):
+        spec.validate({"BLOCK": 16, "num_warps": 2, "extra": 1}, shape)
+    with pytest.raises(ConfigError, match="lacks"):
+        spec.validate({"BLOCK": 16}, shape)
+    with pytest.raises(ConfigError, match="candidates"):
+        spec.validate({"BLOCK": 128, "num_warps": 2}, shape)
+    with pytest.raises(ConfigError, match="divide"):
+        spec.validate({"BLOCK": 32, "num_warps": 2}, shape)
+
+
+def test_configs_enumerates_only_valid_ones():
+    spec = toy_spec()
+    assert spec.space_size() == 9
+    all_ok = list(spec.configs({"T": 4, "D": 64}))
+    assert len(all_ok) == 9
+    some = list(spec.configs({"T": 4, "D": 48}))
+    assert {c["BLOCK"] for c in some} == {16}
+    assert len(some) == 3
+
+
+def test_register_rejects_invalid_default_and_duplicates():
+    bad = toy_spec("toy_bad_default", default=lambda phase, shape: {"BLOCK": 128, "num_warps": 1})
+    with pytest.raises(ConfigError):
+        registry.register(bad)
+    assert "toy_bad_default" not in [s.name for s in registry.kernels()]
+    missing = toy_spec("toy_missing_default", default=lambda phase, shape: {"BLOCK": 16})
+    with pytest.raises(ConfigError, match="lacks"):
+        registry.register(missing)
+    spec = registry.register(toy_spec("toy_dup"))
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            registry.register(toy_spec("toy_dup"))
+        assert registry.get("toy_dup") is spec
+    finally:
+        registry.unregister("toy_dup")
+    with pytest.raises(KeyError):
+        registry.get("toy_dup")
+
+
+def test_launch_config_uses_lookup_then_default():
+    spec = toy_spec()
+    shape = {"T": 5, "D": 64}
+    seen = []
+
+    def lookup(kernel, key, exact_shape, device):
+        seen.append((kernel, str(key), exact_shape, device))
+        return {"BLOCK": 64, "num_warps": 4} if exact_shape["T"] == 5 else None
+
+    previous = registry._lookup
+    try:
+        registry.set_config_lookup(lookup)
+        assert spec.launch_config("decode", shape, "cpu") == {"BLOCK": 64, "num_warps": 4}
+        assert seen == [("toy_scale", "decode:D=64,T=8", {"T": 5, "D": 64}, "cpu-interpreter")]
+        spec.launch_config("decode", shape, "cpu")
+        assert len(seen) == 1, "a second call must be served from the cache"
+        # no stored record: the default
+        assert spec.launch_config("decode", {"T": 6, "D": 64}, "cpu") == {"BLOCK": 16, "num_warps": 1}
+        # a stored config that is invalid for the shape is ignored, not launched
+        assert spec.launch_config("decode", {"T": 5, "D": 48}, "cpu") == {"BLOCK": 16, "num_warps": 1}
+        # the phase is part of the cache key
+        registry.set_config_lookup(lambda k, key, s, d: {"BLOCK": 32, "num_warps": 2} if key.phase == "prefill" else None)
+        assert spec.launch_config("decode", shape, "cpu")["BLOCK"] == 16
+        assert spec.launch_config("prefill", shape, "cpu")["BLOCK"] == 32
+    finally:
+        registry.set_config_lookup(previous)
+
+
+def test_launch_config_returns_a_copy():
+    spec = toy_spec()
+    config = spec.launch_config("decode", {"T": 2, "D": 64}, "cpu")
+    config["BLOCK"] = 999
+    assert spec.launch_config("decode", {"T": 2, "D": 64}, "cpu")["BLOCK"] != 999
