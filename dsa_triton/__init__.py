@@ -7,4 +7,6 @@ from . import runtime  # noqa: F401  (first: sets TRITON_INTERPRET=1 when there 
 from . import registry
 from .registry import ConfigError
 
+import tuning_db  # noqa: E402,F401  (installs the tuning database as the registry's config lookup)
+
 __all__ = ["registry", "ConfigError"]

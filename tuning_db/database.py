@@ -1,0 +1,193 @@
+"""The tuning database: per-device record files in one folder, and the run-time config lookup.
+
+Lookup for (kernel, phase, exact shape, device), host side only:
+
+1. ``exact``: a record for the same exact shape;
+2. ``bucket``: a record with the same shape key (fixed dims equal, counts in the same power-of-two bucket),
+   the one whose exact shape is nearest (log2 distance);
+3. ``nearest``: same fixed dims, the bucketed dims nearest in log2 distance (ties: the smaller shape);
+4. nothing: the registry falls back to the kernel's default.
+
+A record made by other code (its kernel source hash or Triton version differs from what runs now) is
+*stale*: it is still used, since every config of the space is a correct one and only its speed may have
+moved, but within each level a fresh record wins, ``dsa-tune show`` flags it and ``dsa-tune tune``
+re-tunes it. A stored config that is no longer valid for the shape (the space changed) is skipped.
+Merging keeps one record per (device, kernel, phase, exact shape): a fresh one over a stale one, else
+the faster.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from dsa_triton import registry
+from dsa_triton.registry import KernelSpec, ShapeKey
+
+from .records import Record, read_records, shape_text, update_file
+
+DEFAULT_FOLDER = Path(__file__).resolve().parent / "data"
+ENV_VAR = "DSA_TUNING_DB"
+LEVELS = ("exact", "bucket", "nearest")
+_installed: "Database | None" = None
+
+
+@functools.cache
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def log_distance(a: dict[str, int], b: dict[str, int], dims: Iterable[str]) -> float:
+    """Sum over ``dims`` of |log2 a - log2 b| (counts below 1 count as 1)."""
+    return sum(abs(math.log2(max(a[d], 1)) - math.log2(max(b[d], 1))) for d in dims)
+
+
+class Database:
+    """Records under ``folder`` (default: ``$DSA_TUNING_DB``, else ``tuning_db/data``), one ``<device>.csv`` each.
+
+    Files are read once per device and indexed; :meth:`add` and :meth:`merge_files` write atomically and
+    refresh the index (and the registry's caches when this database is the installed one).
+    """
+
+    def __init__(self, folder: str | Path | None = None):
+        self.folder = Path(folder or os.environ.get(ENV_VAR) or DEFAULT_FOLDER)
+        self._by_device: dict[str, dict[tuple[str, str], list[Record]]] = {}
+        self._hashes: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        return f"Database({str(self.folder)!r})"
+
+    # -- files ------------------------------------------------------------------------------
+    def path(self, device: str) -> Path:
+        return self.folder / f"{device}.csv"
+
+    def devices(self) -> list[str]:
+        return sorted(p.stem for p in self.folder.glob("*.csv")) if self.folder.is_dir() else []
+
+    def records(self, device: str | None = None) -> list[Record]:
+        """Every record of ``device`` (all devices when None), sorted."""
+        devices = self.devices() if device is None else [device]
+        return [r for d in devices for group in self._index(d).values() for r in group]
+
+    def _index(self, device: str) -> dict[tuple[str, str], list[Record]]:
+        if device not in self._by_device:
+            index: dict[tuple[str, str], list[Record]] = {}
+            for r in read_records(self.path(device)):
+                index.setdefault((r.kernel, r.phase), []).append(r)
+            self._by_device[device] = index
+        return self._by_device[device]
+
+    def refresh(self) -> None:
+        """Forget what was read; if this database is installed, clear the registry's launch-config caches."""
+        self._by_device.clear()
+        self._hashes.clear()
+        if _installed is self:
+            registry.set_config_lookup(self.lookup)
+
+    # -- freshness ----------------------------------------------------------------------------
+    def current_hash(self, kernel: str) -> str | None:
+        """The source hash of the registered kernel (None if it is not registered)."""
+        if kernel not in self._hashes:
+            try:
+                self._hashes[kernel] = registry.get(kernel).source_hash()
+            except KeyError:
+                return None
+        return self._hashes[kernel]
+
+    def is_fresh(self, record: Record) -> bool:
+        """Made by the code and Triton version that run now."""
+        return record.source_hash == self.current_hash(record.kernel) and record.triton == triton_version()
+
+    def prefer(self, record: Record) -> tuple:
+        """Merge order: fresh before stale, then faster."""
+        return (not self.is_fresh(record), record.median_us)
+
+    # -- writing ------------------------------------------------------------------------------
+    def add(self, records: Iterable[Record]) -> None:
+        """Merge ``records`` into their devices' files (atomic per file)."""
+        by_device: dict[str, list[Record]] = {}
+        for r in records:
+            by_device.setdefault(r.device, []).append(r)
+        for device, group in by_device.items():
+            update_file(self.path(device), group, self.prefer)
+        self.refresh()
+
+    def merge_files(self, paths: Iterable[str | Path]) -> int:
+        """Merge record files (of any devices) into this database; returns how many records were read."""
+        incoming = [r for p in paths for r in read_records(_existing(p))]
+        self.add(incoming)
+        return len(incoming)
+
+    # -- lookup -------------------------------------------------------------------------------
+    def matches(self, spec: KernelSpec, phase: str, shape: dict[str, int], device: str) -> list[tuple[str, Record]]:
+        """Stored records usable for this shape, best first, each with its level (exact, bucket, nearest)."""
+        key = spec.shape_key(phase, shape).as_dict()
+        exact = shape_text(shape)
+        ranked = []
+        for r in self._index(device).get((spec.name, phase), []):
+            r_key = ShapeKey.parse(r.shape_key).as_dict()
+            if any(r_key.get(d) != key[d] for d in spec.fixed_dims):
+                continue
+            if r.shape == exact:
+                level = 0
+            elif all(r_key.get(d) == key[d] for d in spec.bucketed_dims):
+                level = 1
+            else:
+                level = 2
+            if level == 2:
+                distance = log_distance(r_key, key, spec.bucketed_dims)
+            else:
+                distance = log_distance(r.shape_dict(), shape, spec.bucketed_dims)
+            ranked.append(((level, not self.is_fresh(r), distance, r.sort_key()), LEVELS[level], r))
+        ranked.sort(key=lambda item: item[0])
+        return [(level, r) for _, level, r in ranked]
+
+    def match(self, spec: KernelSpec, phase: str, shape: dict[str, int], device: str) -> tuple[str, Record] | None:
+        """The record a launch uses (level, record), or None: the first match whose config is valid here."""
+        for level, r in self.matches(spec, phase, shape, device):
+            if spec.is_valid(r.config_dict(), shape):
+                return level, r
+        return None
+
+    def lookup(self, kernel: str, key: ShapeKey, shape: dict[str, int], device: str) -> dict[str, Any] | None:
+        """The registry's hook (:func:`dsa_triton.registry.set_config_lookup`): a stored config or None."""
+        try:
+            spec = registry.get(kernel)
+        except KeyError:
+            return None
+        found = self.match(spec, key.phase, dict(shape), device)
+        return None if found is None else found[1].config_dict()
+
+    def nearest_configs(self, spec: KernelSpec, phase: str, shape: dict[str, int], device: str, n: int = 3) -> list[dict]:
+        """Up to ``n`` distinct stored configs valid for ``shape``, nearest first (seeds for a study)."""
+        out: list[dict] = []
+        for _, r in self.matches(spec, phase, shape, device):
+            config = r.config_dict()
+            if config not in out and spec.is_valid(config, shape):
+                out.append(config)
+            if len(out) == n:
+                break
+        return out
+
+
+def _existing(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"merge: no record file at {path}")
+    return path
+
+
+def install(db: Database) -> Database:
+    """Make ``db`` the database every op reads (through the registry's lookup hook)."""
+    global _installed
+    _installed = db
+    registry.set_config_lookup(db.lookup)
+    return db
+
+
+def installed() -> Database | None:
+    return _installed
