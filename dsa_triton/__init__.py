@@ -10,3 +10,7 @@ from .registry import ConfigError
 import tuning_db  # noqa: E402,F401  (installs the tuning database as the registry's config lookup)
 
 __all__ = ["registry", "ConfigError"]
+
+from .attention.cache import PageAllocator, PagedCache, append_tokens, fp8_quantize_rows  # noqa: E402
+
+__all__ += ["PageAllocator", "PagedCache", "append_tokens", "fp8_quantize_rows"]

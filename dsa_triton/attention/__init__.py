@@ -1,0 +1,1 @@
+from .cache import PageAllocator, PagedCache, append_tokens, fp8_quantize_rows  # noqa: F401

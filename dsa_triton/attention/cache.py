@@ -1,0 +1,484 @@
+"""Paged caches of one DSA layer and the append op that fills them.
+
+Layout (page size ``P`` in 16, 32, 64, 128; every size a parameter):
+
+- latent KV cache ``kv[num_pages, P, kv_dim]`` (bf16 on GPU; 576 = 512 latent + 64 rope);
+- indexer K cache ``ik[num_pages, P, index_dim]`` float8_e4m3fn and ``ik_scale[num_pages, P]`` fp32,
+  one power-of-two scale per token vector, quantized on append (DeepSeek-V3.2 ``act_quant``, ue8m0);
+- page summaries ``summaries[num_pages, 2, index_dim]`` fp32: ``[:, 0]`` = ``pmax``, ``[:, 1]`` = ``pmin``,
+  the element-wise max / min of the page's dequantized indexer keys, kept current by every append;
+- ``block_table[max_seqs, max_pages_per_seq]`` int32 (-1 = no page), ``seq_lens[max_seqs]`` int32.
+
+Token ``i`` of sequence ``b`` lives at physical slot ``block_table[b, i // P] * P + i % P``.
+
+The append kernel takes *work items*, one per (sequence, touched page): ``items[n, 4]`` int32 =
+(first source row, token count, physical page, first slot in the page). Each page is written by one
+program, so the summaries merge without atomics: a program whose first slot is 0 starts a fresh page.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import registry
+from ..checks import check_kernel_device, check_positive, check_tensor
+from ..registry import Cost, KernelSpec
+from . import cache_reference
+from .cache_reference import append_torch, fp8_quantize_rows
+
+PAGE_SIZES = (16, 32, 64, 128)
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """Round fp32 ``x`` (|x| <= 448) to the nearest e4m3 value, ties to even, in fp32 arithmetic.
+
+    The cast that follows is then exact. (The Triton interpreter's own fp32 -> e4m3 cast rounds
+    wrongly near binade edges and ties; the GPU's cvt is right, and agrees with this.)
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    ulp_exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3  # e4m3: 3 mantissa bits, min normal 2^-6
+    y = x * ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)  # exact: |y| < 16
+    y = (y + 12582912.0) - 12582912.0  # 1.5 * 2^23: fp32 addition rounds y to an integer, ties to even
+    y = tl.where(y == 0.0, x * 0.0, y)  # keep the sign of zero
+    return y * ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _append_kernel(
+    items_ptr,
+    kv_src_ptr, kv_ptr, stride_kv_src,
+    ix_src_ptr, ik_ptr, iks_ptr, sum_ptr, stride_ix_src,
+    D, DK,
+    P: tl.constexpr,
+    HAS_KV: tl.constexpr, HAS_INDEX: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DKP: tl.constexpr,
+):
+    """Program (item, part): part 0 quantizes the index keys and merges the page summaries (when
+    HAS_INDEX); the other parts copy BLOCK_D latent columns each."""
+    item = tl.program_id(0)
+    part = tl.program_id(1) - HAS_INDEX
+    src = tl.load(items_ptr + item * 4).to(tl.int64)
+    count = tl.load(items_ptr + item * 4 + 1)
+    page = tl.load(items_ptr + item * 4 + 2).to(tl.int64)
+    first = tl.load(items_ptr + item * 4 + 3)
+    offs_t = tl.arange(0, BLOCK_T)
+    if HAS_KV:
+        if part >= 0:
+            cols = part * BLOCK_D + tl.arange(0, BLOCK_D)
+            cmask = cols < D
+            for t0 in range(0, count, BLOCK_T):
+                rows = t0 + offs_t
+                mask = (rows < count)[:, None] & cmask[None, :]
+                x = tl.load(kv_src_ptr + (src + rows)[:, None] * stride_kv_src + cols[None, :], mask=mask)
+                slot = page * P + first + rows
+                tl.store(kv_ptr + slot[:, None] * D + cols[None, :], x, mask=mask)
+    if HAS_INDEX:
+        if part < 0:
+            offs_d = tl.arange(0, DKP)
+            dmask = offs_d < DK
+            # a page whose first written slot is > 0 already holds keys: start from its summary
+            old = dmask & (first > 0)
+            run_max = tl.load(sum_ptr + page * 2 * DK + offs_d, mask=old, other=float("-inf"))
+            run_min = tl.load(sum_ptr + page * 2 * DK + DK + offs_d, mask=old, other=float("inf"))
+            for t0 in range(0, count, BLOCK_T):
+                rows = t0 + offs_t
+                tmask = rows < count
+                mask = tmask[:, None] & dmask[None, :]
+                x = tl.load(ix_src_ptr + (src + rows)[:, None] * stride_ix_src + offs_d[None, :], mask=mask, other=0.0)
+                x = x.to(tl.float32)
+                amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+                # scale = 2^ceil(log2(amax / 448)) from the bits: 448 = 1.75 * 2^8, so the exponent is
+                # exponent(amax) - 8, plus one when amax's mantissa exceeds 1.75 (exact, no division)
+                bits = amax.to(tl.int32, bitcast=True)
+                exp = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+                scale = (exp << 23).to(tl.float32, bitcast=True)
+                inv_scale = ((254 - exp) << 23).to(tl.float32, bitcast=True)
+                x8 = round_to_e4m3(x * inv_scale[:, None]).to(tl.float8e4nv)
+                slot = page * P + first + rows
+                tl.store(ik_ptr + slot[:, None] * DK + offs_d[None, :], x8, mask=mask)
+                tl.store(iks_ptr + slot, scale, mask=tmask)
+                deq = x8.to(tl.float32) * scale[:, None]
+                run_max = tl.maximum(run_max, tl.max(tl.where(mask, deq, float("-inf")), axis=0))
+                run_min = tl.minimum(run_min, tl.min(tl.where(mask, deq, float("inf")), axis=0))
+            tl.store(sum_ptr + page * 2 * DK + offs_d, run_max, mask=dmask)
+            tl.store(sum_ptr + page * 2 * DK + DK + offs_d, run_min, mask=dmask)
+
+
+def _launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config) -> None:
+    n_items = items.shape[0]
+    has_kv, has_index = kv is not None, index_k is not None
+    if n_items == 0 or not (has_kv or has_index):
+        return
+    cache = kv_cache if has_kv else ik
+    P = cache.shape[1]
+    D = kv_cache.shape[-1] if has_kv else 0
+    DK = ik.shape[-1] if has_index else 0
+    parts = (triton.cdiv(D, config["BLOCK_D"]) if has_kv else 0) + int(has_index)
+    dummy = items  # never dereferenced: the constexpr flags remove those loads
+    _append_kernel[(n_items, parts)](
+        items,
+        kv if has_kv else dummy, kv_cache if has_kv else dummy, kv.stride(0) if has_kv else 0,
+        index_k if has_index else dummy, ik if has_index else dummy,
+        ik_scale if has_index else dummy, summaries if has_index else dummy,
+        index_k.stride(0) if has_index else 0,
+        D, DK, P=P, HAS_KV=has_kv, HAS_INDEX=int(has_index),
+        BLOCK_T=config["BLOCK_T"], BLOCK_D=config["BLOCK_D"], DKP=triton.next_power_of_2(max(DK, 16)),
+        num_warps=config["num_warps"],
+    )
+
+
+def _check_cache_tensors(kv_cache, ik, ik_scale, summaries, kv, index_k) -> tuple[int, int, torch.device]:
+    """Validate cache and new-token tensors; returns (page size, token count, device)."""
+    if kv is None and index_k is None:
+        raise ValueError("kv, index_k: at least one of them must be given")
+    P = n = device = None
+    if kv is not None:
+        check_tensor("kv_cache", kv_cache, ndim=3)
+        device = check_kernel_device("kv_cache", kv_cache)
+        if not kv_cache.is_contiguous():
+            raise ValueError(f"kv_cache: must be contiguous, got strides {kv_cache.stride()}")
+        P, D = kv_cache.shape[1], kv_cache.shape[2]
+        check_tensor("kv", kv, dtype=kv_cache.dtype, shape=(None, D), device=device)
+        n = kv.shape[0]
+    if index_k is not None:
+        check_tensor("ik", ik, dtype=torch.float8_e4m3fn, ndim=3)
+        device = device or check_kernel_device("ik", ik)
+        num_pages, P2, DK = ik.shape
+        if P is not None and (P2 != P or num_pages != kv_cache.shape[0]):
+            raise ValueError(f"ik: shape {tuple(ik.shape)} does not match kv_cache {tuple(kv_cache.shape)} in pages")
+        P = P2
+        for name, t, shape in (("ik", ik, None), ("ik_scale", ik_scale, (num_pages, P)),
+                               ("summaries", summaries, (num_pages, 2, DK))):
+            if shape is not None:
+                check_tensor(name, t, dtype=torch.float32, shape=shape, device=device)
+            if not t.is_contiguous():
+                raise ValueError(f"{name}: must be contiguous, got strides {t.stride()}")
+        check_tensor("index_k", index_k, dtype=(torch.float32, torch.bfloat16, torch.float16),
+                     shape=(None, DK), device=device)
+        if n is not None and index_k.shape[0] != n:
+            raise ValueError(f"index_k: {index_k.shape[0]} rows, but kv has {n}")
+        n = index_k.shape[0]
+    if P not in PAGE_SIZES:
+        raise ValueError(f"page size: must be one of {PAGE_SIZES}, got {P}")
+    return P, n, device
+
+
+def append_tokens(
+    kv_cache: torch.Tensor | None,
+    ik: torch.Tensor | None,
+    ik_scale: torch.Tensor | None,
+    summaries: torch.Tensor | None,
+    kv: torch.Tensor | None,
+    index_k: torch.Tensor | None,
+    items: torch.Tensor,
+    *,
+    config: dict | None = None,
+) -> None:
+    """Write new tokens into the paged caches in place (the functional form of :meth:`PagedCache.append`).
+
+    kv_cache ``[num_pages, P, D]``, kv ``[N, D]`` same dtype; ik ``[num_pages, P, DK]`` e4m3,
+    ik_scale ``[num_pages, P]`` fp32, summaries ``[num_pages, 2, DK]`` fp32, index_k ``[N, DK]`` float.
+    ``items[n, 4]`` int32: (first row of kv/index_k, token count, physical page, first slot in the page);
+    an item may not cross a page and pages must be distinct across items. Either the latent or the
+    index part may be ``None`` (both its cache and its new tokens).
+    """
+    P, n, device = _check_cache_tensors(kv_cache, ik, ik_scale, summaries, kv, index_k)
+    check_tensor("items", items, dtype=torch.int32, shape=(None, 4), device=device)
+    if not items.is_contiguous():
+        raise ValueError(f"items: must be contiguous, got strides {items.stride()}")
+    num_pages = (kv_cache if kv is not None else ik).shape[0]
+    if items.shape[0]:
+        src, count, page, first = items.long().unbind(1)
+        if bool((src < 0).any() or (count < 0).any() or (src + count > n).any()):
+            raise ValueError(f"items: token ranges must lie in [0, {n})")
+        if bool((page < 0).any() or (page >= num_pages).any()):
+            raise ValueError(f"items: pages must lie in [0, {num_pages})")
+        if bool((first < 0).any() or (first + count > P).any()):
+            raise ValueError(f"items: slots must stay inside a page of {P}")
+        if page.unique().numel() != page.numel():
+            raise ValueError("items: each page may appear in one item only")
+    phase = "decode" if items.shape[0] == n else "prefill"
+    shape = _append_shape(kv_cache, ik, n, items.shape[0])
+    if config is None:
+        config = SPEC.launch_config(phase, shape, device)
+    else:
+        SPEC.validate(config, shape)
+    _launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config)
+
+
+def _append_shape(kv_cache, ik, n_tokens: int, n_items: int) -> dict[str, int]:
+    cache = kv_cache if kv_cache is not None else ik
+    return {"P": cache.shape[1], "D": kv_cache.shape[-1] if kv_cache is not None else 0,
+            "DK": ik.shape[-1] if ik is not None else 0, "N": n_tokens, "B": n_items}
+
+
+class PageAllocator:
+    """A free list of physical pages: ``allocate(n)`` hands out pages, ``free(pages)`` takes them back."""
+
+    def __init__(self, num_pages: int):
+        check_positive("num_pages", num_pages)
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise ValueError(f"n: {n} pages requested, {len(self._free)} free")
+        pages = self._free[len(self._free) - n:][::-1]
+        del self._free[len(self._free) - n:]
+        return pages
+
+    def free(self, pages: Sequence[int]) -> None:
+        self._free.extend(reversed(list(pages)))
+
+
+class PagedCache:
+    """Paged latent KV + FP8 indexer K caches of one layer, with block table, lengths and allocator.
+
+    ``kv_dim`` or ``index_dim`` may be 0 to leave that cache out. ``poison=True`` fills every slot with
+    NaN (tests: a slot that was never written must never reach an output). Host-side bookkeeping
+    (lengths, pages) lives in Python lists, so ``append`` never waits on the device.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int = 64,
+        max_seqs: int = 1,
+        max_pages_per_seq: int | None = None,
+        kv_dim: int = 576,
+        index_dim: int = 128,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+        poison: bool = False,
+    ):
+        from ..runtime import default_device
+
+        check_positive("num_pages", num_pages)
+        check_positive("max_seqs", max_seqs)
+        if page_size not in PAGE_SIZES:
+            raise ValueError(f"page_size: must be one of {PAGE_SIZES}, got {page_size}")
+        if kv_dim < 0 or index_dim < 0 or kv_dim + index_dim == 0:
+            raise ValueError(f"kv_dim, index_dim: must be >= 0 and not both 0, got {kv_dim}, {index_dim}")
+        max_pages_per_seq = check_positive("max_pages_per_seq", max_pages_per_seq or num_pages)
+        device = torch.device(device) if device is not None else default_device()
+        self.page_size, self.max_seqs, self.max_pages_per_seq = page_size, max_seqs, max_pages_per_seq
+        fill = float("nan") if poison else 0.0
+        new = lambda shape, dt: torch.full(shape, fill, dtype=dt, device=device)  # noqa: E731
+        self.kv = new((num_pages, page_size, kv_dim), dtype) if kv_dim else None
+        self.ik = new((num_pages, page_size, index_dim), torch.float8_e4m3fn) if index_dim else None
+        self.ik_scale = new((num_pages, page_size), torch.float32) if index_dim else None
+        self.summaries = new((num_pages, 2, index_dim), torch.float32) if index_dim else None
+        self.block_table = torch.full((max_seqs, max_pages_per_seq), -1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.allocator = PageAllocator(num_pages)
+        self._lens = [0] * max_seqs
+        self._pages: list[list[int]] = [[] for _ in range(max_seqs)]
+
+    @property
+    def pmax(self) -> torch.Tensor | None:
+        """``[num_pages, index_dim]`` fp32 view: element-wise max of each page's dequantized keys."""
+        return None if self.summaries is None else self.summaries[:, 0]
+
+    @property
+    def pmin(self) -> torch.Tensor | None:
+        """``[num_pages, index_dim]`` fp32 view: element-wise min of each page's dequantized keys."""
+        return None if self.summaries is None else self.summaries[:, 1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.block_table.device
+
+    def lengths(self) -> list[int]:
+        """Host copy of ``seq_lens``."""
+        return list(self._lens)
+
+    def append(
+        self,
+        seq_ids: Sequence[int],
+        lens: Sequence[int],
+        kv: torch.Tensor | None = None,
+        index_k: torch.Tensor | None = None,
+        *,
+        config: dict | None = None,
+    ) -> None:
+        """Append ``lens[i]`` tokens to sequence ``seq_ids[i]``; rows of ``kv[N, kv_dim]`` and
+        ``index_k[N, index_dim]`` are packed in that order (``N = sum(lens)``). A decode step is
+        ``lens = [1] * len(seq_ids)``. Pages are allocated as needed; nothing changes on a bad input.
+        """
+        seq_ids, lens = [int(s) for s in seq_ids], [int(n) for n in lens]
+        if len(seq_ids) != len(lens):
+            raise ValueError(f"lens: {len(lens)} entries for {len(seq_ids)} seq_ids")
+        if len(set(seq_ids)) != len(seq_ids) or any(not 0 <= s < self.max_seqs for s in seq_ids):
+            raise ValueError(f"seq_ids: must be distinct and in [0, {self.max_seqs}), got {seq_ids}")
+        if any(n < 0 for n in lens):
+            raise ValueError(f"lens: must be >= 0, got {lens}")
+        if (kv is None) != (self.kv is None) or (index_k is None) != (self.ik is None):
+            raise ValueError("kv, index_k: give exactly the parts this cache holds")
+        P = self.page_size
+        if any(self._lens[s] + n > self.max_pages_per_seq * P for s, n in zip(seq_ids, lens)):
+            raise ValueError(f"lens: a sequence would exceed max_pages_per_seq * page_size = {self.max_pages_per_seq * P}")
+        new_pages = {s: -(-(self._lens[s] + n) // P) - len(self._pages[s]) for s, n in zip(seq_ids, lens)}
+        if sum(new_pages.values()) > self.allocator.num_free:
+            raise ValueError(f"lens: needs {sum(new_pages.values())} new pages, {self.allocator.num_free} free")
+        _, n_rows, _ = _check_cache_tensors(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k)
+        if n_rows != sum(lens):
+            raise ValueError(f"kv, index_k: {n_rows} rows, but sum(lens) = {sum(lens)}")
+        if config is not None:
+            SPEC.validate(config, _append_shape(self.kv, self.ik, n_rows, len(seq_ids)))
+
+        items, table_updates, row = [], [], 0
+        for s, n in zip(seq_ids, lens):
+            fresh = self.allocator.allocate(new_pages[s])
+            table_updates += [(s, len(self._pages[s]) + j, p) for j, p in enumerate(fresh)]
+            self._pages[s] += fresh
+            pos, end = self._lens[s], self._lens[s] + n
+            while pos < end:
+                count = min(end - pos, P - pos % P)
+                items.append((row, count, self._pages[s][pos // P], pos % P))
+                row, pos = row + count, pos + count
+            self._lens[s] = end
+        if table_updates:
+            upd = torch.tensor(table_updates, dtype=torch.int64).to(self.device)
+            self.block_table[upd[:, 0], upd[:, 1]] = upd[:, 2].to(torch.int32)
+        if seq_ids:
+            ids = torch.tensor(seq_ids, dtype=torch.int64).to(self.device)
+            self.seq_lens[ids] = torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int32).to(self.device)
+        items_t = torch.tensor(items, dtype=torch.int32).reshape(-1, 4).to(self.device)
+        phase = "decode" if len(items) == n_rows else "prefill"
+        shape = _append_shape(self.kv, self.ik, n_rows, len(items))
+        config = config or SPEC.launch_config(phase, shape, self.device)
+        _launch_append(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k, items_t, config)
+
+    def release(self, seq_id: int) -> None:
+        """Free sequence ``seq_id``'s pages and set its length to 0."""
+        if not 0 <= seq_id < self.max_seqs:
+            raise ValueError(f"seq_id: must be in [0, {self.max_seqs}), got {seq_id}")
+        self.allocator.free(self._pages[seq_id])
+        self._pages[seq_id], self._lens[seq_id] = [], 0
+        self.block_table[seq_id] = -1
+        self.seq_lens[seq_id] = 0
+
+    def slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
+        """Physical slots (int64) of logical ``positions`` of one sequence: ``table[i // P] * P + i % P``."""
+        P = self.page_size
+        positions = positions.to(self.device, torch.int64)
+        if bool(((positions < 0) | (positions >= self._lens[seq_id])).any()):
+            raise ValueError(f"positions: must lie in [0, {self._lens[seq_id]})")
+        return self.block_table[seq_id].long()[positions // P] * P + positions % P
+
+
+# -- registry entry -------------------------------------------------------------------------------
+
+def _items_to_slots(items: torch.Tensor, P: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token physical slots, the touched pages and their fill after the append (device tensors)."""
+    src, count, page, first = items.long().unbind(1)
+    token_item = torch.repeat_interleave(torch.arange(items.shape[0], device=items.device), count)
+    within = torch.arange(token_item.numel(), device=items.device) - (torch.cumsum(count, 0) - count)[token_item]
+    slots = page[token_item] * P + first[token_item] + within
+    return slots, page, first + count
+
+
+def _make_inputs(phase: str, shape, device, seed: int) -> dict:
+    """A cache with ``ctx`` tokens per sequence already in it (the last page partly full), and new tokens."""
+    g = torch.Generator().manual_seed(seed)
+    B, N, P, D, DK, ctx = (shape[k] for k in ("B", "N", "P", "D", "DK", "ctx"))
+    per_seq = N // B
+    pages_per_seq = -(-(ctx + per_seq) // P)
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float16
+    cache = PagedCache(B * pages_per_seq + 1, P, B, pages_per_seq, D, DK, dtype, device, poison=True)
+    # the existing context is written by the reference, so the inputs never depend on the kernel
+    perm = torch.randperm(B * pages_per_seq, generator=g).view(B, pages_per_seq) + 1  # page 0 stays unused
+    cache.block_table.copy_(perm.to(torch.int32))
+    old_slots = (perm[:, :, None] * P + torch.arange(P)).view(B, -1)[:, :ctx].reshape(-1)
+    old_fill = (ctx - torch.arange(pages_per_seq) * P).clamp(0, P).repeat(B)
+    append_torch(cache.kv, cache.ik, cache.ik_scale, cache.summaries,
+                 torch.randn(B * ctx, D, generator=g).to(device, dtype), torch.randn(B * ctx, DK, generator=g).to(device),
+                 old_slots.to(device), perm.reshape(-1)[old_fill > 0].to(device), old_fill[old_fill > 0].to(device))
+    items = []
+    for b in range(B):
+        pos, end, row = ctx, ctx + per_seq, b * per_seq
+        while pos < end:
+            count = min(end - pos, P - pos % P)
+            items.append((row, count, int(perm[b, pos // P]), pos % P))
+            row, pos = row + count, pos + count
+    return {
+        "kv_cache": cache.kv, "ik": cache.ik, "ik_scale": cache.ik_scale, "summaries": cache.summaries,
+        "kv": torch.randn(N, D, generator=g).to(device, dtype),
+        "index_k": torch.randn(N, DK, generator=g).to(device, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32),
+        "items": torch.tensor(items, dtype=torch.int32).to(device),
+    }
+
+
+def _run(inputs: dict, config: dict):
+    _launch_append(inputs["kv_cache"], inputs["ik"], inputs["ik_scale"], inputs["summaries"],
+                   inputs["kv"], inputs["index_k"], inputs["items"], config)
+    return inputs["kv_cache"], inputs["ik"], inputs["ik_scale"], inputs["summaries"]
+
+
+def _reference(inputs: dict):
+    kv_cache, ik, ik_scale, summaries = (inputs[k].clone() for k in ("kv_cache", "ik", "ik_scale", "summaries"))
+    append_torch(kv_cache, ik, ik_scale, summaries, inputs["kv"], inputs["index_k"],
+                 *_items_to_slots(inputs["items"], ik.shape[1]))
+    return kv_cache, ik, ik_scale, summaries
+
+
+def _compare(out, ref) -> str | None:
+    for name, a, b in zip(("kv_cache", "ik", "ik_scale", "summaries"), out, ref):
+        if not torch.equal(a.float().nan_to_num(7.0), b.float().nan_to_num(7.0)):
+            bad = (a.float().nan_to_num(7.0) != b.float().nan_to_num(7.0)).sum().item()
+            return f"{name}: {bad} elements differ from the reference"
+    return None
+
+
+def _cost(phase: str, shape) -> Cost:
+    N, D, DK, B = shape["N"], shape["D"], shape["DK"], shape["B"]
+    pages = B * -(-(N // B) // shape["P"]) if phase == "prefill" else B
+    kv_bytes = 2 * N * D * 2
+    index_bytes = N * DK * 2 + N * (DK + 4) + pages * 2 * DK * 4 * 2
+    return Cost(bytes=kv_bytes + index_bytes)
+
+
+def _bench_shapes(phase: str, gpu: bool) -> list[dict[str, int]]:
+    if gpu:
+        if phase == "prefill":
+            return [{"B": 4, "N": 16384, "P": 64, "D": 576, "DK": 128, "ctx": 100}]
+        return [{"B": 64, "N": 64, "P": 64, "D": 576, "DK": 128, "ctx": 4000}]
+    if phase == "prefill":
+        return [{"B": 2, "N": 40, "P": 16, "D": 48, "DK": 32, "ctx": 5}]
+    return [{"B": 3, "N": 3, "P": 16, "D": 48, "DK": 32, "ctx": 17}]
+
+
+def _default(phase: str, shape) -> dict:
+    if phase == "decode":
+        return {"BLOCK_T": 1, "BLOCK_D": 128, "num_warps": 2}
+    return {"BLOCK_T": min(32, shape["P"]), "BLOCK_D": 128, "num_warps": 4}
+
+
+SPEC = registry.register(KernelSpec(
+    name="paged_append",
+    phases=("prefill", "decode"),
+    space={"BLOCK_T": (1, 8, 16, 32, 64), "BLOCK_D": (64, 128, 256), "num_warps": (1, 2, 4, 8)},
+    default=_default,
+    fixed_dims=("P", "D", "DK"),
+    bucketed_dims=("N", "B"),
+    make_inputs=_make_inputs,
+    run=_run,
+    reference=_reference,
+    compare=_compare,
+    cost=_cost,
+    bench_shapes=_bench_shapes,
+    constraint=lambda c, s: "BLOCK_T larger than the page" if c["BLOCK_T"] > s["P"] else None,
+    baseline=lambda inputs: append_torch(*(inputs[k] for k in ("kv_cache", "ik", "ik_scale", "summaries", "kv", "index_k")),
+                                         *_items_to_slots(inputs["items"], inputs["ik"].shape[1])),
+    baseline_name="torch index_put + quantize + page min/max",
+    source_modules=(cache_reference, sys.modules[__name__]),
+))

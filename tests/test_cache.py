@@ -1,0 +1,131 @@
+"""Paged caches and the append kernel (Triton interpreter on CPU) against the PyTorch reference."""
+import pytest
+import torch
+
+import dsa_triton  # noqa: F401  (interpreter on CPU)
+from dsa_triton import registry
+from dsa_triton.attention.cache import PageAllocator, PagedCache, append_tokens
+from dsa_triton.attention.cache_reference import dequantize_rows, fp8_quantize_rows
+
+
+def replay_and_check(cache: PagedCache, tokens: dict[int, tuple[list, list]]) -> None:
+    """Every written slot matches the reference; every other slot of the cache is still NaN."""
+    P = cache.page_size
+    written = torch.zeros(cache.kv.shape[:2], dtype=torch.bool)
+    for s, (kvs, iks) in tokens.items():
+        n = cache.lengths()[s]
+        assert int(cache.seq_lens[s]) == n
+        if n == 0:
+            assert bool((cache.block_table[s] == -1).all())
+            continue
+        kv, ix = torch.cat(kvs), torch.cat(iks)
+        slots = cache.slots(s, torch.arange(n))
+        assert torch.equal(cache.kv.view(-1, cache.kv.shape[-1])[slots], kv)
+        x8, scale = fp8_quantize_rows(ix)
+        assert torch.equal(cache.ik.view(-1, cache.ik.shape[-1])[slots].view(torch.uint8), x8.view(torch.uint8))
+        assert torch.equal(cache.ik_scale.view(-1)[slots], scale)
+        keys = dequantize_rows(x8, scale)
+        for j in range(-(-n // P)):
+            page = int(cache.block_table[s, j])
+            assert torch.equal(cache.pmax[page], keys[j * P:(j + 1) * P].amax(0))
+            assert torch.equal(cache.pmin[page], keys[j * P:(j + 1) * P].amin(0))
+            written[page, : min(P, n - j * P)] = True
+    assert bool(cache.kv[~written].isnan().all())
+    assert bool(cache.ik[~written].float().isnan().all())
+    assert bool(cache.ik_scale[~written].isnan().all())
+
+
+@pytest.mark.parametrize("P", [16, 64])
+def test_prefill_chunks_then_decode(P):
+    g = torch.Generator().manual_seed(P)
+    cache = PagedCache(num_pages=24, page_size=P, max_seqs=4, max_pages_per_seq=6, kv_dim=40, index_dim=32,
+                       dtype=torch.float16, device="cpu", poison=True)
+    tokens = {s: ([], []) for s in range(4)}
+
+    def add(seq_ids, lens):
+        n = sum(lens)
+        kv = torch.randn(n, 40, generator=g).half()
+        ix = torch.randn(n, 32, generator=g) * torch.rand(n, 1, generator=g) * 10
+        cache.append(seq_ids, lens, kv, ix)
+        row = 0
+        for s, k in zip(seq_ids, lens):
+            tokens[s][0].append(kv[row:row + k])
+            tokens[s][1].append(ix[row:row + k])
+            row += k
+
+    add([0, 1, 3], [P + 3, 0, 5])          # mixed lengths, one zero-length, sequence 2 untouched
+    add([1, 0], [2 * P - 1, P - 2])        # second chunk ends exactly on a page boundary for seq 0
+    for _ in range(3):
+        add([0, 1, 3], [1, 1, 1])          # decode steps: seq 0 opens a fresh page
+    replay_and_check(cache, tokens)
+
+
+def test_release_reuses_pages():
+    cache = PagedCache(4, 16, 2, 4, kv_dim=8, index_dim=16, dtype=torch.float16, device="cpu")
+    cache.append([0], [40], torch.randn(40, 8).half(), torch.randn(40, 16))
+    assert cache.allocator.num_free == 1
+    cache.release(0)
+    assert cache.allocator.num_free == 4 and cache.lengths() == [0, 0]
+    cache.append([1], [64], torch.randn(64, 8).half(), torch.randn(64, 16))
+    assert cache.allocator.num_free == 0
+
+
+def test_index_only_cache():
+    cache = PagedCache(3, 16, 1, kv_dim=0, index_dim=16, device="cpu", poison=True)
+    ix = torch.randn(20, 16)
+    cache.append([0], [20], None, ix)
+    x8, scale = fp8_quantize_rows(ix)
+    assert torch.equal(cache.ik_scale.view(-1)[cache.slots(0, torch.arange(20))], scale)
+    assert cache.kv is None
+
+
+def test_quantization_scales_are_minimal_powers_of_two():
+    x = torch.randn(64, 128) * torch.exp2(torch.randint(-20, 20, (64, 1)).float())
+    x8, scale = fp8_quantize_rows(x)
+    mant, _ = torch.frexp(scale)
+    assert bool((mant == 0.5).all())  # powers of two
+    amax = x.abs().amax(1).clamp_min(1e-4)
+    assert bool((amax / scale <= 448).all() and (amax / (scale / 2) > 448).all())
+    assert bool((dequantize_rows(x8, scale) - x).abs().le(amax[:, None] / 8).all())
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_registry_entry_matches_reference(phase):
+    spec = registry.get("paged_append")
+    for shape in spec.bench_shapes(phase, False):
+        inputs = spec.make_inputs(phase, shape, torch.device("cpu"), 3)
+        ref = spec.reference(inputs)
+        assert spec.compare(spec.run(inputs, spec.default(phase, shape)), ref) is None
+        scales = ref[2].view(-1)
+        scales[scales.isfinite().nonzero()[0]] *= 2  # a changed cache must be caught
+        assert spec.compare(spec.run(inputs, spec.default(phase, shape)), ref) is not None
+
+
+def test_bad_inputs():
+    cache = PagedCache(4, 16, 2, 3, kv_dim=8, index_dim=16, dtype=torch.float16, device="cpu")
+    kv, ix = torch.randn(5, 8).half(), torch.randn(5, 16)
+    with pytest.raises(ValueError, match="page_size"):
+        PagedCache(4, 24, device="cpu")
+    with pytest.raises(ValueError, match="seq_ids"):
+        cache.append([2], [5], kv, ix)
+    with pytest.raises(ValueError, match="lens"):
+        cache.append([0], [4], kv, ix)
+    with pytest.raises(ValueError, match="lens"):
+        cache.append([0], [49], torch.randn(49, 8).half(), torch.randn(49, 16))  # beyond max_pages_per_seq
+    with pytest.raises(ValueError, match="lens"):
+        cache.append([0, 1], [48, 17], torch.randn(65, 8).half(), torch.randn(65, 16))  # out of pages
+    with pytest.raises(ValueError, match="^kv: dtype"):
+        cache.append([0], [5], kv.float(), ix)
+    with pytest.raises(ValueError, match="index_k: dimension 1"):
+        cache.append([0], [5], kv, ix[:, :8])
+    with pytest.raises(ValueError, match="index_k"):
+        cache.append([0], [5], kv, None)
+    assert cache.lengths() == [0, 0] and cache.allocator.num_free == 4  # nothing changed
+    items = torch.tensor([[0, 5, 4, 0]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="items: pages"):
+        append_tokens(cache.kv, cache.ik, cache.ik_scale, cache.summaries, kv, ix, items)
+    with pytest.raises(ValueError, match="items: slots"):
+        append_tokens(cache.kv, cache.ik, cache.ik_scale, cache.summaries, kv, ix,
+                      torch.tensor([[0, 5, 1, 12]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="n:"):
+        PageAllocator(2).allocate(3)
