@@ -1,8 +1,70 @@
-"""``dsa-tune``: the tuner's command line."""
+"""``dsa-tune``: the tuner's command line.
+
+- ``env``: device, versions, interpreter state, registered kernels;
+- ``tune``: search configs per (kernel, phase, shape) and store the winners in the tuning database;
+- ``show``: the stored records, with tuned-over-default speedups;
+- ``bench``: every stored record re-timed: tuned vs default vs baseline (a table and a results file);
+- ``merge``: record files into the database (atomic);
+- ``compare``: exhaustive best vs the TPE sampler on one space (trials to come within 5%).
+
+Without a GPU everything runs in the Triton interpreter on the kernels' tiny bench shapes with few trials.
+"""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+
+SHARD_HELP = "I/N: tune only every N-th job starting at I (one process per GPU, all writing to one database)"
+
+
+def _setup(args: argparse.Namespace):
+    """Import the kernels, install the chosen database; returns (device, db)."""
+    import dsa_triton  # noqa: F401  (registers every kernel)
+    import tuning_db
+    from dsa_triton.runtime import default_device
+
+    return default_device(), tuning_db.use(args.db)
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def _specs(args: argparse.Namespace):
+    from dsa_triton import registry
+
+    wanted = _names(args.kernels)
+    return [registry.get(n) for n in wanted] if wanted else registry.kernels()
+
+
+def build_jobs(args: argparse.Namespace, device) -> list:
+    """The (kernel, phase, shape) jobs the arguments ask for, in order (then this shard's share)."""
+    from tuning_db.records import shape_from_text
+
+    from .shapes import job_shapes, load_model_config, model_shapes, parse_ints, parse_shapes
+    from .tune import Job
+
+    given = parse_shapes(args.shapes)
+    overrides = shape_from_text(args.set)
+    model = load_model_config(args.model) if args.model else None
+    phases = _names(args.phases)
+    jobs = []
+    for spec in _specs(args):
+        for phase in [p for p in spec.phases if not phases or p in phases]:
+            if model is not None:
+                templates = model_shapes(spec, phase, model, overrides, parse_ints(args.batches),
+                                         parse_ints(args.contexts), parse_ints(args.chunks))
+            else:
+                templates = spec.bench_shapes(phase, device.type == "cuda")
+            shapes = job_shapes(spec, phase, given=given, templates=templates, overrides=overrides)
+            jobs += [Job(spec, phase, s) for s in shapes]
+    if args.shard:
+        index, count = parse_ints(args.shard.replace("/", ","))
+        if not 0 <= index < count:
+            raise ValueError(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
+        jobs = jobs[index::count]
+    return jobs
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -15,17 +77,169 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from dsa_triton.bench import dict_table
+
+    from .tune import summary_rows, tune
+
+    device, db = _setup(args)
+    jobs = build_jobs(args, device)
+    if args.list:
+        for job in jobs:
+            print(job)
+        print(f"{len(jobs)} jobs")
+        return 0
+    trials = args.trials or (40 if device.type == "cuda" else 4)
+    print(f"tuning {len(jobs)} jobs on {device} into {db.folder} (sampler {args.sampler}, {trials} configs each)")
+    results = tune(jobs, db, device, sampler=args.sampler, trials=trials, timeout=args.timeout, total_s=args.budget,
+                   storage_dir=None if args.storage == "none" else args.storage, retune=args.retune,
+                   seed=args.seed, progress=not args.no_progress)
+    print(dict_table(summary_rows(results)))
+    return 1 if any(r.status == "failed" for r in results) else 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from dsa_triton.bench import dict_table
+
+    from dsa_triton.runtime import device_name
+
+    device, db = _setup(args)
+    kernels = _names(args.kernels)
+    records = db.records(None if args.device == "all" else args.device or device_name(device))
+    rows = [{"device": r.device, "kernel": r.kernel, "phase": r.phase, "shape": r.shape, "config": r.config,
+             "us": r.median_us, "default us": r.default_us, "tuned/default": r.speedup(),
+             "baseline/tuned": r.baseline_us / r.median_us, "configs run": r.trials,
+             "code": "fresh" if db.is_fresh(r) else "stale", "date": r.date}
+            for r in records if not kernels or r.kernel in kernels]
+    print(f"{len(rows)} records in {db.folder}")
+    if rows:
+        print(dict_table(rows))
+        speedups = [r["tuned/default"] for r in rows if not math.isnan(r["tuned/default"])]
+        if speedups:
+            geo = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
+            print(f"tuned/default: geometric mean {geo:.3f}, min {min(speedups):.3f}, max {max(speedups):.3f}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from dsa_triton.bench import dict_table
+
+    from .bench_db import bench
+    from .report import write_results
+
+    device, db = _setup(args)
+    rows = bench(db, device, _names(args.kernels))
+    print(dict_table(rows) if rows else f"no stored records for this device in {db.folder}")
+    path = write_results(args.out, "tuned", {"tuned vs default vs baseline": rows}, note=f"database: {db.folder}")
+    print(f"wrote {path} and .json")
+    return 1 if any(r["check"] != "ok" for r in rows) else 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    _, db = _setup(args)
+    n = db.merge_files(args.files)
+    print(f"merged {n} records from {len(args.files)} files into {db.folder}: {len(db.records())} records now")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from dsa_triton.bench import dict_table
+
+    from .compare import compare_kernel
+    from .report import write_results
+
+    device, _ = _setup(args)
+    jobs = build_jobs(args, device)
+    if not args.shapes and not args.model:  # one shape per kernel and phase: an exhaustive search is costly
+        jobs = list({(j.spec.name, j.phase): j for j in reversed(jobs)}.values())[::-1]
+    summaries, runs = [], []
+    for job in jobs:
+        print(f"compare {job}")
+        summary, rows = compare_kernel(job.spec, job.phase, job.shape, device, samplers=tuple(_names(args.samplers)),
+                                       repeats=args.repeats, progress=not args.no_progress)
+        summaries.append(summary)
+        runs += rows
+    print(dict_table(summaries))
+    path = write_results(args.out, "compare", {"summary": summaries, "sampler runs": runs},
+                         note="samplers replayed on the exhaustive measurements; runs = configs run until within 5%")
+    print(f"wrote {path} and .json")
+    return 0
+
+
+def _job_args(p: argparse.ArgumentParser) -> None:
+    from .shapes import CONTEXTS, DECODE_BATCHES, PREFILL_CHUNKS
+
+    ints = lambda xs: ",".join(map(str, xs))
+    p.add_argument("--kernels", default="", help="comma-separated kernel names (default: every registered one)")
+    p.add_argument("--phases", default="", help="comma-separated phases (default: each kernel's phases)")
+    p.add_argument("--shapes", action="append", default=[],
+                   help='shapes like "B=64,L=131072" (";" separates several; the option repeats); their dims are '
+                        "laid over the model's or the bench shapes")
+    p.add_argument("--model", default="", help="a config.json: derive every shape the model needs")
+    p.add_argument("--set", default="", help='dims that override or complete derived shapes, e.g. "P=64"')
+    p.add_argument("--batches", default=ints(DECODE_BATCHES), help="decode batch sizes for --model")
+    p.add_argument("--contexts", default=ints(CONTEXTS), help="context lengths for --model")
+    p.add_argument("--chunks", default=ints(PREFILL_CHUNKS), help="prefill chunk sizes for --model")
+    p.add_argument("--shard", default="", help=SHARD_HELP)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsa-tune", description="Tune dsa-triton kernels per device, phase and shape.")
     sub = parser.add_subparsers(dest="command", required=True)
+    db_help = "tuning database folder (default: $DSA_TUNING_DB, else tuning_db/data)"
+
     env = sub.add_parser("env", help="print the device, torch/triton versions, interpreter state and kernels")
     env.set_defaults(func=cmd_env)
+
+    tune = sub.add_parser("tune", help="tune kernels and store the best configs")
+    _job_args(tune)
+    tune.add_argument("--db", default=None, help=db_help)
+    tune.add_argument("--sampler", default="auto",
+                      help="auto (exhaustive when the valid space fits in --trials, else tpe), tpe, exhaustive, random")
+    tune.add_argument("--trials", type=int, default=0, help="configs to run per shape (default 40; interpreter 4)")
+    tune.add_argument("--timeout", type=float, default=None, help="seconds per shape")
+    tune.add_argument("--budget", type=float, default=None, help="seconds for the whole run (no new shape after)")
+    tune.add_argument("--storage", default=".optuna", help='Optuna journal folder ("none": in memory)')
+    tune.add_argument("--retune", action="store_true", help="tune shapes that already have a fresh record too")
+    tune.add_argument("--seed", type=int, default=0, help="sampler seed")
+    tune.add_argument("--list", action="store_true", help="only list the jobs")
+    tune.set_defaults(func=cmd_tune)
+
+    show = sub.add_parser("show", help="table of stored records")
+    show.add_argument("--db", default=None, help=db_help)
+    show.add_argument("--device", default="", help='device name (default: this one; "all": every device)')
+    show.add_argument("--kernels", default="", help="comma-separated kernel names")
+    show.set_defaults(func=cmd_show)
+
+    bench = sub.add_parser("bench", help="tuned vs default vs baseline for every stored record of this device")
+    bench.add_argument("--db", default=None, help=db_help)
+    bench.add_argument("--kernels", default="", help="comma-separated kernel names")
+    bench.add_argument("--out", default="results", help="folder for the results files")
+    bench.set_defaults(func=cmd_bench)
+
+    merge = sub.add_parser("merge", help="merge record files into the database (keeps the faster per shape)")
+    merge.add_argument("files", nargs="+", help="record CSV files (any device)")
+    merge.add_argument("--db", default=None, help=db_help)
+    merge.set_defaults(func=cmd_merge)
+
+    compare = sub.add_parser("compare", help="exhaustive best vs TPE: configs run to come within 5%%")
+    _job_args(compare)
+    compare.add_argument("--samplers", default="tpe,random", help="samplers to replay")
+    compare.add_argument("--repeats", type=int, default=5, help="sampler seeds per sampler")
+    compare.add_argument("--out", default="results", help="folder for the results files")
+    compare.add_argument("--db", default=None, help=db_help)
+    compare.set_defaults(func=cmd_compare)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, KeyError) as exc:  # bad arguments (shapes, model config, kernel names): one line
+        print(f"dsa-tune {args.command}: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,104 @@
+"""What one trial does: check a config against the reference, then time it with the shared harness.
+
+An :class:`Evaluator` holds one problem (kernel, phase, exact shape, device): the reference output of a
+fresh random input set (``make_inputs`` is deterministic in its seed, so every check runs on a new copy
+of the same inputs and compares with the reference computed once) and rotated input sets for timing.
+A config that breaks the constraint is rejected without running; one that raises or disagrees with the
+reference is penalised; neither is ever timed or stored.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsa_triton.harness import rotation, time_rotating
+from dsa_triton.registry import ConfigError, KernelSpec
+
+PENALTY_US = 1e12  # the objective value of an invalid, failing or wrong config (minimised)
+CHECK_SEED = 1234
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """``status``: ok (timed), invalid (constraint), error (raised), wrong (disagrees with the reference)."""
+
+    status: str
+    us: float = math.nan
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def value(self) -> float:
+        """The objective: microseconds when ok, else the penalty."""
+        return self.us if self.ok else PENALTY_US
+
+
+def dtypes_text(inputs: dict[str, Any]) -> str:
+    """``"idx=int32,q=bfloat16"``: the dtype of each tensor input, by name."""
+    return ",".join(f"{k}={str(v.dtype).replace('torch.', '')}" for k, v in sorted(inputs.items())
+                    if isinstance(v, torch.Tensor))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Evaluator:
+    """Checks and times configs of ``spec`` on one exact ``shape``.
+
+    ``warmup_ms`` / ``rep_ms`` are the timing budget of a trial (``time_us``); :meth:`time` takes others
+    for the final measurements.
+    """
+
+    def __init__(self, spec: KernelSpec, phase: str, shape: dict[str, int], device: torch.device | str,
+                 warmup_ms: float = 10, rep_ms: float = 40):
+        self.spec, self.phase, self.shape = spec, phase, dict(shape)
+        self.device = torch.device(device)
+        self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
+        self.key = spec.shape_key(phase, self.shape)
+        check_inputs = spec.make_inputs(phase, self.shape, self.device, CHECK_SEED)
+        self.dtypes = dtypes_text(check_inputs)
+        self.expected = spec.reference(check_inputs)
+        del check_inputs
+        cost = spec.cost(phase, self.shape)
+        self.sets = rotation(lambda i: spec.make_inputs(phase, self.shape, self.device, CHECK_SEED + 1 + i),
+                             cost.bytes, self.device)
+
+    def check(self, config: dict[str, Any]) -> Outcome | None:
+        """None when ``config`` is valid and agrees with the reference; else the failing outcome."""
+        try:
+            self.spec.validate(config, self.shape)
+        except ConfigError as exc:
+            return Outcome("invalid", detail=str(exc))
+        try:
+            out = self.spec.run(self.spec.make_inputs(self.phase, self.shape, self.device, CHECK_SEED), config)
+            _sync(self.device)
+            error = self.spec.compare(out, self.expected)
+        except Exception as exc:  # a config that does not compile or launch is penalised, not fatal
+            return Outcome("error", detail=f"{type(exc).__name__}: {exc}"[:300])
+        return Outcome("wrong", detail=str(error)[:300]) if error else None
+
+    def evaluate(self, config: dict[str, Any]) -> Outcome:
+        """Check, then time with the trial budget."""
+        failed = self.check(config)
+        if failed is not None:
+            return failed
+        return Outcome("ok", self.time(config, self.warmup_ms, self.rep_ms))
+
+    def time(self, config: dict[str, Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+        """Median microseconds of the kernel with ``config`` over the rotated input sets."""
+        return time_rotating(lambda s: self.spec.run(s, config), self.sets, self.device,
+                             warmup_ms=warmup_ms, rep_ms=rep_ms)
+
+    def time_baseline(self, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+        """Median microseconds of what a user would run instead (NaN when the kernel names none)."""
+        if self.spec.baseline is None:
+            return math.nan
+        return time_rotating(self.spec.baseline, self.sets, self.device, warmup_ms=warmup_ms, rep_ms=rep_ms)

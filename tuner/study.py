@@ -1,0 +1,195 @@
+"""The Optuna search over one kernel's config space for one (device, kernel, phase, shape).
+
+One study per (device, kernel, phase, shape key), named with the kernel's source and space hashes so
+changed code starts afresh, stored in a journal file per (device, kernel) so an interrupted run resumes.
+Each trial suggests one value per parameter (categorical); a config measured before (in this or an
+earlier session) is answered from the study without running again, and after such a repeat the next
+trial is an unmeasured valid config, so the budget buys new measurements. ``--trials`` counts those.
+
+Samplers: ``tpe`` (multivariate TPE), ``random``, ``exhaustive`` (every valid config, seeds first) and
+``auto`` (exhaustive when the valid space fits in the trial budget, else TPE). Studies are seeded
+(``enqueue_trial``) with the default config and the nearest stored ones.
+
+Optuna is imported here only: ``import dsa_triton`` and the database work without it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+
+from dsa_triton.registry import KernelSpec
+from tuning_db.records import config_text, shape_text
+
+from .objective import Outcome
+
+SAMPLERS = ("auto", "tpe", "exhaustive", "random")
+MAX_ENUMERATED = 100_000  # spaces larger than this are not enumerated (no exhaustive search)
+
+Config = dict[str, Any]
+
+
+@dataclass
+class Step:
+    """One trial of a study, in order: the config, its outcome, and whether it was measured by this trial."""
+
+    number: int
+    config: str
+    outcome: Outcome
+    new: bool
+
+
+@dataclass
+class SearchResult:
+    name: str
+    steps: list[Step] = field(default_factory=list)  # every trial of the study, earlier sessions included
+
+    def measured(self) -> dict[str, Outcome]:
+        """Config JSON -> outcome, one per distinct config that was checked (or rejected)."""
+        return {s.config: s.outcome for s in self.steps if s.new}
+
+    def ranked(self) -> list[tuple[Config, float]]:
+        """Configs that passed the check, fastest first."""
+        ok = [(json.loads(c), o.us) for c, o in self.measured().items() if o.ok]
+        return sorted(ok, key=lambda item: item[1])
+
+    def runs(self) -> int:
+        """Configs that were run (checked, and timed if they passed): what the search cost."""
+        return sum(1 for o in self.measured().values() if o.status != "invalid")
+
+
+def space_hash(spec: KernelSpec) -> str:
+    return hashlib.sha256(json.dumps(spec.space, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def study_name(spec: KernelSpec, phase: str, shape: dict[str, int], device: str) -> str:
+    """``device/kernel/<source>-<space>/<shape key>``, plus ``@exact shape`` when it is not the bucket itself."""
+    key = spec.shape_key(phase, shape)
+    name = f"{device}/{spec.name}/{spec.source_hash()}-{space_hash(spec)}/{key}"
+    exact = shape_text(shape)
+    return name if exact == shape_text(key.as_dict()) else f"{name}@{exact}"
+
+
+def journal_storage(folder: str | Path, device: str, kernel: str) -> "optuna.storages.BaseStorage":
+    """A resumable journal file ``<folder>/<device>/<kernel>.journal`` (several processes may share it)."""
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    path = Path(folder) / device / f"{kernel}.journal"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return JournalStorage(JournalFileBackend(str(path)))
+
+
+def valid_configs(spec: KernelSpec, shape: dict[str, int]) -> list[Config] | None:
+    """Every valid config (None when the space is too large to enumerate)."""
+    return list(spec.configs(shape)) if spec.space_size() <= MAX_ENUMERATED else None
+
+
+def choose_sampler(kind: str, n_valid: int | None, trials: int) -> str:
+    if kind not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {kind!r}")
+    if kind == "auto":
+        return "exhaustive" if n_valid is not None and n_valid <= trials else "tpe"
+    if kind == "exhaustive" and n_valid is None:
+        raise ValueError("exhaustive search: the space is too large to enumerate")
+    return kind
+
+
+def make_sampler(kind: str, n_valid: int | None, seed: int) -> "optuna.samplers.BaseSampler":
+    if kind == "tpe":
+        startup = max(3, min(10, (n_valid or 80) // 8))
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True)
+    return optuna.samplers.RandomSampler(seed=seed)  # random, and exhaustive (whose trials are all enqueued)
+
+
+def _step(trial: "optuna.trial.FrozenTrial") -> Step | None:
+    attrs = trial.user_attrs
+    if trial.state != optuna.trial.TrialState.COMPLETE or "status" not in attrs:
+        return None
+    outcome = Outcome(attrs["status"], attrs.get("us", float("nan")), attrs.get("detail", ""))
+    return Step(trial.number, attrs["config"], outcome, not attrs.get("repeat", False))
+
+
+def search(
+    spec: KernelSpec,
+    shape: dict[str, int],
+    evaluate: Callable[[Config], Outcome],
+    *,
+    name: str,
+    storage: "optuna.storages.BaseStorage | None" = None,
+    sampler: str = "auto",
+    trials: int = 40,
+    timeout: float | None = None,
+    seeds: list[Config] = (),
+    seed: int = 0,
+    progress: bool = True,
+    stop_below: float | None = None,
+) -> SearchResult:
+    """Run (or resume) the study ``name`` until ``trials`` new configs ran, the valid space is exhausted,
+    ``timeout`` seconds passed or a config ran in at most ``stop_below`` us; ``seeds`` are tried first."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    valid = valid_configs(spec, shape)
+    kind = choose_sampler(sampler, None if valid is None else len(valid), trials)
+    rng = random.Random(seed)
+    study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
+                                sampler=make_sampler(kind, None if valid is None else len(valid), seed))
+    known: dict[str, Outcome] = {s.config: s.outcome for t in study.trials if (s := _step(t)) and s.new}
+    queue = {config_text(c): c for c in [*seeds, *(valid if kind == "exhaustive" else [])]}
+    for text, config in queue.items():
+        if text not in known:
+            study.enqueue_trial(config, skip_if_exists=True)
+    goal = trials if valid is None else min(trials, sum(config_text(c) not in known for c in valid))
+    counts = {"new": 0, "calls": 0}
+    bar = _progress(goal, name, progress)
+
+    def objective(trial: "optuna.trial.Trial") -> float:
+        config = {p: trial.suggest_categorical(p, list(values)) for p, values in spec.space.items()}
+        text = config_text(config)
+        trial.set_user_attr("config", text)
+        counts["calls"] += 1
+        outcome = known.get(text)
+        trial.set_user_attr("repeat", outcome is not None)
+        if outcome is None:
+            outcome = known[text] = evaluate(config)
+            if outcome.status != "invalid":
+                counts["new"] += 1
+                bar.update(1)
+                best = min((o.us for o in known.values() if o.ok), default=None)
+                if best is not None:
+                    bar.set_postfix_str(f"best {best:.1f} us")
+        trial.set_user_attr("status", outcome.status)
+        trial.set_user_attr("us", outcome.us)
+        trial.set_user_attr("detail", outcome.detail)
+        return outcome.value
+
+    def budget(study: "optuna.Study", trial: "optuna.trial.FrozenTrial") -> None:
+        exhausted = valid is not None and all(config_text(c) in known for c in valid)
+        reached = stop_below is not None and any(o.ok and o.us <= stop_below for o in known.values())
+        if counts["new"] >= goal or exhausted or reached or counts["calls"] >= 20 * max(goal, 1) + 100:
+            study.stop()
+        elif trial.user_attrs.get("repeat") and valid is not None:
+            fresh = [c for c in valid if config_text(c) not in known]
+            study.enqueue_trial(rng.choice(fresh))
+
+    try:
+        if goal > 0:
+            study.optimize(objective, timeout=timeout, callbacks=[budget])
+    finally:
+        bar.close()
+    steps = [s for t in sorted(study.trials, key=lambda t: t.number) if (s := _step(t))]
+    return SearchResult(name, steps)
+
+
+def _progress(total: int, name: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=name.split("/", 1)[-1], file=sys.stderr, disable=not enabled, leave=False,
+                unit="cfg")

@@ -1,0 +1,148 @@
+"""Tune a list of (kernel, phase, shape) jobs and store each winner in the tuning database.
+
+Per job: an :class:`~tuner.objective.Evaluator`, a study seeded with the default and the nearest stored
+configs, then the finalists (the three fastest and the default) timed again with the full harness
+budget in one run, beside the baseline; the fastest finalist becomes the record. Each record is merged
+into the database as soon as it exists, so a run cut short keeps what it finished. Jobs that already
+have a fresh exact record are skipped unless ``retune``.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsa_triton.registry import KernelSpec
+from dsa_triton.runtime import device_name
+from tuning_db import Database, Record
+from tuning_db.database import triton_version
+from tuning_db.records import config_text, shape_text
+
+from .objective import Evaluator
+
+FINALISTS = 3
+
+
+@dataclass(frozen=True)
+class Job:
+    spec: KernelSpec
+    phase: str
+    shape: dict[str, int]
+
+    def __str__(self) -> str:
+        return f"{self.spec.name} {self.phase} {shape_text(self.shape)}"
+
+
+@dataclass
+class JobResult:
+    """What happened to one job: ``record`` when tuned, else ``status`` says why not."""
+
+    job: Job
+    status: str  # tuned, skipped (fresh record), out of time, failed
+    record: Record | None = None
+    detail: str = ""
+
+
+def timing_budget(device: torch.device) -> dict[str, float]:
+    """Trial and final timing budgets for ``time_us`` (the interpreter is slow: three samples)."""
+    if device.type == "cuda":
+        return {"trial_warmup_ms": 10, "trial_rep_ms": 40, "final_warmup_ms": 25, "final_rep_ms": 100}
+    return {"trial_warmup_ms": 0, "trial_rep_ms": 1, "final_warmup_ms": 0, "final_rep_ms": 1}
+
+
+def finalize(evaluator: Evaluator, ranked: list[tuple[dict, float]], trials: int, final_warmup_ms: float,
+             final_rep_ms: float) -> Record:
+    """Time the finalists and the default again, with the baseline, in one run; the fastest is the record."""
+    spec, phase, shape = evaluator.spec, evaluator.phase, evaluator.shape
+    default = dict(spec.default(phase, shape))
+    finalists = [c for c, _ in ranked[:FINALISTS]]
+    default_ok = evaluator.check(default) is None
+    if default_ok and default not in finalists:
+        finalists.append(default)
+    times = {config_text(c): evaluator.time(c, final_warmup_ms, final_rep_ms) for c in finalists}
+    best = min(times, key=times.get)
+    return Record(
+        device=device_name(evaluator.device), triton=triton_version(), kernel=spec.name,
+        source_hash=spec.source_hash(), phase=phase, shape_key=str(evaluator.key), shape=shape_text(shape),
+        dtypes=evaluator.dtypes, config=best, median_us=round(times[best], 3),
+        default_us=round(times[config_text(default)], 3) if default_ok else math.nan,
+        baseline_us=round(evaluator.time_baseline(final_warmup_ms, final_rep_ms), 3), trials=trials,
+        date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    )
+
+
+def tune_job(job: Job, db: Database, device: torch.device, *, sampler: str, trials: int, timeout: float | None,
+             storage_dir: str | Path | None, seed: int, progress: bool) -> Record | None:
+    """Search one job and return its record (None when no config passed the check)."""
+    from .study import journal_storage, search, study_name
+
+    budget = timing_budget(device)
+    spec, phase, shape = job.spec, job.phase, job.shape
+    dev = device_name(device)
+    evaluator = Evaluator(spec, phase, shape, device, budget["trial_warmup_ms"], budget["trial_rep_ms"])
+    seeds = [dict(spec.default(phase, shape)), *db.nearest_configs(spec, phase, shape, dev)]
+    storage = None if storage_dir is None else journal_storage(storage_dir, dev, spec.name)
+    result = search(spec, shape, evaluator.evaluate, name=study_name(spec, phase, shape, dev), storage=storage,
+                    sampler=sampler, trials=trials, timeout=timeout, seeds=seeds, seed=seed, progress=progress)
+    ranked = result.ranked()
+    if not ranked:
+        return None
+    return finalize(evaluator, ranked, result.runs(), budget["final_warmup_ms"], budget["final_rep_ms"])
+
+
+def tune(jobs: list[Job], db: Database, device: torch.device, *, sampler: str = "auto", trials: int = 40,
+         timeout: float | None = None, total_s: float | None = None, storage_dir: str | Path | None = ".optuna",
+         retune: bool = False, seed: int = 0, progress: bool = True, log=print) -> list[JobResult]:
+    """Tune ``jobs`` in order within ``total_s`` seconds (a job is not started once it is spent)."""
+    start = time.monotonic()
+    dev = device_name(device)
+    outcomes = []
+    for i, job in enumerate(jobs):
+        head = f"[{i + 1}/{len(jobs)}] {job}"
+        if total_s is not None and time.monotonic() - start >= total_s:
+            outcomes.append(JobResult(job, "out of time"))
+            continue
+        found = db.match(job.spec, job.phase, job.shape, dev)
+        if not retune and found and found[0] == "exact" and db.is_fresh(found[1]):
+            outcomes.append(JobResult(job, "skipped", found[1], "a fresh record exists"))
+            log(f"{head}: skipped, a fresh record exists")
+            continue
+        left = None if total_s is None else total_s - (time.monotonic() - start)
+        job_timeout = left if timeout is None else timeout if left is None else min(timeout, left)
+        try:
+            record = tune_job(job, db, device, sampler=sampler, trials=trials, timeout=job_timeout,
+                              storage_dir=storage_dir, seed=seed, progress=progress)
+        except Exception as exc:  # a kernel that cannot even build its inputs must not stop the others
+            outcomes.append(JobResult(job, "failed", detail=f"{type(exc).__name__}: {exc}"[:300]))
+            log(f"{head}: failed: {outcomes[-1].detail}")
+            continue
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if record is None:
+            outcomes.append(JobResult(job, "failed", detail="no config passed the reference check"))
+            log(f"{head}: failed: no config passed the reference check")
+            continue
+        db.add([record])
+        outcomes.append(JobResult(job, "tuned", record))
+        log(f"{head}: {record.config} {record.median_us:.1f} us, default {record.default_us:.1f} us "
+            f"({record.speedup():.2f}x), {record.trials} configs run")
+    return outcomes
+
+
+def summary_rows(outcomes: list[JobResult]) -> list[dict[str, Any]]:
+    rows = []
+    for o in outcomes:
+        r = o.record
+        rows.append({"kernel": o.job.spec.name, "phase": o.job.phase, "shape": shape_text(o.job.shape),
+                     "status": o.status, "config": r.config if r else "", "us": r.median_us if r else math.nan,
+                     "default_us": r.default_us if r else math.nan,
+                     "tuned/default": r.speedup() if r else math.nan,
+                     "baseline/tuned": r.baseline_us / r.median_us if r else math.nan,
+                     "configs run": r.trials if r else 0, "detail": o.detail})
+    return rows
