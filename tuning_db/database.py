@@ -3,10 +3,11 @@
 Lookup for (kernel, phase, exact shape, device), host side only:
 
 1. ``exact``: a record for the same exact shape;
-2. ``bucket``: a record with the same shape key (fixed dims equal, counts in the same power-of-two bucket),
-   the one whose exact shape is nearest (log2 distance);
-3. ``nearest``: same fixed dims, the bucketed dims nearest in log2 distance (ties: the smaller shape);
+2. ``bucket``: a record with the same shape key (fixed dims equal, counts in the same power-of-two bucket);
+3. ``nearest``: same fixed dims, other buckets;
 4. nothing: the registry falls back to the kernel's default.
+
+Within a level the record whose bucketed dims are nearest in log2 distance wins (ties: the smaller shape).
 
 A record made by other code (its kernel source hash or Triton version differs from what runs now) is
 *stale*: it is still used, since every config of the space is a correct one and only its speed may have
@@ -130,18 +131,15 @@ class Database:
         ranked = []
         for r in self._index(device).get((spec.name, phase), []):
             r_key = ShapeKey.parse(r.shape_key).as_dict()
-            if any(r_key.get(d) != key[d] for d in spec.fixed_dims):
-                continue
+            if r_key.keys() != key.keys() or any(r_key[d] != key[d] for d in spec.fixed_dims):
+                continue  # another problem (fixed dims), or made when the kernel had other dims
             if r.shape == exact:
                 level = 0
-            elif all(r_key.get(d) == key[d] for d in spec.bucketed_dims):
+            elif r_key == key:
                 level = 1
             else:
                 level = 2
-            if level == 2:
-                distance = log_distance(r_key, key, spec.bucketed_dims)
-            else:
-                distance = log_distance(r.shape_dict(), shape, spec.bucketed_dims)
+            distance = log_distance(r.shape_dict(), shape, spec.bucketed_dims)
             ranked.append(((level, not self.is_fresh(r), distance, r.sort_key()), LEVELS[level], r))
         ranked.sort(key=lambda item: item[0])
         return [(level, r) for _, level, r in ranked]
