@@ -1,0 +1,123 @@
+"""Router top-k: which experts each token uses and with what combine weight.
+
+Two modes, both from router logits ``[T, E]`` (computed in fp32 by the caller or :func:`route`):
+
+- ``"deepseek"`` (DeepSeek-V3 / V3.2, ``noaux_tc``): scores = sigmoid(logits); the correction bias
+  ``e_score_correction_bias[E]`` is added for *selection only*. Experts form ``n_group`` equal groups; each
+  group is ranked by the sum of its top-2 corrected scores, the best ``topk_group`` groups are kept and the
+  ``top_k`` best corrected scores among their experts are chosen. The weights are the *uncorrected* sigmoid
+  scores of the chosen experts, divided by their sum when ``norm_topk_prob``, times ``routed_scaling_factor``.
+- ``"softmax"`` (gpt-oss / Mixtral): the ``top_k`` largest logits; weights = softmax over the chosen logits
+  (``renormalize``, gpt-oss) or the full softmax probabilities of the chosen experts (not renormalized).
+
+Every function returns ``(topk_weights [T, top_k] fp32, topk_ids [T, top_k] int32)``, experts of a token
+in descending order of their selection score. Plain PyTorch, no host synchronisation; the
+loop-per-token oracle is :mod:`.routing_reference`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..checks import check_tensor
+
+MODES = ("deepseek", "softmax")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How a MoE layer routes: ``mode`` is ``"deepseek"`` or ``"softmax"`` (see the module docstring).
+
+    ``n_group`` / ``topk_group`` / ``routed_scaling_factor`` apply to ``"deepseek"``; ``norm_topk_prob``
+    means "normalize the chosen weights to sum 1" in both modes. DeepSeek-V3.2: ``RoutingConfig("deepseek",
+    top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5)``; gpt-oss: ``RoutingConfig("softmax", top_k=4)``.
+    """
+
+    mode: str = "deepseek"
+    top_k: int = 8
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"routing.mode: must be one of {MODES}, got {self.mode!r}")
+        for name in ("top_k", "n_group", "topk_group"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"routing.{name}: must be a positive integer, got {value!r}")
+
+
+def _check_logits(logits: torch.Tensor, top_k: int) -> int:
+    check_tensor("logits", logits, dtype=(torch.float32, torch.float16, torch.bfloat16), ndim=2)
+    num_experts = logits.shape[1]
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k: must be an integer in [1, E = {num_experts}], got {top_k!r}")
+    return num_experts
+
+
+def check_grouping(num_experts: int, top_k: int, n_group: int, topk_group: int) -> int:
+    """Validate DeepSeek group-limited routing parameters; return the group size."""
+    if not isinstance(n_group, int) or n_group <= 0 or num_experts % n_group:
+        raise ValueError(f"n_group: must be a positive divisor of E = {num_experts}, got {n_group!r}")
+    if not isinstance(topk_group, int) or not 0 < topk_group <= n_group:
+        raise ValueError(f"topk_group: must be an integer in [1, n_group = {n_group}], got {topk_group!r}")
+    group_size = num_experts // n_group
+    if top_k > topk_group * group_size:
+        raise ValueError(f"top_k: {top_k} exceeds the {topk_group} kept groups x {group_size} experts")
+    return group_size
+
+
+def deepseek_topk(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing. ``logits[T, E]``, ``bias[E]`` (the e_score_correction_bias, or None)
+    -> ``(weights [T, top_k] fp32, ids [T, top_k] int32)``."""
+    num_experts = _check_logits(logits, top_k)
+    group_size = check_grouping(num_experts, top_k, n_group, topk_group)
+    if bias is not None:
+        check_tensor("bias", bias, dtype=(torch.float32, torch.float16, torch.bfloat16), shape=(num_experts,),
+                     device=logits.device)
+    scores = logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    if topk_group < n_group:
+        grouped = choice.view(-1, n_group, group_size)
+        group_score = grouped.topk(min(2, group_size), dim=-1).values.sum(dim=-1)  # [T, n_group]
+        kept = group_score.topk(topk_group, dim=-1).indices
+        dropped = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, kept, False)
+        choice = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(-1, num_experts)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing (gpt-oss with ``renormalize``). ``logits[T, E]``
+    -> ``(weights [T, top_k] fp32, ids [T, top_k] int32)``."""
+    _check_logits(logits, top_k)
+    top = logits.float().topk(top_k, dim=-1)
+    if renormalize:
+        weights = top.values.softmax(dim=-1)
+    else:
+        weights = (top.values - logits.float().logsumexp(dim=-1, keepdim=True)).exp()
+    return weights, top.indices.to(torch.int32)
+
+
+def route(logits: torch.Tensor, routing: RoutingConfig, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch on ``routing.mode``: ``logits[T, E]`` (+ DeepSeek ``bias[E]``) -> ``(weights fp32, ids int32)``."""
+    if routing.mode == "deepseek":
+        return deepseek_topk(logits, bias, routing.top_k, routing.n_group, routing.topk_group,
+                             routing.norm_topk_prob, routing.routed_scaling_factor)
+    if bias is not None:
+        raise ValueError("bias: softmax routing takes no correction bias")
+    return softmax_topk(logits, routing.top_k, routing.norm_topk_prob)
