@@ -1,0 +1,186 @@
+"""Online MXFP4 -> FP8 conversion kernel: ``dt.mxfp4_to_fp8`` (and the launcher the prefill GEMM pipelines).
+
+Semantics and oracle: :mod:`.convert_reference`. One program converts ``BLOCK_N`` rows x ``GROUPS``
+128-k groups of one expert: it reads the group's four E8M0 scales, takes ``ref = max - 6``, builds each
+value's fp32 bit pattern ``e2m1 * 2^(6 - d)`` (d = binades below the group's top block) directly from the
+code bits, casts it to e4m3 (exact wherever the block fits) and writes the group scale ``2^(ref - 127)``.
+A block is unfit when one of its values is below e4m3's reach (its lowest set bit under 2^-9); unfit
+blocks are counted with one atomic add per program.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import registry
+from ..checks import check_kernel_device, check_tensor
+from ..registry import Cost
+from . import convert_reference
+from .convert_reference import BLOCKS_PER_GROUP, GROUP, mxfp4_to_fp8_torch, n_groups
+from .mxfp4 import e2m1_bits, random_mxfp4
+from .mxfp4_reference import BLOCK, validate_mxfp4
+
+
+@triton.jit
+def _lost_in_e4m3(bits):
+    """1 where the fp32 pattern ``bits`` (a value with <= 2 significant bits, |v| <= 448) is not exact in e4m3."""
+    biased = (bits >> 23) & 0xFF
+    half_bit = (bits >> 22) & 1  # 1.5 * 2^u: its lowest set bit is 2^(u - 1)
+    return (((bits & 0x7FFFFFFF) != 0) & (biased < 118 + half_bit)).to(tl.int32)  # lowest bit < 2^-9
+
+
+@triton.jit
+def _convert_kernel(blocks_ptr, scales_ptr, ids_ptr, w_ptr, s_ptr, unfit_ptr,
+                    N, KB, NG,
+                    stride_be, stride_bn, stride_se, stride_sn,
+                    stride_we, stride_wn, stride_oe, stride_on,
+                    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, COUNT_UNFIT: tl.constexpr):
+    slot = tl.program_id(0)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kb = tl.program_id(2) * (GROUPS * 4) + tl.arange(0, GROUPS * 4)
+    inside = (n < N)[:, None] & (kb < KB)[None, :]  # [BLOCK_N, GROUPS * 4] blocks
+    s = tl.load(scales_ptr + expert * stride_se + n[:, None] * stride_sn + kb[None, :], mask=inside, other=0).to(tl.int32)
+    top = tl.max(tl.reshape(s, [BLOCK_N, GROUPS, 4]), axis=2)  # [BLOCK_N, GROUPS]
+    top_per_block = tl.reshape(tl.broadcast_to(top[:, :, None], [BLOCK_N, GROUPS, 4]), [BLOCK_N, GROUPS * 4])
+    # values e2m1 * 2^(6 - d); d capped at 120 keeps the fp32 pattern normal (such values are lost anyway)
+    exp_field = (133 - tl.minimum(top_per_block - s, 120))[:, :, None]
+    j = tl.arange(0, 16)
+    packed = tl.load(blocks_ptr + expert * stride_be + n[:, None, None] * stride_bn + kb[None, :, None] * 16
+                     + j[None, None, :], mask=inside[:, :, None], other=0).to(tl.int32)
+    lo = e2m1_bits(packed & 0xF, exp_field)  # [BLOCK_N, GROUPS * 4, 16] even k
+    hi = e2m1_bits(packed >> 4, exp_field)  # odd k
+    if COUNT_UNFIT:
+        lost = tl.max(tl.maximum(_lost_in_e4m3(lo), _lost_in_e4m3(hi)), axis=2)
+        tl.atomic_add(unfit_ptr, tl.sum(tl.sum(lost, axis=1), axis=0))
+    values = tl.join(lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True))
+    w8 = tl.reshape(values, [BLOCK_N, GROUPS * 128]).to(tl.float8e4nv)
+    k = tl.program_id(2) * (GROUPS * 128) + tl.arange(0, GROUPS * 128)
+    tl.store(w_ptr + slot * stride_we + n[:, None] * stride_wn + k[None, :], w8,
+             mask=(n < N)[:, None] & (k < KB * 32)[None, :])
+    # group scale 2^(top - 133), a subnormal fp32 for top < 7: two normal factors
+    scale = ((tl.maximum(top, 7) - 6) << 23).to(tl.float32, bitcast=True) \
+        * ((tl.minimum(top, 7) + 120) << 23).to(tl.float32, bitcast=True)
+    g = tl.program_id(2) * GROUPS + tl.arange(0, GROUPS)
+    tl.store(s_ptr + slot * stride_oe + n[:, None] * stride_on + g[None, :], scale,
+             mask=(n < N)[:, None] & (g < NG)[None, :])
+
+
+def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torch.Tensor, w_out: torch.Tensor,
+                    s_out: torch.Tensor, unfit: torch.Tensor | None, config: dict) -> None:
+    """Launch only (arguments already checked): experts ``expert_ids[j]`` of ``blocks[E, N, K/32, 16]`` into
+    ``w_out[j]`` ([G, N, K] e4m3, rows contiguous) and ``s_out[j]`` ([G, N, ceil(K/128)] fp32); adds the
+    count of unfit blocks to ``unfit`` (int32 [1]) when given. Enqueued on the current stream.
+    """
+    n, kb = blocks.shape[1], blocks.shape[2]
+    count = expert_ids.numel()
+    if count == 0 or n == 0:
+        return
+    groups = config["GROUPS"]
+    grid = (count, triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(kb, groups * BLOCKS_PER_GROUP))
+    _convert_kernel[grid](
+        blocks, scales, expert_ids, w_out, s_out, unfit if unfit is not None else expert_ids,
+        n, kb, s_out.shape[2],
+        blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
+        w_out.stride(0), w_out.stride(1), s_out.stride(0), s_out.stride(1),
+        BLOCK_N=config["BLOCK_N"], GROUPS=groups, COUNT_UNFIT=unfit is not None, num_warps=config["num_warps"],
+    )
+
+
+def check_experts_layout(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    """``blocks[E, N, K/32, 16]`` / ``scales[E, N, K/32]`` with each block row's bytes contiguous (any E, N strides)."""
+    if blocks.stride(-1) != 1 or blocks.stride(-2) != 16 or scales.stride(-1) != 1:
+        raise ValueError(f"{name}_blocks / {name}_scales: the last dimensions must be contiguous, got strides "
+                         f"{blocks.stride()} and {scales.stride()}")
+
+
+def mxfp4_to_fp8(blocks: torch.Tensor, scales: torch.Tensor,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None, *, name: str = "mxfp4",
+                 config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Convert MXFP4 ``blocks[..., N, K/32, 16]`` / ``scales[..., N, K/32]`` (uint8) to FP8.
+
+    Returns ``(w float8_e4m3fn [..., N, K], scale fp32 [..., N, ceil(K/128)], n_unfit)`` with
+    ``w * scale`` (scale repeated over each 128-k group) equal to the MXFP4 values in every block that
+    fits; ``n_unfit`` counts the blocks that do not (too far below their group's top block, see
+    :mod:`.convert_reference`). ``out`` = ``(w, scale)`` writes into given tensors, e.g. a workspace slot
+    (``FP8Workspace`` lease views). Reading ``n_unfit`` syncs the device.
+    """
+    validate_mxfp4(name, blocks, scales)
+    device = check_kernel_device(f"{name}_blocks", blocks)
+    lead, n, kb = tuple(blocks.shape[:-3]), blocks.shape[-3], blocks.shape[-2]
+    k, ng = kb * BLOCK, n_groups(kb * BLOCK)
+    blocks3, scales3 = blocks.reshape(-1, n, kb, 16), scales.reshape(-1, n, kb)
+    check_experts_layout(name, blocks3, scales3)
+    if out is None:
+        w = torch.empty(*lead, n, k, dtype=torch.float8_e4m3fn, device=device)
+        s = torch.empty(*lead, n, ng, dtype=torch.float32, device=device)
+    else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ValueError("out: expected a (w, scale) pair")
+        w = check_tensor("out[0]", out[0], dtype=torch.float8_e4m3fn, shape=(*lead, n, k), device=device)
+        s = check_tensor("out[1]", out[1], dtype=torch.float32, shape=(*lead, n, ng), device=device)
+    try:
+        w3, s3 = w.view(-1, n, k), s.view(-1, n, ng)
+    except RuntimeError:
+        raise ValueError(f"out: must be viewable as [E, N, K] / [E, N, G], got strides {w.stride()}, {s.stride()}") from None
+    config = config or CONVERT.launch_config("prefill", {"E": blocks3.shape[0], "N": n, "K": k}, device)
+    unfit = torch.zeros(1, dtype=torch.int32, device=device)
+    ids = torch.arange(blocks3.shape[0], dtype=torch.int32, device=device)
+    convert_experts(blocks3, scales3, ids, w3, s3, unfit, config)
+    return w, s, int(unfit.item())
+
+
+# -- registry -----------------------------------------------------------------------------------
+def compare_conversion(out, ref) -> str | None:
+    """``out = (w, scale, n_unfit)`` against ``ref = fp8_conversion_torch(...)``: scales and the unfit count
+    exact, FP8 bytes exact in every block that fits (an unfit block's rounding is the hardware's)."""
+    (w, s, n_unfit), (rw, rs, lost) = out, ref
+    if w.shape != rw.shape or s.shape != rs.shape:
+        return f"shapes {tuple(w.shape)}, {tuple(s.shape)}; reference {tuple(rw.shape)}, {tuple(rs.shape)}"
+    if not torch.equal(s, rs):
+        return f"group scales: {int((s != rs).sum())} of {s.numel()} differ"
+    if n_unfit != int(lost.sum()):
+        return f"unfit blocks: {n_unfit}, reference {int(lost.sum())}"
+    same = (w.view(torch.uint8) == rw.view(torch.uint8)).unflatten(-1, (-1, BLOCK)).all(-1)
+    bad = ~same & ~lost
+    return f"fp8 weights: {int(bad.sum())} fitting blocks differ" if bool(bad.any()) else None
+
+
+def _make_inputs(phase, shape, device, seed):
+    blocks, scales = random_mxfp4((shape["E"], shape["N"]), shape["K"], device, seed, spread=8)
+    return {"blocks": blocks, "scales": scales}
+
+
+def _cost(phase, shape) -> Cost:
+    e, n, k = shape["E"], shape["N"], shape["K"]
+    return Cost(bytes=e * n * k * (0.5 + 1 / BLOCK + 1) + e * n * n_groups(k) * 4)
+
+
+def _default(phase, shape):
+    if shape["E"] * shape["N"] * shape["K"] >= 2**22:
+        return {"BLOCK_N": 32, "GROUPS": 2, "num_warps": 4}
+    return {"BLOCK_N": 16, "GROUPS": 1, "num_warps": 2}
+
+
+CONVERT = registry.register(registry.KernelSpec(
+    name="mxfp4_to_fp8",
+    phases=("prefill",),
+    space={"BLOCK_N": (4, 8, 16, 32, 64), "GROUPS": (1, 2, 4, 8), "num_warps": (1, 2, 4, 8)},
+    constraint=lambda c, shape: "tile over 16384 values" if c["BLOCK_N"] * c["GROUPS"] * GROUP > 16384 else None,
+    default=_default,
+    fixed_dims=("N", "K"),
+    bucketed_dims=("E",),
+    make_inputs=_make_inputs,
+    run=lambda inputs, config: mxfp4_to_fp8(inputs["blocks"], inputs["scales"], config=config),
+    reference=lambda inputs: convert_reference.fp8_conversion_torch(inputs["blocks"], inputs["scales"]),
+    compare=compare_conversion,
+    cost=_cost,
+    bench_shapes=lambda phase, gpu: ([{"E": 4, "N": 4096, "K": 7168}, {"E": 4, "N": 7168, "K": 2048}] if gpu
+                                     else [{"E": 3, "N": 20, "K": 160}]),
+    baseline=lambda inputs: mxfp4_to_fp8_torch(inputs["blocks"], inputs["scales"]),
+    baseline_name="mxfp4_to_fp8_torch (float64 torch ops)",
+    source_modules=(sys.modules[__name__], convert_reference),
+))
