@@ -15,10 +15,6 @@ from .attention.cache import PageAllocator, PagedCache, append_tokens, fp8_quant
 
 __all__ += ["PageAllocator", "PagedCache", "append_tokens", "fp8_quantize_rows"]
 
-from .attention.sparse_attention import sparse_attention_decode, sparse_attention_prefill  # noqa: E402
-
-__all__ += ["sparse_attention_decode", "sparse_attention_prefill"]
-
 from .moe import mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8  # noqa: E402
 
 __all__ += ["mxfp4_quantize", "mxfp4_dequantize", "mxfp4_to_fp8"]
