@@ -1,0 +1,165 @@
+"""Sparse paged attention over the latent KV cache: ``dt.sparse_attention_decode`` and ``dt.sparse_attention_prefill``.
+
+MQA form of DeepSeek-V3.2's MLA: a cache row is ``D`` wide (576 = 512 latent + 64 rope), every query head
+scores the same rows, and the values are the first ``d_v`` dims of those rows. Each query row (a decode
+sequence, or a prefill token) attends to the ``k`` rows its index set names:
+
+- ``indices`` are physical slots of ``kv_cache`` viewed as ``[num_pages * P, D]``, or, with ``block_table``,
+  logical positions ``i`` that map to slot ``block_table[row, i // P] * P + i % P``;
+- ``-1`` is skipped; a query row without any valid index gets out 0 and lse -inf;
+- an index outside the cache (``>= num_pages * P``, a logical position past the block table, or a block-table
+  entry outside ``[0, num_pages)``) is never read: with ``check_indices=True`` (the default) the op raises a
+  ValueError before launch (one host sync); with ``check_indices=False`` (CUDA-graph capture, hot loops) the
+  kernel skips it like -1.
+
+Launch configs come from the tuning database through the registry (kernels ``sparse_attention_decode`` and
+``sparse_attention_prefill``, see :mod:`.sparse_attention_spec`) unless ``config`` is given.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .. import registry
+from ..checks import check_kernel_device, check_positive, check_tensor
+from .sparse_attention_kernels import sparse_attention_fwd
+
+DTYPES = (torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+DECODE = "sparse_attention_decode"
+PREFILL = "sparse_attention_prefill"
+
+
+def _check_common(q: torch.Tensor, kv_cache: torch.Tensor, sm_scale: float, d_v: int,
+                  block_table: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """Checks shared by both ops; returns the flat cache ``[num_slots, D]`` and the page size (1 without pages)."""
+    device = check_kernel_device("q", q)
+    D = q.shape[-1]
+    check_tensor("kv_cache", kv_cache, dtype=q.dtype, device=device)
+    if kv_cache.dim() not in (2, 3) or kv_cache.shape[-1] != D:
+        raise ValueError(f"kv_cache: expected [num_pages, P, {D}] or [num_slots, {D}] (D from q), "
+                         f"got shape {tuple(kv_cache.shape)}")
+    if kv_cache.dim() == 3 and kv_cache.shape[0] > 1 and kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
+        raise ValueError(f"kv_cache: pages must be evenly strided (stride(0) == P * stride(1)), got strides "
+                         f"{kv_cache.stride()}")
+    if isinstance(d_v, bool) or not isinstance(d_v, int) or not 0 < d_v <= D:
+        raise ValueError(f"d_v: must be an integer in [1, {D}] (D = q.shape[-1]), got {d_v!r}")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real) or not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale: must be a finite real number, got {sm_scale!r}")
+    if block_table is not None:
+        check_tensor("block_table", block_table, dtype=INDEX_DTYPES, ndim=2, device=device)
+        if kv_cache.dim() != 3:
+            raise ValueError("kv_cache: a block_table needs the paged form [num_pages, P, D] (for the page size)")
+    page_size = kv_cache.shape[1] if kv_cache.dim() == 3 else 1
+    return (kv_cache.flatten(0, 1) if kv_cache.dim() == 3 else kv_cache), page_size
+
+
+def _check_index_range(indices: torch.Tensor, block_table: torch.Tensor | None, bt_div: int, num_slots: int,
+                       page_size: int) -> None:
+    """Host-side range check (one sync): every index is -1 or names a slot inside the cache."""
+    if block_table is None:
+        if bool(((indices < -1) | (indices >= num_slots)).any()):
+            raise ValueError(f"indices: values must be -1 or physical slots in [0, {num_slots}) (num_pages * P)")
+        return
+    limit = block_table.shape[1] * page_size
+    rows = indices.reshape(block_table.shape[0], -1).long()  # index row r uses block-table row r // bt_div
+    inside = (rows >= 0) & (rows < limit)
+    phys = block_table.gather(1, torch.where(inside, rows // page_size, 0)) if limit else rows
+    bad_page = inside & ((phys < 0) | (phys >= num_slots // page_size))
+    flags = torch.stack([((rows < -1) | (rows >= limit)).any(), bad_page.any()]).tolist()
+    if flags[0]:
+        raise ValueError(f"indices: values must be -1 or logical positions in [0, {limit}) (block_table columns * P)")
+    if flags[1]:
+        raise ValueError(f"block_table: an entry used by indices is outside [0, {num_slots // page_size}) (num_pages)")
+
+
+def _attend(kernel: str, shape: dict[str, int], q4: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
+            block_table: torch.Tensor | None, bt_div: int, page_size: int, d_v: int, sm_scale: float,
+            config: dict | None, check_indices: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = registry.get(kernel)
+    phase = spec.phases[0]
+    config = spec.launch_config(phase, shape, q4.device) if config is None else spec.validate(dict(config), shape)
+    if check_indices and idx.numel():
+        _check_index_range(idx, block_table, bt_div, kv.shape[0], page_size)
+    return sparse_attention_fwd(q4, kv, idx, block_table, bt_div, page_size, d_v, float(sm_scale), config)
+
+
+def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                            d_v: int = 512, block_table: torch.Tensor | None = None, config: dict | None = None,
+                            check_indices: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MQA decode: every head of a sequence shares each gathered cache tile.
+
+    Args:
+        q: ``[B, Hq, D]`` or ``[B, S, Hq, D]`` bf16 / fp16 (S query tokens per sequence, e.g. speculative decoding).
+        kv_cache: ``[num_pages, P, D]`` or ``[num_slots, D]``, q's dtype; values are the first ``d_v`` dims of a row.
+        indices: int32 / int64, ``[B, k]``: one index set shared by the S tokens of a sequence (they form one
+            ``S * Hq``-row tile), or ``[B, S, k]``: one set per token (run as ``B * S`` one-token sequences).
+            Physical slots, or logical positions when ``block_table`` is given; -1 skipped.
+        sm_scale: softmax scale applied to ``q . k``.
+        d_v: value width (<= D).
+        block_table: ``[B, max_pages]`` int32 (needs the paged cache form), or None.
+        config: an explicit launch config (validated), else the tuning database's / the default.
+        check_indices: validate the index range on the host (a sync; see the module docstring).
+
+    Returns:
+        ``out`` ``[B, (S,) Hq, d_v]`` in q's dtype and ``lse`` ``[B, (S,) Hq]`` fp32 (natural log).
+    """
+    check_tensor("q", q, dtype=DTYPES)
+    if q.dim() not in (3, 4):
+        raise ValueError(f"q: expected [B, Hq, D] or [B, S, Hq, D], got shape {tuple(q.shape)}")
+    q4 = q if q.dim() == 4 else q[:, None]
+    B, S, H, D = q4.shape
+    kv, page_size = _check_common(q, kv_cache, sm_scale, d_v, block_table)
+    check_tensor("indices", indices, dtype=INDEX_DTYPES, device=q.device)
+    per_token = indices.dim() == 3
+    if indices.dim() not in (2, 3) or indices.shape[:-1] != ((B, S) if per_token else (B,)):
+        raise ValueError(f"indices: expected [B, k] = [{B}, k] or [B, S, k] = [{B}, {S}, k], got shape "
+                         f"{tuple(indices.shape)}")
+    check_positive("indices.shape[-1] (k)", indices.shape[-1])
+    if block_table is not None and block_table.shape[0] != B:
+        raise ValueError(f"block_table: expected {B} rows (one per sequence), got shape {tuple(block_table.shape)}")
+    if per_token:
+        q4, idx, bt_div, rows, tile = q4.reshape(B * S, 1, H, D), indices.reshape(B * S, -1), S, B * S, 1
+    else:
+        idx, bt_div, rows, tile = indices, 1, B, S
+    shape = {"B": rows, "S": tile, "H": H, "D": D, "Dv": d_v, "k": idx.shape[1]}
+    out, lse = _attend(DECODE, shape, q4, kv, idx, block_table, bt_div, page_size, d_v, sm_scale, config,
+                       check_indices)
+    out, lse = out.view(B, S, H, d_v), lse.view(B, S, H)
+    return (out[:, 0], lse[:, 0]) if q.dim() == 3 else (out, lse)
+
+
+def sparse_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                             d_v: int = 512, block_table: torch.Tensor | None = None, config: dict | None = None,
+                             check_indices: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MQA prefill: each query token attends to its own index set; rows are gathered inside the kernel
+    (nothing of size ``[T, k, D]`` is built).
+
+    Args:
+        q: ``[T, Hq, D]`` bf16 / fp16.
+        kv_cache: ``[num_pages, P, D]`` or ``[num_slots, D]``, q's dtype.
+        indices: ``[T, k]`` int32 / int64: physical slots, or logical positions with ``block_table``; -1 skipped.
+        sm_scale, d_v, config, check_indices: as in :func:`sparse_attention_decode`.
+        block_table: ``[T, max_pages]`` (the row of each token's sequence; ``bt[seq].expand(T, -1)`` for one
+            sequence costs nothing) or ``[1, max_pages]`` shared by every token, or None.
+
+    Returns:
+        ``out`` ``[T, Hq, d_v]`` in q's dtype and ``lse`` ``[T, Hq]`` fp32 (natural log).
+    """
+    check_tensor("q", q, dtype=DTYPES, ndim=3)
+    T, H, D = q.shape
+    kv, page_size = _check_common(q, kv_cache, sm_scale, d_v, block_table)
+    check_tensor("indices", indices, dtype=INDEX_DTYPES, ndim=2, device=q.device)
+    if indices.shape[0] != T:
+        raise ValueError(f"indices: expected [T, k] = [{T}, k], got shape {tuple(indices.shape)}")
+    check_positive("indices.shape[1] (k)", indices.shape[1])
+    if block_table is not None:
+        if block_table.shape[0] not in (1, T):
+            raise ValueError(f"block_table: expected 1 or {T} rows (T), got shape {tuple(block_table.shape)}")
+        block_table = block_table.expand(T, -1)
+    shape = {"T": T, "H": H, "D": D, "Dv": d_v, "k": indices.shape[1]}
+    out, lse = _attend(PREFILL, shape, q[:, None], kv, indices, block_table, 1, page_size, d_v, sm_scale, config,
+                       check_indices)
+    return out.view(T, H, d_v), lse.view(T, H)

@@ -1,0 +1,171 @@
+"""Triton kernels of sparse paged attention (decode and prefill share them) and their launcher.
+
+One program owns ``BLOCK_H`` query rows of one index row (the heads, times the query tokens that share the
+index set) and one split of the ``k`` selected tokens. Per tile of ``BLOCK_N`` tokens it gathers the cache
+rows by slot (through the block table when given), scores them against every query row at once
+(``tl.dot(q[BLOCK_H, D], k[D, BLOCK_N])``, the head dim taken as a ``D_V`` part plus a ``D_R`` = D - D_V rope
+part: 512 + 64 for DSA), and accumulates ``p @ v`` with ``v`` = the ``D_V`` part of the same tile (MQA: one
+load serves every head). Online softmax in base 2; invalid slots (-1, or outside the cache / block table) are
+masked and never read. With ``num_splits > 1`` each split writes a normalised fp32 partial and its lse and
+``_combine_splits`` merges them, weighted by ``exp(lse_split - lse)``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+_LN2 = tl.constexpr(0.6931471805599453)
+
+# Every buffer the launcher writes comes from here (tests swap in a NaN-filled allocator).
+alloc = torch.empty
+
+
+@triton.jit
+def _tile_mask(rows_ok, offs, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
+    """``rows_ok[:, None] & (offs < LIMIT)``; without the column test when the block is exact (keeps 16-byte loads)."""
+    if LIMIT == BLOCK:
+        return rows_ok[:, None]
+    else:
+        return rows_ok[:, None] & (offs < LIMIT)[None, :]
+
+
+@triton.jit
+def _sparse_attention_fwd(
+    q_ptr, kv_ptr, idx_ptr, bt_ptr, out_ptr, lse_ptr,
+    M, H, k_len, tokens_per_split, num_slots, num_pages, max_pages, bt_div, qk_scale,
+    s_qr, s_qs, s_qh, s_kv, s_ir, s_btr,
+    D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, USE_BLOCK_TABLE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Query row (r, m) is ``q_ptr + r*s_qr + (m // H)*s_qs + (m % H)*s_qh``; outputs are contiguous
+    ``[R, M, NUM_SPLITS, D_V]`` and lse ``[R, M, NUM_SPLITS]`` (with one split: the final out and lse)."""
+    pid = tl.program_id(0)
+    num_hb = tl.cdiv(M, BLOCK_H)
+    hb = pid % num_hb
+    split = (pid // num_hb) % NUM_SPLITS
+    r = (pid // num_hb // NUM_SPLITS).to(tl.int64)
+
+    offs_m = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_ok = offs_m < M
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    q_rows = q_ptr + r * s_qr + (offs_m // H) * s_qs + (offs_m % H) * s_qh
+    q_nope = tl.load(q_rows[:, None] + offs_dv[None, :], mask=_tile_mask(m_ok, offs_dv, D_V, BLOCK_DV), other=0.0)
+    if D_R > 0:
+        q_rope = tl.load(q_rows[:, None] + D_V + offs_dr[None, :], mask=_tile_mask(m_ok, offs_dr, D_R, BLOCK_DR),
+                         other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    lo = split * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, k_len)
+    idx_row = idx_ptr + r * s_ir
+    bt_row = bt_ptr + (r // bt_div) * s_btr
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1)
+        if USE_BLOCK_TABLE:
+            page = idx // PAGE_SIZE
+            ok = (idx >= 0) & (page < max_pages)
+            phys = tl.load(bt_row + page, mask=ok, other=-1)
+            ok = ok & (phys >= 0) & (phys < num_pages)
+            slot = phys.to(tl.int64) * PAGE_SIZE + idx % PAGE_SIZE
+        else:
+            ok = (idx >= 0) & (idx < num_slots)
+            slot = idx.to(tl.int64)
+        rows = kv_ptr + tl.where(ok, slot, 0) * s_kv
+        k_nope = tl.load(rows[:, None] + offs_dv[None, :], mask=_tile_mask(ok, offs_dv, D_V, BLOCK_DV), other=0.0)
+        qk = tl.dot(q_nope, tl.trans(k_nope))
+        if D_R > 0:
+            k_rope = tl.load(rows[:, None] + D_V + offs_dr[None, :], mask=_tile_mask(ok, offs_dr, D_R, BLOCK_DR),
+                             other=0.0)
+            qk = tl.dot(q_rope, tl.trans(k_rope), qk)
+        qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while nothing is valid yet
+        p = tl.exp2(qk - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope)
+        m_i = m_new
+
+    seen = l_i > 0
+    l_ref = tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, (m_i + tl.log2(l_ref)) * _LN2, float("-inf"))
+    out = acc / l_ref[:, None]
+    out_row = (r * M + offs_m) * NUM_SPLITS + split
+    tl.store(out_ptr + out_row[:, None] * D_V + offs_dv[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=_tile_mask(m_ok, offs_dv, D_V, BLOCK_DV))
+    tl.store(lse_ptr + out_row, lse, mask=m_ok)
+
+
+@triton.jit
+def _combine_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, D_V: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program per query row: ``part_out[rows, NUM_SPLITS, D_V]`` fp32, ``part_lse[rows, NUM_SPLITS]`` (natural
+    log, -inf for an empty split) -> ``out[rows, D_V]``, ``lse[rows]``; a row with every split empty gives 0, -inf."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_s = tl.load(part_lse_ptr + row * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(lse_s - m_ref), 0)
+    seen = total > 0
+    lse = tl.where(seen, m_ref + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    lse_ref = tl.where(seen, lse, 0.0)
+    offs_d = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < D_V
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp(tl.load(part_lse_ptr + row * NUM_SPLITS + s) - lse_ref)
+        part = tl.load(part_out_ptr + (row * NUM_SPLITS + s) * D_V + offs_d, mask=d_ok, other=0.0)
+        acc += w * part
+    tl.store(out_ptr + row * D_V + offs_d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(lse_ptr + row, lse)
+
+
+def head_blocks(d: int, d_v: int) -> tuple[int, int]:
+    """Padded widths of the value part and the rope part of a ``d``-wide row (each at least 16, for ``tl.dot``)."""
+    return max(16, triton.next_power_of_2(d_v)), max(16, triton.next_power_of_2(max(1, d - d_v)))
+
+
+def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, block_table: torch.Tensor | None,
+                         bt_div: int, page_size: int, d_v: int, sm_scale: float,
+                         config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch on checked arguments. ``q[R, S, H, D]`` (the S tokens share index row r), ``kv[num_slots, D]``
+    (row stride free, last dim contiguous), ``indices[R, k]``, ``block_table[rows, max_pages]`` whose row for
+    index row r is ``r // bt_div`` (or ``None``: indices are slots) -> ``out[R, S, H, d_v]`` in q's dtype,
+    ``lse[R, S, H]`` fp32."""
+    R, S, H, D = q.shape
+    M, k = S * H, indices.shape[1]
+    num_splits, block_n = config["num_splits"], config["BLOCK_N"]
+    out = alloc((R, S, H, d_v), dtype=q.dtype, device=q.device)
+    lse = alloc((R, S, H), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if num_splits > 1:
+        part_out = alloc((R, M, num_splits, d_v), dtype=torch.float32, device=q.device)
+        part_lse = alloc((R, M, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out, part_lse = out, lse
+    block_dv, block_dr = head_blocks(D, d_v)
+    use_bt = block_table is not None
+    bt = block_table if use_bt else indices  # any int tensor: never read without a block table
+    grid = (R * num_splits * triton.cdiv(M, config["BLOCK_H"]),)
+    _sparse_attention_fwd[grid](
+        q, kv, indices, bt, part_out, part_lse,
+        M, H, k, triton.cdiv(triton.cdiv(k, num_splits), block_n) * block_n, kv.shape[0],
+        kv.shape[0] // page_size, bt.shape[1] if use_bt else 0, bt_div, sm_scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), indices.stride(0), bt.stride(0) if use_bt else 0,
+        D_V=d_v, D_R=D - d_v, BLOCK_DV=block_dv, BLOCK_DR=block_dr, PAGE_SIZE=page_size, USE_BLOCK_TABLE=use_bt,
+        NUM_SPLITS=num_splits, BLOCK_H=config["BLOCK_H"], BLOCK_N=block_n,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    if num_splits > 1:
+        _combine_splits[(R * M,)](part_out, part_lse, out, lse, D_V=d_v, NUM_SPLITS=num_splits, BLOCK_DV=block_dv,
+                                  BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
+    return out, lse

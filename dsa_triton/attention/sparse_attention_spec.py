@@ -1,0 +1,231 @@
+"""Registry entries of sparse paged attention (``sparse_attention_decode``, ``sparse_attention_prefill``).
+
+Config space: ``BLOCK_N`` tokens per gathered tile, ``BLOCK_H`` query rows per program (heads, times the
+decode tokens sharing an index set), ``num_splits`` programs per row over the ``k`` selected tokens (merged
+by the combine kernel), ``num_warps``, ``num_stages``. The head dim is always split into a value part
+(``Dv``: 512) and a rope part (``D - Dv``: 64), two dots into one score tile, so it needs no parameter.
+
+Shapes: decode ``B`` (index rows), ``S`` (tokens sharing one index set), ``H``, ``D``, ``Dv``, ``k``;
+prefill ``T``, ``H``, ``D``, ``Dv``, ``k``. Problem-only dims (not in the key): ``L`` cache tokens per
+sequence (decode) or in the cache (prefill), ``P`` page size, ``logical`` = 1 for logical positions plus a
+block table (else physical slots).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+
+from .. import registry
+from ..harness import Ceilings, floor_us, rotation, time_rotating
+from ..registry import Cost, KernelSpec
+from . import sparse_attention, sparse_attention_kernels, sparse_attention_reference
+from .sparse_attention_kernels import head_blocks
+from .sparse_attention_reference import (gather_einsum, slots_from_indices, sparse_attention_decode_torch,
+                                         sparse_attention_prefill_torch)
+
+SPACE = {
+    "BLOCK_N": (16, 32, 64, 128),
+    "BLOCK_H": (16, 32, 64, 128),
+    "num_splits": (1, 2, 4, 8, 16, 32, 64),
+    "num_warps": (4, 8),
+    "num_stages": (1, 2, 3, 4),
+}
+SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
+REG_BUDGET = 128  # 32-bit registers per thread for the fp32 accumulator (+ q where mma.sync keeps it in registers)
+FALLBACK_SMS = 132  # H200, when no GPU is visible
+WGMMA_ROWS = 64  # below this many rows per tile Triton uses mma.sync, with q held in registers
+
+
+def _rows(phase: str, shape) -> tuple[int, int]:
+    """(index rows R, query rows per index row M)."""
+    return (shape["B"], shape["S"] * shape["H"]) if phase == "decode" else (shape["T"], shape["H"])
+
+
+def _constraint(phase: str):
+    def constraint(config, shape) -> str | None:
+        R, M = _rows(phase, shape)
+        k, bh, bn, warps = shape["k"], config["BLOCK_H"], config["BLOCK_N"], config["num_warps"]
+        bdv, bdr = head_blocks(shape["D"], shape["Dv"])
+        if bh > max(16, triton.next_power_of_2(M)):
+            return f"BLOCK_H={bh} is wider than the {M} query rows"
+        if bn > max(16, triton.next_power_of_2(k)):
+            return f"BLOCK_N={bn} is longer than k={k}"
+        if config["num_splits"] > triton.cdiv(k, bn):
+            return f"num_splits={config['num_splits']} exceeds the {triton.cdiv(k, bn)} tiles of k"
+        threads = 32 * warps
+        regs = bh * bdv / threads + (bh * (bdv + bdr) / 2 / threads if bh < WGMMA_ROWS else 0)
+        if regs > REG_BUDGET:
+            return f"accumulator needs ~{regs:.0f} registers per thread (> {REG_BUDGET}): fewer rows or more warps"
+        smem = 2 * (bh + min(config["num_stages"], 2) * bn) * (bdv + bdr)
+        if smem > SMEM_BYTES:
+            return f"q tile + KV buffers need ~{smem} bytes of shared memory (> {SMEM_BYTES})"
+        return None
+    return constraint
+
+
+def _sm_count() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else FALLBACK_SMS
+
+
+def _default(phase: str):
+    """Widest head tile that fits (64 rows: wgmma), the longest token tile, then splits to fill one wave."""
+    constraint = _constraint(phase)
+
+    def default(_phase, shape) -> dict:
+        R, M = _rows(phase, shape)
+        k = shape["k"]
+        top = min(WGMMA_ROWS, max(16, triton.next_power_of_2(M)))
+        candidates = ({"BLOCK_N": bn, "BLOCK_H": bh, "num_splits": 1, "num_warps": w, "num_stages": 2}
+                      for bh in (64, 32, 16) if bh <= top for w in (4, 8) for bn in (64, 32, 16))
+        config = next(c for c in candidates if constraint(c, shape) is None)
+        programs = max(1, R * triton.cdiv(M, config["BLOCK_H"]))
+        while (config["num_splits"] * 2 <= min(SPACE["num_splits"][-1], triton.cdiv(k, config["BLOCK_N"]))
+               and programs * config["num_splits"] * 2 <= _sm_count()):
+            config["num_splits"] *= 2
+        return config
+    return default
+
+
+def _make_inputs(phase: str):
+    def make_inputs(_phase, shape, device, seed: int) -> dict:
+        """Random q and cache rows; unused slots (and a spare page 0) NaN. On the CPU some rows are padded
+        with -1 (one row of three has no valid index); on the GPU every index is valid."""
+        g = torch.Generator().manual_seed(seed)
+        device = torch.device(device)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+        R, M = _rows(phase, shape)
+        k, D, P = shape["k"], shape["D"], shape.get("P", 64)
+        L = shape.get("L", 2 * k)
+        seqs = R if phase == "decode" else 1
+        pages = triton.cdiv(L, P)
+        kv = torch.full(((seqs * pages + 1), P, D), float("nan"), dtype=dtype)
+        table = (torch.randperm(seqs * pages, generator=g) + 1).view(seqs, pages).to(torch.int32)
+        positions = torch.arange(L)
+        live = (table.long()[:, positions // P] * P + positions % P).flatten()
+        kv.view(-1, D)[live] = torch.randn(live.numel(), D, generator=g).to(dtype)
+        logical = torch.rand(R, L, generator=g).argsort(dim=1)[:, :k]
+        if device.type != "cuda":
+            valid = (k * ((torch.arange(R) + 1) % 3)) // 2  # k/2, k, 0, ...
+            keep = (torch.arange(k)[None, :] < valid[:, None]) & (torch.rand(R, k, generator=g) > 0.1)
+            logical = torch.where(keep, logical, -1)
+        bt = table if phase == "decode" else table.expand(R, -1)
+        slots = slots_from_indices(logical, bt, P).to(torch.int32)
+        q_shape = (R, shape["H"], D) if phase == "prefill" or shape["S"] == 1 else (R, shape["S"], shape["H"], D)
+        paged = bool(shape.get("logical", 0))
+        return {
+            "q": torch.randn(q_shape, generator=g).to(device, dtype),
+            "kv_cache": kv.to(device),
+            "indices": (logical.to(torch.int32) if paged else slots).to(device),
+            "block_table": table.to(device) if paged else None,
+            "slots": slots.to(device),
+            "sm_scale": D ** -0.5,
+            "d_v": shape["Dv"],
+        }
+    return make_inputs
+
+
+def _op_args(inputs: dict) -> tuple:
+    return inputs["q"], inputs["kv_cache"], inputs["indices"], inputs["sm_scale"], inputs["d_v"], inputs["block_table"]
+
+
+def _compare(out, ref) -> str | None:
+    """out within 1e-3 + 1e-2 |ref| for bf16 (2e-3 |ref| for fp16); lse within 1e-4 abs; -inf exactly where expected."""
+    (o, lse), (ro, rlse) = out, ref
+    if o.shape != ro.shape or lse.shape != rlse.shape:
+        return f"shapes {tuple(o.shape)}, {tuple(lse.shape)} != reference {tuple(ro.shape)}, {tuple(rlse.shape)}"
+    rtol = 1e-2 if o.dtype == torch.bfloat16 else 2e-3
+    err = (o.float() - ro).abs()
+    bad = ~(err <= 1e-3 + rtol * ro.abs())  # NaN counts as bad
+    if bad.any():
+        return f"out: {int(bad.sum())} elements off (max abs error {err.nan_to_num(float('inf')).max().item():.3g})"
+    empty = rlse == float("-inf")
+    if not torch.equal(lse == float("-inf"), empty):
+        return "lse: -inf where the reference is finite or the other way round"
+    lerr = (lse[~empty] - rlse[~empty]).abs()
+    if lerr.numel() and not bool((lerr <= 1e-4).all()):
+        return f"lse: max abs error {lerr.nan_to_num(float('inf')).max().item():.3g} > 1e-4"
+    return None
+
+
+def _cost(phase: str):
+    def cost(_phase, shape) -> Cost:
+        """q and indices read once, each selected row once per index row (prefill: at most the cache once),
+        out and lse written once; FLOPs of the two dots."""
+        R, M = _rows(phase, shape)
+        k, D, Dv = shape["k"], shape["D"], shape["Dv"]
+        rows = R * k if phase == "decode" else min(R * k, shape.get("L", 2 * k))
+        return Cost(bytes=2 * R * M * D + 2 * rows * D + 4 * R * k + 2 * R * M * Dv + 4 * R * M,
+                    flops=2 * R * M * k * (D + Dv), flop_dtype="bf16")
+    return cost
+
+
+def _decode_shapes(_phase, gpu: bool) -> list[dict[str, int]]:
+    dsa = {"S": 1, "D": 576, "Dv": 512, "k": 2048, "P": 64, "logical": 0}
+    if gpu:
+        return [{"B": 64, "H": 128, **dsa}, {"B": 8, "H": 128, **dsa}, {"B": 64, "H": 16, **dsa}]
+    return [{"B": 3, "S": 2, "H": 3, "D": 80, "Dv": 64, "k": 40, "L": 96, "P": 16, "logical": 1},
+            {"B": 2, "S": 1, "H": 4, "D": 80, "Dv": 64, "k": 32, "P": 16, "logical": 0}]
+
+
+def _prefill_shapes(_phase, gpu: bool) -> list[dict[str, int]]:
+    if gpu:
+        return [{"T": 4096, "H": 128, "D": 576, "Dv": 512, "k": 2048, "L": 8192, "P": 64, "logical": 0}]
+    return [{"T": 5, "H": 3, "D": 80, "Dv": 64, "k": 24, "L": 64, "P": 16, "logical": 1}]
+
+
+def _spec(phase: str, op, oracle, shapes, fixed: tuple[str, ...], bucketed: tuple[str, ...]) -> KernelSpec:
+    def baseline(inputs: dict):
+        q = inputs["q"]
+        return gather_einsum(q.reshape(inputs["slots"].shape[0], -1, q.shape[-1]), inputs["kv_cache"].flatten(0, 1),
+                             inputs["slots"], inputs["sm_scale"], inputs["d_v"])
+
+    return registry.register(KernelSpec(
+        name=f"sparse_attention_{phase}",
+        phases=(phase,),
+        space=SPACE,
+        default=_default(phase),
+        fixed_dims=fixed,
+        bucketed_dims=bucketed,
+        make_inputs=_make_inputs(phase),
+        run=lambda inputs, config: op(*_op_args(inputs), config=config, check_indices=False),
+        reference=lambda inputs: oracle(*_op_args(inputs)),
+        compare=_compare,
+        cost=_cost(phase),
+        bench_shapes=shapes,
+        constraint=_constraint(phase),
+        baseline=baseline,
+        baseline_name="torch gather + einsum (bf16)",
+        source_modules=(sparse_attention_kernels, sparse_attention, sys.modules[__name__]),
+    ))
+
+
+DECODE_SPEC = _spec("decode", sparse_attention.sparse_attention_decode, sparse_attention_decode_torch, _decode_shapes,
+                    ("S", "H", "D", "Dv", "k"), ("B",))
+PREFILL_SPEC = _spec("prefill", sparse_attention.sparse_attention_prefill, sparse_attention_prefill_torch,
+                     _prefill_shapes, ("H", "D", "Dv", "k"), ("T",))
+
+
+def decode_latency_report(device, ceilings: Ceilings | None) -> list[dict]:
+    """Small-batch decode against the byte floor (bytes / copy rate): the latency-bound end of decode."""
+    batches = (1, 8) if ceilings is not None else (1, 2)
+    base = _decode_shapes("decode", ceilings is not None)[-1 if ceilings is None else 0]
+    rows = []
+    for B in batches:
+        shape = {**base, "B": B}
+        cost = DECODE_SPEC.cost("decode", shape)
+        config = DECODE_SPEC.launch_config("decode", shape, device)
+        sets = rotation(lambda i: DECODE_SPEC.make_inputs("decode", shape, device, i), cost.bytes, device)
+        us = time_rotating(lambda s: DECODE_SPEC.run(s, config), sets, device)
+        row = {"shape": ",".join(f"{k}={v}" for k, v in shape.items()), "config": str(config), "us": us,
+               "bytes_MB": cost.bytes / 1e6}
+        if ceilings is not None:
+            byte_floor = cost.bytes / (ceilings.copy_tbps * 1e12) * 1e6
+            floor, bound = floor_us(cost, ceilings)
+            row |= {"byte_floor_us": byte_floor, "of_byte_floor": byte_floor / us, "floor_us": floor, "bound": bound}
+        rows.append(row)
+    return rows
+
+
+registry.register_report("sparse_attention_decode_latency", decode_latency_report)
