@@ -15,6 +15,14 @@ from .attention.cache import PageAllocator, PagedCache, append_tokens, fp8_quant
 
 __all__ += ["PageAllocator", "PagedCache", "append_tokens", "fp8_quantize_rows"]
 
+from .attention.indexer import indexer_logits  # noqa: E402
+
+__all__ += ["indexer_logits"]
+
+from .attention.sparse_attention import sparse_attention_decode, sparse_attention_prefill  # noqa: E402
+
+__all__ += ["sparse_attention_decode", "sparse_attention_prefill"]
+
 from .moe import mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8  # noqa: E402
 
 __all__ += ["mxfp4_quantize", "mxfp4_dequantize", "mxfp4_to_fp8"]

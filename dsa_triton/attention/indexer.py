@@ -1,0 +1,443 @@
+"""DSA indexer logits: ``score(t, s) = sum_h w[t, h] * relu(q[t, h] . k[s]) * k_scale[s]``.
+
+One Triton kernel, :func:`_logits_kernel`, serves three jobs (a constexpr ``MODE``):
+
+- ``DENSE``: token-level logits ``[T, L]`` over the paged FP8 K cache or contiguous FP8 keys. Rows are
+  grouped by sequence; a program holds ``BLOCK_M`` rows x ``H`` heads of q (the stationary operand)
+  and streams ``CHUNK`` keys of its sequence in tiles of ``BLOCK_N``: per tile one fp8 ``tl.dot``
+  ``k[BLOCK_N, DK] x q^T[DK, BLOCK_M * H]``, relu, a weighted sum over the heads (within a thread's
+  registers: heads are the dot's N axis), times the key scale. Decode (1-4 rows per sequence) puts all
+  rows of a sequence in one program, so the K cache is read once for all of them; long sequences are
+  split into chunks across programs (no combine step: output elements are independent).
+- ``SELECTED``: the same logits, but only inside chosen pages: column ``c`` of row ``t`` is position
+  ``pages[t, c // P] * P + c % P`` (used by :mod:`.block_scores`).
+- ``BOUND``: an upper bound of each page's best score from the page summaries (``pmax``, ``pmin``):
+  ``ub_h = q+ . pmax + q- . pmin >= max_k q_h . k``, ``lb_h = q+ . pmin + q- . pmax <= min_k q_h . k``,
+  bound = ``sum_h max(w_h, 0) relu(ub_h) + min(w_h, 0) relu(lb_h)`` (used by :mod:`.block_scores`).
+
+Everything outside ``[0, limit[t])`` is ``-inf``. Every size (heads, head dim, page size) is a parameter.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import registry
+from ..checks import check_kernel_device, check_tensor
+from ..registry import Cost, KernelSpec
+from ..runtime import interpreting
+from . import indexer_reference
+from .cache import PAGE_SIZES
+from .cache_reference import fp8_quantize_rows
+from .indexer_reference import indexer_logits_torch
+
+DENSE, SELECTED, BOUND = 0, 1, 2
+MAX_DECODE_ROWS = 4  # a sequence with at most this many query rows is the decode phase
+
+
+@triton.jit
+def _logits_kernel(
+    q_ptr, w_ptr, k_ptr, k2_ptr, ks_ptr, out_ptr,
+    limit_ptr, cu_ptr, gseq_ptr, table_ptr, kstart_ptr, pages_ptr,
+    H, DK, n_cols,
+    stride_qt, stride_qh, stride_wt, stride_k, stride_table, stride_out, stride_pages,
+    MODE: tl.constexpr, PAGED: tl.constexpr, P: tl.constexpr,
+    HP: tl.constexpr, DKP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    BOUND_DTYPE: tl.constexpr,
+):
+    """Program (group, row block, column chunk). Group g owns rows cu[g]..cu[g+1] of sequence gseq[g]."""
+    g = tl.program_id(0)
+    row0 = tl.load(cu_ptr + g)
+    row1 = tl.load(cu_ptr + g + 1)
+    m_start = row0 + tl.program_id(1) * BLOCK_M
+    if m_start < row1:
+        seq = tl.load(gseq_ptr + g).to(tl.int64)
+        rows = m_start + tl.arange(0, BLOCK_M)
+        row_ok = rows < row1
+        limits = tl.load(limit_ptr + rows, mask=row_ok, other=0)
+
+        # q rows r = m * HP + h (heads padded to HP with zero q and zero weight)
+        offs_r = tl.arange(0, BLOCK_M * HP)
+        q_row = m_start + offs_r // HP
+        head = offs_r % HP
+        r_ok = (q_row < row1) & (head < H)
+        offs_d = tl.arange(0, DKP)
+        d_ok = offs_d < DK
+        q = tl.load(q_ptr + q_row[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + q_row.to(tl.int64) * stride_wt + head, mask=r_ok, other=0.0)
+        if MODE == 2:  # BOUND: split q by sign, exact in bf16 or fp32
+            qf = q.to(tl.float32)
+            q_pos = tl.trans(tl.maximum(qf, 0.0).to(BOUND_DTYPE))
+            q_neg = tl.trans(tl.minimum(qf, 0.0).to(BOUND_DTYPE))
+            w_pos = tl.maximum(w, 0.0)
+            w_neg = tl.minimum(w, 0.0)
+        else:
+            q_t = tl.trans(q)
+
+        # columns this program computes; past the rows' largest limit (DENSE, BOUND) only -inf is stored
+        c0 = tl.program_id(2) * CHUNK
+        c_end = tl.minimum(c0 + CHUNK, n_cols)
+        if MODE == 0:
+            c_active = tl.minimum(c_end, tl.max(limits))
+        elif MODE == 2:
+            c_active = tl.minimum(c_end, tl.cdiv(tl.max(limits), P))
+        else:
+            c_active = c_end
+        out_rows = out_ptr + rows.to(tl.int64) * stride_out
+        for n0 in range(c0, c_active, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            col_ok = cols < c_active
+            # logical position of each column and the physical row it reads
+            if MODE == 1:
+                lpage = tl.load(pages_ptr + m_start.to(tl.int64) * stride_pages + cols // P, mask=col_ok, other=-1)
+                pos = lpage * P + cols % P
+                col_ok = col_ok & (lpage >= 0)
+            elif MODE == 2:
+                lpage = cols
+                pos = cols * P
+            else:
+                lpage = cols // P
+                pos = cols
+            if MODE == 2:
+                krow = tl.load(table_ptr + seq * stride_table + lpage, mask=col_ok, other=0).to(tl.int64)
+            elif PAGED:
+                page = tl.load(table_ptr + seq * stride_table + lpage, mask=col_ok, other=0).to(tl.int64)
+                krow = page * P + pos % P
+            else:
+                krow = tl.load(kstart_ptr + seq).to(tl.int64) + pos
+            k_mask = col_ok[:, None] & d_ok[None, :]
+            k_off = krow[:, None] * stride_k + offs_d[None, :]
+            if MODE == 2:
+                k_max = tl.load(k_ptr + k_off, mask=k_mask, other=0.0).to(BOUND_DTYPE)
+                k_min = tl.load(k2_ptr + k_off, mask=k_mask, other=0.0).to(BOUND_DTYPE)
+                ub = tl.dot(k_max, q_pos, input_precision="ieee") + tl.dot(k_min, q_neg, input_precision="ieee")
+                lb = tl.dot(k_max, q_neg, input_precision="ieee") + tl.dot(k_min, q_pos, input_precision="ieee")
+                s = tl.maximum(ub, 0.0) * w_pos[None, :] + tl.maximum(lb, 0.0) * w_neg[None, :]
+            else:
+                k = tl.load(k_ptr + k_off, mask=k_mask, other=0.0)
+                s = tl.maximum(tl.dot(k, q_t), 0.0) * w[None, :]  # [BLOCK_N, BLOCK_M * HP]
+            s = tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_M, HP)), axis=2)  # [BLOCK_N, BLOCK_M]
+            if MODE != 2:
+                s = s * tl.load(ks_ptr + krow, mask=col_ok, other=0.0)[:, None]
+            valid = col_ok[:, None] & (pos[:, None] < limits[None, :])
+            s = tl.where(valid, s, float("-inf"))
+            tl.store(out_rows[None, :] + cols[:, None], s, mask=row_ok[None, :] & (cols < c_end)[:, None])
+        fill_start = c0 + tl.cdiv(tl.maximum(c_active - c0, 0), BLOCK_N) * BLOCK_N
+        for n0 in range(fill_start, c_end, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            tl.store(out_rows[None, :] + cols[:, None], tl.full((BLOCK_N, BLOCK_M), float("-inf"), tl.float32),
+                     mask=row_ok[None, :] & (cols < c_end)[:, None])
+
+
+def launch_logits(mode: int, q, w, k, k_scale, out, limits, cu, gseq, max_rows: int, *, config: dict,
+                  page_size: int = 1, block_table=None, key_starts=None, pages=None, k2=None) -> torch.Tensor:
+    """Launch :func:`_logits_kernel` (no argument checks: callers validate). ``out[T, n_cols]`` fp32.
+
+    ``cu[G + 1]``, ``gseq[G]`` int32 group rows and sequences; ``max_rows`` the most rows of one group.
+    ``k`` is ``[rows, DK]``-addressable with row stride ``k.stride(-2)`` (``pmax`` in BOUND mode,
+    ``k2`` = ``pmin`` with the same strides).
+    """
+    G = gseq.shape[0]
+    n_cols = out.shape[1]
+    if G == 0 or out.numel() == 0:
+        return out
+    H, DK = q.shape[1], q.shape[2]
+    block_m = config["BLOCK_M"]
+    grid = (G, triton.cdiv(max_rows, block_m), triton.cdiv(n_cols, config["CHUNK"]))
+    dummy = cu
+    _logits_kernel[grid](
+        q, w, k, k2 if k2 is not None else k, k_scale if k_scale is not None else dummy, out,
+        limits, cu, gseq,
+        block_table if block_table is not None else dummy,
+        key_starts if key_starts is not None else dummy,
+        pages if pages is not None else dummy,
+        H, DK, n_cols,
+        q.stride(0), q.stride(1), w.stride(0), k.stride(-2),
+        block_table.stride(0) if block_table is not None else 0, out.stride(0),
+        pages.stride(0) if pages is not None else 0,
+        MODE=mode, PAGED=block_table is not None, P=page_size,
+        HP=triton.next_power_of_2(max(H, 16)), DKP=triton.next_power_of_2(max(DK, 16)),
+        BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], CHUNK=config["CHUNK"],
+        BOUND_DTYPE=tl.float32 if interpreting() else tl.bfloat16,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    return out
+
+
+# -- argument checks shared with block_scores ---------------------------------------------------
+
+def check_queries(q, weights, limits, cu_seqlens_q):
+    """Validate q ``[T, H, DK]`` e4m3, weights ``[T, H]`` fp32, limits ``[T]`` int32, cu ``[B + 1]`` int32.
+
+    Returns ``(device, cu, gseq, rows_per_seq list)``; ``cu`` defaults to one sequence holding every row.
+    """
+    check_tensor("q", q, dtype=torch.float8_e4m3fn, ndim=3)
+    device = check_kernel_device("q", q)
+    T, H, DK = q.shape
+    if q.stride(2) != 1 or q.stride(1) < DK:
+        raise ValueError(f"q: heads must be dense rows of DK elements, got strides {q.stride()}")
+    check_tensor("weights", weights, dtype=torch.float32, shape=(T, H), device=device)
+    check_tensor("limits", limits, dtype=torch.int32, shape=(T,), device=device)
+    if not limits.is_contiguous():
+        raise ValueError(f"limits: must be contiguous, got strides {limits.stride()}")
+    if cu_seqlens_q is None:
+        cu_seqlens_q = torch.tensor([0, T], dtype=torch.int32, device=device)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, ndim=1, device=device)
+    cu_list = cu_seqlens_q.tolist()
+    if len(cu_list) < 2 or cu_list[0] != 0 or cu_list[-1] != T or any(a > b for a, b in zip(cu_list, cu_list[1:])):
+        raise ValueError(f"cu_seqlens_q: must rise from 0 to T = {T}, got {cu_list[:8]}...")
+    if T and int(limits.min()) < 0:
+        raise ValueError("limits: must be >= 0")
+    gseq = torch.arange(len(cu_list) - 1, dtype=torch.int32, device=device)
+    return device, cu_seqlens_q.contiguous(), gseq, [b - a for a, b in zip(cu_list, cu_list[1:])]
+
+
+def check_paged_keys(k, k_scale, block_table, seq_lens, limits, cu, device, *, k_name="k", scale_name="k_scale"):
+    """Validate the paged FP8 K cache, block table and lengths; limits may not pass ``seq_lens``."""
+    check_tensor(k_name, k, dtype=torch.float8_e4m3fn, ndim=3, device=device)
+    num_pages, P, _ = k.shape
+    if P not in PAGE_SIZES:
+        raise ValueError(f"{k_name}: page size (dimension 1) must be one of {PAGE_SIZES}, got {P}")
+    if not k.is_contiguous():
+        raise ValueError(f"{k_name}: must be contiguous, got strides {k.stride()}")
+    if k_scale is not None:
+        check_tensor(scale_name, k_scale, dtype=torch.float32, shape=(num_pages, P), device=device)
+        if not k_scale.is_contiguous():
+            raise ValueError(f"{scale_name}: must be contiguous, got strides {k_scale.stride()}")
+    check_block_table(block_table, seq_lens, limits, cu, device, num_pages, P)
+
+
+def check_block_table(block_table, seq_lens, limits, cu, device, num_pages: int, P: int) -> None:
+    B = cu.shape[0] - 1
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=device)
+    if block_table.shape[0] < B:
+        raise ValueError(f"block_table: {block_table.shape[0]} rows for {B} sequences")
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=device)
+    if seq_lens.shape[0] < B:
+        raise ValueError(f"seq_lens: {seq_lens.shape[0]} entries for {B} sequences")
+    lens = seq_lens[:B].long()
+    if B and (int(lens.min()) < 0 or int(lens.max()) > block_table.shape[1] * P):
+        raise ValueError(f"seq_lens: must lie in [0, {block_table.shape[1] * P}] (block_table width x page size)")
+    row_seq = torch.repeat_interleave(torch.arange(B, device=device), (cu[1:] - cu[:-1]).long())
+    if bool((limits.long() > lens[row_seq]).any()):
+        raise ValueError("limits: a row's limit exceeds its sequence's length in seq_lens")
+    used = torch.arange(block_table.shape[1], device=device)[None, :] * P < lens[:, None]
+    entries = block_table[:B].long()
+    if bool(((entries < 0) | (entries >= num_pages))[used].any()):
+        raise ValueError(f"block_table: an entry of a used page lies outside [0, {num_pages})")
+
+
+def output_columns(num_cols, limits, name="num_cols") -> int:
+    if num_cols is None:
+        return int(limits.max()) if limits.numel() else 0
+    if not isinstance(num_cols, int) or num_cols < 0:
+        raise ValueError(f"{name}: must be an integer >= 0, got {num_cols!r}")
+    return num_cols
+
+
+def logits_shape(rows_per_seq: list[int], L: int, P: int, H: int, DK: int) -> tuple[str, dict[str, int]]:
+    """Phase and registry shape of a call: decode when every sequence has at most 4 query rows."""
+    Q = max(rows_per_seq, default=0)
+    phase = "decode" if Q <= MAX_DECODE_ROWS else "prefill"
+    return phase, {"B": len(rows_per_seq), "Q": Q, "L": L, "P": P, "H": H, "DK": DK}
+
+
+def indexer_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    limits: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    key_starts: torch.Tensor | None = None,
+    num_cols: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Token-level DSA indexer logits ``[T, num_cols]`` fp32, ``-inf`` outside ``[0, limits[t])``.
+
+    Args:
+        q: ``[T, H, DK]`` float8_e4m3fn query rows (64 x 128 in DeepSeek-V3.2), rows packed by sequence.
+        weights: ``[T, H]`` fp32 head weights with the q scales (and ``H^-0.5 * DK^-0.5``) folded in.
+        k, k_scale: paged ``[num_pages, P, DK]`` e4m3 + ``[num_pages, P]`` fp32 (with ``block_table``),
+            or contiguous ``[S, DK]`` + ``[S]`` (without).
+        limits: ``[T]`` int32; row ``t`` scores logical positions ``0 .. limits[t] - 1`` of its sequence.
+        cu_seqlens_q: ``[B + 1]`` int32, rows of sequence ``b`` are ``cu[b] .. cu[b + 1]`` (default: one).
+        block_table: ``[>= B, max_pages]`` int32 (paged mode); position ``i`` is at slot
+            ``block_table[b, i // P] * P + i % P``.
+        seq_lens: ``[>= B]`` int32, required in paged mode; no limit may exceed its sequence's length.
+        key_starts: ``[B]`` int32 (contiguous mode): first key row of each sequence (default 0).
+        num_cols: output width ``L`` (default ``max(limits)``).
+        config: launch parameters (default: the tuning database / the registry default).
+    """
+    device, cu, gseq, rows_per_seq = check_queries(q, weights, limits, cu_seqlens_q)
+    T, H, DK = q.shape
+    B = len(rows_per_seq)
+    if block_table is not None:
+        if key_starts is not None:
+            raise ValueError("key_starts: only for contiguous keys (no block_table)")
+        if seq_lens is None:
+            raise ValueError("seq_lens: required with block_table")
+        check_paged_keys(k, k_scale, block_table, seq_lens, limits, cu, device)
+        P = k.shape[1]
+    else:
+        check_tensor("k", k, dtype=torch.float8_e4m3fn, ndim=2, device=device)
+        S = k.shape[0]
+        check_tensor("k_scale", k_scale, dtype=torch.float32, shape=(S,), device=device)
+        if not k_scale.is_contiguous():
+            raise ValueError(f"k_scale: must be contiguous, got strides {k_scale.stride()}")
+        if key_starts is None:
+            key_starts = torch.zeros(B, dtype=torch.int32, device=device)
+        check_tensor("key_starts", key_starts, dtype=torch.int32, shape=(B,), device=device)
+        row_seq = torch.repeat_interleave(torch.arange(B, device=device), (cu[1:] - cu[:-1]).long())
+        if B and (int(key_starts.min()) < 0 or bool((key_starts.long()[row_seq] + limits.long() > S).any())):
+            raise ValueError(f"limits: key_starts + limits must stay within the {S} keys")
+        P = 0
+    if k.shape[-1] != DK:
+        raise ValueError(f"k: last dimension must be DK = {DK}, got shape {tuple(k.shape)}")
+    L = output_columns(num_cols, limits)
+    phase, shape = logits_shape(rows_per_seq, L, P, H, DK)
+    if config is None:
+        config = SPEC.launch_config(phase, shape, device)
+    else:
+        SPEC.validate(config, shape)
+    out = torch.empty(T, L, dtype=torch.float32, device=device)
+    return launch_logits(DENSE, q, weights, k, k_scale, out, limits, cu, gseq, max(rows_per_seq, default=0),
+                         config=config, page_size=max(P, 1), block_table=block_table, key_starts=key_starts)
+
+
+# -- registry entry -------------------------------------------------------------------------------
+
+def random_queries(T: int, H: int, DK: int, device, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 queries ``[T, H, DK]`` and weights ``[T, H]`` with the q scales folded in, as DeepSeek-V3.2 does."""
+    q8, q_scale = fp8_quantize_rows(torch.randn(T, H, DK, generator=g))
+    w = torch.randn(T, H, generator=g) * q_scale * (H * DK) ** -0.5
+    return q8.to(device), w.to(device)
+
+
+def random_paged_keys(B: int, L: int, P: int, DK: int, device, g: torch.Generator, spare_pages: int = 1):
+    """A poisoned FP8 K cache holding ``L`` random keys for each of ``B`` sequences on shuffled pages."""
+    pages_per_seq = -(-L // P)
+    num_pages = B * pages_per_seq + spare_pages
+    k8, scale = fp8_quantize_rows(torch.randn(num_pages * P, DK, generator=g))
+    k = k8.view(num_pages, P, DK).to(device)
+    k_scale = scale.view(num_pages, P).to(device)
+    table = (torch.randperm(num_pages, generator=g)[: B * pages_per_seq].view(B, pages_per_seq)).int().to(device)
+    unused = torch.ones(num_pages * P, dtype=torch.bool, device=device)
+    pos = torch.arange(L, device=device)
+    unused[(table.long()[:, pos // P] * P + pos % P).reshape(-1)] = False
+    k.view(-1, DK).view(torch.uint8)[unused] = 0x7F  # e4m3 NaN
+    k_scale.view(-1)[unused] = float("nan")
+    return k, k_scale, table, torch.full((B,), L, dtype=torch.int32, device=device)
+
+
+def _make_inputs(phase: str, shape, device, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    B, Q, L, P, H, DK = (shape[n] for n in ("B", "Q", "L", "P", "H", "DK"))
+    q, w = random_queries(B * Q, H, DK, device, g)
+    # row j of a sequence's Q rows sees the first L - Q + 1 + j keys (causal, the last chunk of a prefill)
+    limits = (L - Q + 1 + torch.arange(Q)).clamp_min(0).repeat(B).int().to(device)
+    cu = torch.arange(0, B * Q + 1, Q, dtype=torch.int32, device=device)
+    inputs = {"q": q, "weights": w, "limits": limits, "cu_seqlens_q": cu, "num_cols": L}
+    if P:
+        inputs["k"], inputs["k_scale"], inputs["block_table"], inputs["seq_lens"] = random_paged_keys(B, L, P, DK, device, g)
+    else:
+        k8, scale = fp8_quantize_rows(torch.randn(B * L, DK, generator=g))
+        inputs.update(k=k8.to(device), k_scale=scale.to(device),
+                      key_starts=torch.arange(0, B * L, L, dtype=torch.int32, device=device))
+    return inputs
+
+
+def _call_args(inputs: dict) -> tuple[tuple, dict]:
+    kw = {n: inputs[n] for n in ("cu_seqlens_q", "block_table", "seq_lens", "key_starts", "num_cols") if n in inputs}
+    return (inputs["q"], inputs["weights"], inputs["k"], inputs["k_scale"], inputs["limits"]), kw
+
+
+def _run(inputs: dict, config: dict) -> torch.Tensor:
+    args, kw = _call_args(inputs)
+    return indexer_logits(*args, **kw, config=config)
+
+
+def _reference(inputs: dict, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    args, kw = _call_args(inputs)
+    kw.pop("seq_lens", None)
+    return indexer_logits_torch(*args, kw.pop("num_cols"), **kw, compute_dtype=compute_dtype)
+
+
+def compare_logits(out: torch.Tensor, ref: torch.Tensor, rtol: float = 2e-3) -> str | None:
+    """Same shape, ``-inf`` at the same places, no NaN, finite values within ``rtol`` of the row's scale."""
+    if out.shape != ref.shape:
+        return f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    if bool(out.isnan().any()):
+        return f"{int(out.isnan().sum())} NaN in the output"
+    if not torch.equal(out.isneginf(), ref.isneginf()):
+        return f"-inf at {int((out.isneginf() != ref.isneginf()).sum())} places that differ from the reference"
+    finite = ref.isfinite()
+    scale = ref.where(finite, 0.0).abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+    err = ((out - ref).where(finite, 0.0).abs() / scale).max().item() if out.numel() else 0.0
+    return None if err <= rtol else f"max error {err:.2e} of the row scale (tolerance {rtol:.0e})"
+
+
+def _cost(phase: str, shape) -> Cost:
+    B, Q, L, H, DK = (shape[n] for n in ("B", "Q", "L", "H", "DK"))
+    T = B * Q
+    pairs = B * sum(max(0, L - Q + 1 + j) for j in range(Q))  # valid (row, key) pairs
+    key_bytes = B * L * (DK + 4)
+    return Cost(bytes=key_bytes + T * H * (DK + 4) + T * L * 4, flops=2.0 * pairs * H * DK, flop_dtype="fp8")
+
+
+def _bench_shapes(phase: str, gpu: bool) -> list[dict[str, int]]:
+    if gpu:
+        if phase == "decode":
+            return [{"B": 64, "Q": 1, "L": 131072, "P": 64, "H": 64, "DK": 128},
+                    {"B": 64, "Q": 2, "L": 131072, "P": 64, "H": 64, "DK": 128}]
+        return [{"B": 1, "Q": 4096, "L": 16384, "P": 0, "H": 64, "DK": 128},
+                {"B": 1, "Q": 4096, "L": 16384, "P": 64, "H": 64, "DK": 128}]
+    if phase == "decode":
+        return [{"B": 3, "Q": 2, "L": 70, "P": 16, "H": 8, "DK": 32}]
+    return [{"B": 2, "Q": 9, "L": 40, "P": 0, "H": 8, "DK": 32}]
+
+
+def _default(phase: str, shape) -> dict:
+    if phase == "decode":
+        block_m = triton.next_power_of_2(max(shape["Q"], 1))
+        return {"BLOCK_M": block_m, "BLOCK_N": 128, "CHUNK": 4096, "num_warps": 4 if block_m == 1 else 8, "num_stages": 3}
+    return {"BLOCK_M": 2, "BLOCK_N": 128, "CHUNK": 16384, "num_warps": 8, "num_stages": 3}
+
+
+def _constraint(config: dict, shape) -> str | None:
+    if config["CHUNK"] % config["BLOCK_N"]:
+        return "CHUNK must be a multiple of BLOCK_N"
+    if shape["Q"] <= MAX_DECODE_ROWS and config["BLOCK_M"] < shape["Q"]:
+        return "decode: one program must hold every query row of its sequence"
+    if config["BLOCK_M"] * triton.next_power_of_2(max(shape["H"], 16)) > 512:
+        return "BLOCK_M * heads above 512 columns"
+    return None
+
+
+SPEC = registry.register(KernelSpec(
+    name="indexer_logits",
+    phases=("prefill", "decode"),
+    space={"BLOCK_M": (1, 2, 4), "BLOCK_N": (32, 64, 128, 256), "CHUNK": (512, 1024, 2048, 4096, 8192, 16384, 65536),
+           "num_warps": (4, 8), "num_stages": (1, 2, 3, 4)},
+    default=_default,
+    fixed_dims=("P", "H", "DK"),
+    bucketed_dims=("B", "Q", "L"),
+    make_inputs=_make_inputs,
+    run=_run,
+    reference=_reference,
+    compare=compare_logits,
+    cost=_cost,
+    bench_shapes=_bench_shapes,
+    constraint=_constraint,
+    baseline=lambda inputs: _reference(inputs, torch.bfloat16),
+    baseline_name="torch dequantize + bf16 einsum",
+    source_modules=(indexer_reference, sys.modules[__name__]),
+))
