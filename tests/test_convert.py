@@ -33,8 +33,8 @@ def test_fitting_blocks_convert_exactly(lead, n, k):
 
 def test_unfit_blocks_are_counted_and_the_rest_stay_exact():
     blocks, scales = random_mxfp4((9,), 160, "cpu", seed=11, spread=2)  # 5 blocks per row: groups of 4 + 1
-    # block 1 sits 15 binades below its group's top: magnitudes 0.5, 1.5, 3, 6 lose bits there, 1, 2, 4 survive,
-    # so keep only even codes (0, 1, 2, 4) in it
+    # block 1 sits 15 binades below its group's top, where only magnitudes 0.5 and 1.5 (codes 1, 3) lose
+    # bits: keep even codes (values 0, 1, 2, 4) in it, then plant odd ones in row 1
     blocks[:, 1] &= 0xEE
     scales[:, 0], scales[:, 1] = 140, 125
     blocks[0, 1] = 0x42  # row 0, block 1: magnitudes 2 and 4 only -> 2^-9 and 2^-8: fits
