@@ -16,8 +16,10 @@ from .attention.cache import PageAllocator, PagedCache, append_tokens, fp8_quant
 __all__ += ["PageAllocator", "PagedCache", "append_tokens", "fp8_quantize_rows"]
 
 from .attention.indexer import indexer_logits  # noqa: E402
+from .attention.block_scores import (block_indexer_logits, block_scores, select_pages,  # noqa: E402
+                                     selected_page_logits)
 
-__all__ += ["indexer_logits"]
+__all__ += ["indexer_logits", "block_scores", "select_pages", "selected_page_logits", "block_indexer_logits"]
 
 from .attention.sparse_attention import sparse_attention_decode, sparse_attention_prefill  # noqa: E402
 

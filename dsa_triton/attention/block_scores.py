@@ -1,0 +1,292 @@
+"""Block-level (two-level) indexer scoring over the paged FP8 K cache.
+
+1. :func:`block_scores`: an upper bound of every page's best score from the page summaries
+   (``pmax``/``pmin``), ``[T, n_pages]`` fp32 (the ``BOUND`` mode of the indexer kernel);
+2. :func:`select_pages`: the ``n_select`` pages with the highest bounds per row (``torch.topk`` on the
+   small bound matrix), in ascending page order, -1 padded;
+3. :func:`selected_page_logits`: token-level logits only inside the selected pages (the ``SELECTED``
+   mode of the indexer kernel), ``[T, n_select * P]`` plus their logical positions.
+
+:func:`block_indexer_logits` runs all three. Memory is ``O(T * (n_pages + n_select * P))``, never a
+dense ``[T, L]``; with every page selected the logits equal :func:`~.indexer.indexer_logits`.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+
+from .. import registry
+from ..checks import check_tensor
+from ..registry import Cost, KernelSpec
+from . import block_scores_reference
+from .block_scores_reference import gather_selected_torch, page_bounds_torch, page_summaries_torch
+from .indexer import (BOUND, SELECTED, check_block_table, check_paged_keys, check_queries, compare_logits,
+                      indexer_logits, launch_logits, logits_shape, random_paged_keys, random_queries)
+from .indexer_reference import indexer_logits_torch
+
+
+def _bound_config(config: dict) -> dict:
+    return {"BLOCK_M": config["bound_BLOCK_M"], "BLOCK_N": config["bound_BLOCK_N"],
+            "CHUNK": config["bound_CHUNK"], "num_warps": config["bound_warps"], "num_stages": config["num_stages"]}
+
+
+def _selected_config(config: dict) -> dict:
+    return {"BLOCK_M": 1, "BLOCK_N": config["BLOCK_N"], "CHUNK": config["CHUNK"],
+            "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+
+
+def _path_config(config, rows_per_seq, L, P, H, DK, device) -> dict:
+    _, shape = logits_shape(rows_per_seq, L, P, H, DK)
+    if config is None:
+        return SPEC.launch_config("decode", shape, device)
+    return SPEC.validate(config, shape)
+
+
+def block_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    pmax: torch.Tensor,
+    pmin: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    limits: torch.Tensor,
+    page_size: int,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    num_cols: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Upper bounds ``[T, num_cols]`` fp32 of each logical page's best indexer score, ``-inf`` for pages
+    at or past ``limits[t]``.
+
+    q ``[T, H, DK]`` e4m3, weights ``[T, H]`` fp32 (scales folded in; either sign), pmax / pmin
+    ``[num_pages, DK]`` fp32 with equal strides (e.g. ``PagedCache.pmax`` / ``.pmin``), block_table
+    ``[>= B, max_pages]`` int32, seq_lens ``[>= B]`` int32, limits ``[T]`` int32 (at most the sequence's
+    length), page_size ``P``; cu_seqlens_q ``[B + 1]`` int32 (default: one sequence); num_cols
+    defaults to ``ceil(max(limits) / P)``. ``config``: the ``indexer_block_path`` config.
+
+    On the GPU the summaries enter bf16 tensor-core dots; dequantized FP8 keys are exact in bf16, so
+    the bound stays a bound up to fp32 rounding of the sums.
+    """
+    device, cu, gseq, rows_per_seq = check_queries(q, weights, limits, cu_seqlens_q)
+    T, H, DK = q.shape
+    check_tensor("pmax", pmax, dtype=torch.float32, ndim=2, device=device)
+    check_tensor("pmin", pmin, dtype=torch.float32, shape=tuple(pmax.shape), device=device)
+    if pmax.shape[1] != DK:
+        raise ValueError(f"pmax: dimension 1 must be DK = {DK}, got shape {tuple(pmax.shape)}")
+    if pmin.stride() != pmax.stride():
+        raise ValueError(f"pmin: strides {pmin.stride()} must equal pmax's {pmax.stride()}")
+    check_block_table(block_table, seq_lens, limits, cu, device, pmax.shape[0], page_size)
+    L = int(limits.max()) if T else 0
+    n_pages = triton.cdiv(L, page_size) if num_cols is None else num_cols
+    if not isinstance(n_pages, int) or n_pages < 0:
+        raise ValueError(f"num_cols: must be an integer >= 0, got {num_cols!r}")
+    config = _path_config(config, rows_per_seq, L, page_size, H, DK, device)
+    out = torch.empty(T, n_pages, dtype=torch.float32, device=device)
+    return launch_logits(BOUND, q, weights, pmax, None, out, limits, cu, gseq, max(rows_per_seq, default=0),
+                         config=_bound_config(config), page_size=page_size, block_table=block_table, k2=pmin)
+
+
+def select_pages(bounds: torch.Tensor, n_select: int) -> torch.Tensor:
+    """The ``n_select`` logical pages with the highest bounds per row: ``[T, n_select]`` int32 in
+    ascending order, -1 after the last valid page (bound ``-inf``) of a row."""
+    check_tensor("bounds", bounds, dtype=torch.float32, ndim=2)
+    if not isinstance(n_select, int) or n_select <= 0:
+        raise ValueError(f"n_select: must be a positive integer, got {n_select!r}")
+    T, n_pages = bounds.shape
+    k = min(n_select, n_pages)
+    top, idx = bounds.topk(k, dim=1, sorted=False) if k else (bounds[:, :0], bounds[:, :0].long())
+    idx = idx.where(top > float("-inf"), n_pages).sort(dim=1).values  # invalid pages sort last
+    pages = torch.full((T, n_select), -1, dtype=torch.int32, device=bounds.device)
+    pages[:, :k] = idx.where(idx < n_pages, -1).int()
+    return pages
+
+
+def selected_page_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    limits: torch.Tensor,
+    pages: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level logits inside selected pages: ``(logits [T, n_sel * P] fp32, positions [T, n_sel * P]
+    int32)``; column ``c`` holds logical position ``pages[t, c // P] * P + c % P`` (-1 and ``-inf`` where
+    the page is -1 or the position is at or past ``limits[t]``).
+
+    k ``[num_pages, P, DK]`` e4m3, k_scale ``[num_pages, P]`` fp32, pages ``[T, n_sel]`` int32 logical
+    page indices (-1 = none, e.g. from :func:`select_pages`); the rest as in :func:`block_scores`.
+    """
+    device, cu, _, rows_per_seq = check_queries(q, weights, limits, cu_seqlens_q)
+    T, H, DK = q.shape
+    check_paged_keys(k, k_scale, block_table, seq_lens, limits, cu, device)
+    P = k.shape[1]
+    if k.shape[2] != DK:
+        raise ValueError(f"k: last dimension must be DK = {DK}, got shape {tuple(k.shape)}")
+    check_tensor("pages", pages, dtype=torch.int32, ndim=2, device=device)
+    if pages.shape[0] != T:
+        raise ValueError(f"pages: {pages.shape[0]} rows for {T} query rows")
+    row_seq = torch.repeat_interleave(torch.arange(len(rows_per_seq), device=device), (cu[1:] - cu[:-1]).long())
+    if pages.numel() and bool(((pages < -1) | (pages.long() * P >= seq_lens.long()[row_seq, None])).any()):
+        raise ValueError("pages: entries must be -1 or pages inside the row's sequence")
+    n_sel = pages.shape[1]
+    config = _path_config(config, rows_per_seq, int(limits.max()) if T else 0, P, H, DK, device)
+    out = torch.empty(T, n_sel * P, dtype=torch.float32, device=device)
+    rows = torch.arange(T + 1, dtype=torch.int32, device=device)
+    launch_logits(SELECTED, q, weights, k, k_scale, out, limits, rows, row_seq.int(), 1,
+                  config=_selected_config(config), page_size=P, block_table=block_table, pages=pages)
+    pos = (pages[:, :, None] * P + torch.arange(P, dtype=torch.int32, device=device)).flatten(1)
+    valid = (pages >= 0).repeat_interleave(P, dim=1) & (pos < limits[:, None])
+    return out, pos.where(valid, -1)
+
+
+def block_indexer_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    pmax: torch.Tensor,
+    pmin: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    limits: torch.Tensor,
+    n_select: int,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block-level path: page bounds, the ``n_select`` best pages per row, token logits inside them.
+
+    Returns ``(logits [T, n_select * P] fp32, positions [T, n_select * P] int32)`` as
+    :func:`selected_page_logits`. Arguments as in :func:`block_scores` and :func:`selected_page_logits`.
+    """
+    bounds = block_scores(q, weights, pmax, pmin, block_table, seq_lens, limits, k.shape[1],
+                          cu_seqlens_q=cu_seqlens_q, config=config)
+    pages = select_pages(bounds, n_select)
+    return selected_page_logits(q, weights, k, k_scale, block_table, seq_lens, limits, pages,
+                                cu_seqlens_q=cu_seqlens_q, config=config)
+
+
+# -- registry entry: the block-level path, timed against the token-level path ---------------------
+
+def _make_inputs(phase: str, shape, device, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    B, Q, L, P, H, DK = (shape[n] for n in ("B", "Q", "L", "P", "H", "DK"))
+    q, w = random_queries(B * Q, H, DK, device, g)
+    k, k_scale, table, lens = random_paged_keys(B, L, P, DK, device, g)
+    summaries = page_summaries_torch(k, k_scale, table, lens)
+    return {"q": q, "weights": w, "k": k, "k_scale": k_scale, "pmax": summaries[:, 0], "pmin": summaries[:, 1],
+            "block_table": table, "seq_lens": lens, "n_select": shape["SEL"],
+            "limits": (L - Q + 1 + torch.arange(Q)).repeat(B).int().to(device),
+            "cu_seqlens_q": torch.arange(0, B * Q + 1, Q, dtype=torch.int32, device=device)}
+
+
+def _run(inputs: dict, config: dict):
+    q, w = inputs["q"], inputs["weights"]
+    kw = {"cu_seqlens_q": inputs["cu_seqlens_q"], "config": config}
+    bounds = block_scores(q, w, inputs["pmax"], inputs["pmin"], inputs["block_table"], inputs["seq_lens"],
+                          inputs["limits"], inputs["k"].shape[1], **kw)
+    pages = select_pages(bounds, inputs["n_select"])
+    logits, positions = selected_page_logits(q, w, inputs["k"], inputs["k_scale"], inputs["block_table"],
+                                             inputs["seq_lens"], inputs["limits"], pages, **kw)
+    return bounds, logits, positions
+
+
+def _token_level(inputs: dict) -> torch.Tensor:
+    return indexer_logits(inputs["q"], inputs["weights"], inputs["k"], inputs["k_scale"], inputs["limits"],
+                          cu_seqlens_q=inputs["cu_seqlens_q"], block_table=inputs["block_table"],
+                          seq_lens=inputs["seq_lens"])
+
+
+def _reference(inputs: dict):
+    q, w = inputs["q"], inputs["weights"]
+    L = int(inputs["limits"].max())
+    P = inputs["k"].shape[1]
+    bounds = page_bounds_torch(q, w, inputs["pmax"], inputs["pmin"], inputs["block_table"], inputs["limits"],
+                               P, triton.cdiv(L, P), inputs["cu_seqlens_q"])
+    dense = indexer_logits_torch(q, w, inputs["k"], inputs["k_scale"], inputs["limits"], L,
+                                 cu_seqlens_q=inputs["cu_seqlens_q"], block_table=inputs["block_table"])
+    return bounds, dense, inputs["n_select"], P, inputs["limits"]
+
+
+def _compare(out, ref) -> str | None:
+    """Bounds close to the reference; the chosen pages are a top set of the reference bounds (up to
+    ties within tolerance); logits at the chosen positions equal the dense reference's."""
+    bounds, logits, positions = out
+    ref_bounds, dense, n_select, P, limits = ref
+    error = compare_logits(bounds, ref_bounds)
+    if error:
+        return f"bounds: {error}"
+    pages = positions.view(positions.shape[0], -1, P).amax(dim=2)  # -1 where no position of the page is valid
+    chosen = torch.zeros_like(ref_bounds, dtype=torch.bool)
+    chosen.scatter_(1, (pages // P).clamp_min(0).long(), pages >= 0)
+    tol = 2e-3 * ref_bounds.where(ref_bounds.isfinite(), 0.0).abs().amax(1).clamp_min(1e-12)
+    worst_chosen = ref_bounds.where(chosen, float("inf")).amin(1)
+    best_left = ref_bounds.where(~chosen & ref_bounds.isfinite(), float("-inf")).amax(1)
+    full = chosen.sum(1) == torch.minimum(ref_bounds.isfinite().sum(1), torch.tensor(n_select))
+    if not bool((full & ((worst_chosen >= best_left - tol) | ~chosen.any(1))).all()):
+        return "pages: the chosen pages are not the top pages of the reference bounds"
+    ref_logits, ref_pos = gather_selected_torch(dense, (pages // P).where(pages >= 0, -1), P, limits)
+    if not torch.equal(positions, ref_pos):
+        return "positions differ from the chosen pages' valid positions"
+    error = compare_logits(logits, ref_logits)
+    return f"logits: {error}" if error else None
+
+
+def _cost(phase: str, shape) -> Cost:
+    B, Q, L, P, H, DK, SEL = (shape[n] for n in ("B", "Q", "L", "P", "H", "DK", "SEL"))
+    T, n_pages = B * Q, -(-L // P)
+    summary_bytes = B * n_pages * 2 * DK * 4
+    selected_key_bytes = T * min(SEL, n_pages) * P * (DK + 4)
+    out_bytes = T * n_pages * 4 + T * SEL * P * 8
+    flops = 2.0 * T * H * DK * (4 * n_pages + min(SEL, n_pages) * P)
+    return Cost(bytes=summary_bytes + selected_key_bytes + out_bytes + T * H * (DK + 4), flops=flops, flop_dtype="bf16")
+
+
+def _bench_shapes(phase: str, gpu: bool) -> list[dict[str, int]]:
+    if gpu:
+        return [{"B": 64, "Q": 1, "L": 131072, "P": 64, "H": 64, "DK": 128, "SEL": 64},
+                {"B": 64, "Q": 2, "L": 131072, "P": 64, "H": 64, "DK": 128, "SEL": 64}]
+    return [{"B": 2, "Q": 2, "L": 150, "P": 16, "H": 8, "DK": 32, "SEL": 3}]
+
+
+def _default(phase: str, shape) -> dict:
+    return {"bound_BLOCK_M": min(4, triton.next_power_of_2(max(shape["Q"], 1))), "bound_BLOCK_N": 64,
+            "bound_CHUNK": 1024, "bound_warps": 4, "BLOCK_N": 64, "CHUNK": 512, "num_warps": 4, "num_stages": 3}
+
+
+def _constraint(config: dict, shape) -> str | None:
+    if config["CHUNK"] % config["BLOCK_N"] or config["bound_CHUNK"] % config["bound_BLOCK_N"]:
+        return "a CHUNK must be a multiple of its BLOCK_N"
+    if config["bound_BLOCK_M"] * triton.next_power_of_2(max(shape["H"], 16)) > 256:
+        return "bound_BLOCK_M * heads above 256 columns (four accumulators)"
+    return None
+
+
+SPEC = registry.register(KernelSpec(
+    name="indexer_block_path",
+    phases=("decode",),
+    space={"bound_BLOCK_M": (1, 2, 4), "bound_BLOCK_N": (16, 32, 64, 128), "bound_CHUNK": (256, 1024, 4096, 16384),
+           "bound_warps": (4, 8), "BLOCK_N": (32, 64, 128, 256), "CHUNK": (256, 512, 1024, 2048, 4096),
+           "num_warps": (4, 8), "num_stages": (1, 2, 3, 4)},
+    default=_default,
+    fixed_dims=("P", "H", "DK"),
+    bucketed_dims=("B", "Q", "L"),  # SEL (pages selected) only sizes the inputs
+    make_inputs=_make_inputs,
+    run=_run,
+    reference=_reference,
+    compare=_compare,
+    cost=_cost,
+    bench_shapes=_bench_shapes,
+    constraint=_constraint,
+    baseline=_token_level,
+    baseline_name="token-level indexer_logits (dense [T, L])",
+    source_modules=(block_scores_reference, sys.modules[__name__]),
+))
