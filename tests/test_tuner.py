@@ -221,10 +221,12 @@ def test_model_shapes_decode_batches_times_contexts():
 
 
 def test_model_shapes_prefill_chunks_and_expert_gemms():
-    gemm = shaped("moe_gemm", ("E", "top_k", "N", "K"), ("T",))
+    gemm = shaped("moe_gemm", ("E", "top_k", "N", "K", "gather"), ("T",))
     got = sh.model_shapes(gemm, "prefill", V32, chunks=(4096,))
-    assert got == [{"E": 256, "top_k": 8, "N": 4096, "K": 7168, "T": 4096},
-                   {"E": 256, "top_k": 8, "N": 7168, "K": 2048, "T": 4096}]
+    assert got == [{"E": 256, "top_k": 8, "N": 4096, "K": 7168, "gather": 1, "T": 4096},
+                   {"E": 256, "top_k": 8, "N": 7168, "K": 2048, "gather": 0, "T": 4096}]
+    weights = shaped("mxfp4_convert", ("K",), ("N",), phases=("load",))
+    assert [(s["N"], s["K"]) for s in sh.model_shapes(weights, "load", V32)] == [(4096, 7168), (7168, 2048)]
     decode = sh.model_shapes(gemm, "decode", V32, batches=(1, 128))
     assert sorted((s["T"], s["N"]) for s in decode) == [(1, 4096), (1, 7168), (128, 4096), (128, 7168)]
     topk = shaped("topk", ("k",), ("T", "L"))
@@ -232,20 +234,31 @@ def test_model_shapes_prefill_chunks_and_expert_gemms():
     assert [(s["T"], s["L"]) for s in prefill] == [(1024, 4096), (1024, 16384), (8192, 16384)]  # context >= chunk
 
 
-def test_model_shapes_overrides_fallbacks_and_errors():
+def test_model_shapes_overrides_bench_fallbacks_and_errors():
     spec = shaped("indexer", ("H", "D", "P", "qmax"), ("B",), bench={"H": 64, "D": 128, "P": 64, "qmax": 4, "B": 8,
                                                                      "extra": 3})
-    got = sh.model_shapes(spec, "decode", V32, overrides={"P": 16}, batches=(2,))
+    notes = []
+    got = sh.model_shapes(spec, "decode", V32, overrides={"P": 16}, batches=(2,), notes=notes)
     assert got == [{"extra": 3, "H": 64, "D": 128, "P": 16, "qmax": 4, "B": 2}]  # qmax, extra from the bench shape
-    odd = shaped("odd", ("W",), ("B",), bench={"W": 1, "B": 1})
-    odd_bench = lambda phase, gpu: [{"W": 1, "B": 1}, {"W": 2, "B": 1}]  # no agreement on W
-    odd = KernelSpec(**{**odd.__dict__, "_cache": {}, "bench_shapes": odd_bench})
-    with pytest.raises(ValueError, match=r"cannot derive \['W'\].*--set W="):
-        sh.model_shapes(odd, "decode", V32)
-    assert sh.model_shapes(odd, "decode", V32, overrides={"W": 5}, batches=(1,)) == [{"W": 5, "B": 1}]
-    weird = shaped("weird", (), ("Q",))
-    with pytest.raises(ValueError, match="bucketed dim 'Q'"):
-        sh.model_shapes(weird, "decode", V32)
+    assert notes == ["indexer decode: ['qmax'] from its GPU bench shapes (--set to change)"]
+    # an unknown dim comes from the bench shape that agrees most with the derived ones
+    odd = shaped("odd", ("k", "W"), ("B", "Z"))
+    odd = KernelSpec(**{**odd.__dict__, "_cache": {}, "bench_shapes": lambda phase, gpu: [
+        {"k": 1024, "W": 1, "B": 1, "Z": 5}, {"k": 2048, "W": 2, "B": 1, "Z": 6}]})
+    assert sh.model_shapes(odd, "decode", V32, batches=(4,)) == [{"k": 2048, "W": 2, "B": 4, "Z": 6}]
+    assert sh.model_shapes(odd, "decode", V32, overrides={"W": 5}, batches=(1,)) == [{"k": 2048, "W": 5, "B": 1, "Z": 6}]
+    with pytest.raises(ValueError, match="lacks 'index_n_heads'.*--set H="):
+        sh.model_shapes(spec, "decode", {k: v for k, v in V32.items() if k != "index_n_heads"})
+
+
+def test_model_shapes_decode_tokens_per_sequence_or_tied_to_the_batch():
+    queries = shaped("indexer", ("H",), ("B", "Q", "L"), phases=("decode",))
+    queries = KernelSpec(**{**queries.__dict__, "_cache": {}, "bench_shapes": lambda phase, gpu: [
+        {"H": 64, "B": 64, "Q": 1, "L": 9}, {"H": 64, "B": 64, "Q": 2, "L": 9}]})
+    assert {s["Q"] for s in sh.model_shapes(queries, "decode", V32)} == {1}  # queries per sequence
+    tied = shaped("append", ("P",), ("B", "N"), bench={"P": 64, "B": 64, "N": 64})
+    assert [(s["B"], s["N"]) for s in sh.model_shapes(tied, "decode", V32, batches=(2, 8))] == [(2, 2), (8, 8)]
+    assert [(s["B"], s["N"]) for s in sh.model_shapes(tied, "prefill", V32, chunks=(512,))] == [(1, 512)]
 
 
 def test_parse_and_lay_given_shapes():

@@ -49,16 +49,18 @@ def build_jobs(args: argparse.Namespace, device) -> list:
     overrides = shape_from_text(args.set)
     model = load_model_config(args.model) if args.model else None
     phases = _names(args.phases)
-    jobs = []
+    jobs, notes = [], []
     for spec in _specs(args):
         for phase in [p for p in spec.phases if not phases or p in phases]:
             if model is not None:
                 templates = model_shapes(spec, phase, model, overrides, parse_ints(args.batches),
-                                         parse_ints(args.contexts), parse_ints(args.chunks))
+                                         parse_ints(args.contexts), parse_ints(args.chunks), notes)
             else:
                 templates = spec.bench_shapes(phase, device.type == "cuda")
             shapes = job_shapes(spec, phase, given=given, templates=templates, overrides=overrides)
             jobs += [Job(spec, phase, s) for s in shapes]
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     if args.shard:
         index, count = parse_ints(args.shard.replace("/", ","))
         if not 0 <= index < count:

@@ -7,24 +7,30 @@ Fixed dims (any of the names on a row): ::
 
     hidden_size                    hidden, hidden_size, d_model
     num_attention_heads            Hq, heads, num_heads, n_heads, num_attention_heads   (H outside indexer kernels)
-    kv_lora_rank+qk_rope_head_dim  Dqk, Dk, head_dim, qk_dim                            (D outside indexer kernels)
+    kv_lora_rank+qk_rope_head_dim  Dqk, head_dim, qk_dim                                (D outside indexer kernels)
     kv_lora_rank                   Dv, v_dim, kv_lora_rank
     qk_rope_head_dim               Dr, rope_dim, qk_rope_head_dim
     index_n_heads                  Hi, index_heads, index_n_heads                       (H in kernels named *index*)
-    index_head_dim                 Di, index_dim, index_head_dim                        (D in kernels named *index*)
+    index_head_dim                 DK, Di, index_dim, index_head_dim                    (D in kernels named *index*)
     index_topk                     k, topk, index_topk
     n_routed_experts               E, experts, num_experts, n_routed_experts
     num_experts_per_tok            top_k, experts_per_token, num_experts_per_tok
     moe_intermediate_size          I, inter, moe_intermediate_size
     page size (not in config: 64)  P, page, page_size, block_size
-    (N, K) of the expert GEMMs     N, K: both (2 x moe_intermediate_size, hidden_size) for gate_up
-                                   and (hidden_size, moe_intermediate_size) for down
 
-Bucketed dims: batch names (B, batch, num_seqs, seqs) take the decode batch sizes (1 in prefill); token
-names (T, M, tokens, num_tokens, rows) the decode batch sizes in decode and the prefill chunk sizes in
-prefill; context names (L, context, ctx, seq_len, kv_len, keys) the context lengths (in prefill at least
-the chunk). ``--set NAME=VALUE`` overrides or supplies any dimension; a dimension the vocabulary does not
-know takes the value all of the kernel's GPU bench shapes agree on, else it is an error naming it.
+Expert weights (kernels named *mxfp4*, *moe*, *gemm*, *expert*): ``N``, ``K`` and ``gather``, fixed or
+bucketed, take both GEMMs: gate_up (N = 2 x moe_intermediate_size, K = hidden_size, gather = 1) and down
+(N = hidden_size, K = moe_intermediate_size, gather = 0).
+
+Bucketed dims: batch names (B, batch, num_seqs, seqs) take the decode batch sizes (1 in prefill); token names
+(T, M, Q, N, tokens, num_tokens, rows) the prefill chunk sizes in prefill, and in decode the batch sizes
+(tied to the batch dim when the kernel's bench shapes tie them; otherwise, beside a batch dim, they count
+queries per sequence, see below); context names (L, context, ctx, seq_len, kv_len, keys) the context lengths
+(at least the chunk in prefill).
+
+Any other dimension (and any the kernel's shape carries outside its key) takes its value from the kernel's
+GPU bench shape (its realistic DeepSeek-V3.2 shape) that agrees most with the derived dims; those are
+reported as notes, and ``--set NAME=VALUE`` overrides or supplies any dimension.
 """
 from __future__ import annotations
 
@@ -41,19 +47,20 @@ PREFILL_CHUNKS = (512, 1024, 2048, 4096, 8192, 16384)
 DEFAULT_PAGE = 64
 
 BATCH_NAMES = ("B", "batch", "num_seqs", "seqs")
-TOKEN_NAMES = ("T", "M", "tokens", "num_tokens", "rows")
+TOKEN_NAMES = ("T", "M", "Q", "N", "tokens", "num_tokens", "rows")
 CONTEXT_NAMES = ("L", "context", "ctx", "seq_len", "kv_len", "keys")
+WEIGHT_KERNELS = ("mxfp4", "moe", "gemm", "expert")
 
 Quantity = Callable[[dict[str, Any]], int]
 FIXED: dict[str, Quantity] = {}
 for names, quantity in [
     (("hidden", "hidden_size", "d_model"), lambda c: c["hidden_size"]),
     (("Hq", "heads", "num_heads", "n_heads", "num_attention_heads"), lambda c: c["num_attention_heads"]),
-    (("Dqk", "Dk", "head_dim", "qk_dim"), lambda c: c["kv_lora_rank"] + c["qk_rope_head_dim"]),
+    (("Dqk", "head_dim", "qk_dim"), lambda c: c["kv_lora_rank"] + c["qk_rope_head_dim"]),
     (("Dv", "v_dim", "kv_lora_rank"), lambda c: c["kv_lora_rank"]),
     (("Dr", "rope_dim", "qk_rope_head_dim"), lambda c: c["qk_rope_head_dim"]),
     (("Hi", "index_heads", "index_n_heads"), lambda c: c["index_n_heads"]),
-    (("Di", "index_dim", "index_head_dim"), lambda c: c["index_head_dim"]),
+    (("DK", "Di", "index_dim", "index_head_dim"), lambda c: c["index_head_dim"]),
     (("k", "topk", "index_topk"), lambda c: c["index_topk"]),
     (("E", "experts", "num_experts", "n_routed_experts"), lambda c: c["n_routed_experts"]),
     (("top_k", "experts_per_token", "num_experts_per_tok"), lambda c: c["num_experts_per_tok"]),
@@ -63,9 +70,9 @@ for names, quantity in [
     FIXED.update(dict.fromkeys(names, quantity))
 INDEXER_FIXED = {"H": FIXED["index_heads"], "D": FIXED["index_dim"]}
 ATTENTION_FIXED = {"H": FIXED["heads"], "D": FIXED["head_dim"]}
-GEMM_NK: tuple[tuple[Quantity, Quantity], ...] = (
-    (lambda c: 2 * c["moe_intermediate_size"], lambda c: c["hidden_size"]),  # gate_up
-    (lambda c: c["hidden_size"], lambda c: c["moe_intermediate_size"]),  # down
+EXPERT_GEMMS: tuple[dict[str, Quantity], ...] = (
+    {"N": lambda c: 2 * c["moe_intermediate_size"], "K": lambda c: c["hidden_size"], "gather": lambda c: 1},
+    {"N": lambda c: c["hidden_size"], "K": lambda c: c["moe_intermediate_size"], "gather": lambda c: 0},
 )
 
 
@@ -89,52 +96,38 @@ def load_model_config(path: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _agreed(spec: KernelSpec, phase: str, dim: str) -> int | None:
-    values = {s.get(dim) for s in spec.bench_shapes(phase, True)}
-    return values.pop() if len(values) == 1 and None not in values else None
-
-
-def fixed_alternatives(spec: KernelSpec, phase: str, config: dict[str, Any], overrides: dict[str, int]) -> list[dict[str, int]]:
-    """Values of the kernel's fixed dims for this model: usually one dict, two for expert GEMMs (gate_up, down)."""
-    table = {**FIXED, **(INDEXER_FIXED if "index" in spec.name else ATTENTION_FIXED)}
-    base: dict[str, int] = {}
-    unknown = []
-    pair = [d for d in ("N", "K") if d in spec.fixed_dims and d not in overrides]
-    for dim in spec.fixed_dims:
-        if dim in overrides or dim in pair:
-            continue
-        try:
-            base[dim] = int(table[dim](config))
-        except KeyError:
-            agreed = _agreed(spec, phase, dim)
-            if agreed is None:
-                unknown.append(dim)
-            else:
-                base[dim] = agreed
-    if unknown:
-        raise ValueError(f"{spec.name}: cannot derive {unknown} from the model config; give them with --set "
-                         f"{','.join(f'{d}=...' for d in unknown)}")
-    if not pair:
-        return [{**base, **overrides}]
+def _value(spec: KernelSpec, dim: str, quantity: Quantity, config: dict[str, Any]) -> int:
     try:
-        choices = [dict(zip(("N", "K"), (n(config), k(config)))) for n, k in GEMM_NK]
+        return int(quantity(config))
     except KeyError as exc:
-        raise ValueError(f"{spec.name}: the model config lacks {exc} (needed for N, K)") from None
-    return list({shape_text(a): a for a in ({**base, **{d: c[d] for d in pair}, **overrides} for c in choices)}.values())
+        raise ValueError(f"{spec.name}: the model config lacks {exc} (for dim {dim}); give it with --set {dim}=...") from None
 
 
-def bucketed_values(spec: KernelSpec, phase: str, batches: tuple[int, ...], contexts: tuple[int, ...],
-                    chunks: tuple[int, ...]) -> list[dict[str, int]]:
-    """Every combination of the kernel's bucketed dims for ``phase`` (prefill: context >= chunk)."""
-    decode = phase == "decode"
+def derived_dims(spec: KernelSpec, config: dict[str, Any]) -> list[dict[str, int]]:
+    """The dims the vocabulary derives from the model: one dict, or one per expert GEMM (gate_up, down)."""
+    table = {**FIXED, **(INDEXER_FIXED if "index" in spec.name else ATTENTION_FIXED)}
+    dims = (*spec.fixed_dims, *spec.bucketed_dims)
+    weights = any(w in spec.name for w in WEIGHT_KERNELS)
+    gemm = [d for d in dims if weights and d in EXPERT_GEMMS[0]]
+    fixed = {d: _value(spec, d, table[d], config) for d in spec.fixed_dims if d in table and d not in gemm}
+    if not gemm:
+        return [fixed]
+    alternatives = [{**fixed, **{d: _value(spec, d, g[d], config) for d in gemm}} for g in EXPERT_GEMMS]
+    return dedupe(alternatives)
+
+
+def counted_dims(spec: KernelSpec, phase: str, skip: set[str], batches: tuple[int, ...], contexts: tuple[int, ...],
+                 chunks: tuple[int, ...]) -> list[dict[str, int]]:
+    """Every combination of the kernel's bucketed batch / token / context dims (not in ``skip``) for ``phase``."""
     roles: dict[str, list[str]] = {"batch": [], "tokens": [], "context": []}
-    for dim in spec.bucketed_dims:
-        role = ("batch" if dim in BATCH_NAMES else "tokens" if dim in TOKEN_NAMES
-                else "context" if dim in CONTEXT_NAMES else None)
-        if role is None:
-            raise ValueError(f"{spec.name}: bucketed dim {dim!r} is none of batch {BATCH_NAMES}, tokens "
-                             f"{TOKEN_NAMES} or context {CONTEXT_NAMES}; give it with --set or --shapes")
-        roles[role].append(dim)
+    for dim in (d for d in spec.bucketed_dims if d not in skip):
+        for role, names in (("batch", BATCH_NAMES), ("tokens", TOKEN_NAMES), ("context", CONTEXT_NAMES)):
+            if dim in names:
+                roles[role].append(dim)
+    decode = phase == "decode"
+    if decode and roles["batch"]:  # beside a batch dim, a token dim is tied to it only if the bench shapes say so
+        benches = spec.bench_shapes(phase, True)
+        roles["tokens"] = [t for t in roles["tokens"] if all(s.get(t) == s.get(roles["batch"][0]) for s in benches)]
     some = lambda values, wanted: values if wanted else (None,)
     contexts = some(contexts, roles["context"])
     if decode:
@@ -151,17 +144,30 @@ def bucketed_values(spec: KernelSpec, phase: str, batches: tuple[int, ...], cont
     return out
 
 
+def closest_bench(spec: KernelSpec, phase: str, derived: dict[str, int]) -> dict[str, int]:
+    """The GPU bench shape with the most dims equal to ``derived`` (ties: the first)."""
+    benches = spec.bench_shapes(phase, True)
+    if not benches:
+        raise ValueError(f"{spec.name}: no GPU bench shape for {phase} to complete the derived shapes from")
+    return max(benches, key=lambda s: sum(s.get(d) == v for d, v in derived.items()))
+
+
 def model_shapes(spec: KernelSpec, phase: str, config: dict[str, Any], overrides: dict[str, int] | None = None,
                  batches: tuple[int, ...] = DECODE_BATCHES, contexts: tuple[int, ...] = CONTEXTS,
-                 chunks: tuple[int, ...] = PREFILL_CHUNKS) -> list[dict[str, int]]:
-    """Every shape of ``phase`` the model needs from this kernel (dims outside the shape key: bench shape)."""
+                 chunks: tuple[int, ...] = PREFILL_CHUNKS, notes: list[str] | None = None) -> list[dict[str, int]]:
+    """Every shape of ``phase`` the model needs from this kernel; ``notes`` gets the dims taken from bench shapes."""
     overrides = overrides or {}
-    template = spec.bench_shapes(phase, True)[0]
-    rest = {d: v for d, v in template.items() if d not in (*spec.fixed_dims, *spec.bucketed_dims)}
-    return dedupe([{**rest, **fixed, **counts, **overrides}
-                   for fixed in fixed_alternatives(spec, phase, config, overrides)
-                   for counts in bucketed_values(spec, phase, batches, contexts, chunks)])
-
+    key_dims = (*spec.fixed_dims, *spec.bucketed_dims)
+    shapes, borrowed = [], set()
+    for fixed in derived_dims(spec, config):
+        for counts in counted_dims(spec, phase, set(fixed), batches, contexts, chunks):
+            derived = {**fixed, **counts, **overrides}
+            bench = closest_bench(spec, phase, derived)
+            borrowed |= {d for d in key_dims if d not in derived}
+            shapes.append({**bench, **derived})
+    if notes is not None and borrowed:
+        notes.append(f"{spec.name} {phase}: {sorted(borrowed)} from its GPU bench shapes (--set to change)")
+    return dedupe(shapes)
 
 def job_shapes(spec: KernelSpec, phase: str, *, given: list[dict[str, int]], templates: list[dict[str, int]],
                overrides: dict[str, int]) -> list[dict[str, int]]:
