@@ -28,3 +28,7 @@ __all__ += ["sparse_attention_decode", "sparse_attention_prefill"]
 from .moe import mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8  # noqa: E402
 
 __all__ += ["mxfp4_quantize", "mxfp4_dequantize", "mxfp4_to_fp8"]
+
+from .moe import RoutingConfig, deepseek_topk, fused_moe_gemm, moe_forward, route, softmax_topk  # noqa: E402
+
+__all__ += ["moe_forward", "RoutingConfig", "deepseek_topk", "softmax_topk", "route", "fused_moe_gemm"]

@@ -1,5 +1,12 @@
 """MXFP4 mixture-of-experts: format, online MXFP4->FP8 conversion, shared FP8 workspace, grouped GEMMs, routing."""
 from .convert import mxfp4_to_fp8
 from .mxfp4 import mxfp4_dequantize, mxfp4_quantize
+from .routing import RoutingConfig, deepseek_topk, route, softmax_topk
+from .permute import ExpertSort, sort_by_expert
+from .fused_moe import fused_moe_gemm
+from .layer import moe_forward
+from . import decode_report  # noqa: F401  (registers the moe_decode report)
 
 __all__ = ["mxfp4_quantize", "mxfp4_dequantize", "mxfp4_to_fp8"]
+__all__ += ["RoutingConfig", "deepseek_topk", "softmax_topk", "route", "ExpertSort", "sort_by_expert",
+            "fused_moe_gemm", "moe_forward"]

@@ -33,7 +33,7 @@ from .. import registry
 from ..checks import check_kernel_device, check_tensor
 from ..registry import Cost, bucket
 from .fused_moe_reference import fused_moe_gemm_torch
-from .mxfp4_reference import mxfp4_dequantize_torch
+from .mxfp4 import mxfp4_dequantize, random_mxfp4
 from . import permute
 from .permute import ExpertSort, sort_by_expert
 
@@ -166,7 +166,8 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
 
 def _launch(x, sort, blocks, scales, gather_tokens, config) -> torch.Tensor:
     m, n, split = sort.num_rows, blocks.shape[1], config["SPLIT_K"]
-    y = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1 else x.new_empty(m, n)
+    y = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1
+         else torch.empty(m, n, dtype=x.dtype, device=x.device))
     if m == 0:
         return y.to(x.dtype)
     alignment = sort.aligned(config["BLOCK_M"])
@@ -219,7 +220,8 @@ def expected_active_experts(shape) -> float:
 
 def _default(phase, shape):
     routed = shape["T"] * shape["top_k"]
-    block_m = 1 if 4 * routed <= shape["E"] else 16  # about one row per active expert: GEMV style
+    per_expert = routed / expected_active_experts(shape)
+    block_m = 1 if per_expert < 1.2 else 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     block_n = min(64, max(16, bucket(shape["N"])))
     block_k = min(256, max(128, bucket(shape["K"])))
     warps = 4
@@ -237,7 +239,7 @@ def _cost(phase, shape) -> Cost:
     """Floor: the MXFP4 bytes of the experts expected to get rows (4.25 bits per weight), x once, y once."""
     rows = shape["T"] * shape["top_k"]
     weight_bytes = expected_active_experts(shape) * shape["N"] * shape["K"] * 17 / 32
-    x_bytes = (shape["T"] if shape["gather"] else rows) * shape["K"] * 2
+    x_bytes = (shape["T"] if shape.get("gather", 1) else rows) * shape["K"] * 2
     return Cost(bytes=weight_bytes + x_bytes + rows * shape["N"] * 2, flops=2.0 * rows * shape["N"] * shape["K"])
 
 
@@ -251,35 +253,29 @@ def _bench_shapes(phase, gpu):
 
 class ExpertWeights:
     """Random MXFP4 expert weights shared by every input set of one shape (they dwarf the L2 anyway) and,
-    for the baseline, their bf16 copy made on first use. Held weakly: freed with the last input set."""
+    for the baselines, their dense copy made on first use. Held weakly: freed with the last input set."""
 
     _live: "weakref.WeakValueDictionary[tuple, ExpertWeights]" = weakref.WeakValueDictionary()
 
     def __init__(self, blocks: torch.Tensor, scales: torch.Tensor):
         self.blocks, self.scales = blocks, scales
-        self._bf16: torch.Tensor | None = None
+        self._dense: dict[torch.dtype, torch.Tensor] = {}
 
     @classmethod
     def random(cls, experts: int, n: int, k: int, device: torch.device) -> "ExpertWeights":
         key = (experts, n, k, str(device))
         found = cls._live.get(key)
         if found is None:
-            gen = torch.Generator(device).manual_seed(7)
-            blocks = torch.randint(0, 256, (experts, n, k // 32, 16), generator=gen, device=device, dtype=torch.uint8)
-            scales = torch.randint(119, 124, (experts, n, k // 32), generator=gen, device=device, dtype=torch.uint8)
-            found = cls(blocks, scales)
+            blocks, scales = random_mxfp4((experts, n), k, device, seed=7, spread=2)
+            found = cls(blocks, scales - 6)  # scales 2^-8 .. 2^-4: weights of a trained layer's magnitude
             cls._live[key] = found
         return found
 
-    def bf16(self) -> torch.Tensor:
-        """``[E, N, K]`` bf16, dequantized one expert at a time."""
-        if self._bf16 is None:
-            out = torch.empty(*self.blocks.shape[:2], self.blocks.shape[2] * 32, dtype=torch.bfloat16,
-                              device=self.blocks.device)
-            for e in range(out.shape[0]):
-                out[e] = mxfp4_dequantize_torch(self.blocks[e], self.scales[e], torch.bfloat16)
-            self._bf16 = out
-        return self._bf16
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[E, N, K]`` in ``dtype`` (the MXFP4 dequantize kernel), kept for later calls."""
+        if dtype not in self._dense:
+            self._dense[dtype] = mxfp4_dequantize(self.blocks, self.scales, dtype)
+        return self._dense[dtype]
 
 
 def random_routing(tokens: int, experts: int, top_k: int, device: torch.device, gen: torch.Generator):
@@ -294,12 +290,13 @@ def _make_inputs(phase, shape, device, seed):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     weights, ids = random_routing(shape["T"], shape["E"], shape["top_k"], device, gen)
     sort = sort_by_expert(ids, weights, shape["E"], check_ids=False)
-    rows = shape["T"] if shape["gather"] else sort.num_rows
+    gather = bool(shape.get("gather", 1))
+    rows = shape["T"] if gather else sort.num_rows
     x = torch.randn(rows, shape["K"], generator=gen, device=device).to(dtype)
     bounds = sort.expert_offsets.tolist()
     active = [(e, a, b) for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
     return {"x": x, "sort": sort, "weights": ExpertWeights.random(shape["E"], shape["N"], shape["K"], device),
-            "gather": bool(shape["gather"]), "active": active}
+            "gather": gather, "active": active}
 
 
 def _run(inputs, config):
@@ -326,7 +323,7 @@ def compare_rows(out: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-2) -> st
 
 def bf16_expert_loop(inputs) -> torch.Tensor:
     """Baseline: per active expert, ``torch.mm`` (cuBLAS) on pre-dequantized bf16 weights."""
-    w = inputs["weights"].bf16()
+    w = inputs["weights"].dense(inputs["x"].dtype)
     sort = inputs["sort"]
     rows = inputs["x"][sort.sorted_token] if inputs["gather"] else inputs["x"]
     y = rows.new_empty(sort.num_rows, w.shape[1])
@@ -340,7 +337,7 @@ SPEC = registry.register(registry.KernelSpec(
     phases=("decode",),
     space=SPACE,
     default=_default,
-    fixed_dims=("E", "top_k", "N", "K", "gather"),
+    fixed_dims=("E", "top_k", "N", "K"),  # "gather" (1: gate_up, 0: down) is only an input detail
     bucketed_dims=("T",),
     make_inputs=_make_inputs,
     run=_run,

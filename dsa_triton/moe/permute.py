@@ -119,3 +119,11 @@ def align_blocks(sort: ExpertSort, block_m: int) -> BlockAlignment:
     block_expert = torch.searchsorted(padded_offsets, starts, right=True) - 1
     block_expert = torch.where(starts < padded_offsets[-1], block_expert, -1)
     return BlockAlignment(block_m, padded_rows.to(torch.int32), block_expert.to(torch.int32))
+
+
+def combine_rows(y_sorted: torch.Tensor, sort: ExpertSort) -> torch.Tensor:
+    """Weighted sum of each token's expert rows: ``y_sorted[M, N]`` (sorted order) -> ``[T, N]`` fp32."""
+    slot_row = sort.slot_row.long()
+    tokens = sort.num_rows // sort.top_k
+    per_slot = y_sorted[slot_row].float().view(tokens, sort.top_k, -1)
+    return (per_slot * sort.sorted_weight[slot_row].view(tokens, sort.top_k, 1)).sum(dim=1)

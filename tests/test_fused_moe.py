@@ -1,0 +1,178 @@
+"""Expert sort, block alignment and the fused MXFP4 grouped GEMM (interpreter) against their references."""
+import pytest
+import torch
+
+from dsa_triton import ConfigError, registry
+from dsa_triton.moe.fused_moe import SPEC, fused_moe_gemm, random_routing
+from dsa_triton.moe.fused_moe_reference import fused_moe_gemm_torch
+from dsa_triton.moe.mxfp4_reference import mxfp4_dequantize_torch, mxfp4_quantize_torch
+from dsa_triton.moe.permute import combine_rows, max_padded_rows, sort_by_expert
+from tests.poison import poisoned_allocations
+
+CPU = torch.device("cpu")
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def routing(tokens, experts, top_k, seed):
+    return random_routing(tokens, experts, top_k, CPU, gen(seed))
+
+
+def experts_mxfp4(experts, n, k, seed):
+    w = torch.randn(experts, n, k, generator=gen(seed)) * 0.05
+    return mxfp4_quantize_torch(w)
+
+
+# -- permutation ----------------------------------------------------------------------------------
+def test_sort_by_expert_matches_a_direct_construction():
+    weights, ids = routing(6, 7, 3, seed=1)
+    sort = sort_by_expert(ids, weights, 7)
+    slots = sorted(range(18), key=lambda s: (int(ids.view(-1)[s]), s))
+    assert sort.sorted_slot.tolist() == slots
+    assert sort.sorted_token.tolist() == [s // 3 for s in slots]
+    assert sort.sorted_expert.tolist() == [int(ids.view(-1)[s]) for s in slots]
+    assert torch.equal(sort.sorted_weight, weights.view(-1)[slots])
+    counts = torch.bincount(ids.view(-1).long(), minlength=7)
+    assert sort.expert_offsets.tolist() == [0] + counts.cumsum(0).tolist()
+    assert torch.equal(sort.sorted_slot[sort.slot_row.long()], torch.arange(18, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+def test_block_alignment_pads_each_expert_and_marks_padding(block_m):
+    experts = 9
+    weights, ids = routing(5, experts, 2, seed=block_m)  # 10 routes over 9 experts: some get none
+    sort = sort_by_expert(ids, weights, experts)
+    a = sort.aligned(block_m)
+    assert a is sort.aligned(block_m)  # cached
+    assert a.padded_rows.numel() == max_padded_rows(10, experts, block_m) == a.num_blocks * block_m
+    rows = a.padded_rows.view(-1, block_m)
+    real = a.padded_rows[a.padded_rows >= 0]
+    assert sorted(real.tolist()) == list(range(10))  # every sorted row exactly once
+    offsets = sort.expert_offsets.tolist()
+    for b, e in enumerate(a.block_expert.tolist()):
+        if e < 0:
+            assert (rows[b] == -1).all()
+            assert (a.block_expert[b:] == -1).all()
+            continue
+        got = rows[b][rows[b] >= 0].tolist()
+        assert got and all(offsets[e] <= r < offsets[e + 1] for r in got)
+        assert rows[b].tolist() == got + [-1] * (block_m - len(got))  # padding only at the block's end
+    used = set(a.block_expert.tolist()) - {-1}
+    assert used == {e for e in range(experts) if offsets[e + 1] > offsets[e]}
+
+
+def test_combine_rows_weights_and_sums_each_tokens_rows():
+    weights, ids = routing(4, 5, 2, seed=3)
+    sort = sort_by_expert(ids, weights, 5)
+    y = torch.randn(8, 6, generator=gen(4))
+    expected = torch.stack([sum(weights[t, j] * y[int(sort.slot_row[t * 2 + j])] for j in range(2)) for t in range(4)])
+    torch.testing.assert_close(combine_rows(y, sort), expected)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda ids, w: sort_by_expert(ids.float(), w, 5), "topk_ids"),
+    (lambda ids, w: sort_by_expert(ids[0], w, 5), "topk_ids"),
+    (lambda ids, w: sort_by_expert(ids + 5, w, 5), "topk_ids"),
+    (lambda ids, w: sort_by_expert(ids - 1, w, 5), "topk_ids"),
+    (lambda ids, w: sort_by_expert(ids, w[:, :1], 5), "topk_weights"),
+    (lambda ids, w: sort_by_expert(ids, w, 0), "num_experts"),
+])
+def test_sort_bad_inputs(call, match):
+    w, ids = routing(3, 5, 2, seed=0)
+    with pytest.raises(ValueError, match=match):
+        call(ids, w)
+
+
+# -- the fused GEMM ----------------------------------------------------------------------------------
+def cfg(bm, bn, bk, split=1, warps=4, stages=2):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "num_stages": stages}
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, n, k, gather, config", [
+    (1, 5, 2, 40, 96, True, cfg(1, 32, 64)),            # T=1, GEMV style; 3 of 5 experts idle
+    (1, 7, 3, 40, 96, True, cfg(16, 16, 128)),          # T=1 on tensor cores (rows padded to 16)
+    (4, 7, 3, 48, 160, True, cfg(2, 16, 64, split=2)),  # K = 5 x 32, two rows per block, split-K atomics
+    (5, 5, 2, 24, 64, False, cfg(16, 32, 128)),         # down-GEMM form (sorted rows), K < BLOCK_K
+    (3, 5, 2, 24, 256, False, cfg(16, 32, 128, split=2)),  # tensor cores with split-K atomics
+    (6, 5, 3, 33, 96, False, cfg(4, 32, 64)),           # N = 33
+])
+def test_fused_gemm_matches_reference(tokens, experts, top_k, n, k, gather, config):
+    weights, ids = routing(tokens, experts, top_k, seed=tokens + experts)
+    sort = sort_by_expert(ids, weights, experts)
+    blocks, scales = experts_mxfp4(experts, n, k, seed=n + k)
+    x = torch.randn(tokens if gather else tokens * top_k, k, generator=gen(k)).half()
+    with poisoned_allocations():
+        y = fused_moe_gemm(x, sort, blocks, scales, gather_tokens=gather, config=config)
+    ref = fused_moe_gemm_torch(x, sort, blocks, scales, gather)
+    assert y.dtype == torch.float16 and y.shape == (tokens * top_k, n)
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.float(), ref, rtol=2e-3, atol=2e-3)
+
+
+def identity_problem(k, dtype):
+    """One expert, k tokens routed to it, x = identity: y_sorted[t] is column t of W, exactly."""
+    ids = torch.zeros(k, 1, dtype=torch.int32)
+    sort = sort_by_expert(ids, None, 1)
+    return torch.eye(k, dtype=dtype), sort
+
+
+@pytest.mark.parametrize("dtype, config, scale_range", [
+    (torch.float16, cfg(16, 32, 128), (116, 138)),  # tensor cores, every E2M1 code, fp16-exact scales
+    (torch.bfloat16, cfg(1, 32, 64), (20, 240)),    # FMA in fp32: bf16 activations, the kernel's full scale range
+])
+def test_dequantization_in_registers_is_exact(dtype, config, scale_range):
+    n, k = 32, 64
+    x, sort = identity_problem(k, dtype)
+    blocks = torch.arange(n * k // 2, dtype=torch.int64).remainder(256).to(torch.uint8).view(1, n, k // 32, 16)
+    scales = torch.randint(*scale_range, (1, n, k // 32), generator=gen(9)).to(torch.uint8)
+    with poisoned_allocations():
+        y = fused_moe_gemm(x, sort, blocks, scales, config=config)
+    expected = mxfp4_dequantize_torch(blocks[0], scales[0], dtype).t()
+    assert torch.equal(y, expected)
+
+
+def test_default_config_and_registry_entry():
+    shape = SPEC.bench_shapes("decode", False)[0]
+    inputs = SPEC.make_inputs("decode", shape, CPU, 5)
+    out = SPEC.run(inputs, SPEC.launch_config("decode", shape, CPU))
+    assert SPEC.compare(out, SPEC.reference(inputs)) is None
+    assert SPEC.compare(out.float() + 1.0, SPEC.reference(inputs)) is not None
+    assert registry.get("moe_fused_gemm") is SPEC
+    gpu = SPEC.bench_shapes("decode", True)
+    assert {(s["N"], s["K"]) for s in gpu} == {(4096, 7168), (7168, 2048)} and {s["T"] for s in gpu} == {1, 8, 32, 128}
+    modes = {SPEC.default("decode", s)["BLOCK_M"] >= 16 for s in gpu}
+    assert modes == {True, False}  # GEMV style for T = 1, 8; tensor cores for 32, 128
+
+
+def test_constraints_reject_bad_tiles():
+    shape = {"T": 4, "E": 8, "top_k": 2, "N": 256, "K": 512}
+    with pytest.raises(ConfigError, match="BLOCK_K"):
+        SPEC.validate(cfg(16, 64, 64), shape)  # tl.dot needs BLOCK_K / 8 >= 16
+    with pytest.raises(ConfigError, match="SPLIT_K"):
+        SPEC.validate(cfg(1, 64, 256, split=4), shape)
+    with pytest.raises(ConfigError, match="registers"):
+        SPEC.validate(cfg(4, 256, 512, warps=1), shape)
+    assert any(c["BLOCK_M"] < 16 for c in SPEC.configs(shape)) and any(c["BLOCK_M"] >= 16 for c in SPEC.configs(shape))
+
+
+def test_fused_gemm_bad_inputs_raise_naming_the_argument():
+    weights, ids = routing(2, 5, 2, seed=0)
+    sort = sort_by_expert(ids, weights, 5)
+    blocks, scales = experts_mxfp4(5, 16, 64, seed=0)
+    x = torch.randn(2, 64).half()
+    cases = [
+        (lambda: fused_moe_gemm(x.float(), sort, blocks, scales), "x"),
+        (lambda: fused_moe_gemm(x[:, :32], sort, blocks, scales), "x"),
+        (lambda: fused_moe_gemm(x, sort, blocks, scales, gather_tokens=False), "x"),
+        (lambda: fused_moe_gemm(x, sort, blocks[:4], scales[:4]), "blocks"),
+        (lambda: fused_moe_gemm(x, sort, blocks.float(), scales), "blocks"),
+        (lambda: fused_moe_gemm(x, sort, blocks, scales[:, :8]), "scales"),
+        (lambda: fused_moe_gemm(x, sort, blocks.transpose(1, 2).contiguous().transpose(1, 2), scales), "blocks"),
+        (lambda: fused_moe_gemm(x, (ids, weights), blocks, scales), "sort"),
+        (lambda: fused_moe_gemm(x, sort, blocks, scales, config=cfg(16, 16, 64)), "BLOCK_K"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()

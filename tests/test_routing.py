@@ -1,0 +1,102 @@
+"""Routing: DeepSeek group-limited sigmoid top-k and softmax top-k against the loop-per-token oracle."""
+import pytest
+import torch
+
+import dsa_triton as dt
+from dsa_triton.moe.routing import RoutingConfig, deepseek_topk, route, softmax_topk
+from dsa_triton.moe.routing_reference import deepseek_topk_torch, route_torch, softmax_topk_torch
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, n_group, topk_group, norm, scale, with_bias", [
+    (1, 7, 2, 1, 1, True, 1.0, True),      # odd E, no groups
+    (5, 12, 3, 4, 2, True, 2.5, True),     # groups of 3, two kept
+    (4, 16, 4, 8, 4, False, 2.5, True),    # groups of 2 (top-2 sum = the whole group), unnormalized
+    (3, 10, 2, 5, 1, True, 2.5, False),    # one group kept, no bias
+    (6, 32, 8, 8, 4, True, 2.5, True),     # DeepSeek-V3 ratios
+])
+def test_deepseek_matches_oracle(tokens, experts, top_k, n_group, topk_group, norm, scale, with_bias):
+    g = gen(tokens * 100 + experts)
+    logits = torch.randn(tokens, experts, generator=g) * 2
+    bias = torch.randn(experts, generator=g) * 0.5 if with_bias else None
+    weights, ids = deepseek_topk(logits, bias, top_k, n_group, topk_group, norm, scale)
+    ref_w, ref_ids = deepseek_topk_torch(logits, bias, top_k, n_group, topk_group, norm, scale)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-6)
+    if norm:
+        torch.testing.assert_close(weights.sum(1), torch.full((tokens,), scale), rtol=1e-6, atol=1e-6)
+    group_of = ids // (experts // n_group)
+    assert all(len(set(row)) <= topk_group for row in group_of.tolist())
+
+
+def test_deepseek_bias_selects_but_does_not_weigh():
+    logits = torch.zeros(1, 4)
+    bias = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    weights, ids = deepseek_topk(logits, bias, 1, routed_scaling_factor=1.0, norm_topk_prob=False)
+    assert ids.tolist() == [[3]]
+    assert weights.tolist() == [[0.5]]  # sigmoid(0), not sigmoid(0) + 1
+
+
+def test_deepseek_group_limit_excludes_a_strong_expert_in_a_weak_group():
+    # group 0 = experts 0,1 (one strong, one very weak), group 1 = experts 2,3 (both good): top-2 sums rank
+    # group 1 first, so with one group kept expert 0 is excluded although it has the best score.
+    logits = torch.tensor([[4.0, -8.0, 2.0, 2.0]])
+    _, ids = deepseek_topk(logits, None, 1, n_group=2, topk_group=1)
+    assert ids.tolist() == [[2]] or ids.tolist() == [[3]]
+    _, ids = deepseek_topk(logits, None, 1, n_group=2, topk_group=2)
+    assert ids.tolist() == [[0]]
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 5, 2), (7, 9, 4), (3, 32, 4)])
+def test_softmax_matches_oracle(tokens, experts, top_k, renormalize):
+    logits = torch.randn(tokens, experts, generator=gen(experts + top_k)) * 3
+    weights, ids = softmax_topk(logits, top_k, renormalize)
+    ref_w, ref_ids = softmax_topk_torch(logits, top_k, renormalize)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-6, atol=1e-7)
+    if renormalize:
+        torch.testing.assert_close(weights.sum(1), torch.ones(tokens))
+
+
+@pytest.mark.parametrize("routing", [RoutingConfig("deepseek", top_k=3, n_group=3, topk_group=2, routed_scaling_factor=2.5),
+                                     RoutingConfig("softmax", top_k=2)])
+def test_route_dispatches_like_the_oracle(routing):
+    g = gen(3)
+    logits = torch.randn(4, 9, generator=g)
+    bias = torch.randn(9, generator=g) if routing.mode == "deepseek" else None
+    weights, ids = dt.route(logits, routing, bias)
+    ref_w, ref_ids = route_torch(logits, routing, bias)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w)
+
+
+def test_half_precision_logits_are_routed_in_fp32():
+    logits = torch.randn(3, 8, generator=gen(5)).to(torch.bfloat16)
+    weights, ids = deepseek_topk(logits, None, 2, 4, 2)
+    ref_w, ref_ids = deepseek_topk_torch(logits.float(), None, 2, 4, 2)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda l: deepseek_topk(l[0], None, 2), "logits"),
+    (lambda l: deepseek_topk(l.int(), None, 2), "logits"),
+    (lambda l: deepseek_topk(l, None, 9), "top_k"),
+    (lambda l: deepseek_topk(l, None, 0), "top_k"),
+    (lambda l: deepseek_topk(l, None, 2, n_group=3), "n_group"),
+    (lambda l: deepseek_topk(l, None, 2, n_group=4, topk_group=5), "topk_group"),
+    (lambda l: deepseek_topk(l, None, 5, n_group=4, topk_group=2), "top_k"),
+    (lambda l: deepseek_topk(l, torch.zeros(7), 2), "bias"),
+    (lambda l: softmax_topk(l, 9), "top_k"),
+    (lambda l: route(l, RoutingConfig("softmax", top_k=2), torch.zeros(8)), "bias"),
+    (lambda l: RoutingConfig("sigmoid"), "mode"),
+    (lambda l: RoutingConfig(top_k=0), "top_k"),
+])
+def test_bad_inputs_raise_naming_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(torch.randn(2, 8))
