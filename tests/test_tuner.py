@@ -83,6 +83,27 @@ def test_all_configs_wrong_gives_no_record(tmp_path):
         assert result.status == "failed" and result.record is None and db.records() == []
 
 
+def test_inputs_that_are_not_reproducible_get_a_reference_per_check(toys):
+    from .test_tuner_toys import make_inputs
+
+    drifting = toy_spec("toy_drifting")
+    drifting.make_inputs = lambda phase, shape, device, seed: make_inputs(phase, shape, device, int(torch.randint(99, ())))
+    ev = evaluator(drifting)
+    assert ev.expected is None
+    assert ev.evaluate({"BLOCK": 64, "num_warps": 2}).ok
+    assert evaluator(toys[0]).expected is not None
+
+
+def test_same_inputs_is_bitwise():
+    from tuner.objective import same_inputs
+
+    a = {"x": torch.tensor([1.0, float("nan")]), "s": torch.tensor(2.0), "n": 3, "obj": object()}
+    assert same_inputs(a, {**a, "x": a["x"].clone(), "obj": object()})
+    assert not same_inputs(a, {**a, "x": torch.tensor([1.0, 2.0])})
+    assert not same_inputs(a, {**a, "n": 4})
+    assert not same_inputs(a, {**a, "s": torch.tensor(2.0, dtype=torch.float64)})
+
+
 # -- the search -----------------------------------------------------------------------------------
 def fake(spec: KernelSpec, us, calls: list, delay: float = 0.0):
     """An evaluate function that rejects invalid configs like the real one and logs what it 'ran'."""
