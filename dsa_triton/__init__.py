@@ -18,6 +18,7 @@ __all__ += ["PageAllocator", "PagedCache", "append_tokens", "fp8_quantize_rows"]
 from .attention.indexer import indexer_logits  # noqa: E402
 from .attention.block_scores import (block_indexer_logits, block_scores, select_pages,  # noqa: E402
                                      selected_page_logits)
+from .attention import block_scores_report  # noqa: E402,F401  (registers the report block_scores_recall)
 
 __all__ += ["indexer_logits", "block_scores", "select_pages", "selected_page_logits", "block_indexer_logits"]
 

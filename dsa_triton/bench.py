@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not args.no_ceilings:
         ceilings = measure_ceilings(device)
     wanted = [n for n in args.kernels.split(",") if n]
-    specs = [registry.get(n) for n in wanted] if wanted else registry.kernels()
+    kernel_names = [n for n in wanted if n not in registry.reports()]  # the rest name reports
+    specs = [registry.get(n) for n in kernel_names] if wanted else registry.kernels()
     jobs = [(s, p, shape) for s in specs for p in s.phases for shape in s.bench_shapes(p, device.type == "cuda")]
     rows: list[Measurement] = []
     for spec, phase, shape in tqdm(jobs, desc="bench", file=sys.stderr, disable=not jobs):

@@ -415,8 +415,6 @@ def _default(phase: str, shape) -> dict:
 def _constraint(config: dict, shape) -> str | None:
     if config["CHUNK"] % config["BLOCK_N"]:
         return "CHUNK must be a multiple of BLOCK_N"
-    if shape["Q"] <= MAX_DECODE_ROWS and config["BLOCK_M"] < shape["Q"]:
-        return "decode: one program must hold every query row of its sequence"
     if config["BLOCK_M"] * triton.next_power_of_2(max(shape["H"], 16)) > 512:
         return "BLOCK_M * heads above 512 columns"
     return None
@@ -425,7 +423,7 @@ def _constraint(config: dict, shape) -> str | None:
 SPEC = registry.register(KernelSpec(
     name="indexer_logits",
     phases=("prefill", "decode"),
-    space={"BLOCK_M": (1, 2, 4), "BLOCK_N": (32, 64, 128, 256), "CHUNK": (512, 1024, 2048, 4096, 8192, 16384, 65536),
+    space={"BLOCK_M": (1, 2, 4), "BLOCK_N": (32, 64, 128, 256), "CHUNK": (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536),
            "num_warps": (4, 8), "num_stages": (1, 2, 3, 4)},
     default=_default,
     fixed_dims=("P", "H", "DK"),

@@ -1,0 +1,104 @@
+"""Block-level indexer scoring (Triton interpreter): page bounds, page selection, logits inside pages."""
+import pytest
+import torch
+
+import dsa_triton as dt
+from dsa_triton import registry
+from dsa_triton.attention.block_scores_reference import gather_selected_torch, page_bounds_torch
+from dsa_triton.attention.indexer import compare_logits, random_queries
+
+from .test_indexer import decode_rows, paged_cache
+
+
+def problem(P, lens=(70, 0, 37, 16), rows=(2, 1, 1, 3), H=8, DK=32, seed=0):
+    cache = paged_cache(list(lens), P, DK, seed=seed)
+    limits, cu = decode_rows(list(lens), list(rows))
+    q, w = random_queries(int(cu[-1]), H, DK, "cpu", torch.Generator().manual_seed(seed + 1))
+    return cache, q, w, limits, cu
+
+
+@pytest.mark.parametrize("P", [16, 64])
+def test_bounds_are_upper_bounds(P):
+    cache, q, w, limits, cu = problem(P, seed=P)
+    assert bool((w < 0).any() and (w > 0).any())  # both signs of the head weights
+    n_pages = -(-70 // P)
+    bounds = dt.block_scores(q, w, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens, limits, P,
+                             cu_seqlens_q=cu)
+    ref = page_bounds_torch(q, w, cache.pmax, cache.pmin, cache.block_table, limits, P, n_pages, cu)
+    assert compare_logits(bounds, ref, rtol=1e-5) is None
+    dense = dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, cu_seqlens_q=cu,
+                              block_table=cache.block_table, seq_lens=cache.seq_lens, num_cols=n_pages * P)
+    best = dense.view(dense.shape[0], n_pages, P).amax(dim=2)  # each page's best valid token score
+    finite = best.isfinite()
+    assert torch.equal(finite, bounds.isfinite())
+    slack = 1e-5 * bounds.where(finite, 0.0).abs().amax(1, keepdim=True)
+    assert bool((bounds + slack >= best)[finite].all())
+
+
+@pytest.mark.parametrize("P", [16, 64])
+def test_all_pages_selected_equals_token_level(P):
+    cache, q, w, limits, cu = problem(P, seed=3)
+    n_pages = -(-70 // P)
+    kw = dict(cu_seqlens_q=cu, config={**registry.get("indexer_block_path").default("decode", {"Q": 3, "H": 8}),
+                                       "BLOCK_N": 32, "CHUNK": 256, "num_warps": 4})
+    logits, pos = dt.block_indexer_logits(q, w, cache.ik, cache.ik_scale, cache.pmax, cache.pmin, cache.block_table,
+                                          cache.seq_lens, limits, n_pages + 2, **kw)
+    dense = dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, cu_seqlens_q=cu, block_table=cache.block_table,
+                              seq_lens=cache.seq_lens, num_cols=(n_pages + 2) * P,
+                              config={"BLOCK_M": 1, "BLOCK_N": 32, "CHUNK": 256, "num_warps": 4, "num_stages": 3})
+    assert torch.equal(logits, dense)  # exactly, -inf past each row's limit included
+    expected = torch.arange((n_pages + 2) * P).expand_as(pos)
+    assert torch.equal(pos, expected.where(expected < limits[:, None], -1).int())
+
+
+def test_partial_selection_matches_dense_logits():
+    cache, q, w, limits, cu = problem(16, lens=(150, 3, 0), rows=(2, 1, 2), seed=9)
+    bounds = dt.block_scores(q, w, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens, limits, 16,
+                             cu_seqlens_q=cu)
+    pages = dt.select_pages(bounds, 3)
+    assert bool((pages[:, :-1] <= pages[:, 1:]).logical_or(pages[:, 1:] == -1).all())  # ascending, -1 last
+    top = bounds.topk(3, dim=1).values.amin(1)
+    chosen = bounds.gather(1, pages.clamp_min(0).long()).where(pages >= 0, float("inf")).amin(1)
+    assert torch.equal(chosen[:2], top[:2])
+    assert torch.equal(pages[2], torch.tensor([0, -1, -1], dtype=torch.int32))  # one valid page only
+    assert bool((pages[3:] == -1).all())  # zero-length sequence
+    logits, pos = dt.selected_page_logits(q, w, cache.ik, cache.ik_scale, cache.block_table, cache.seq_lens,
+                                          limits, pages, cu_seqlens_q=cu)
+    dense = dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, cu_seqlens_q=cu,
+                              block_table=cache.block_table, seq_lens=cache.seq_lens, num_cols=150)
+    ref_logits, ref_pos = gather_selected_torch(dense, pages, 16, limits)
+    assert torch.equal(pos, ref_pos)
+    assert compare_logits(logits, ref_logits, rtol=1e-6) is None
+    assert bool(logits[3:].isneginf().all()) and bool((pos[3:] == -1).all())
+
+
+def test_registry_entry():
+    spec = registry.get("indexer_block_path")
+    for shape in spec.bench_shapes("decode", False):
+        inputs = spec.make_inputs("decode", shape, torch.device("cpu"), 11)
+        out = spec.run(inputs, spec.default("decode", shape))
+        ref = spec.reference(inputs)
+        assert spec.compare(out, ref) is None
+        bounds, logits, positions = out
+        assert spec.compare((bounds, logits * 1.01, positions), ref) is not None
+        assert spec.compare((bounds, logits, positions.roll(1, dims=0)), ref) is not None
+
+
+def test_bad_inputs():
+    cache, q, w, limits, cu = problem(16)
+    base = (q, w, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens, limits, 16)
+    with pytest.raises(ValueError, match="^pmin: strides"):
+        dt.block_scores(q, w, cache.pmax, cache.pmin.contiguous(), *base[4:], cu_seqlens_q=cu)
+    with pytest.raises(ValueError, match="^pmax: dimension 1"):
+        dt.block_scores(q, w, cache.pmax[:, :16], cache.pmin[:, :16], *base[4:], cu_seqlens_q=cu)
+    with pytest.raises(ValueError, match="^limits"):
+        dt.block_scores(*base[:6], limits + 1, 16, cu_seqlens_q=cu)
+    with pytest.raises(ValueError, match="^n_select"):
+        dt.select_pages(torch.zeros(2, 3), 0)
+    pages = torch.tensor([[0, 5]] * q.shape[0], dtype=torch.int32)  # page 5 lies past sequence 0's 70 tokens
+    with pytest.raises(ValueError, match="^pages"):
+        dt.selected_page_logits(q, w, cache.ik, cache.ik_scale, cache.block_table, cache.seq_lens, limits, pages,
+                                cu_seqlens_q=cu)
+    with pytest.raises(ValueError, match="^pages: 1 rows"):
+        dt.selected_page_logits(q, w, cache.ik, cache.ik_scale, cache.block_table, cache.seq_lens, limits,
+                                pages[:1], cu_seqlens_q=cu)

@@ -1,0 +1,116 @@
+"""Token-level indexer logits (Triton interpreter) against the PyTorch reference."""
+import pytest
+import torch
+
+import dsa_triton as dt
+from dsa_triton import registry
+from dsa_triton.attention.cache_reference import fp8_quantize_rows
+from dsa_triton.attention.indexer import compare_logits, random_queries
+from dsa_triton.attention.indexer_reference import indexer_logits_torch
+
+
+def paged_cache(lens, P, DK, seed=0, spare_pages=3):
+    """A NaN-poisoned cache filled by the append kernel: sequence b holds lens[b] random keys."""
+    g = torch.Generator().manual_seed(seed)
+    pages = sum(-(-n // P) for n in lens) + spare_pages
+    cache = dt.PagedCache(pages, P, len(lens), kv_dim=0, index_dim=DK, device="cpu", poison=True)
+    cache.allocator.allocate(1)  # page 0 stays poisoned and unused
+    cache.append(range(len(lens)), lens, None, torch.randn(sum(lens), DK, generator=g) * 3)
+    return cache
+
+
+def decode_rows(lens, rows_per_seq):
+    """Limits of the last rows_per_seq[b] positions of each sequence (causal), and cu_seqlens_q."""
+    limits = [max(0, n - r + 1 + j) for n, r in zip(lens, rows_per_seq) for j in range(r)]
+    cu = torch.tensor([0] + rows_per_seq).cumsum(0).int()
+    return torch.tensor(limits, dtype=torch.int32), cu
+
+
+@pytest.mark.parametrize("P", [16, 64])
+def test_decode_paged_mixed_lengths(P):
+    lens, rows = [70, 0, 5, 33, 1], [1, 2, 4, 3, 0]  # a zero-length sequence and one without query rows
+    H, DK = 6, 48  # neither a power of two
+    cache = paged_cache(lens, P, DK, seed=P)
+    limits, cu = decode_rows(lens, rows)
+    q, w = random_queries(int(cu[-1]), H, DK, "cpu", torch.Generator().manual_seed(1))
+    kw = dict(cu_seqlens_q=cu, block_table=cache.block_table)
+    out = dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, seq_lens=cache.seq_lens, num_cols=75, **kw)
+    ref = indexer_logits_torch(q, w, cache.ik, cache.ik_scale, limits, 75, **kw)
+    assert compare_logits(out, ref, rtol=1e-5) is None  # also: no NaN from the poisoned slots
+    assert bool(out[limits == 0].isneginf().all())
+    assert bool(out[:, 70:].isneginf().all())
+
+
+@pytest.mark.parametrize("block_m,block_n,chunk", [(1, 32, 128), (2, 64, 128), (4, 128, 512)])
+def test_prefill_contiguous_several_sequences(block_m, block_n, chunk):
+    g = torch.Generator().manual_seed(block_m)
+    H, DK = 8, 32
+    lens, rows = [150, 9, 40], [7, 9, 0]
+    k8, scale = fp8_quantize_rows(torch.randn(sum(lens), DK, generator=g))
+    starts = torch.tensor([0] + lens[:-1]).cumsum(0).int()
+    limits, cu = decode_rows(lens, rows)
+    q, w = random_queries(int(cu[-1]), H, DK, "cpu", g)
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "CHUNK": chunk, "num_warps": 4, "num_stages": 2}
+    out = dt.indexer_logits(q, w, k8, scale, limits, cu_seqlens_q=cu, key_starts=starts, config=cfg)
+    ref = indexer_logits_torch(q, w, k8, scale, limits, 150, cu_seqlens_q=cu, key_starts=starts)
+    assert compare_logits(out, ref, rtol=1e-5) is None
+
+
+def test_prefill_paged_many_rows():
+    lens = [45]
+    cache = paged_cache(lens, 16, 32, seed=5)
+    limits = torch.arange(1, 46, dtype=torch.int32)  # every row of a 45-token prefill, causal
+    q, w = random_queries(45, 8, 32, "cpu", torch.Generator().manual_seed(2))
+    out = dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, block_table=cache.block_table,
+                            seq_lens=cache.seq_lens)
+    ref = indexer_logits_torch(q, w, cache.ik, cache.ik_scale, limits, 45, block_table=cache.block_table)
+    assert compare_logits(out, ref, rtol=1e-5) is None
+    assert compare_logits(out, ref.roll(1, dims=1)) is not None  # the check can fail
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_registry_entry(phase):
+    spec = registry.get("indexer_logits")
+    for shape in spec.bench_shapes(phase, False):
+        inputs = spec.make_inputs(phase, shape, torch.device("cpu"), 7)
+        out = spec.run(inputs, spec.default(phase, shape))
+        ref = spec.reference(inputs)
+        assert spec.compare(out, ref) is None
+        assert spec.compare(out * 1.01, ref) is not None
+
+
+def test_bad_inputs():
+    cache = paged_cache([20, 3], 16, 32)
+    limits, cu = decode_rows([20, 3], [1, 1])
+    q, w = random_queries(2, 4, 32, "cpu", torch.Generator().manual_seed(0))
+    args = (q, w, cache.ik, cache.ik_scale, limits)
+    kw = dict(cu_seqlens_q=cu, block_table=cache.block_table, seq_lens=cache.seq_lens)
+    call = lambda *a, **k: dt.indexer_logits(*a, **{**kw, **k})  # noqa: E731
+    call(*args)  # valid
+    with pytest.raises(ValueError, match="^q: dtype"):
+        call(q.float(), *args[1:])
+    with pytest.raises(ValueError, match="^weights"):
+        call(q, w[:, :2], *args[2:])
+    with pytest.raises(ValueError, match="^limits: a row's limit"):
+        call(q, w, cache.ik, cache.ik_scale, limits + 1)
+    with pytest.raises(ValueError, match="^limits: must be >= 0"):
+        call(q, w, cache.ik, cache.ik_scale, limits - 5)
+    with pytest.raises(ValueError, match="^cu_seqlens_q"):
+        call(*args, cu_seqlens_q=torch.tensor([0, 2, 1], dtype=torch.int32))
+    bad_table = cache.block_table.clone()
+    bad_table[0, 1] = 99
+    with pytest.raises(ValueError, match="^block_table"):
+        call(*args, block_table=bad_table)
+    with pytest.raises(ValueError, match="^seq_lens: required"):
+        call(*args, seq_lens=None)
+    with pytest.raises(ValueError, match="^k_scale"):
+        call(q, w, cache.ik, cache.ik_scale[:, :8], limits)
+    with pytest.raises(ValueError, match="^k: page size"):
+        call(q, w, cache.ik[:, :8], cache.ik_scale[:, :8], limits)
+    with pytest.raises(ValueError, match="^k: must be contiguous"):
+        call(q, w, cache.ik.transpose(0, 1).contiguous().transpose(0, 1), cache.ik_scale, limits)
+    with pytest.raises(ValueError, match="^num_cols"):
+        call(*args, num_cols=-1)
+    k8, scale = cache.ik.view(-1, 32)[16:40], cache.ik_scale.view(-1)[16:40]
+    with pytest.raises(ValueError, match="^limits: key_starts"):
+        dt.indexer_logits(q, w, k8, scale, limits, cu_seqlens_q=cu, key_starts=torch.tensor([0, 22], dtype=torch.int32))
