@@ -168,6 +168,37 @@ def test_timeout_stops_the_search(toys):
     assert 1 <= result.runs() < 9
 
 
+def test_a_config_that_breaks_the_device_stops_the_run_and_is_not_retried(toys, tmp_path):
+    from tuner.objective import DeviceLost
+
+    axpy_spec, buggy = toys
+    bad = config_text({"BLOCK": 128, "num_warps": 2})
+    calls = []
+
+    def evaluate(config):
+        calls.append(config_text(config))
+        return Outcome("fatal", detail="illegal memory access") if calls[-1] == bad else Outcome("ok", 1.0)
+
+    storage = lambda: journal_storage(tmp_path, "dev", axpy_spec.name)
+    with pytest.raises(DeviceLost, match="illegal memory access"):
+        search(axpy_spec, SHAPE, evaluate, name="f", storage=storage(), sampler="exhaustive", trials=9,
+               seeds=[json.loads(bad)], **FAST)
+    assert calls == [bad]
+    result = search(axpy_spec, SHAPE, evaluate, name="f", storage=storage(), sampler="exhaustive", trials=9, **FAST)
+    assert calls.count(bad) == 1 and result.runs() == 9  # resumed: the culprit is known, the rest ran
+
+    import tuner.tune as tune_module
+
+    def lose(job, *args, **kw):
+        raise DeviceLost("boom")
+
+    with database(tmp_path / "db") as db, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tune_module, "tune_job", lose)
+        results = tune([Job(axpy_spec, "decode", SHAPE), Job(buggy, "decode", SHAPE)], db, DEVICE,
+                       storage_dir=None, log=lambda s: None, **FAST)
+    assert [r.status for r in results] == ["failed", "not run"] and "device lost" in results[0].detail
+
+
 def test_study_name_has_code_shape_and_exact_shape(toys):
     axpy_spec, _ = toys
     assert study_name(axpy_spec, "decode", {"T": 4, "D": 40}, "dev").endswith("/decode:D=40,T=4")

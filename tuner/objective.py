@@ -20,11 +20,19 @@ from dsa_triton.registry import ConfigError, KernelSpec
 
 PENALTY_US = 1e12  # the objective value of an invalid, failing or wrong config (minimised)
 CHECK_SEED = 1234
+# errors after which the CUDA context is unusable: the process has to end (the journal keeps the culprit)
+FATAL_CUDA_ERRORS = ("illegal memory access", "unspecified launch failure", "misaligned address",
+                     "illegal instruction", "device-side assert")
+
+
+class DeviceLost(RuntimeError):
+    """A config broke the CUDA context; nothing more can run in this process."""
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """``status``: ok (timed), invalid (constraint), error (raised), wrong (disagrees with the reference)."""
+    """``status``: ok (timed), invalid (constraint), error (raised), wrong (disagrees with the reference),
+    fatal (raised and broke the CUDA context)."""
 
     status: str
     us: float = math.nan
@@ -101,8 +109,9 @@ class Evaluator:
             out = self.spec.run(inputs, config)
             _sync(self.device)
             error = self.spec.compare(out, self.spec.reference(inputs) if self.expected is None else self.expected)
-        except Exception as exc:  # a config that does not compile or launch is penalised, not fatal
-            return Outcome("error", detail=f"{type(exc).__name__}: {exc}"[:300])
+        except Exception as exc:  # a config that does not compile or launch is penalised
+            fatal = self.device.type == "cuda" and any(m in str(exc) for m in FATAL_CUDA_ERRORS)
+            return Outcome("fatal" if fatal else "error", detail=f"{type(exc).__name__}: {exc}"[:300])
         return Outcome("wrong", detail=str(error)[:300]) if error else None
 
     def evaluate(self, config: dict[str, Any]) -> Outcome:

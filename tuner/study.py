@@ -28,7 +28,7 @@ import optuna
 from dsa_triton.registry import KernelSpec
 from tuning_db.records import config_text, shape_text
 
-from .objective import Outcome
+from .objective import DeviceLost, Outcome
 
 SAMPLERS = ("auto", "tpe", "exhaustive", "random")
 MAX_ENUMERATED = 100_000  # spaces larger than this are not enumerated (no exhaustive search)
@@ -148,6 +148,7 @@ def search(
             study.enqueue_trial(config, skip_if_exists=True)
     goal = trials if valid is None else min(trials, sum(config_text(c) not in known for c in valid))
     counts = {"new": 0, "calls": 0}
+    lost: list[str] = []
     bar = _progress(goal, name, progress)
 
     def objective(trial: "optuna.trial.Trial") -> float:
@@ -168,12 +169,15 @@ def search(
         trial.set_user_attr("status", outcome.status)
         trial.set_user_attr("us", outcome.us)
         trial.set_user_attr("detail", outcome.detail)
+        if outcome.status == "fatal":
+            lost.append(f"{text}: {outcome.detail}")
+            trial.study.stop()
         return outcome.value
 
     def budget(study: "optuna.Study", trial: "optuna.trial.FrozenTrial") -> None:
         exhausted = valid is not None and all(config_text(c) in known for c in valid)
         reached = stop_below is not None and any(o.ok and o.us <= stop_below for o in known.values())
-        if counts["new"] >= goal or exhausted or reached or counts["calls"] >= 20 * max(goal, 1) + 100:
+        if lost or counts["new"] >= goal or exhausted or reached or counts["calls"] >= 20 * max(goal, 1) + 100:
             study.stop()
         elif trial.user_attrs.get("repeat") and valid is not None:
             fresh = [c for c in valid if config_text(c) not in known]
@@ -184,6 +188,8 @@ def search(
             study.optimize(objective, timeout=timeout, callbacks=[budget])
     finally:
         bar.close()
+    if lost:
+        raise DeviceLost(f"{name}: {lost[0]}")
     steps = [s for t in sorted(study.trials, key=lambda t: t.number) if (s := _step(t))]
     return SearchResult(name, steps)
 

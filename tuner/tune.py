@@ -23,7 +23,7 @@ from tuning_db import Database, Record
 from tuning_db.database import triton_version
 from tuning_db.records import config_text, shape_text
 
-from .objective import Evaluator
+from .objective import DeviceLost, Evaluator
 
 FINALISTS = 3
 
@@ -43,7 +43,7 @@ class JobResult:
     """What happened to one job: ``record`` when tuned, else ``status`` says why not."""
 
     job: Job
-    status: str  # tuned, skipped (fresh record), out of time, failed
+    status: str  # tuned, skipped (fresh record), out of time, failed, not run (device lost)
     record: Record | None = None
     detail: str = ""
 
@@ -98,18 +98,25 @@ def tune_job(job: Job, db: Database, device: torch.device, *, sampler: str, tria
 def tune(jobs: list[Job], db: Database, device: torch.device, *, sampler: str = "auto", trials: int = 40,
          timeout: float | None = None, total_s: float | None = None, storage_dir: str | Path | None = ".optuna",
          retune: bool = False, seed: int = 0, progress: bool = True, log=print) -> list[JobResult]:
-    """Tune ``jobs`` in order within ``total_s`` seconds (a job is not started once it is spent)."""
+    """Tune ``jobs`` in order within ``total_s`` seconds (a job is not started once it is spent).
+
+    A config that breaks the CUDA context ends the run (the jobs left are marked so); its study keeps it
+    as failed, so the same command run again resumes without trying it twice.
+    """
     start = time.monotonic()
     dev = device_name(device)
-    outcomes = []
+    results, lost = [], False
     for i, job in enumerate(jobs):
         head = f"[{i + 1}/{len(jobs)}] {job}"
+        if lost:
+            results.append(JobResult(job, "not run", detail="the CUDA context was lost"))
+            continue
         if total_s is not None and time.monotonic() - start >= total_s:
-            outcomes.append(JobResult(job, "out of time"))
+            results.append(JobResult(job, "out of time"))
             continue
         found = db.match(job.spec, job.phase, job.shape, dev)
         if not retune and found and found[0] == "exact" and db.is_fresh(found[1]):
-            outcomes.append(JobResult(job, "skipped", found[1], "a fresh record exists"))
+            results.append(JobResult(job, "skipped", found[1], "a fresh record exists"))
             log(f"{head}: skipped, a fresh record exists")
             continue
         left = None if total_s is None else total_s - (time.monotonic() - start)
@@ -117,27 +124,32 @@ def tune(jobs: list[Job], db: Database, device: torch.device, *, sampler: str = 
         try:
             record = tune_job(job, db, device, sampler=sampler, trials=trials, timeout=job_timeout,
                               storage_dir=storage_dir, seed=seed, progress=progress)
+        except DeviceLost as exc:
+            lost = True
+            results.append(JobResult(job, "failed", detail=f"device lost: {exc}"[:300]))
+            log(f"{head}: {results[-1].detail}; run the same command again in a new process to go on")
+            continue
         except Exception as exc:  # a kernel that cannot even build its inputs must not stop the others
-            outcomes.append(JobResult(job, "failed", detail=f"{type(exc).__name__}: {exc}"[:300]))
-            log(f"{head}: failed: {outcomes[-1].detail}")
+            results.append(JobResult(job, "failed", detail=f"{type(exc).__name__}: {exc}"[:300]))
+            log(f"{head}: failed: {results[-1].detail}")
             continue
         finally:
-            if device.type == "cuda":
+            if device.type == "cuda" and not lost:
                 torch.cuda.empty_cache()
         if record is None:
-            outcomes.append(JobResult(job, "failed", detail="no config passed the reference check"))
+            results.append(JobResult(job, "failed", detail="no config passed the reference check"))
             log(f"{head}: failed: no config passed the reference check")
             continue
         db.add([record])
-        outcomes.append(JobResult(job, "tuned", record))
+        results.append(JobResult(job, "tuned", record))
         log(f"{head}: {record.config} {record.median_us:.1f} us, default {record.default_us:.1f} us "
             f"({record.speedup():.2f}x), {record.trials} configs run")
-    return outcomes
+    return results
 
 
-def summary_rows(outcomes: list[JobResult]) -> list[dict[str, Any]]:
+def summary_rows(results: list[JobResult]) -> list[dict[str, Any]]:
     rows = []
-    for o in outcomes:
+    for o in results:
         r = o.record
         rows.append({"kernel": o.job.spec.name, "phase": o.job.phase, "shape": shape_text(o.job.shape),
                      "status": o.status, "config": r.config if r else "", "us": r.median_us if r else math.nan,
