@@ -24,7 +24,7 @@ import torch
 
 from .. import registry
 from ..checks import check_kernel_device, check_positive, check_tensor
-from .sparse_attention_kernels import sparse_attention_fwd
+from .sparse_attention_kernels import logical_to_slots, sparse_attention_fwd
 
 DTYPES = (torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -44,6 +44,8 @@ def _check_common(q: torch.Tensor, kv_cache: torch.Tensor, sm_scale: float, d_v:
     if kv_cache.dim() == 3 and kv_cache.shape[0] > 1 and kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
         raise ValueError(f"kv_cache: pages must be evenly strided (stride(0) == P * stride(1)), got strides "
                          f"{kv_cache.stride()}")
+    if kv_cache.shape[:-1].numel() >= 2**31:
+        raise ValueError(f"kv_cache: at most 2**31 - 1 rows (slots are int32), got {kv_cache.shape[:-1].numel()}")
     if isinstance(d_v, bool) or not isinstance(d_v, int) or not 0 < d_v <= D:
         raise ValueError(f"d_v: must be an integer in [1, {D}] (D = q.shape[-1]), got {d_v!r}")
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real) or not math.isfinite(sm_scale):
@@ -83,7 +85,9 @@ def _attend(kernel: str, shape: dict[str, int], q4: torch.Tensor, kv: torch.Tens
     config = spec.launch_config(phase, shape, q4.device) if config is None else spec.validate(dict(config), shape)
     if check_indices and idx.numel():
         _check_index_range(idx, block_table, bt_div, kv.shape[0], page_size)
-    return sparse_attention_fwd(q4, kv, idx, block_table, bt_div, page_size, d_v, float(sm_scale), config)
+    if block_table is not None:
+        idx = logical_to_slots(idx, block_table, bt_div, page_size, kv.shape[0] // page_size)
+    return sparse_attention_fwd(q4, kv, idx, d_v, float(sm_scale), config)
 
 
 def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,

@@ -2,11 +2,11 @@
 
 One program owns ``BLOCK_H`` query rows of one index row (the heads, times the query tokens that share the
 index set) and one split of the ``k`` selected tokens. Per tile of ``BLOCK_N`` tokens it gathers the cache
-rows by slot (through the block table when given), scores them against every query row at once
+rows by physical slot (logical positions go through ``_logical_to_slots`` first), scores them against every query row at once
 (``tl.dot(q[BLOCK_H, D], k[D, BLOCK_N])``, the head dim taken as a ``D_V`` part plus a ``D_R`` = D - D_V rope
 part: 512 + 64 for DSA), and accumulates ``p @ v`` with ``v`` = the ``D_V`` part of the same tile (MQA: one
-load serves every head). Online softmax in base 2; invalid slots (-1, or outside the cache / block table) are
-masked and never read. With ``num_splits > 1`` each split writes a normalised fp32 partial and its lse and
+load serves every head). Online softmax in base 2; invalid slots (negative, or outside the cache) are masked
+and never read. With ``num_splits > 1`` each split writes a normalised fp32 partial and its lse and
 ``_combine_splits`` merges them, weighted by ``exp(lse_split - lse)``.
 """
 from __future__ import annotations
@@ -32,13 +32,28 @@ def _tile_mask(rows_ok, offs, LIMIT: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _logical_to_slots(idx_ptr, bt_ptr, slot_ptr, k_len, max_pages, num_pages, bt_div, s_ir, s_btr,
+                      PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """``slots[r, j] = block_table[r // bt_div, i // P] * P + i % P`` for ``i = idx[r, j]``; -1 where ``i`` is
+    negative, past the block table, or maps to a page outside ``[0, num_pages)``. Grid (rows, cdiv(k, BLOCK))."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_k = offs < k_len
+    idx = tl.load(idx_ptr + r * s_ir + offs, mask=in_k, other=-1)
+    page = idx // PAGE_SIZE
+    ok = (idx >= 0) & (page < max_pages)
+    phys = tl.load(bt_ptr + (r // bt_div) * s_btr + page, mask=ok, other=-1)
+    ok = ok & (phys >= 0) & (phys < num_pages)
+    tl.store(slot_ptr + r * k_len + offs, tl.where(ok, phys * PAGE_SIZE + idx % PAGE_SIZE, -1), mask=in_k)
+
+
+@triton.jit
 def _sparse_attention_fwd(
-    q_ptr, kv_ptr, idx_ptr, bt_ptr, out_ptr, lse_ptr,
-    M, H, k_len, tokens_per_split, num_slots, num_pages, max_pages, bt_div, qk_scale,
-    s_qr, s_qs, s_qh, s_kv, s_ir, s_btr,
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+    M, H, k_len, tokens_per_split, num_slots, qk_scale,
+    s_qr, s_qs, s_qh, s_kv, s_ir,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, USE_BLOCK_TABLE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Query row (r, m) is ``q_ptr + r*s_qr + (m // H)*s_qs + (m % H)*s_qh``; outputs are contiguous
     ``[R, M, NUM_SPLITS, D_V]`` and lse ``[R, M, NUM_SPLITS]`` (with one split: the final out and lse)."""
@@ -64,20 +79,11 @@ def _sparse_attention_fwd(
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, k_len)
     idx_row = idx_ptr + r * s_ir
-    bt_row = bt_ptr + (r // bt_div) * s_btr
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1)
-        if USE_BLOCK_TABLE:
-            page = idx // PAGE_SIZE
-            ok = (idx >= 0) & (page < max_pages)
-            phys = tl.load(bt_row + page, mask=ok, other=-1)
-            ok = ok & (phys >= 0) & (phys < num_pages)
-            slot = phys.to(tl.int64) * PAGE_SIZE + idx % PAGE_SIZE
-        else:
-            ok = (idx >= 0) & (idx < num_slots)
-            slot = idx.to(tl.int64)
-        rows = kv_ptr + tl.where(ok, slot, 0) * s_kv
+        slot = tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1)
+        ok = (slot >= 0) & (slot < num_slots)
+        rows = kv_ptr + tl.where(ok, slot, 0).to(tl.int64) * s_kv
         k_nope = tl.load(rows[:, None] + offs_dv[None, :], mask=_tile_mask(ok, offs_dv, D_V, BLOCK_DV), other=0.0)
         qk = tl.dot(q_nope, tl.trans(k_nope))
         if D_R > 0:
@@ -133,15 +139,27 @@ def head_blocks(d: int, d_v: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(d_v)), max(16, triton.next_power_of_2(max(1, d - d_v)))
 
 
-def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, block_table: torch.Tensor | None,
-                         bt_div: int, page_size: int, d_v: int, sm_scale: float,
+def logical_to_slots(indices: torch.Tensor, block_table: torch.Tensor, bt_div: int, page_size: int,
+                     num_pages: int) -> torch.Tensor:
+    """``indices[R, k]`` logical positions -> ``slots[R, k]`` int32 (-1 where invalid); index row r reads
+    block-table row ``r // bt_div``."""
+    R, k = indices.shape
+    slots = alloc((R, k), dtype=torch.int32, device=indices.device)
+    if slots.numel():
+        block = min(1024, triton.next_power_of_2(k))
+        _logical_to_slots[(R, triton.cdiv(k, block))](
+            indices, block_table, slots, k, block_table.shape[1], num_pages, bt_div, indices.stride(0),
+            block_table.stride(0), PAGE_SIZE=page_size, BLOCK=block, num_warps=4)
+    return slots
+
+
+def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, d_v: int, sm_scale: float,
                          config: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked arguments. ``q[R, S, H, D]`` (the S tokens share index row r), ``kv[num_slots, D]``
-    (row stride free, last dim contiguous), ``indices[R, k]``, ``block_table[rows, max_pages]`` whose row for
-    index row r is ``r // bt_div`` (or ``None``: indices are slots) -> ``out[R, S, H, d_v]`` in q's dtype,
-    ``lse[R, S, H]`` fp32."""
+    (row stride free, last dim contiguous), ``slots[R, k]`` (negative or >= num_slots: skipped)
+    -> ``out[R, S, H, d_v]`` in q's dtype, ``lse[R, S, H]`` fp32."""
     R, S, H, D = q.shape
-    M, k = S * H, indices.shape[1]
+    M, k = S * H, slots.shape[1]
     num_splits, block_n = config["num_splits"], config["BLOCK_N"]
     out = alloc((R, S, H, d_v), dtype=q.dtype, device=q.device)
     lse = alloc((R, S, H), dtype=torch.float32, device=q.device)
@@ -153,15 +171,12 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     else:
         part_out, part_lse = out, lse
     block_dv, block_dr = head_blocks(D, d_v)
-    use_bt = block_table is not None
-    bt = block_table if use_bt else indices  # any int tensor: never read without a block table
     grid = (R * num_splits * triton.cdiv(M, config["BLOCK_H"]),)
     _sparse_attention_fwd[grid](
-        q, kv, indices, bt, part_out, part_lse,
-        M, H, k, triton.cdiv(triton.cdiv(k, num_splits), block_n) * block_n, kv.shape[0],
-        kv.shape[0] // page_size, bt.shape[1] if use_bt else 0, bt_div, sm_scale * LOG2E,
-        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), indices.stride(0), bt.stride(0) if use_bt else 0,
-        D_V=d_v, D_R=D - d_v, BLOCK_DV=block_dv, BLOCK_DR=block_dr, PAGE_SIZE=page_size, USE_BLOCK_TABLE=use_bt,
+        q, kv, slots, part_out, part_lse,
+        M, H, k, triton.cdiv(triton.cdiv(k, num_splits), block_n) * block_n, kv.shape[0], sm_scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), slots.stride(0),
+        D_V=d_v, D_R=D - d_v, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
         NUM_SPLITS=num_splits, BLOCK_H=config["BLOCK_H"], BLOCK_N=block_n,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )

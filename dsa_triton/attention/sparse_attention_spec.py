@@ -164,7 +164,7 @@ def _cost(phase: str):
 def _decode_shapes(_phase, gpu: bool) -> list[dict[str, int]]:
     dsa = {"S": 1, "D": 576, "Dv": 512, "k": 2048, "P": 64, "logical": 0}
     if gpu:
-        return [{"B": 64, "H": 128, **dsa}, {"B": 8, "H": 128, **dsa}, {"B": 64, "H": 16, **dsa}]
+        return [{"B": 64, "H": 128, **dsa}, {"B": 8, "H": 128, **dsa}, {"B": 64, "H": 16, **dsa, "logical": 1}]
     return [{"B": 3, "S": 2, "H": 3, "D": 80, "Dv": 64, "k": 40, "L": 96, "P": 16, "logical": 1},
             {"B": 2, "S": 1, "H": 4, "D": 80, "Dv": 64, "k": 32, "P": 16, "logical": 0}]
 

@@ -1,0 +1,220 @@
+"""Sparse paged attention (Triton interpreter on CPU, fp16) against the fp32 PyTorch reference.
+
+Every cache slot no sequence owns is NaN, and every buffer the op allocates (out, lse, split partials)
+starts as NaN: a stray read or an unwritten element shows up in the result.
+"""
+import pytest
+import torch
+
+import dsa_triton as dt
+from dsa_triton import registry
+from dsa_triton.attention import sparse_attention_kernels
+from dsa_triton.attention.cache import PagedCache
+from dsa_triton.attention.sparse_attention_reference import (slots_from_indices, sparse_attention_decode_torch,
+                                                             sparse_attention_prefill_torch)
+
+D, DV = 80, 64  # 64 value dims + 16 rope dims: the DSA split (512 + 64) in small
+NAN = float("nan")
+CFG = {"BLOCK_N": 16, "BLOCK_H": 16, "num_splits": 1, "num_warps": 4, "num_stages": 2}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers(monkeypatch):
+    def alloc(shape, dtype, device):
+        return torch.full(shape, NAN if dtype.is_floating_point else -2, dtype=dtype, device=device)
+    monkeypatch.setattr(sparse_attention_kernels, "alloc", alloc)
+
+
+def paged_cache(seqs: int, L: int, P: int, g: torch.Generator):
+    """``kv[pages, P, D]`` fp16 holding ``seqs`` sequences of ``L`` tokens on shuffled pages (page 0 spare), the
+    rest NaN; ``block_table[seqs, pages]`` int32."""
+    pages = -(-L // P)
+    kv = torch.full((seqs * pages + 1, P, D), NAN, dtype=torch.float16)
+    table = (torch.randperm(seqs * pages, generator=g) + 1).view(seqs, pages).to(torch.int32)
+    pos = torch.arange(L)
+    live = (table.long()[:, pos // P] * P + pos % P).flatten()
+    kv.view(-1, D)[live] = torch.randn(live.numel(), D, generator=g).half()
+    return kv, table
+
+
+def pick(rows: int, L: int, k: int, valid: list[int], g: torch.Generator) -> torch.Tensor:
+    """``[rows, k]`` int32: up to ``valid[r % len(valid)]`` distinct positions below ``L`` in random columns, -1 elsewhere."""
+    idx = torch.rand(rows, max(L, k), generator=g).argsort(dim=1)[:, :k]
+    idx = torch.where(idx < L, idx, -1)
+    counts = torch.tensor([valid[r % len(valid)] for r in range(rows)])
+    idx = torch.where(torch.arange(k)[None, :] < counts[:, None], idx, -1)
+    return idx.gather(1, torch.rand(rows, k, generator=g).argsort(dim=1)).to(torch.int32)
+
+
+def check(out, lse, ref_out, ref_lse):
+    assert out.dtype == torch.float16 and lse.dtype == torch.float32
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert not out.isnan().any() and not lse.isnan().any()
+    empty = ref_lse == float("-inf")
+    assert torch.equal(lse == float("-inf"), empty)
+    assert bool((out[empty] == 0).all())
+    torch.testing.assert_close(out.float(), ref_out, atol=1e-3, rtol=2e-3)
+    torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("H, S, per_token, P, logical, block_h", [
+    (1, None, False, 16, False, 16),   # q [B, Hq, D], physical slots
+    (3, 2, False, 16, True, 16),       # 2 tokens sharing one index set: a 6-row tile; block table
+    (16, 4, True, 64, True, 16),       # 4 tokens with their own index sets; block table, page 64
+    (5, 3, True, 64, False, 16),       # per-token sets, physical slots
+    (24, 1, False, 16, True, 32),      # a tensor-parallel shard's head count: 24 rows in a 32-row tile
+])
+def test_decode(H, S, per_token, P, logical, block_h):
+    g = torch.Generator().manual_seed(H * 10 + P)
+    B, L, k = 4, 70, 40
+    kv, table = paged_cache(B, L, P, g)
+    q = torch.randn((B, H, D) if S is None else (B, S, H, D), generator=g).half()
+    rows = B * (S or 1) if per_token else B
+    idx = pick(rows, L, k, [k, 9, 0, 1], g)  # full, -1 padded, all invalid, one valid
+    bt = table.repeat_interleave(S or 1, dim=0) if per_token else table
+    slots = slots_from_indices(idx, bt, P).to(torch.int32)
+    shape = (B, S) if per_token else (B,)
+    indices = (idx if logical else slots).view(*shape, k)
+    table_arg = table if logical else None
+    config = {**CFG, "BLOCK_H": block_h}
+    out, lse = dt.sparse_attention_decode(q, kv, indices, 0.2, d_v=DV, block_table=table_arg, config=config)
+    check(out, lse, *sparse_attention_decode_torch(q, kv, indices, 0.2, DV, table_arg))
+    flat = dt.sparse_attention_decode(q, kv.flatten(0, 1), slots.view(*shape, k), 0.2, d_v=DV, config=config)
+    assert torch.equal(flat[0], out) and torch.equal(flat[1], lse)  # the same rows through the flat cache
+
+
+@pytest.mark.parametrize("k, config", [
+    (1, {}),
+    (17, {"BLOCK_N": 16, "num_splits": 2}),
+    (64, {"BLOCK_N": 16, "num_splits": 4, "BLOCK_H": 32, "num_warps": 8}),  # rows 3/4: later splits all -1
+    (64, {"BLOCK_N": 32, "num_splits": 2, "num_stages": 1}),
+])
+def test_decode_k_and_splits(k, config):
+    g = torch.Generator().manual_seed(k)
+    B, H, L = 4, 9, 80  # 2 tokens x 9 heads: 18 rows
+    kv, table = paged_cache(1, L, 16, g)
+    q = torch.randn(B, 2, H, D, generator=g).half()
+    idx = pick(B, L, k, [k, max(1, k // 2), 0, 1], g)
+    idx[2:, k // 4:] = -1  # valid indices only in the first split(s)
+    slots = slots_from_indices(idx, table.expand(B, -1), 16).to(torch.int32)
+    out, lse = dt.sparse_attention_decode(q, kv, slots, 0.15, d_v=DV, config={**CFG, **config})
+    check(out, lse, *sparse_attention_decode_torch(q, kv, slots, 0.15, DV))
+
+
+@pytest.mark.parametrize("H, P, table_rows", [(3, 16, 1), (16, 64, 2), (2, 16, 0)])
+def test_prefill(H, P, table_rows):
+    """Each token its own index set; the block table shared ([1, pages]), per token ([T, pages]) or none."""
+    g = torch.Generator().manual_seed(H + P)
+    T, L, k = 6, 50, 24
+    kv, table = paged_cache(max(table_rows, 1), L, P, g)
+    q = torch.randn(T, H, D, generator=g).half()
+    idx = pick(T, L, k, [k, 3, 0], g)
+    if table_rows == 0:
+        indices, bt = slots_from_indices(idx, table.expand(T, -1), P).to(torch.int32), None
+    else:
+        indices, bt = idx, table if table_rows == 1 else table[torch.arange(T) % table_rows]
+    out, lse = dt.sparse_attention_prefill(q, kv, indices, 0.3, d_v=DV, block_table=bt,
+                                           config={**CFG, "num_splits": 2})
+    check(out, lse, *sparse_attention_prefill_torch(q, kv, indices, 0.3, DV, bt))
+
+
+def test_decode_from_paged_cache():
+    """Indices into the cache helper's latent KV cache through its block table (page 16, three sequences)."""
+    g = torch.Generator().manual_seed(3)
+    cache = PagedCache(num_pages=12, page_size=16, max_seqs=3, max_pages_per_seq=4, kv_dim=D, index_dim=32,
+                       dtype=torch.float16, device="cpu", poison=True)
+    lens = [33, 5, 60]
+    cache.append([0, 1, 2], lens, torch.randn(sum(lens), D, generator=g).half(), torch.randn(sum(lens), 32, generator=g))
+    idx = torch.stack([pick(1, n, 20, [min(n, 20)], g)[0] for n in lens])
+    q = torch.randn(3, 4, D, generator=g).half()
+    out, lse = dt.sparse_attention_decode(q, cache.kv, idx, 0.1, d_v=DV, block_table=cache.block_table[:3])
+    check(out, lse, *sparse_attention_decode_torch(q, cache.kv, idx, 0.1, DV, cache.block_table[:3]))
+
+
+def test_out_of_range_indices_rejected_or_skipped():
+    g = torch.Generator().manual_seed(5)
+    P, L, k = 16, 40, 16
+    kv, table = paged_cache(2, L, P, g)
+    q = torch.randn(2, 3, D, generator=g).half()
+    idx = pick(2, L, k, [k, 8], g)
+    num_slots = kv.shape[0] * P
+    bad_slots = slots_from_indices(idx, table, P).to(torch.int32)
+    bad_slots[0, 3], bad_slots[1, 0] = num_slots, -7
+    with pytest.raises(ValueError, match="indices"):
+        dt.sparse_attention_decode(q, kv, bad_slots, 0.2, d_v=DV)
+    out, lse = dt.sparse_attention_decode(q, kv, bad_slots, 0.2, d_v=DV, config=CFG, check_indices=False)
+    skipped = torch.where((bad_slots >= 0) & (bad_slots < num_slots), bad_slots, -1)
+    check(out, lse, *sparse_attention_decode_torch(q, kv, skipped, 0.2, DV))
+
+    bad_pos = idx.clone()
+    bad_pos[0, 5] = table.shape[1] * P  # past the block table
+    with pytest.raises(ValueError, match="indices"):
+        dt.sparse_attention_decode(q, kv, bad_pos, 0.2, d_v=DV, block_table=table)
+    bad_table = table.clone()
+    bad_table[1, 0], bad_table[0, 1] = -1, kv.shape[0]  # an unmapped page and a page past the cache
+    row = torch.arange(2)[:, None]
+    used = (idx >= 0) & (((row == 1) & (idx // P == 0)) | ((row == 0) & (idx // P == 1)))
+    assert used.any()
+    with pytest.raises(ValueError, match="block_table"):
+        dt.sparse_attention_decode(q, kv, idx, 0.2, d_v=DV, block_table=bad_table)
+    for indices, bt, skip in ((bad_pos, table, bad_pos >= table.shape[1] * P), (idx, bad_table, used)):
+        out, lse = dt.sparse_attention_decode(q, kv, indices, 0.2, d_v=DV, block_table=bt, config=CFG,
+                                              check_indices=False)
+        check(out, lse, *sparse_attention_decode_torch(q, kv, torch.where(skip, -1, indices), 0.2, DV, table))
+
+
+def test_bad_inputs():
+    g = torch.Generator().manual_seed(0)
+    kv, table = paged_cache(2, 32, 16, g)
+    q = torch.randn(2, 3, D, generator=g).half()
+    idx = pick(2, 32, 8, [8], g)
+    ok = dict(q=q, kv_cache=kv, indices=idx, sm_scale=0.1, d_v=DV, block_table=table)
+    cases = [
+        ("q", dict(q=q.float())),
+        ("q", dict(q=q[0])),
+        ("q", dict(q=q.transpose(1, 2).contiguous().transpose(1, 2))),
+        ("kv_cache", dict(kv_cache=kv.float())),
+        ("kv_cache", dict(kv_cache=kv[..., :64])),
+        ("kv_cache", dict(kv_cache=kv[:, :8])),
+        ("kv_cache", dict(kv_cache=kv.flatten(0, 1))),  # a block table needs the page size
+        ("indices", dict(indices=idx.float())),
+        ("indices", dict(indices=idx[:1])),
+        ("indices", dict(indices=idx[:, :0])),
+        ("indices", dict(indices=idx[None])),
+        ("d_v", dict(d_v=D + 1)),
+        ("d_v", dict(d_v=0)),
+        ("sm_scale", dict(sm_scale=float("nan"))),
+        ("sm_scale", dict(sm_scale="0.1")),
+        ("block_table", dict(block_table=table.float())),
+        ("block_table", dict(block_table=table[:1])),
+        ("BLOCK_H", dict(config={**CFG, "BLOCK_H": 48})),
+    ]
+    for name, change in cases:
+        args = {**ok, **change}
+        with pytest.raises(ValueError, match=name):
+            dt.sparse_attention_decode(args.pop("q"), args.pop("kv_cache"), args.pop("indices"), **args)
+    with pytest.raises(ValueError, match="indices"):
+        dt.sparse_attention_prefill(q, kv, idx[:1], 0.1, d_v=DV, block_table=table[:1])
+    with pytest.raises(ValueError, match="block_table"):
+        dt.sparse_attention_prefill(q, kv, idx, 0.1, d_v=DV, block_table=table.repeat(2, 1)[:3])
+    with pytest.raises(registry.ConfigError):
+        dt.sparse_attention_prefill(q, kv, idx, 0.1, d_v=DV, config={**CFG, "BLOCK_K": 16})
+
+
+@pytest.mark.parametrize("name", ["sparse_attention_decode", "sparse_attention_prefill"])
+def test_registry_entries(name):
+    spec = registry.get(name)
+    phase = spec.phases[0]
+    for shape in spec.bench_shapes(phase, False):
+        inputs = spec.make_inputs(phase, shape, torch.device("cpu"), 7)
+        out, ref = spec.run(inputs, spec.launch_config(phase, shape, "cpu")), spec.reference(inputs)
+        assert spec.compare(out, ref) is None
+        assert spec.compare((out[0] + 0.01, out[1]), ref) is not None
+        assert spec.compare((out[0], out[1] + 1e-3), ref) is not None
+    dsa = spec.bench_shapes(phase, True)[0]
+    cost = spec.cost(phase, dsa)
+    assert cost.flops == 2 * (dsa.get("B") or dsa.get("T")) * dsa["H"] * dsa["k"] * (576 + 512)
+    wide = {**spec.default(phase, dsa), "BLOCK_H": 64, "num_warps": 4}  # 256 accumulator registers a thread
+    assert spec.constraint(wide, dsa) is not None
+    assert spec.constraint({**spec.default(phase, dsa), "BLOCK_N": 128, "num_stages": 2}, dsa) is not None  # smem
+    assert all(spec.is_valid(spec.default(phase, s), s) for s in spec.bench_shapes(phase, True))
