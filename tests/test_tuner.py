@@ -343,3 +343,30 @@ def test_runs_to_reach_counts_measured_configs_only():
              Step(2, "a", Outcome("ok", 9.0), False), Step(3, "c", Outcome("ok", 5.0), True)]
     assert runs_to_reach(SearchResult("x", steps), 5.2) == (2, 4)
     assert runs_to_reach(SearchResult("x", steps), 1.0) == (-1, -1)
+
+
+# -- parallel compile -----------------------------------------------------------------------------
+def test_precompile_workers_check_and_stop_after_a_fatal_config(toys, monkeypatch):
+    from tuner import precompile as pc
+
+    _, buggy = toys
+    pc._start("toy_buggy", "decode", SHAPE, str(DEVICE))
+    assert pc._worker["evaluator"].sets == []  # a checking evaluator makes no timing sets
+    assert pc._check(("a", {"BLOCK": 32, "num_warps": 1})) == ("a", None)
+    assert pc._check(("b", {"BLOCK": 64, "num_warps": 1}))[1].status == "wrong"
+    monkeypatch.setattr(pc._worker["evaluator"], "check", lambda config: Outcome("fatal", detail="illegal"))
+    assert pc._check(("c", {"BLOCK": 16, "num_warps": 1}))[1].status == "fatal"
+    assert pc._check(("d", {"BLOCK": 32, "num_warps": 1})) == ("d", None)  # not checked any more: left to the caller
+    assert pc.precompile(evaluator(buggy), list(buggy.configs(SHAPE))) == {}  # the interpreter compiles nothing
+
+
+def test_check_in_spawned_workers_with_a_real_kernel():
+    from tuner.precompile import check_in_workers
+
+    if "mxfp4_dequantize" not in {s.name for s in registry.kernels()}:
+        pytest.skip("mxfp4_dequantize is not registered")
+    spec = registry.get("mxfp4_dequantize")
+    shape = spec.bench_shapes("load", False)[0]
+    configs = list(spec.configs(shape))[:3]
+    checked = check_in_workers(spec.name, "load", shape, "cpu", configs, workers=2)
+    assert checked == {config_text(c): None for c in configs}

@@ -95,7 +95,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(f"tuning {len(jobs)} jobs on {device} into {db.folder} (sampler {args.sampler}, {trials} configs each)")
     results = tune(jobs, db, device, sampler=args.sampler, trials=trials, timeout=args.timeout, total_s=args.budget,
                    storage_dir=None if args.storage == "none" else args.storage, retune=args.retune,
-                   seed=args.seed, progress=not args.no_progress)
+                   seed=args.seed, progress=not args.no_progress, workers=args.workers)
     print(dict_table(summary_rows(results)))
     return 1 if any(r.status == "failed" for r in results) else 0
 
@@ -158,7 +158,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for job in jobs:
         print(f"compare {job}")
         summary, rows = compare_kernel(job.spec, job.phase, job.shape, device, samplers=tuple(_names(args.samplers)),
-                                       repeats=args.repeats, progress=not args.no_progress)
+                                       repeats=args.repeats, progress=not args.no_progress,
+                                       workers=args.workers)
         summaries.append(summary)
         runs += rows
     print(dict_table(summaries))
@@ -184,6 +185,9 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", default=ints(PREFILL_CHUNKS), help="prefill chunk sizes for --model")
     p.add_argument("--shard", default="", help=SHARD_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--workers", type=int, default=0,
+                   help="processes that compile configs in parallel before an exhaustive search on a GPU "
+                        "(default: up to 8; 1: none)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ from dsa_triton.registry import ConfigError, KernelSpec
 from tuning_db.records import config_text, shape_text
 
 from .objective import Evaluator, Outcome
+from .precompile import precompile
 from .study import SearchResult, search, valid_configs
 from .tune import timing_budget
 
@@ -32,24 +33,25 @@ def runs_to_reach(result: SearchResult, target_us: float) -> tuple[int, int]:
     return -1, -1
 
 
-def exhaustive(evaluator: Evaluator, configs: list[dict], progress: bool) -> dict[str, Outcome]:
+def exhaustive(evaluator: Evaluator, configs: list[dict], progress: bool, workers: int | None = None) -> dict[str, Outcome]:
+    """Every config checked and timed (compiled first in parallel on a GPU)."""
     from tqdm import tqdm
 
-    spec = evaluator.spec
-    bar = tqdm(configs, desc=f"exhaustive {spec.name} {evaluator.key}", disable=not progress, leave=False)
-    return {config_text(c): evaluator.evaluate(c) for c in bar}
+    skip = precompile(evaluator, configs, workers)
+    bar = tqdm(configs, desc=f"exhaustive {evaluator.spec.name} {evaluator.key}", disable=not progress, leave=False)
+    return {config_text(c): skip.get(config_text(c)) or evaluator.evaluate(c) for c in bar}
 
 
 def compare_kernel(spec: KernelSpec, phase: str, shape: dict[str, int], device: torch.device, *,
                    samplers: tuple[str, ...] = ("tpe", "random"), repeats: int = 5, within: float = 0.05,
-                   progress: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+                   progress: bool = True, workers: int | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Returns (summary row, one row per sampler run)."""
     budget = timing_budget(device)
     configs = valid_configs(spec, shape)
     if not configs:
         raise ValueError(f"{spec.name}: no valid config to compare (or the space is too large to enumerate)")
     evaluator = Evaluator(spec, phase, shape, device, budget["trial_warmup_ms"], budget["trial_rep_ms"])
-    table = exhaustive(evaluator, configs, progress)
+    table = exhaustive(evaluator, configs, progress, workers)
     ok = {c: o.us for c, o in table.items() if o.ok}
     if not ok:
         raise ValueError(f"{spec.name}: no config passed the reference check")

@@ -79,11 +79,11 @@ class Evaluator:
     """Checks and times configs of ``spec`` on one exact ``shape``.
 
     ``warmup_ms`` / ``rep_ms`` are the timing budget of a trial (``time_us``); :meth:`time` takes others
-    for the final measurements.
+    for the final measurements. ``rotate=False`` makes no timing input sets (an evaluator that only checks).
     """
 
     def __init__(self, spec: KernelSpec, phase: str, shape: dict[str, int], device: torch.device | str,
-                 warmup_ms: float = 10, rep_ms: float = 40):
+                 warmup_ms: float = 10, rep_ms: float = 40, rotate: bool = True):
         self.spec, self.phase, self.shape = spec, phase, dict(shape)
         self.device = torch.device(device)
         self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
@@ -96,7 +96,7 @@ class Evaluator:
         del check_inputs
         cost = spec.cost(phase, self.shape)
         self.sets = rotation(lambda i: spec.make_inputs(phase, self.shape, self.device, CHECK_SEED + 1 + i),
-                             cost.bytes, self.device)
+                             cost.bytes, self.device) if rotate else []
 
     def check(self, config: dict[str, Any]) -> Outcome | None:
         """None when ``config`` is valid and agrees with the reference; else the failing outcome."""

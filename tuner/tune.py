@@ -77,9 +77,13 @@ def finalize(evaluator: Evaluator, ranked: list[tuple[dict, float]], trials: int
 
 
 def tune_job(job: Job, db: Database, device: torch.device, *, sampler: str, trials: int, timeout: float | None,
-             storage_dir: str | Path | None, seed: int, progress: bool) -> Record | None:
-    """Search one job and return its record (None when no config passed the check)."""
-    from .study import journal_storage, search, study_name
+             storage_dir: str | Path | None, seed: int, progress: bool, workers: int | None = None) -> Record | None:
+    """Search one job and return its record (None when no config passed the check).
+
+    An exhaustive search on a GPU compiles its configs in parallel first (:mod:`tuner.precompile`).
+    """
+    from .precompile import precompile
+    from .study import choose_sampler, journal_storage, search, study_name, valid_configs
 
     budget = timing_budget(device)
     spec, phase, shape = job.spec, job.phase, job.shape
@@ -87,7 +91,12 @@ def tune_job(job: Job, db: Database, device: torch.device, *, sampler: str, tria
     evaluator = Evaluator(spec, phase, shape, device, budget["trial_warmup_ms"], budget["trial_rep_ms"])
     seeds = [dict(spec.default(phase, shape)), *db.nearest_configs(spec, phase, shape, dev)]
     storage = None if storage_dir is None else journal_storage(storage_dir, dev, spec.name)
-    result = search(spec, shape, evaluator.evaluate, name=study_name(spec, phase, shape, dev), storage=storage,
+    valid = valid_configs(spec, shape)
+    skip = {}
+    if choose_sampler(sampler, None if valid is None else len(valid), trials) == "exhaustive":
+        skip = precompile(evaluator, valid[:trials], workers)
+    evaluate = lambda config: skip.get(config_text(config)) or evaluator.evaluate(config)
+    result = search(spec, shape, evaluate, name=study_name(spec, phase, shape, dev), storage=storage,
                     sampler=sampler, trials=trials, timeout=timeout, seeds=seeds, seed=seed, progress=progress)
     ranked = result.ranked()
     if not ranked:
@@ -97,7 +106,8 @@ def tune_job(job: Job, db: Database, device: torch.device, *, sampler: str, tria
 
 def tune(jobs: list[Job], db: Database, device: torch.device, *, sampler: str = "auto", trials: int = 40,
          timeout: float | None = None, total_s: float | None = None, storage_dir: str | Path | None = ".optuna",
-         retune: bool = False, seed: int = 0, progress: bool = True, log=print) -> list[JobResult]:
+         retune: bool = False, seed: int = 0, progress: bool = True, workers: int | None = None,
+         log=print) -> list[JobResult]:
     """Tune ``jobs`` in order within ``total_s`` seconds (a job is not started once it is spent).
 
     A config that breaks the CUDA context ends the run (the jobs left are marked so); its study keeps it
@@ -123,7 +133,7 @@ def tune(jobs: list[Job], db: Database, device: torch.device, *, sampler: str = 
         job_timeout = left if timeout is None else timeout if left is None else min(timeout, left)
         try:
             record = tune_job(job, db, device, sampler=sampler, trials=trials, timeout=job_timeout,
-                              storage_dir=storage_dir, seed=seed, progress=progress)
+                              storage_dir=storage_dir, seed=seed, progress=progress, workers=workers)
         except DeviceLost as exc:
             lost = True
             results.append(JobResult(job, "failed", detail=f"device lost: {exc}"[:300]))

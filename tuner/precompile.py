@@ -1,0 +1,59 @@
+"""Compile many configs at once: worker processes run each config's correctness check, which fills Triton's
+on-disk cache, so the timing process (one at a time, so timings do not disturb each other) finds every
+kernel compiled. Used before an exhaustive search on a GPU, where compiling dominates.
+
+Each worker is a spawned process (CUDA does not survive a fork) with its own inputs and reference. A
+config that breaks a worker's CUDA context is reported ``fatal`` and the timing process never runs it;
+the worker passes on every config after that (the timing process checks those itself).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+from typing import Any
+
+from .objective import Evaluator, Outcome
+
+_worker: dict[str, Any] = {}
+
+
+def _start(kernel: str, phase: str, shape: dict[str, int], device: str) -> None:
+    import dsa_triton  # noqa: F401  (registers the kernels in this process)
+    from dsa_triton import registry
+
+    _worker["evaluator"] = Evaluator(registry.get(kernel), phase, shape, device, rotate=False)
+    _worker["broken"] = False
+
+
+def _check(item: tuple[str, dict]) -> tuple[str, Outcome | None]:
+    text, config = item
+    if _worker["broken"]:
+        return text, None
+    outcome = _worker["evaluator"].check(config)
+    _worker["broken"] = outcome is not None and outcome.status == "fatal"
+    return text, outcome
+
+
+def default_workers() -> int:
+    return max(1, min(8, (os.cpu_count() or 2) - 1))
+
+
+def check_in_workers(kernel: str, phase: str, shape: dict[str, int], device: str, configs: list[dict],
+                     workers: int) -> dict[str, Outcome | None]:
+    """Config JSON -> the check's outcome in a worker (None: passed, or not checked after a fatal one)."""
+    from tuning_db.records import config_text
+
+    items = [(config_text(c), c) for c in configs]
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(min(workers, len(items)), initializer=_start, initargs=(kernel, phase, shape, device)) as pool:
+        return dict(pool.imap_unordered(_check, items))
+
+
+def precompile(evaluator: Evaluator, configs: list[dict], workers: int | None = None) -> dict[str, Outcome]:
+    """On a GPU, check ``configs`` in worker processes; returns the configs to skip: JSON -> fatal outcome."""
+    workers = workers or default_workers()
+    if evaluator.device.type != "cuda" or workers < 2 or len(configs) < 2:
+        return {}  # the interpreter compiles nothing
+    checked = check_in_workers(evaluator.spec.name, evaluator.phase, evaluator.shape, str(evaluator.device),
+                               configs, workers)
+    return {text: o for text, o in checked.items() if o is not None and o.status == "fatal"}
