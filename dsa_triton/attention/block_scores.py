@@ -18,12 +18,15 @@ import torch
 import triton
 
 from .. import registry
-from ..checks import check_tensor
+from ..checks import check_positive, check_tensor
 from ..registry import Cost, KernelSpec
 from . import block_scores_reference
 from .block_scores_reference import gather_selected_torch, page_bounds_torch, page_summaries_torch
-from .indexer import (BOUND, SELECTED, check_block_table, check_paged_keys, check_queries, compare_logits,
-                      indexer_logits, launch_logits, logits_shape, random_paged_keys, random_queries)
+from .cache import PAGE_SIZES
+from .indexer import (BOUND, SELECTED, compare_logits, indexer_logits, launch_logits, logits_shape, random_paged_keys,
+                      random_queries)
+from .indexer_checks import (QueryRows, check_block_table, check_pages, check_paged_keys, check_queries,
+                             check_summaries, output_columns)
 from .indexer_reference import indexer_logits_torch
 
 
@@ -37,11 +40,37 @@ def _selected_config(config: dict) -> dict:
             "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
 
 
-def _path_config(config, rows_per_seq, L, P, H, DK, device) -> dict:
-    _, shape = logits_shape(rows_per_seq, L, P, H, DK)
+def _path_config(config: dict | None, rows: QueryRows, P: int) -> dict:
+    _, shape = logits_shape(rows.rows_per_seq, rows.max_limit, P, rows.H, rows.DK)
     if config is None:
-        return SPEC.launch_config("decode", shape, device)
+        return SPEC.launch_config("decode", shape, rows.device)
     return SPEC.validate(config, shape)
+
+
+def _launch_bounds(rows: QueryRows, q, weights, pmax, pmin, block_table, limits, P: int, n_pages: int,
+                   config: dict) -> torch.Tensor:
+    out = torch.empty(rows.T, n_pages, dtype=torch.float32, device=rows.device)
+    return launch_logits(BOUND, q, weights, pmax, None, out, limits, rows.cu,
+                         torch.arange(rows.B, dtype=torch.int32, device=rows.device), max(rows.rows_per_seq),
+                         config=_bound_config(config), page_size=P, block_table=block_table, k2=pmin)
+
+
+def _launch_selected(rows: QueryRows, q, weights, k, k_scale, block_table, limits, pages,
+                     config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    P = k.shape[1]
+    out = torch.empty(rows.T, pages.shape[1] * P, dtype=torch.float32, device=rows.device)
+    one_row_groups = torch.arange(rows.T + 1, dtype=torch.int32, device=rows.device)
+    launch_logits(SELECTED, q, weights, k, k_scale, out, limits, one_row_groups, rows.row_seq.int(), 1,
+                  config=_selected_config(config), page_size=P, block_table=block_table, pages=pages)
+    pos = (pages[:, :, None] * P + torch.arange(P, dtype=torch.int32, device=rows.device)).flatten(1)
+    valid = (pages >= 0).repeat_interleave(P, dim=1) & (pos < limits[:, None])
+    return out, pos.where(valid, -1)
+
+
+def _check_page_size(page_size) -> int:
+    if page_size not in PAGE_SIZES or isinstance(page_size, bool):
+        raise ValueError(f"page_size: must be one of {PAGE_SIZES}, got {page_size!r}")
+    return page_size
 
 
 def block_scores(
@@ -70,34 +99,24 @@ def block_scores(
     On the GPU the summaries enter bf16 tensor-core dots; dequantized FP8 keys are exact in bf16, so
     the bound stays a bound up to fp32 rounding of the sums.
     """
-    device, cu, gseq, rows_per_seq = check_queries(q, weights, limits, cu_seqlens_q)
-    T, H, DK = q.shape
-    check_tensor("pmax", pmax, dtype=torch.float32, ndim=2, device=device)
-    check_tensor("pmin", pmin, dtype=torch.float32, shape=tuple(pmax.shape), device=device)
-    if pmax.shape[1] != DK:
-        raise ValueError(f"pmax: dimension 1 must be DK = {DK}, got shape {tuple(pmax.shape)}")
-    if pmin.stride() != pmax.stride():
-        raise ValueError(f"pmin: strides {pmin.stride()} must equal pmax's {pmax.stride()}")
-    check_block_table(block_table, seq_lens, limits, cu, device, pmax.shape[0], page_size)
-    L = int(limits.max()) if T else 0
-    n_pages = triton.cdiv(L, page_size) if num_cols is None else num_cols
-    if not isinstance(n_pages, int) or n_pages < 0:
-        raise ValueError(f"num_cols: must be an integer >= 0, got {num_cols!r}")
-    config = _path_config(config, rows_per_seq, L, page_size, H, DK, device)
-    out = torch.empty(T, n_pages, dtype=torch.float32, device=device)
-    return launch_logits(BOUND, q, weights, pmax, None, out, limits, cu, gseq, max(rows_per_seq, default=0),
-                         config=_bound_config(config), page_size=page_size, block_table=block_table, k2=pmin)
+    rows = check_queries(q, weights, limits, cu_seqlens_q)
+    check_summaries(rows, pmax, pmin)
+    P = _check_page_size(page_size)
+    check_block_table(rows, block_table, seq_lens, limits, pmax.shape[0], P)
+    rows.finish()
+    n_pages = output_columns(num_cols, triton.cdiv(rows.max_limit, P))
+    return _launch_bounds(rows, q, weights, pmax, pmin, block_table, limits, P, n_pages,
+                          _path_config(config, rows, P))
 
 
 def select_pages(bounds: torch.Tensor, n_select: int) -> torch.Tensor:
     """The ``n_select`` logical pages with the highest bounds per row: ``[T, n_select]`` int32 in
     ascending order, -1 after the last valid page (bound ``-inf``) of a row."""
     check_tensor("bounds", bounds, dtype=torch.float32, ndim=2)
-    if not isinstance(n_select, int) or n_select <= 0:
-        raise ValueError(f"n_select: must be a positive integer, got {n_select!r}")
+    check_positive("n_select", n_select)
     T, n_pages = bounds.shape
     k = min(n_select, n_pages)
-    top, idx = bounds.topk(k, dim=1, sorted=False) if k else (bounds[:, :0], bounds[:, :0].long())
+    top, idx = bounds.topk(k, dim=1, sorted=False)
     idx = idx.where(top > float("-inf"), n_pages).sort(dim=1).values  # invalid pages sort last
     pages = torch.full((T, n_select), -1, dtype=torch.int32, device=bounds.device)
     pages[:, :k] = idx.where(idx < n_pages, -1).int()
@@ -124,27 +143,11 @@ def selected_page_logits(
     k ``[num_pages, P, DK]`` e4m3, k_scale ``[num_pages, P]`` fp32, pages ``[T, n_sel]`` int32 logical
     page indices (-1 = none, e.g. from :func:`select_pages`); the rest as in :func:`block_scores`.
     """
-    device, cu, _, rows_per_seq = check_queries(q, weights, limits, cu_seqlens_q)
-    T, H, DK = q.shape
-    check_paged_keys(k, k_scale, block_table, seq_lens, limits, cu, device)
-    P = k.shape[1]
-    if k.shape[2] != DK:
-        raise ValueError(f"k: last dimension must be DK = {DK}, got shape {tuple(k.shape)}")
-    check_tensor("pages", pages, dtype=torch.int32, ndim=2, device=device)
-    if pages.shape[0] != T:
-        raise ValueError(f"pages: {pages.shape[0]} rows for {T} query rows")
-    row_seq = torch.repeat_interleave(torch.arange(len(rows_per_seq), device=device), (cu[1:] - cu[:-1]).long())
-    if pages.numel() and bool(((pages < -1) | (pages.long() * P >= seq_lens.long()[row_seq, None])).any()):
-        raise ValueError("pages: entries must be -1 or pages inside the row's sequence")
-    n_sel = pages.shape[1]
-    config = _path_config(config, rows_per_seq, int(limits.max()) if T else 0, P, H, DK, device)
-    out = torch.empty(T, n_sel * P, dtype=torch.float32, device=device)
-    rows = torch.arange(T + 1, dtype=torch.int32, device=device)
-    launch_logits(SELECTED, q, weights, k, k_scale, out, limits, rows, row_seq.int(), 1,
-                  config=_selected_config(config), page_size=P, block_table=block_table, pages=pages)
-    pos = (pages[:, :, None] * P + torch.arange(P, dtype=torch.int32, device=device)).flatten(1)
-    valid = (pages >= 0).repeat_interleave(P, dim=1) & (pos < limits[:, None])
-    return out, pos.where(valid, -1)
+    rows = check_queries(q, weights, limits, cu_seqlens_q)
+    P = check_paged_keys(rows, k, k_scale, block_table, seq_lens, limits)
+    check_pages(rows, pages, seq_lens, P)
+    rows.finish()
+    return _launch_selected(rows, q, weights, k, k_scale, block_table, limits, pages, _path_config(config, rows, P))
 
 
 def block_indexer_logits(
@@ -165,13 +168,20 @@ def block_indexer_logits(
     """The block-level path: page bounds, the ``n_select`` best pages per row, token logits inside them.
 
     Returns ``(logits [T, n_select * P] fp32, positions [T, n_select * P] int32)`` as
-    :func:`selected_page_logits`. Arguments as in :func:`block_scores` and :func:`selected_page_logits`.
+    :func:`selected_page_logits`. Arguments as in :func:`block_scores` and :func:`selected_page_logits`;
+    everything is checked once, up front (one device-to-host transfer).
     """
-    bounds = block_scores(q, weights, pmax, pmin, block_table, seq_lens, limits, k.shape[1],
-                          cu_seqlens_q=cu_seqlens_q, config=config)
+    rows = check_queries(q, weights, limits, cu_seqlens_q)
+    P = check_paged_keys(rows, k, k_scale, block_table, seq_lens, limits)
+    check_summaries(rows, pmax, pmin)
+    if pmax.shape[0] != k.shape[0]:
+        raise ValueError(f"pmax: {pmax.shape[0]} pages, but k has {k.shape[0]}")
+    check_positive("n_select", n_select)
+    rows.finish()
+    config = _path_config(config, rows, P)
+    bounds = _launch_bounds(rows, q, weights, pmax, pmin, block_table, limits, P, triton.cdiv(rows.max_limit, P), config)
     pages = select_pages(bounds, n_select)
-    return selected_page_logits(q, weights, k, k_scale, block_table, seq_lens, limits, pages,
-                                cu_seqlens_q=cu_seqlens_q, config=config)
+    return _launch_selected(rows, q, weights, k, k_scale, block_table, limits, pages, config)
 
 
 # -- registry entry: the block-level path, timed against the token-level path ---------------------

@@ -346,13 +346,16 @@ class PagedCache:
                 items.append((row, count, self._pages[s][pos // P], pos % P))
                 row, pos = row + count, pos + count
             self._lens[s] = end
-        if table_updates:
-            upd = torch.tensor(table_updates, dtype=torch.int64).to(self.device)
-            self.block_table[upd[:, 0], upd[:, 1]] = upd[:, 2].to(torch.int32)
-        if seq_ids:
-            ids = torch.tensor(seq_ids, dtype=torch.int64).to(self.device)
-            self.seq_lens[ids] = torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int32).to(self.device)
-        items_t = torch.tensor(items, dtype=torch.int32).reshape(-1, 4).to(self.device)
+        # one host-to-device copy: work items, new block-table entries, new lengths
+        flat = [x for item in items for x in item] + [x for u in table_updates for x in u]
+        flat += [x for s in seq_ids for x in (s, self._lens[s])]
+        meta = torch.tensor(flat, dtype=torch.int32).to(self.device)
+        n_items, n_upd = 4 * len(items), 3 * len(table_updates)
+        items_t = meta[:n_items].view(-1, 4)
+        upd = meta[n_items:n_items + n_upd].view(-1, 3).long()
+        self.block_table[upd[:, 0], upd[:, 1]] = upd[:, 2].int()
+        new_lens = meta[n_items + n_upd:].view(-1, 2)
+        self.seq_lens[new_lens[:, 0].long()] = new_lens[:, 1]
         phase = "decode" if len(items) == n_rows else "prefill"
         shape = _append_shape(self.kv, self.ik, n_rows, len(items))
         config = config or SPEC.launch_config(phase, shape, self.device)

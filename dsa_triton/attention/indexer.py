@@ -26,12 +26,11 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from ..checks import check_kernel_device, check_tensor
 from ..registry import Cost, KernelSpec
 from ..runtime import interpreting
 from . import indexer_reference
-from .cache import PAGE_SIZES
 from .cache_reference import fp8_quantize_rows
+from .indexer_checks import check_contiguous_keys, check_paged_keys, check_queries, output_columns
 from .indexer_reference import indexer_logits_torch
 
 DENSE, SELECTED, BOUND = 0, 1, 2
@@ -115,13 +114,16 @@ def _logits_kernel(
             if MODE == 2:
                 k_max = tl.load(k_ptr + k_off, mask=k_mask, other=0.0).to(BOUND_DTYPE)
                 k_min = tl.load(k2_ptr + k_off, mask=k_mask, other=0.0).to(BOUND_DTYPE)
-                ub = tl.dot(k_max, q_pos, input_precision="ieee") + tl.dot(k_min, q_neg, input_precision="ieee")
-                lb = tl.dot(k_max, q_neg, input_precision="ieee") + tl.dot(k_min, q_pos, input_precision="ieee")
+                ub = tl.dot(k_max, q_pos) + tl.dot(k_min, q_neg)  # products exact: fp8 x (bf16-exact) values
+                lb = tl.dot(k_max, q_neg) + tl.dot(k_min, q_pos)
                 s = tl.maximum(ub, 0.0) * w_pos[None, :] + tl.maximum(lb, 0.0) * w_neg[None, :]
             else:
                 k = tl.load(k_ptr + k_off, mask=k_mask, other=0.0)
                 s = tl.maximum(tl.dot(k, q_t), 0.0) * w[None, :]  # [BLOCK_N, BLOCK_M * HP]
-            s = tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_M, HP)), axis=2)  # [BLOCK_N, BLOCK_M]
+            if BLOCK_M == 1:  # heads are the dot's N axis: the sum stays within a thread and its quad
+                s = tl.sum(s, axis=1)[:, None]
+            else:
+                s = tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_M, HP)), axis=2)  # [BLOCK_N, BLOCK_M]
             if MODE != 2:
                 s = s * tl.load(ks_ptr + krow, mask=col_ok, other=0.0)[:, None]
             valid = col_ok[:, None] & (pos[:, None] < limits[None, :])
@@ -169,77 +171,6 @@ def launch_logits(mode: int, q, w, k, k_scale, out, limits, cu, gseq, max_rows: 
     return out
 
 
-# -- argument checks shared with block_scores ---------------------------------------------------
-
-def check_queries(q, weights, limits, cu_seqlens_q):
-    """Validate q ``[T, H, DK]`` e4m3, weights ``[T, H]`` fp32, limits ``[T]`` int32, cu ``[B + 1]`` int32.
-
-    Returns ``(device, cu, gseq, rows_per_seq list)``; ``cu`` defaults to one sequence holding every row.
-    """
-    check_tensor("q", q, dtype=torch.float8_e4m3fn, ndim=3)
-    device = check_kernel_device("q", q)
-    T, H, DK = q.shape
-    if q.stride(2) != 1 or q.stride(1) < DK:
-        raise ValueError(f"q: heads must be dense rows of DK elements, got strides {q.stride()}")
-    check_tensor("weights", weights, dtype=torch.float32, shape=(T, H), device=device)
-    check_tensor("limits", limits, dtype=torch.int32, shape=(T,), device=device)
-    if not limits.is_contiguous():
-        raise ValueError(f"limits: must be contiguous, got strides {limits.stride()}")
-    if cu_seqlens_q is None:
-        cu_seqlens_q = torch.tensor([0, T], dtype=torch.int32, device=device)
-    check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, ndim=1, device=device)
-    cu_list = cu_seqlens_q.tolist()
-    if len(cu_list) < 2 or cu_list[0] != 0 or cu_list[-1] != T or any(a > b for a, b in zip(cu_list, cu_list[1:])):
-        raise ValueError(f"cu_seqlens_q: must rise from 0 to T = {T}, got {cu_list[:8]}...")
-    if T and int(limits.min()) < 0:
-        raise ValueError("limits: must be >= 0")
-    gseq = torch.arange(len(cu_list) - 1, dtype=torch.int32, device=device)
-    return device, cu_seqlens_q.contiguous(), gseq, [b - a for a, b in zip(cu_list, cu_list[1:])]
-
-
-def check_paged_keys(k, k_scale, block_table, seq_lens, limits, cu, device, *, k_name="k", scale_name="k_scale"):
-    """Validate the paged FP8 K cache, block table and lengths; limits may not pass ``seq_lens``."""
-    check_tensor(k_name, k, dtype=torch.float8_e4m3fn, ndim=3, device=device)
-    num_pages, P, _ = k.shape
-    if P not in PAGE_SIZES:
-        raise ValueError(f"{k_name}: page size (dimension 1) must be one of {PAGE_SIZES}, got {P}")
-    if not k.is_contiguous():
-        raise ValueError(f"{k_name}: must be contiguous, got strides {k.stride()}")
-    if k_scale is not None:
-        check_tensor(scale_name, k_scale, dtype=torch.float32, shape=(num_pages, P), device=device)
-        if not k_scale.is_contiguous():
-            raise ValueError(f"{scale_name}: must be contiguous, got strides {k_scale.stride()}")
-    check_block_table(block_table, seq_lens, limits, cu, device, num_pages, P)
-
-
-def check_block_table(block_table, seq_lens, limits, cu, device, num_pages: int, P: int) -> None:
-    B = cu.shape[0] - 1
-    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=device)
-    if block_table.shape[0] < B:
-        raise ValueError(f"block_table: {block_table.shape[0]} rows for {B} sequences")
-    check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=device)
-    if seq_lens.shape[0] < B:
-        raise ValueError(f"seq_lens: {seq_lens.shape[0]} entries for {B} sequences")
-    lens = seq_lens[:B].long()
-    if B and (int(lens.min()) < 0 or int(lens.max()) > block_table.shape[1] * P):
-        raise ValueError(f"seq_lens: must lie in [0, {block_table.shape[1] * P}] (block_table width x page size)")
-    row_seq = torch.repeat_interleave(torch.arange(B, device=device), (cu[1:] - cu[:-1]).long())
-    if bool((limits.long() > lens[row_seq]).any()):
-        raise ValueError("limits: a row's limit exceeds its sequence's length in seq_lens")
-    used = torch.arange(block_table.shape[1], device=device)[None, :] * P < lens[:, None]
-    entries = block_table[:B].long()
-    if bool(((entries < 0) | (entries >= num_pages))[used].any()):
-        raise ValueError(f"block_table: an entry of a used page lies outside [0, {num_pages})")
-
-
-def output_columns(num_cols, limits, name="num_cols") -> int:
-    if num_cols is None:
-        return int(limits.max()) if limits.numel() else 0
-    if not isinstance(num_cols, int) or num_cols < 0:
-        raise ValueError(f"{name}: must be an integer >= 0, got {num_cols!r}")
-    return num_cols
-
-
 def logits_shape(rows_per_seq: list[int], L: int, P: int, H: int, DK: int) -> tuple[str, dict[str, int]]:
     """Phase and registry shape of a call: decode when every sequence has at most 4 query rows."""
     Q = max(rows_per_seq, default=0)
@@ -276,40 +207,29 @@ def indexer_logits(
         key_starts: ``[B]`` int32 (contiguous mode): first key row of each sequence (default 0).
         num_cols: output width ``L`` (default ``max(limits)``).
         config: launch parameters (default: the tuning database / the registry default).
+
+    The value checks (limits, lengths, block-table entries) cost one device-to-host transfer.
     """
-    device, cu, gseq, rows_per_seq = check_queries(q, weights, limits, cu_seqlens_q)
-    T, H, DK = q.shape
-    B = len(rows_per_seq)
+    rows = check_queries(q, weights, limits, cu_seqlens_q)
     if block_table is not None:
         if key_starts is not None:
             raise ValueError("key_starts: only for contiguous keys (no block_table)")
         if seq_lens is None:
             raise ValueError("seq_lens: required with block_table")
-        check_paged_keys(k, k_scale, block_table, seq_lens, limits, cu, device)
-        P = k.shape[1]
+        P = check_paged_keys(rows, k, k_scale, block_table, seq_lens, limits)
     else:
-        check_tensor("k", k, dtype=torch.float8_e4m3fn, ndim=2, device=device)
-        S = k.shape[0]
-        check_tensor("k_scale", k_scale, dtype=torch.float32, shape=(S,), device=device)
-        if not k_scale.is_contiguous():
-            raise ValueError(f"k_scale: must be contiguous, got strides {k_scale.stride()}")
-        if key_starts is None:
-            key_starts = torch.zeros(B, dtype=torch.int32, device=device)
-        check_tensor("key_starts", key_starts, dtype=torch.int32, shape=(B,), device=device)
-        row_seq = torch.repeat_interleave(torch.arange(B, device=device), (cu[1:] - cu[:-1]).long())
-        if B and (int(key_starts.min()) < 0 or bool((key_starts.long()[row_seq] + limits.long() > S).any())):
-            raise ValueError(f"limits: key_starts + limits must stay within the {S} keys")
+        key_starts = check_contiguous_keys(rows, k, k_scale, key_starts, limits)
         P = 0
-    if k.shape[-1] != DK:
-        raise ValueError(f"k: last dimension must be DK = {DK}, got shape {tuple(k.shape)}")
-    L = output_columns(num_cols, limits)
-    phase, shape = logits_shape(rows_per_seq, L, P, H, DK)
+    rows.finish()
+    L = output_columns(num_cols, rows.max_limit)
+    phase, shape = logits_shape(rows.rows_per_seq, L, P, rows.H, rows.DK)
     if config is None:
-        config = SPEC.launch_config(phase, shape, device)
+        config = SPEC.launch_config(phase, shape, rows.device)
     else:
         SPEC.validate(config, shape)
-    out = torch.empty(T, L, dtype=torch.float32, device=device)
-    return launch_logits(DENSE, q, weights, k, k_scale, out, limits, cu, gseq, max(rows_per_seq, default=0),
+    out = torch.empty(rows.T, L, dtype=torch.float32, device=rows.device)
+    gseq = torch.arange(rows.B, dtype=torch.int32, device=rows.device)
+    return launch_logits(DENSE, q, weights, k, k_scale, out, limits, rows.cu, gseq, max(rows.rows_per_seq),
                          config=config, page_size=max(P, 1), block_table=block_table, key_starts=key_starts)
 
 

@@ -1,0 +1,184 @@
+"""Argument checks of the indexer ops: shapes, dtypes and devices on the host; values (lengths, limits,
+block-table entries) on the device, fetched in one transfer, so a call waits on the device once,
+not once per check. Every failure is a ``ValueError`` naming the argument, raised before any launch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..checks import check_kernel_device, check_tensor
+from .cache import PAGE_SIZES
+
+
+class DeviceChecks:
+    """Conditions and values on the device, brought to the host together by :meth:`run`."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[str, torch.Tensor]] = []
+
+    def fail_if(self, bad: torch.Tensor, message: str) -> None:
+        """Raise ``ValueError(message)`` at :meth:`run` if any element of the bool tensor ``bad`` is set."""
+        self._parts.append((message, bad.any().reshape(1).long()))
+
+    def fetch(self, name: str, values: torch.Tensor) -> None:
+        """Bring ``values`` (integers) to the host; :meth:`run` returns them under ``name``."""
+        self._parts.append(("=" + name, values.reshape(-1).long()))
+
+    def run(self) -> dict[str, list[int]]:
+        """One device-to-host copy; raises the first failed condition in the order they were added."""
+        if not self._parts:
+            return {}
+        flat = torch.cat([t for _, t in self._parts]).tolist()
+        out, i = {}, 0
+        for key, t in self._parts:
+            values, i = flat[i:i + t.numel()], i + t.numel()
+            if key.startswith("="):
+                out[key[1:]] = values
+            elif values[0]:
+                raise ValueError(key)
+        return out
+
+
+@dataclass
+class QueryRows:
+    """Validated query rows: ``T`` rows of ``H`` heads x ``DK``, packed by sequence (``B`` of them)."""
+
+    device: torch.device
+    T: int
+    H: int
+    DK: int
+    cu: torch.Tensor  # [B + 1] int32
+    row_seq: torch.Tensor  # [T] int64, the sequence of each row (clamped into range until checked)
+    checks: DeviceChecks = field(default_factory=DeviceChecks)
+    rows_per_seq: list[int] = field(default_factory=list)  # filled by finish()
+    max_limit: int = 0  # filled by finish()
+
+    @property
+    def B(self) -> int:
+        return self.cu.shape[0] - 1
+
+    def finish(self) -> dict[str, list[int]]:
+        """Run the device checks; fills ``rows_per_seq`` and ``max_limit``; returns other fetched values."""
+        host = self.checks.run()
+        cu = host.pop("cu")
+        self.rows_per_seq = [b - a for a, b in zip(cu, cu[1:])]
+        self.max_limit = host.pop("max_limit", [0])[0]
+        return host
+
+
+def check_queries(q, weights, limits, cu_seqlens_q) -> QueryRows:
+    """q ``[T, H, DK]`` e4m3, weights ``[T, H]`` fp32, limits ``[T]`` int32 (>= 0), cu ``[B + 1]`` int32
+    rising from 0 to T (default: one sequence holding every row)."""
+    check_tensor("q", q, dtype=torch.float8_e4m3fn, ndim=3)
+    device = check_kernel_device("q", q)
+    T, H, DK = q.shape
+    if q.stride(1) < DK:
+        raise ValueError(f"q: heads must be dense rows of DK elements, got strides {q.stride()}")
+    check_tensor("weights", weights, dtype=torch.float32, shape=(T, H), device=device)
+    check_tensor("limits", limits, dtype=torch.int32, shape=(T,), device=device)
+    if not limits.is_contiguous():
+        raise ValueError(f"limits: must be contiguous, got strides {limits.stride()}")
+    if cu_seqlens_q is None:
+        cu_seqlens_q = torch.tensor([0, T], dtype=torch.int32, device=device)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, ndim=1, device=device)
+    if cu_seqlens_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q: needs B + 1 >= 2 entries, got {cu_seqlens_q.shape[0]}")
+    cu = cu_seqlens_q.contiguous()
+    B = cu.shape[0] - 1
+    row_seq = torch.searchsorted(cu[1:], torch.arange(T, dtype=torch.int32, device=device), right=True)
+    rows = QueryRows(device, T, H, DK, cu, row_seq.clamp_max(B - 1))
+    rows.checks.fail_if((cu[0] != 0) | (cu[-1] != T) | (cu[1:] < cu[:-1]).any(),
+                        f"cu_seqlens_q: must rise from 0 to T = {T}")
+    rows.checks.fail_if(limits < 0, "limits: must be >= 0")
+    rows.checks.fetch("cu", cu)
+    if T:
+        rows.checks.fetch("max_limit", limits.max())
+    return rows
+
+
+def check_block_table(rows: QueryRows, block_table, seq_lens, limits, num_pages: int, P: int) -> None:
+    """block_table ``[>= B, max_pages]`` int32 with every used entry in ``[0, num_pages)``; seq_lens
+    ``[>= B]`` int32 within the table; no row's limit beyond its sequence's length."""
+    B = rows.B
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=rows.device)
+    if block_table.shape[0] < B:
+        raise ValueError(f"block_table: {block_table.shape[0]} rows for {B} sequences")
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=rows.device)
+    if seq_lens.shape[0] < B:
+        raise ValueError(f"seq_lens: {seq_lens.shape[0]} entries for {B} sequences")
+    lens = seq_lens[:B].long()
+    capacity = block_table.shape[1] * P
+    rows.checks.fail_if((lens < 0) | (lens > capacity), f"seq_lens: must lie in [0, {capacity}] (table width x page size)")
+    rows.checks.fail_if(limits.long() > lens[rows.row_seq], "limits: a row's limit exceeds its sequence's length in seq_lens")
+    used = torch.arange(block_table.shape[1], device=rows.device)[None, :] * P < lens[:, None]
+    entries = block_table[:B]
+    rows.checks.fail_if(((entries < 0) | (entries >= num_pages)) & used,
+                        f"block_table: an entry of a used page lies outside [0, {num_pages})")
+
+
+def check_paged_keys(rows: QueryRows, k, k_scale, block_table, seq_lens, limits) -> int:
+    """Paged FP8 keys ``k[num_pages, P, DK]`` (P in 16..128) and ``k_scale[num_pages, P]`` fp32, both
+    contiguous; then the block table. Returns ``P``."""
+    check_tensor("k", k, dtype=torch.float8_e4m3fn, ndim=3, device=rows.device)
+    num_pages, P, DK = k.shape
+    if P not in PAGE_SIZES:
+        raise ValueError(f"k: page size (dimension 1) must be one of {PAGE_SIZES}, got {P}")
+    if DK != rows.DK:
+        raise ValueError(f"k: last dimension must be DK = {rows.DK}, got shape {tuple(k.shape)}")
+    if not k.is_contiguous():
+        raise ValueError(f"k: must be contiguous, got strides {k.stride()}")
+    check_tensor("k_scale", k_scale, dtype=torch.float32, shape=(num_pages, P), device=rows.device)
+    if not k_scale.is_contiguous():
+        raise ValueError(f"k_scale: must be contiguous, got strides {k_scale.stride()}")
+    check_block_table(rows, block_table, seq_lens, limits, num_pages, P)
+    return P
+
+
+def check_contiguous_keys(rows: QueryRows, k, k_scale, key_starts, limits) -> torch.Tensor:
+    """Contiguous FP8 keys ``k[S, DK]``, ``k_scale[S]`` fp32, ``key_starts[B]`` int32 (default 0) with
+    ``key_starts + limits`` inside the ``S`` keys for every row. Returns ``key_starts``."""
+    check_tensor("k", k, dtype=torch.float8_e4m3fn, ndim=2, device=rows.device)
+    S = k.shape[0]
+    if k.shape[1] != rows.DK:
+        raise ValueError(f"k: last dimension must be DK = {rows.DK}, got shape {tuple(k.shape)}")
+    check_tensor("k_scale", k_scale, dtype=torch.float32, shape=(S,), device=rows.device)
+    if not k_scale.is_contiguous():
+        raise ValueError(f"k_scale: must be contiguous, got strides {k_scale.stride()}")
+    if key_starts is None:
+        key_starts = torch.zeros(rows.B, dtype=torch.int32, device=rows.device)
+    check_tensor("key_starts", key_starts, dtype=torch.int32, shape=(rows.B,), device=rows.device)
+    starts = key_starts.long()
+    rows.checks.fail_if((starts < 0) | (starts > S), f"key_starts: must lie in [0, {S}]")
+    rows.checks.fail_if(starts[rows.row_seq] + limits.long() > S, f"limits: key_starts + limits must stay within the {S} keys")
+    return key_starts.contiguous()
+
+
+def check_summaries(rows: QueryRows, pmax, pmin) -> None:
+    """pmax / pmin ``[num_pages, DK]`` fp32 with equal strides (views into one summaries buffer or not)."""
+    check_tensor("pmax", pmax, dtype=torch.float32, ndim=2, device=rows.device)
+    if pmax.shape[1] != rows.DK:
+        raise ValueError(f"pmax: dimension 1 must be DK = {rows.DK}, got shape {tuple(pmax.shape)}")
+    check_tensor("pmin", pmin, dtype=torch.float32, shape=tuple(pmax.shape), device=rows.device)
+    if pmin.stride() != pmax.stride():
+        raise ValueError(f"pmin: strides {pmin.stride()} must equal pmax's {pmax.stride()}")
+
+
+def check_pages(rows: QueryRows, pages, seq_lens, P: int) -> None:
+    """pages ``[T, n_sel]`` int32: -1 or a logical page inside the row's sequence."""
+    check_tensor("pages", pages, dtype=torch.int32, ndim=2, device=rows.device)
+    if pages.shape[0] != rows.T:
+        raise ValueError(f"pages: {pages.shape[0]} rows for {rows.T} query rows")
+    if not pages.is_contiguous():
+        raise ValueError(f"pages: must be contiguous, got strides {pages.stride()}")
+    lens = seq_lens[: rows.B].long()[rows.row_seq, None]
+    rows.checks.fail_if((pages < -1) | (pages.long() * P >= lens), "pages: entries must be -1 or pages inside the row's sequence")
+
+
+def output_columns(num_cols, default: int, name: str = "num_cols") -> int:
+    if num_cols is None:
+        return default
+    if not isinstance(num_cols, int) or isinstance(num_cols, bool) or num_cols < 0:
+        raise ValueError(f"{name}: must be an integer >= 0, got {num_cols!r}")
+    return num_cols
