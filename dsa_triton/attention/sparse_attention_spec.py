@@ -18,7 +18,7 @@ import torch
 import triton
 
 from .. import registry
-from ..harness import Ceilings, floor_us, rotation, time_rotating
+from ..harness import Ceilings, floor_us, rotation, time_rotating, time_us
 from ..registry import Cost, KernelSpec
 from . import sparse_attention, sparse_attention_kernels, sparse_attention_reference
 from .sparse_attention_kernels import head_blocks
@@ -90,36 +90,35 @@ def _default(phase: str):
 
 def _make_inputs(phase: str):
     def make_inputs(_phase, shape, device, seed: int) -> dict:
-        """Random q and cache rows; unused slots (and a spare page 0) NaN. On the CPU some rows are padded
-        with -1 (one row of three has no valid index); on the GPU every index is valid."""
-        g = torch.Generator().manual_seed(seed)
+        """Random q and cache rows, generated on ``device``; unused slots (and a spare page 0) NaN. On the CPU some
+        rows are padded with -1 (one row of three has no valid index); on the GPU every index is valid."""
         device = torch.device(device)
+        g = torch.Generator(device=device).manual_seed(seed)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+        randn = lambda *size: torch.randn(size, generator=g, device=device).to(dtype)
         R, M = _rows(phase, shape)
         k, D, P = shape["k"], shape["D"], shape.get("P", 64)
         L = shape.get("L", 2 * k)
         seqs = R if phase == "decode" else 1
         pages = triton.cdiv(L, P)
-        kv = torch.full(((seqs * pages + 1), P, D), float("nan"), dtype=dtype)
-        table = (torch.randperm(seqs * pages, generator=g) + 1).view(seqs, pages).to(torch.int32)
-        positions = torch.arange(L)
+        kv = torch.full(((seqs * pages + 1), P, D), float("nan"), dtype=dtype, device=device)
+        table = (torch.randperm(seqs * pages, generator=g, device=device) + 1).view(seqs, pages).to(torch.int32)
+        positions = torch.arange(L, device=device)
         live = (table.long()[:, positions // P] * P + positions % P).flatten()
-        kv.view(-1, D)[live] = torch.randn(live.numel(), D, generator=g).to(dtype)
-        logical = torch.rand(R, L, generator=g).argsort(dim=1)[:, :k]
+        kv.view(-1, D)[live] = randn(live.numel(), D)
+        logical = torch.rand(R, L, generator=g, device=device).argsort(dim=1)[:, :k]
         if device.type != "cuda":
             valid = (k * ((torch.arange(R) + 1) % 3)) // 2  # k/2, k, 0, ...
             keep = (torch.arange(k)[None, :] < valid[:, None]) & (torch.rand(R, k, generator=g) > 0.1)
             logical = torch.where(keep, logical, -1)
-        bt = table if phase == "decode" else table.expand(R, -1)
-        slots = slots_from_indices(logical, bt, P).to(torch.int32)
-        q_shape = (R, shape["H"], D) if phase == "prefill" or shape["S"] == 1 else (R, shape["S"], shape["H"], D)
+        slots = slots_from_indices(logical, table if phase == "decode" else table.expand(R, -1), P).to(torch.int32)
         paged = bool(shape.get("logical", 0))
         return {
-            "q": torch.randn(q_shape, generator=g).to(device, dtype),
-            "kv_cache": kv.to(device),
-            "indices": (logical.to(torch.int32) if paged else slots).to(device),
-            "block_table": table.to(device) if paged else None,
-            "slots": slots.to(device),
+            "q": randn(R, shape["H"], D) if phase == "prefill" or shape["S"] == 1 else randn(R, shape["S"], shape["H"], D),
+            "kv_cache": kv,
+            "indices": logical.to(torch.int32) if paged else slots,
+            "block_table": table if paged else None,
+            "slots": slots,
             "sm_scale": D ** -0.5,
             "d_v": shape["Dv"],
         }
@@ -207,23 +206,42 @@ PREFILL_SPEC = _spec("prefill", sparse_attention.sparse_attention_prefill, spars
                      _prefill_shapes, ("H", "D", "Dv", "k"), ("T",))
 
 
+def _graph_us(fn, device, calls: int) -> float:
+    """Microseconds per call of ``fn`` (which makes ``calls`` op calls) replayed as one CUDA graph: the kernels'
+    time without the host's launch overhead. NaN off the GPU."""
+    if torch.device(device).type != "cuda":
+        return float("nan")
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()  # compiles and caches every launch config before the capture
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_us(graph.replay, device) / calls
+
+
 def decode_latency_report(device, ceilings: Ceilings | None) -> list[dict]:
-    """Small-batch decode against the byte floor (bytes / copy rate): the latency-bound end of decode."""
-    batches = (1, 8) if ceilings is not None else (1, 2)
-    base = _decode_shapes("decode", ceilings is not None)[-1 if ceilings is None else 0]
+    """Small-batch decode (B = 1, 8) against the byte floor (bytes / copy rate): eager calls (host overhead
+    included) and the same calls replayed from a CUDA graph (kernels only), over input sets larger than L2."""
+    gpu = torch.device(device).type == "cuda"
+    base = _decode_shapes("decode", gpu)[0 if gpu else -1]
     rows = []
-    for B in batches:
+    for B in (1, 8) if gpu else (1, 2):
         shape = {**base, "B": B}
         cost = DECODE_SPEC.cost("decode", shape)
         config = DECODE_SPEC.launch_config("decode", shape, device)
         sets = rotation(lambda i: DECODE_SPEC.make_inputs("decode", shape, device, i), cost.bytes, device)
-        us = time_rotating(lambda s: DECODE_SPEC.run(s, config), sets, device)
-        row = {"shape": ",".join(f"{k}={v}" for k, v in shape.items()), "config": str(config), "us": us,
-               "bytes_MB": cost.bytes / 1e6}
+        row = {"shape": ",".join(f"{k}={v}" for k, v in shape.items()), "config": str(config),
+               "bytes_MB": cost.bytes / 1e6,
+               "eager_us": time_rotating(lambda s: DECODE_SPEC.run(s, config), sets, device),
+               "graph_us": _graph_us(lambda: [DECODE_SPEC.run(s, config) for s in sets], device, len(sets))}
         if ceilings is not None:
             byte_floor = cost.bytes / (ceilings.copy_tbps * 1e12) * 1e6
             floor, bound = floor_us(cost, ceilings)
-            row |= {"byte_floor_us": byte_floor, "of_byte_floor": byte_floor / us, "floor_us": floor, "bound": bound}
+            row |= {"byte_floor_us": byte_floor, "graph_of_byte_floor": byte_floor / row["graph_us"],
+                    "eager_of_byte_floor": byte_floor / row["eager_us"], "floor_us": floor, "bound": bound}
         rows.append(row)
     return rows
 
