@@ -13,7 +13,7 @@ from .test_indexer import decode_rows, paged_cache
 def problem(P, lens=(70, 0, 37, 16), rows=(2, 1, 1, 3), H=8, DK=32, seed=0):
     cache = paged_cache(list(lens), P, DK, seed=seed)
     limits, cu = decode_rows(list(lens), list(rows))
-    q, w = random_queries(int(cu[-1]), H, DK, "cpu", torch.Generator().manual_seed(seed + 1))
+    q, w = random_queries(int(cu[-1]), H, DK, torch.Generator().manual_seed(seed + 1))
     return cache, q, w, limits, cu
 
 

@@ -32,7 +32,7 @@ def test_decode_paged_mixed_lengths(P):
     H, DK = 6, 48  # neither a power of two
     cache = paged_cache(lens, P, DK, seed=P)
     limits, cu = decode_rows(lens, rows)
-    q, w = random_queries(int(cu[-1]), H, DK, "cpu", torch.Generator().manual_seed(1))
+    q, w = random_queries(int(cu[-1]), H, DK, torch.Generator().manual_seed(1))
     kw = dict(cu_seqlens_q=cu, block_table=cache.block_table)
     out = dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, seq_lens=cache.seq_lens, num_cols=75, **kw)
     ref = indexer_logits_torch(q, w, cache.ik, cache.ik_scale, limits, 75, **kw)
@@ -49,7 +49,7 @@ def test_prefill_contiguous_several_sequences(block_m, block_n, chunk):
     k8, scale = fp8_quantize_rows(torch.randn(sum(lens), DK, generator=g))
     starts = torch.tensor([0] + lens[:-1]).cumsum(0).int()
     limits, cu = decode_rows(lens, rows)
-    q, w = random_queries(int(cu[-1]), H, DK, "cpu", g)
+    q, w = random_queries(int(cu[-1]), H, DK, g)
     cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "CHUNK": chunk, "num_warps": 4, "num_stages": 2}
     out = dt.indexer_logits(q, w, k8, scale, limits, cu_seqlens_q=cu, key_starts=starts, config=cfg)
     ref = indexer_logits_torch(q, w, k8, scale, limits, 150, cu_seqlens_q=cu, key_starts=starts)
@@ -60,7 +60,7 @@ def test_prefill_paged_many_rows():
     lens = [45]
     cache = paged_cache(lens, 16, 32, seed=5)
     limits = torch.arange(1, 46, dtype=torch.int32)  # every row of a 45-token prefill, causal
-    q, w = random_queries(45, 8, 32, "cpu", torch.Generator().manual_seed(2))
+    q, w = random_queries(45, 8, 32, torch.Generator().manual_seed(2))
     out = dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, block_table=cache.block_table,
                             seq_lens=cache.seq_lens)
     ref = indexer_logits_torch(q, w, cache.ik, cache.ik_scale, limits, 45, block_table=cache.block_table)
@@ -82,7 +82,7 @@ def test_registry_entry(phase):
 def test_bad_inputs():
     cache = paged_cache([20, 3], 16, 32)
     limits, cu = decode_rows([20, 3], [1, 1])
-    q, w = random_queries(2, 4, 32, "cpu", torch.Generator().manual_seed(0))
+    q, w = random_queries(2, 4, 32, torch.Generator().manual_seed(0))
     args = (q, w, cache.ik, cache.ik_scale, limits)
     kw = dict(cu_seqlens_q=cu, block_table=cache.block_table, seq_lens=cache.seq_lens)
     call = lambda *a, **k: dt.indexer_logits(*a, **{**kw, **k})  # noqa: E731

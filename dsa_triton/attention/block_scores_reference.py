@@ -9,18 +9,27 @@ from __future__ import annotations
 import torch
 
 from .cache_reference import dequantize_rows
+from .indexer_reference import exact_fp8_matmul
 
 
 def page_summaries_torch(k: torch.Tensor, k_scale: torch.Tensor, block_table: torch.Tensor,
-                         seq_lens: torch.Tensor) -> torch.Tensor:
-    """``[num_pages, 2, DK]`` fp32 (max, min) of each used page's dequantized keys; NaN for unused pages."""
+                         seq_lens: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """``[num_pages, 2, DK]`` fp32 (max, min) of each used page's dequantized keys; NaN for unused pages.
+
+    ``chunk`` pages at a time, so the dequantized temporaries stay bounded.
+    """
     num_pages, P, DK = k.shape
+    fill = torch.zeros(num_pages, dtype=torch.long, device=k.device)  # used slots per page
+    lens = seq_lens.long()[: block_table.shape[0]]
+    per_page = (lens[:, None] - torch.arange(block_table.shape[1], device=k.device) * P).clamp(0, P)
+    fill[block_table.long()[per_page > 0]] = per_page[per_page > 0]
     out = torch.full((num_pages, 2, DK), float("nan"), device=k.device)
-    for b, n in enumerate(seq_lens.tolist()):
-        for j in range(-(-n // P)):
-            page = int(block_table[b, j])
-            keys = dequantize_rows(k[page, : min(P, n - j * P)], k_scale[page, : min(P, n - j * P)])
-            out[page, 0], out[page, 1] = keys.amax(0), keys.amin(0)
+    for c in range(0, num_pages, chunk):
+        keys = dequantize_rows(k[c:c + chunk], k_scale[c:c + chunk])  # [n, P, DK]
+        used = (torch.arange(P, device=k.device) < fill[c:c + chunk, None])[..., None]
+        page_used = fill[c:c + chunk, None] > 0
+        out[c:c + chunk, 0] = keys.where(used, float("-inf")).amax(1).where(page_used, float("nan"))
+        out[c:c + chunk, 1] = keys.where(used, float("inf")).amin(1).where(page_used, float("nan"))
     return out
 
 
@@ -39,7 +48,8 @@ def page_bounds_torch(q: torch.Tensor, weights: torch.Tensor, pmax: torch.Tensor
             mx, mn = pmax[pages], pmin[pages]  # [n, DK]
             qf = q[t].float()
             qp, qn = qf.clamp_min(0), qf.clamp_max(0)
-            ub, lb = qp @ mx.t() + qn @ mn.t(), qp @ mn.t() + qn @ mx.t()  # [H, n]
+            with exact_fp8_matmul():
+                ub, lb = qp @ mx.t() + qn @ mn.t(), qp @ mn.t() + qn @ mx.t()  # [H, n]
             w = weights[t].float()[:, None]
             out[t, :n] = (w.clamp_min(0) * ub.relu() + w.clamp_max(0) * lb.relu()).sum(0)
     return out
