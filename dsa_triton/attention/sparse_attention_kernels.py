@@ -2,12 +2,17 @@
 
 One program owns ``BLOCK_H`` query rows of one index row (the heads, times the query tokens that share the
 index set) and one split of the ``k`` selected tokens. Per tile of ``BLOCK_N`` tokens it gathers the cache
-rows by physical slot (logical positions go through ``_logical_to_slots`` first), scores them against every query row at once
-(``tl.dot(q[BLOCK_H, D], k[D, BLOCK_N])``, the head dim taken as a ``D_V`` part plus a ``D_R`` = D - D_V rope
-part: 512 + 64 for DSA), and accumulates ``p @ v`` with ``v`` = the ``D_V`` part of the same tile (MQA: one
-load serves every head). Online softmax in base 2; invalid slots (negative, or outside the cache) are masked
-and never read. With ``num_splits > 1`` each split writes a normalised fp32 partial and its lse and
-``_combine_splits`` merges them, weighted by ``exp(lse_split - lse)``.
+rows by physical slot (logical positions go through ``_logical_to_slots`` first), scores them against every
+query row at once (``tl.dot(q[BLOCK_H, D], k[D, BLOCK_N])``, the head dim taken as a ``D_V`` part plus a
+``D_R`` = D - D_V rope part: 512 + 64 for DSA), and accumulates ``p @ v`` with ``v`` = the ``D_V`` part of the
+same tile (MQA: one load serves every head). Online softmax in base 2; invalid slots (negative, or outside the
+cache) are masked and never read. With ``num_splits > 1`` each split writes a normalised fp32 partial and its
+lse, and ``_combine_splits`` merges them, weighted by ``exp(lse_split - lse)``.
+
+Hopper notes (Triton 3.6, checked by compiling for sm_90 on the CPU): 64 rows x 512 fp32 accumulator is what
+8 warps can hold (255 registers, no spills with BLOCK_N=64, 2 stages, 221 KB shared memory); both dots use
+wgmma, but Triton gives a score dot that feeds another dot all warps along M, so with 64 rows the two
+warpgroups compute the same score tile (the 576-deep dot runs twice, the 512-wide value dot once).
 """
 from __future__ import annotations
 
