@@ -2,9 +2,10 @@
 
 One study per (device, kernel, phase, shape key), named with the kernel's source and space hashes so
 changed code starts afresh, stored in a journal file per (device, kernel) so an interrupted run resumes.
-Each trial suggests one value per parameter (categorical); a config measured before (in this or an
-earlier session) is answered from the study without running again, and after such a repeat the next
-trial is an unmeasured valid config, so the budget buys new measurements. ``--trials`` counts those.
+Each trial suggests one value per parameter (sorted numeric candidates by index, so TPE sees their
+order; others categorical). A config measured before (in this or an earlier session) is answered from
+the study without running again, and after such a repeat the next trial is an unmeasured valid config,
+so the budget buys new measurements: ``--trials`` counts those.
 
 Samplers: ``tpe`` (multivariate TPE), ``random``, ``exhaustive`` (every valid config, seeds first) and
 ``auto`` (exhaustive when the valid space fits in the trial budget, else TPE). Studies are seeded
@@ -109,6 +110,26 @@ def make_sampler(kind: str, n_valid: int | None, seed: int) -> "optuna.samplers.
     return optuna.samplers.RandomSampler(seed=seed)  # random, and exhaustive (whose trials are all enqueued)
 
 
+def ordinal(values: tuple) -> bool:
+    """Sorted numbers (tile sizes, warps, stages, splits): searched by index, so neighbours inform each other."""
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    return numbers and len(values) > 2 and list(values) == sorted(values)
+
+
+def suggest(trial: "optuna.trial.Trial", space: dict[str, tuple]) -> Config:
+    return {p: values[trial.suggest_int(p, 0, len(values) - 1)] if ordinal(values)
+            else trial.suggest_categorical(p, list(values)) for p, values in space.items()}
+
+
+def in_space(config: Config, space: dict[str, tuple]) -> bool:
+    return config.keys() == space.keys() and all(v in space[p] for p, v in config.items())
+
+
+def encode(config: Config, space: dict[str, tuple]) -> dict[str, Any]:
+    """A config as the study's parameters (indices for ordinal parameters), for ``enqueue_trial``."""
+    return {p: space[p].index(v) if ordinal(space[p]) else v for p, v in config.items()}
+
+
 def _step(trial: "optuna.trial.FrozenTrial") -> Step | None:
     attrs = trial.user_attrs
     if trial.state != optuna.trial.TrialState.COMPLETE or "status" not in attrs:
@@ -144,15 +165,15 @@ def search(
     known: dict[str, Outcome] = {s.config: s.outcome for t in study.trials if (s := _step(t)) and s.new}
     queue = {config_text(c): c for c in [*seeds, *(valid if kind == "exhaustive" else [])]}
     for text, config in queue.items():
-        if text not in known:
-            study.enqueue_trial(config, skip_if_exists=True)
+        if text not in known and in_space(config, spec.space):
+            study.enqueue_trial(encode(config, spec.space), skip_if_exists=True)
     goal = trials if valid is None else min(trials, sum(config_text(c) not in known for c in valid))
     counts = {"new": 0, "calls": 0}
     lost: list[str] = []
     bar = _progress(goal, name, progress)
 
     def objective(trial: "optuna.trial.Trial") -> float:
-        config = {p: trial.suggest_categorical(p, list(values)) for p, values in spec.space.items()}
+        config = suggest(trial, spec.space)
         text = config_text(config)
         trial.set_user_attr("config", text)
         counts["calls"] += 1
@@ -181,7 +202,7 @@ def search(
             study.stop()
         elif trial.user_attrs.get("repeat") and valid is not None:
             fresh = [c for c in valid if config_text(c) not in known]
-            study.enqueue_trial(rng.choice(fresh))
+            study.enqueue_trial(encode(rng.choice(fresh), spec.space))
 
     try:
         if goal > 0:
