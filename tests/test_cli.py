@@ -119,3 +119,22 @@ def test_env_and_errors(toys, tmp_path, capsys):
     assert rc == 2 and "no record file" in err
     rc, _, err = run(capsys, "tune", "--kernels", "toy_axpy", "--model", tmp_path / "none.json", "--list")
     assert rc == 2 and "no config.json" in err
+
+
+def test_tune_on_several_gpus_runs_one_shard_per_process(capsys, monkeypatch):
+    from dsa_triton import registry
+
+    if "paged_append" not in {s.name for s in registry.kernels()}:
+        pytest.skip("paged_append is not registered")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    rc, out, _ = run(capsys, "tune", "--kernels", "paged_append", "--gpus=2", "--list")
+    assert rc == 0, out
+    assert sorted(line for line in out.splitlines() if line.endswith(" jobs")) == ["[gpu 0] 1 jobs", "[gpu 1] 1 jobs"]
+    rc, _, err = run(capsys, "tune", "--kernels", "paged_append", "--gpus", "2", "--shard", "0/2", "--list")
+    assert rc == 2 and "exclude each other" in err
+
+
+def test_without_option():
+    from tuner.cli import without_option
+
+    assert without_option(["tune", "--gpus", "4", "--x", "--gpus=2", "y"], "--gpus") == ["tune", "--x", "y"]

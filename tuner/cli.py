@@ -79,11 +79,51 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def without_option(argv: list[str], name: str) -> list[str]:
+    """``argv`` less ``name VALUE`` and ``name=VALUE``."""
+    out, skip = [], False
+    for a in argv:
+        if not skip and a != name and not a.startswith(name + "="):
+            out.append(a)
+        skip = a == name
+    return out
+
+
+def run_on_gpus(args: argparse.Namespace) -> int:
+    """``tune --gpus N``: N child processes, one per GPU, each tuning its shard into the same database."""
+    import os
+    import subprocess
+    import threading
+
+    if args.shard:
+        raise ValueError("--gpus and --shard exclude each other (--gpus sets the shards)")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(args.gpus)))).split(",")
+    if len(visible) < args.gpus:
+        raise ValueError(f"--gpus {args.gpus}: only {len(visible)} devices are visible ({','.join(visible)})")
+    argv = without_option(args.argv, "--gpus")
+    children = [subprocess.Popen([sys.executable, "-m", "tuner.cli", *argv, "--shard", f"{i}/{args.gpus}", "--no-progress"],
+                                 env={**os.environ, "CUDA_VISIBLE_DEVICES": visible[i]}, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True) for i in range(args.gpus)]
+
+    def relay(i: int, child: subprocess.Popen) -> None:
+        for line in child.stdout:
+            print(f"[gpu {visible[i]}] {line}", end="", flush=True)
+
+    threads = [threading.Thread(target=relay, args=(i, c)) for i, c in enumerate(children)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return max(c.wait() for c in children)
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from dsa_triton.bench import dict_table
 
     from .tune import summary_rows, tune
 
+    if args.gpus > 1:
+        return run_on_gpus(args)
     device, db = _setup(args)
     jobs = build_jobs(args, device)
     if args.list:
@@ -210,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--retune", action="store_true", help="tune shapes that already have a fresh record too")
     tune.add_argument("--seed", type=int, default=0, help="sampler seed")
     tune.add_argument("--list", action="store_true", help="only list the jobs")
+    tune.add_argument("--gpus", type=int, default=1,
+                      help="run N processes, one per visible GPU, each on its shard of the jobs (one database)")
     tune.set_defaults(func=cmd_tune)
 
     show = sub.add_parser("show", help="table of stored records")
@@ -241,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
     try:
         return args.func(args)
     except (ValueError, KeyError) as exc:  # bad arguments (shapes, model config, kernel names): one line
