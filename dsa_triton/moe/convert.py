@@ -126,7 +126,7 @@ def mxfp4_to_fp8(blocks: torch.Tensor, scales: torch.Tensor,
         w3, s3 = w.view(-1, n, k), s.view(-1, n, ng)
     except RuntimeError:
         raise ValueError(f"out: must be viewable as [E, N, K] / [E, N, G], got strides {w.stride()}, {s.stride()}") from None
-    config = config or CONVERT.launch_config("prefill", {"E": blocks3.shape[0], "N": n, "K": k}, device)
+    config = config or CONVERT.launch_config("prefill", {"G": blocks3.shape[0], "N": n, "K": k}, device)
     unfit = torch.zeros(1, dtype=torch.int32, device=device)
     ids = torch.arange(blocks3.shape[0], dtype=torch.int32, device=device)
     convert_experts(blocks3, scales3, ids, w3, s3, unfit, config)
@@ -150,19 +150,19 @@ def compare_conversion(out, ref) -> str | None:
 
 
 def _make_inputs(phase, shape, device, seed):
-    blocks, scales = random_mxfp4((shape["E"], shape["N"]), shape["K"], device, seed, spread=8)
+    blocks, scales = random_mxfp4((shape["G"], shape["N"]), shape["K"], device, seed, spread=8)
     return {"blocks": blocks, "scales": scales}
 
 
 def _cost(phase, shape) -> Cost:
-    e, n, k = shape["E"], shape["N"], shape["K"]
-    return Cost(bytes=e * n * k * (0.5 + 1 / BLOCK + 1) + e * n * n_groups(k) * 4)
+    g, n, k = shape["G"], shape["N"], shape["K"]
+    return Cost(bytes=g * n * k * (0.5 + 1 / BLOCK + 1) + g * n * n_groups(k) * 4)
 
 
 def _default(phase, shape):
-    if shape["E"] * shape["N"] * shape["K"] >= 2**22:
+    if shape["G"] * shape["N"] * shape["K"] >= 2**22:
         return {"BLOCK_N": 32, "GROUPS": 2, "num_warps": 4}
-    return {"BLOCK_N": 16, "GROUPS": 1, "num_warps": 2}
+    return {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4}  # interpreter-sized: few, large programs
 
 
 CONVERT = registry.register(registry.KernelSpec(
@@ -172,14 +172,14 @@ CONVERT = registry.register(registry.KernelSpec(
     constraint=lambda c, shape: "tile over 16384 values" if c["BLOCK_N"] * c["GROUPS"] * GROUP > 16384 else None,
     default=_default,
     fixed_dims=("N", "K"),
-    bucketed_dims=("E",),
+    bucketed_dims=("G",),  # experts converted per call
     make_inputs=_make_inputs,
     run=lambda inputs, config: mxfp4_to_fp8(inputs["blocks"], inputs["scales"], config=config),
     reference=lambda inputs: convert_reference.fp8_conversion_torch(inputs["blocks"], inputs["scales"]),
     compare=compare_conversion,
     cost=_cost,
-    bench_shapes=lambda phase, gpu: ([{"E": 4, "N": 4096, "K": 7168}, {"E": 4, "N": 7168, "K": 2048}] if gpu
-                                     else [{"E": 3, "N": 20, "K": 160}]),
+    bench_shapes=lambda phase, gpu: ([{"G": 8, "N": 4096, "K": 7168}, {"G": 8, "N": 7168, "K": 2048}] if gpu
+                                     else [{"G": 3, "N": 20, "K": 160}]),
     baseline=lambda inputs: mxfp4_to_fp8_torch(inputs["blocks"], inputs["scales"]),
     baseline_name="mxfp4_to_fp8_torch (float64 torch ops)",
     source_modules=(sys.modules[__name__], convert_reference),

@@ -46,13 +46,19 @@ def e2m1_bits(code, exp_field):
 
 
 @triton.jit
+def widen_to_fp32(x):
+    """fp32 of a loaded fp32/fp16/bf16 tensor; bf16 is widened by its bits (exact, subnormals too, where the
+    interpreter's cast is wrong)."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _quantize_kernel(w_ptr, blocks_ptr, scales_ptr, n_blocks, BLOCK_B: tl.constexpr):
     b = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     inside = b < n_blocks
-    w = tl.load(w_ptr + b[:, None] * 32 + tl.arange(0, 32)[None, :], mask=inside[:, None], other=0.0)
-    if w_ptr.dtype.element_ty == tl.bfloat16:  # widen by bits: exact, subnormals too (the interpreter's cast is not)
-        w = (w.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    w = w.to(tl.float32)
+    w = widen_to_fp32(tl.load(w_ptr + b[:, None] * 32 + tl.arange(0, 32)[None, :], mask=inside[:, None], other=0.0))
     amax = tl.max(tl.abs(w), axis=1)
     # floor(log2(amax)) - 2 + 127, clamped at 0: the biased fp32 exponent of amax minus 2 (subnormals give 0)
     scale = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 2, 0)

@@ -1,0 +1,414 @@
+"""Prefill grouped expert GEMM through the shared FP8 workspace: ``dt.fp8_grouped_gemm``.
+
+``y_sorted[r] = x_sorted[r] @ W_e^T`` for the rows ``r`` of expert ``e`` (CSR ``expert_offsets``), MXFP4 weights.
+One call:
+
+1. reads ``expert_offsets`` on the host: the one sync (the tile schedule needs the per-expert row counts);
+2. quantizes ``x`` to e4m3 with one power-of-two scale per (row, 128-k group) (``_quantize_rows_kernel``;
+   oracle :func:`.fp8_grouped_gemm_reference.quantize_rows_fp8_torch`, bit for bit);
+3. walks the experts that got rows in stages of ``EXPERTS_PER_STAGE``: stage ``s`` is converted MXFP4 -> FP8
+   (:mod:`.convert`) into half ``s % 2`` of a workspace lease on a side stream while the main stream runs the
+   GEMM of stage ``s - 1`` from the other half; per half, an event makes its GEMM wait for its conversion and
+   another makes the next conversion into it wait for that GEMM;
+4. the FP8 GEMM (``_grouped_gemm_kernel``): one launch per stage over (row tiles of the stage's experts) x
+   (N tiles), ``GROUP_M`` row tiles per N column for L2 reuse; per 128-k group
+   ``acc += dot(x_q, w_q^T) * sx[:, g] * sw[:, g]``: the weights' scales change per group, and promoting each
+   group's partial sum to fp32 is also what keeps Hopper's FP8 accumulation accurate (DeepSeek-V3).
+
+Why two streams rather than one persistent kernel that converts and multiplies: conversion is memory-bound
+integer work, the GEMM tensor-core work; as two kernels on two streams the hardware runs conversion CTAs
+(few registers, no shared memory) beside GEMM CTAs on the same SMs with no hand-made synchronisation, each
+kernel keeps its own tuned tiles, and the interpreter runs the same code in order. A persistent kernel would
+hand converted tiles over through flags in global memory: spin-waits, which the interpreter cannot run.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import registry
+from ..checks import check_kernel_device, check_tensor
+from ..registry import Cost, bucket
+from . import fp8_grouped_gemm_reference, prefill_baselines
+from .convert import CONVERT, check_experts_layout, convert_experts
+from .convert_reference import GROUP, n_groups
+from .fp8_grouped_gemm_reference import fp8_grouped_gemm_torch
+from .fused_moe import ExpertWeights, compare_rows
+from .mxfp4 import mxfp4_dequantize, widen_to_fp32
+from .workspace import FP8Workspace, shared_workspace
+
+
+# -- kernels --------------------------------------------------------------------------------------
+@triton.jit
+def round_to_e4m3(v):
+    """fp32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still fp32 (so the cast is exact)."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    subnormal = (v + 24576.0) - 24576.0  # below 2^-6 e4m3 steps by 2^-9, the ulp of 1.5 * 2^14
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s, BLOCK_M: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = tl.program_id(1)
+    k = g * 128 + tl.arange(0, 128)
+    inside = (rows < M)[:, None] & (k < K)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    x = widen_to_fp32(tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=inside, other=0.0))
+    bits = tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True)
+    # smallest e with amax <= 448 * 2^e: amax = 1.f * 2^E gives E - 8, one more when 1.f > 1.75
+    e = tl.maximum(((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32), -126)
+    q = round_to_e4m3(x * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None])
+    tl.store(q_ptr + rows64 * stride_q + k[None, :], q.to(tl.float8e4nv), mask=inside)
+    tl.store(s_ptr + rows * stride_s + g, ((e + 127) << 23).to(tl.float32, bitcast=True), mask=rows < M)
+
+
+@triton.jit
+def _grouped_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, tiles_ptr, n_mtiles, N, K,
+                         stride_xm, stride_sxm, stride_we, stride_wn, stride_swe, stride_swn, stride_ym,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    pid = tl.program_id(0)
+    n_ntiles = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * n_ntiles
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(n_mtiles - first_m, GROUP_M)
+    mt = first_m + (pid % per_group) % group_m
+    nt = (pid % per_group) // group_m
+    slot = tl.load(tiles_ptr + mt * 3).to(tl.int64)  # the expert's slot in this stage's workspace half
+    row0 = tl.load(tiles_ptr + mt * 3 + 1)
+    row_end = tl.load(tiles_ptr + mt * 3 + 2)
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_in, col_in = rows < row_end, cols < N
+    kk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + kk[None, :]
+    w_ptrs = w_ptr + slot * stride_we + cols.to(tl.int64)[None, :] * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
+    sx_ptrs = sx_ptr + rows.to(tl.int64) * stride_sxm
+    sw_ptrs = sw_ptr + slot * stride_swe + cols * stride_swn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=row_in[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=col_in[None, :], other=0.0)
+        else:
+            k_in = k0 + kk < K
+            a = tl.load(x_ptrs, mask=row_in[:, None] & k_in[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_in[:, None] & col_in[None, :], other=0.0)
+        g = k0 // 128
+        sa = tl.load(sx_ptrs + g, mask=row_in, other=0.0)
+        sb = tl.load(sw_ptrs + g, mask=col_in, other=0.0)
+        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
+
+
+# -- host side ------------------------------------------------------------------------------------
+QUANTIZE_ROWS_BLOCK_M = 32
+
+
+def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x[M, K]`` fp16/bf16/fp32 (rows contiguous) -> ``(q e4m3 [M, K], scale fp32 [M, ceil(K/128)])``, launch only."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, n_groups(k), dtype=torch.float32, device=x.device)
+    if m and k:
+        grid = (triton.cdiv(m, QUANTIZE_ROWS_BLOCK_M), n_groups(k))
+        _quantize_rows_kernel[grid](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
+                                    BLOCK_M=QUANTIZE_ROWS_BLOCK_M, num_warps=4)
+    return q, s
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Host-side schedule of one call.
+
+    - ``experts`` int32 ``[A]`` (device): the experts with rows, in order;
+    - ``tiles`` int32 ``[n_tiles, 3]`` (device): per row tile, (slot of its expert within its stage, first row,
+      end row of the expert);
+    - ``stages``: per stage, (first, end) into ``experts`` and (first, end) into ``tiles``.
+    """
+
+    stage_size: int
+    experts: torch.Tensor
+    tiles: torch.Tensor
+    stages: tuple[tuple[int, int, int, int], ...]
+
+
+def plan_stages(offsets: list[int], block_m: int, stage_size: int, device: torch.device) -> StagePlan:
+    """Row tiles of ``block_m`` rows per active expert, experts in stages of ``stage_size`` (torch on the host)."""
+    off = torch.tensor(offsets, dtype=torch.int64)
+    counts = off[1:] - off[:-1]
+    active = torch.nonzero(counts > 0).flatten()
+    start, count = off[:-1][active], counts[active]
+    tiles_per = (count + block_m - 1) // block_m
+    tile_expert = torch.repeat_interleave(torch.arange(active.numel()), tiles_per)
+    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(tiles_per, 0)])
+    local = torch.arange(tile_expert.numel()) - bounds[tile_expert]
+    tiles = torch.stack([tile_expert % stage_size, start[tile_expert] + local * block_m,
+                         (start + count)[tile_expert]], dim=1)
+    packed = torch.cat([active, tiles.flatten()]).to(torch.int32).to(device)  # one host-to-device copy
+    n_active = active.numel()
+    edges = list(range(0, n_active, stage_size)) + [n_active]
+    stages = tuple((a, b, int(bounds[a]), int(bounds[b])) for a, b in zip(edges[:-1], edges[1:]))
+    return StagePlan(stage_size, packed[:n_active], packed[n_active:].view(-1, 3), stages)
+
+
+def launch_gemm(xq, sx, w_half, s_half, y, tiles, config) -> None:
+    """The FP8 GEMM of one stage: rows ``tiles`` of ``xq`` against the stage's experts in ``w_half`` / ``s_half``."""
+    n_mtiles = tiles.shape[0]
+    n, k = y.shape[1], xq.shape[1]
+    if n_mtiles == 0:
+        return
+    grid = (n_mtiles * triton.cdiv(n, config["BLOCK_N"]),)
+    _grouped_gemm_kernel[grid](
+        xq, sx, w_half, s_half, y, tiles, n_mtiles, n, k,
+        xq.stride(0), sx.stride(0), w_half.stride(0), w_half.stride(1), s_half.stride(0), s_half.stride(1), y.stride(0),
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
+        EVEN_K=k % config["BLOCK_K"] == 0, num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+def run_stages(plan: StagePlan, blocks, scales, xq, sx, y, w_slots, s_slots, config, convert_config, *,
+               unfit: torch.Tensor | None = None, overlap: bool = True, convert: bool = True,
+               gemm: bool = True) -> None:
+    """Enqueue every stage: conversion into alternating workspace halves, GEMM from them.
+
+    ``w_slots [S, N, K]`` / ``s_slots [S, N, G]``: the leased slots, ``S`` = one or two stages' worth.
+    ``overlap`` puts the conversions on a side stream (CUDA only); ``convert`` / ``gemm`` = False leave
+    that part out (to time the other alone).
+    """
+    size = plan.stage_size
+    halves = [(w_slots[i:i + size], s_slots[i:i + size]) for i in range(0, w_slots.shape[0], size)]
+    cuda = y.device.type == "cuda"
+    main = torch.cuda.current_stream(y.device) if cuda else None
+    side = _side_stream(y.device) if cuda and overlap else None
+    if side is not None:
+        side.wait_stream(main)  # the lease's ordering against earlier holders was enqueued on main
+        converted = [torch.cuda.Event(), torch.cuda.Event()]
+        consumed = [torch.cuda.Event(), torch.cuda.Event()]
+    for i, (a0, a1, t0, t1) in enumerate(plan.stages):
+        w_half, s_half = halves[i % len(halves)]
+        if convert:
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                if side is not None and i >= 2:
+                    side.wait_event(consumed[i % 2])
+                convert_experts(blocks, scales, plan.experts[a0:a1], w_half, s_half, unfit, convert_config)
+                if side is not None:
+                    converted[i % 2].record(side)
+        if gemm:
+            if side is not None:
+                main.wait_event(converted[i % 2])
+            launch_gemm(xq, sx, w_half, s_half, y, plan.tiles[t0:t1], config)
+            if side is not None:
+                consumed[i % 2].record(main)
+    if side is not None:
+        main.wait_stream(side)
+
+
+def _check(x_sorted, expert_offsets, blocks, scales, workspace, unfit_counter) -> torch.device:
+    check_tensor("x_sorted", x_sorted, dtype=(torch.float16, torch.bfloat16), ndim=2)
+    device = check_kernel_device("x_sorted", x_sorted)
+    check_tensor("blocks", blocks, dtype=torch.uint8, ndim=4, device=device)
+    e, n, kb, width = blocks.shape
+    if width != 16:
+        raise ValueError(f"blocks: expected shape [E, N, K/32, 16], got {tuple(blocks.shape)}")
+    check_tensor("scales", scales, dtype=torch.uint8, shape=(e, n, kb), device=device)
+    check_experts_layout("experts", blocks, scales)
+    if not 32 * (kb - 1) < x_sorted.shape[1] <= 32 * kb:
+        raise ValueError(f"x_sorted: K = {x_sorted.shape[1]} does not match the weights' K/32 = {kb} blocks")
+    check_tensor("expert_offsets", expert_offsets, dtype=(torch.int32, torch.int64), shape=(e + 1,))
+    if workspace is not None and (not isinstance(workspace, FP8Workspace) or workspace.device != device):
+        raise ValueError(f"workspace: expected an FP8Workspace on {device}")
+    if unfit_counter is not None:
+        check_tensor("unfit_counter", unfit_counter, dtype=torch.int32, shape=(1,), device=device)
+    return device
+
+
+def _host_offsets(expert_offsets: torch.Tensor, rows: int) -> list[int]:
+    offsets = expert_offsets.tolist()
+    if offsets[0] < 0 or offsets[-1] > rows or any(b < a for a, b in zip(offsets[:-1], offsets[1:])):
+        raise ValueError(f"expert_offsets: must be non-decreasing within [0, {rows}], got {offsets[:8]}...{offsets[-2:]}")
+    return offsets
+
+
+def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, blocks: torch.Tensor,
+                     scales: torch.Tensor, *, config: dict | None = None, workspace: FP8Workspace | None = None,
+                     overlap: bool = True, unfit_counter: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped GEMM of expert-sorted rows with MXFP4 weights via online conversion into the FP8 workspace.
+
+    - ``x_sorted`` bf16/fp16 ``[M, K]`` (rows contiguous), rows of expert ``e`` at
+      ``expert_offsets[e] : expert_offsets[e + 1]`` (int32/int64 ``[E + 1]``, non-decreasing in ``[0, M]``);
+    - ``blocks`` uint8 ``[E, N, K_w/32, 16]``, ``scales`` uint8 ``[E, N, K_w/32]`` (validated at load:
+      :func:`validate_mxfp4`); ``K_w`` is ``K`` rounded up to 32 (the padding columns are ignored);
+    - ``config``: a ``moe_workspace_gemm`` config (None: the tuning database's for this shape);
+    - ``workspace``: default the device's :func:`shared_workspace`; ``overlap``: conversion on a side stream;
+    - ``unfit_counter`` int32 ``[1]``: if given, the conversions add the number of unfit blocks to it (no sync).
+
+    Returns ``y_sorted [M, N]`` in ``x_sorted``'s dtype (rows outside every expert are 0). Reads
+    ``expert_offsets`` on the host (one sync), so it is not for CUDA-graph capture (the decode path is).
+    """
+    device = _check(x_sorted, expert_offsets, blocks, scales, workspace, unfit_counter)
+    m, (e, n, kb) = x_sorted.shape[0], scales.shape
+    offsets = _host_offsets(expert_offsets, m)
+    shape = {"M": m, "E": e, "N": n, "K": 32 * kb}
+    config = SPEC.launch_config("prefill", shape, device) if config is None else SPEC.validate(dict(config), shape)
+    y = torch.empty(m, n, dtype=x_sorted.dtype, device=device)
+    y[: offsets[0]].zero_()
+    y[offsets[-1]:].zero_()
+    with staged_call(x_sorted, offsets, blocks, scales, y, config, workspace, unfit_counter) as run:
+        run(overlap=overlap)
+    return y
+
+
+@contextlib.contextmanager
+def staged_call(x_sorted, offsets: list[int], blocks, scales, y, config, workspace=None, unfit=None):
+    """Plan the stages, quantize ``x``, lease the workspace; yields ``run(overlap=, convert=, gemm=)``, which
+    enqueues the stages into ``y`` (:func:`run_stages`) and may be called again while the lease is held."""
+    n, kb = scales.shape[1], scales.shape[2]
+    plan = plan_stages(offsets, config["BLOCK_M"], config["EXPERTS_PER_STAGE"], y.device)
+    if not plan.stages:
+        yield lambda **kw: None
+        return
+    xq, sx = quantize_activations_fp8(x_sorted)
+    slots = plan.stage_size * min(2, len(plan.stages))
+    workspace = workspace or shared_workspace(y.device, slots, n, 32 * kb)
+    convert_config = CONVERT.launch_config("prefill", {"G": plan.stage_size, "N": n, "K": 32 * kb}, y.device)
+    with workspace.acquire(slots) as lease:
+        w_slots, s_slots = lease.views(n, 32 * kb)
+        yield functools.partial(run_stages, plan, blocks, scales, xq, sx, y, w_slots, s_slots, config,
+                                convert_config, unfit=unfit)
+
+
+# -- registry entry -------------------------------------------------------------------------------
+SPACE = {
+    "BLOCK_M": (16, 32, 64, 128),
+    "BLOCK_N": (32, 64, 128, 256),
+    "BLOCK_K": (64, 128),  # divides the 128-k scale group
+    "GROUP_M": (1, 4, 8, 16),
+    "num_warps": (4, 8),
+    "num_stages": (2, 3, 4, 5),
+    "EXPERTS_PER_STAGE": (1, 2, 4, 8, 16, 32),
+}
+WORKSPACE_LIMIT = 4 * 2**30  # bytes of two stages of FP8 experts
+
+
+def _constraint(config, shape) -> str | None:
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if config["num_stages"] * (bm + bn) * bk > 200 * 1024:
+        return "x and w tiles of all pipeline stages exceed 200 KB of shared memory"
+    if bm * bn > 128 * 32 * config["num_warps"]:
+        return "accumulator over 128 fp32 registers per thread"
+    if bm > max(16, bucket(shape["M"])):
+        return "BLOCK_M exceeds the routed rows"
+    if config["EXPERTS_PER_STAGE"] > bucket(shape["E"]):
+        return "a stage larger than the expert count"
+    if 2 * config["EXPERTS_PER_STAGE"] * shape["N"] * shape["K"] > WORKSPACE_LIMIT:
+        return "workspace (two stages of FP8 experts) over 4 GiB"
+    return None
+
+
+def _default(phase, shape):
+    per_expert = shape["M"] / max(1, shape["E"])
+    if shape["M"] * shape["N"] * shape["K"] < 2**24:  # interpreter-sized: few programs, still two stages
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
+                "EXPERTS_PER_STAGE": 2}
+    big = per_expert > 96
+    return {"BLOCK_M": 128 if big else 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
+            "num_warps": 8 if big else 4, "num_stages": 4, "EXPERTS_PER_STAGE": min(8, bucket(shape["E"]))}
+
+
+def _bench_shapes(phase, gpu):
+    if gpu:  # DeepSeek-V3.2, T = 4096 routed top-8 over 256 experts: gate_up and down
+        return [{"M": 4096 * 8, "E": 256, "N": 4096, "K": 7168}, {"M": 4096 * 8, "E": 256, "N": 7168, "K": 2048}]
+    return [{"M": 40, "E": 5, "N": 48, "K": 96}]
+
+
+def random_offsets(rows: int, experts: int, device, gen: torch.Generator) -> torch.Tensor:
+    """CSR offsets ``[E + 1]`` int32 of ``rows`` routed uniformly at random over ``experts``."""
+    counts = torch.bincount(torch.randint(0, experts, (rows,), generator=gen, device=device), minlength=experts)
+    return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
+
+
+_fp8_copies: "weakref.WeakKeyDictionary[ExpertWeights, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _make_inputs(phase, shape, device, seed):
+    device = torch.device(device)
+    gen = torch.Generator(device).manual_seed(seed)
+    offsets = random_offsets(shape["M"], shape["E"], device, gen)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16  # no bf16 tl.dot in the interpreter
+    x = torch.randn(shape["M"], shape["K"], generator=gen, device=device).to(dtype)
+    return {"x": x, "offsets": offsets, "weights": ExpertWeights.random(shape["E"], shape["N"], shape["K"], device),
+            "spans": prefill_baselines.active_spans(offsets)}
+
+
+def _run(inputs, config):
+    w = inputs["weights"]
+    return fp8_grouped_gemm(inputs["x"], inputs["offsets"], w.blocks, w.scales, config=config)
+
+
+def _reference(inputs):
+    w = inputs["weights"]
+    return fp8_grouped_gemm_torch(inputs["x"], inputs["offsets"], w.blocks, w.scales)
+
+
+def _baseline(inputs):
+    """CUDA: ``torch._scaled_mm`` per active expert on an offline FP8 copy (x quantized beforehand);
+    CPU: ``torch.mm`` per active expert on fp32 weights (no FP8 GEMM there)."""
+    w, x = inputs["weights"], inputs["x"]
+    if x.device.type != "cuda":
+        if "dense" not in inputs:
+            inputs["dense"] = mxfp4_dequantize(w.blocks, w.scales, torch.float32)
+        return prefill_baselines.mm_loop(x.float(), inputs["dense"], inputs["spans"])
+    if w not in _fp8_copies:
+        _fp8_copies[w] = prefill_baselines.offline_fp8_experts(w.blocks, w.scales)
+    if "xq" not in inputs:
+        inputs["xq"] = prefill_baselines.rowwise_fp8(x)
+    return prefill_baselines.scaled_mm_loop(*inputs["xq"], *_fp8_copies[w], inputs["spans"], x.dtype)
+
+
+def _cost(phase, shape) -> Cost:
+    """Floor: the MXFP4 bytes of every expert (all get rows at these sizes), x read once, y written once."""
+    m, e, n, k = shape["M"], shape["E"], shape["N"], shape["K"]
+    return Cost(bytes=e * n * k * 17 / 32 + m * k * 2 + m * n * 2, flops=2.0 * m * n * k, flop_dtype="fp8")
+
+
+SPEC = registry.register(registry.KernelSpec(
+    name="moe_workspace_gemm",
+    phases=("prefill",),
+    space=SPACE,
+    default=_default,
+    fixed_dims=("E", "N", "K"),
+    bucketed_dims=("M",),
+    make_inputs=_make_inputs,
+    run=_run,
+    reference=_reference,
+    compare=compare_rows,
+    cost=_cost,
+    bench_shapes=_bench_shapes,
+    constraint=_constraint,
+    baseline=_baseline,
+    baseline_name="torch._scaled_mm per active expert, offline FP8 copy (CPU: torch.mm fp32)",
+    source_modules=(sys.modules[__name__], fp8_grouped_gemm_reference, prefill_baselines),
+))

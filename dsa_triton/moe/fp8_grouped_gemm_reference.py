@@ -1,0 +1,45 @@
+"""Oracle of the prefill (workspace) grouped GEMM: dynamic FP8 quantization of the activations, then the
+exact product with the MXFP4 weights, in pure PyTorch.
+
+Activations are quantized per (row, 128-k group) to e4m3 with a power-of-two scale ``2^e``, ``e`` the
+smallest integer with ``amax <= 448 * 2^e`` (at least -126; all-zero groups take -126), elements rounded
+to nearest even. A power of two keeps the scaling exact, so the kernel and this oracle agree bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+
+from .convert_reference import GROUP
+from .fused_moe_reference import grouped_gemm_torch
+
+E4M3_MAX = 448.0
+MIN_EXPONENT = -126
+
+
+def quantize_rows_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x[M, K]`` float -> ``(q float8_e4m3fn [M, K], scale fp32 [M, ceil(K/128)])`` with ``x ~= q * scale``."""
+    m, k = x.shape
+    xg = torch.nn.functional.pad(x.double(), (0, -k % GROUP)).unflatten(-1, (-1, GROUP))  # [M, G, 128]
+    amax = xg.abs().amax(-1)
+    _, f = torch.frexp(amax)  # amax = m * 2^f, m in [0.5, 1)
+    e = f - 9 + (amax > E4M3_MAX * torch.pow(2.0, (f - 9).double())).to(f.dtype)
+    e = torch.where(amax > 0, e, MIN_EXPONENT).clamp(min=MIN_EXPONENT)
+    scale = torch.pow(2.0, e.double())
+    q = (xg / scale.unsqueeze(-1)).flatten(-2)[:, :k].float().to(torch.float8_e4m3fn)
+    return q, scale.float()
+
+
+def dequantize_rows_fp8_torch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q[M, K]`` e4m3 times its per-(row, 128) scales -> fp32 ``[M, K]`` (exact)."""
+    return q.float() * scale.repeat_interleave(GROUP, dim=-1)[:, : q.shape[1]]
+
+
+def fp8_grouped_gemm_torch(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, blocks: torch.Tensor,
+                           scales: torch.Tensor) -> torch.Tensor:
+    """``y_sorted[M, N]`` fp32: rows of expert ``e`` (``expert_offsets[e] : expert_offsets[e + 1]``) times
+    ``W_e^T`` from MXFP4 ``blocks[E, N, K/32, 16]`` / ``scales[E, N, K/32]``, with ``x`` first taken through
+    :func:`quantize_rows_fp8_torch` (K of ``x`` may stop short of the weights' padded K); rows outside every
+    expert are 0."""
+    k_w = blocks.shape[2] * 32
+    xd = dequantize_rows_fp8_torch(*quantize_rows_fp8_torch(x_sorted))
+    return grouped_gemm_torch(torch.nn.functional.pad(xd, (0, k_w - xd.shape[1])), expert_offsets, blocks, scales)

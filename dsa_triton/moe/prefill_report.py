@@ -1,0 +1,144 @@
+"""Report ``moe_prefill``: the workspace path (online MXFP4 -> FP8 + FP8 GEMM) against torch on weights
+converted ahead of time, the overlap of conversion and GEMM, and memory.
+
+Per GEMM (gate_up: N = 2 x 2048, K = 7168; down: N = 7168, K = 2048) and routed token count T (E = 256 experts,
+top-8, random routing) one row:
+
+- ``ours_us``: :func:`fp8_grouped_gemm` end to end (offsets read on the host, x quantized, pipelined stages);
+- ``convert_us`` / ``gemm_us``: the stages' conversions alone, their GEMMs alone; ``serial_us``: both on one
+  stream; ``pipelined_us``: conversions on the side stream; ``hidden`` = (serial - pipelined) / min(convert,
+  gemm), the part of the shorter stage the overlap hides (1 = fully hidden);
+- ``fp8_us``: the faster of ``torch._scaled_mm`` per active expert and ``torch._scaled_grouped_mm`` on an
+  offline FP8 copy (x quantized beforehand, untimed); ``vs_fp8`` = fp8_us / ours_us (target >= 0.6, goal 0.9);
+- ``bf16_us``: the faster of cuBLAS ``torch.mm`` per active expert and ``torch._grouped_mm`` on a bf16 copy;
+  ``vs_bf16`` = bf16_us / ours_us (target > 1);
+- memory: the lease of this call (``workspace_bytes``), the shared workspace, the peak allocated during our
+  call (and above what was allocated before it), and the offline FP8 and bf16 copies of every expert of this
+  matrix over all MoE layers;
+- ``rel_err``: ||ours - bf16 baseline|| / ||bf16 baseline|| (FP8 activations: about 2-3 %).
+
+On the CPU (no ceilings) the same rows on tiny shapes in the interpreter (E = 5, K = 96 / 64, N = 48 / 40);
+the torch FP8 GEMMs do not run there (NaN).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import torch
+
+from .. import registry
+from ..harness import time_us
+from .fp8_grouped_gemm import SPEC, fp8_grouped_gemm, staged_call
+from .fused_moe import random_routing
+from .mxfp4 import mxfp4_dequantize, random_mxfp4
+from .prefill_baselines import (active_spans, grouped_mm, mm_loop, offline_fp8_experts, rowwise_fp8,
+                                scaled_grouped_mm, scaled_mm_loop)
+from .workspace import shared_workspace
+
+MOE_LAYERS = 58  # DeepSeek-V3.2: 61 layers, the first 3 dense
+GPU_CASES = [(name, t, n, k) for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)) for t in (4096, 16384)]
+CPU_CASES = [("gate_up", 20, 48, 96), ("down", 20, 40, 64)]
+
+
+def _timed(fn, device) -> float:
+    """Median microseconds (one call on the CPU, where only the code path matters), or NaN when ``fn`` fails
+    (a torch op this build lacks)."""
+    try:
+        if device.type == "cuda":
+            return time_us(fn, device)
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e6
+    except (RuntimeError, AttributeError, TypeError, NotImplementedError):
+        return math.nan
+
+
+def _nanmin(*xs: float) -> float:
+    finite = [x for x in xs if x == x]
+    return min(finite) if finite else math.nan
+
+
+def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, device: torch.device,
+             ceilings) -> dict:
+    gen = torch.Generator(device).manual_seed(tokens + n)
+    _, ids = random_routing(tokens, experts, top_k, device, gen)
+    counts = torch.bincount(ids.flatten().long(), minlength=experts)
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
+    m = tokens * top_k
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+    blocks, scales = random_mxfp4((experts, n), k, device, seed=1, spread=2)
+    scales -= 6  # block scales 2^-8 .. 2^-4, the magnitude of a trained layer's weights
+    spans = active_spans(offsets)
+    shape = {"M": m, "E": experts, "N": n, "K": k}
+    config = SPEC.launch_config("prefill", shape, device)
+    cuda = device.type == "cuda"
+
+    # ours first, so the peak memory is that of the MXFP4 weights, x, y and the workspace only
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device) if cuda else 0
+    ours = fp8_grouped_gemm(x, offsets, blocks, scales)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else math.nan
+    ours_us = _timed(lambda: fp8_grouped_gemm(x, offsets, blocks, scales), device)
+    stages = config["EXPERTS_PER_STAGE"] * min(2, math.ceil(len(spans) / config["EXPERTS_PER_STAGE"]))
+    ws = shared_workspace(device, stages, n, k)
+    y = torch.empty_like(ours)
+    with staged_call(x, offsets.tolist(), blocks, scales, y, config) as run:
+        convert_us = _timed(lambda: run(overlap=False, gemm=False), device)
+        gemm_us = _timed(lambda: run(overlap=False, convert=False), device)
+        serial_us = _timed(lambda: run(overlap=False), device)
+        pipelined_us = _timed(lambda: run(overlap=True), device)
+
+    fp8_loop_us = fp8_grouped_us = math.nan
+    if cuda:
+        w8, s8 = offline_fp8_experts(blocks, scales)
+        xq, sx = rowwise_fp8(x)
+        fp8_loop_us = _timed(lambda: scaled_mm_loop(xq, sx, w8, s8, spans), device)
+        fp8_grouped_us = _timed(lambda: scaled_grouped_mm(xq, sx, w8, s8, offsets), device)
+        del w8, s8, xq, sx
+    dense = mxfp4_dequantize(blocks, scales, dtype)
+    bf16_loop_us = _timed(lambda: mm_loop(x, dense, spans), device)
+    bf16_grouped_us = _timed(lambda: grouped_mm(x, dense, offsets), device) if cuda else math.nan
+    expected = mm_loop(x, dense, spans).float()
+    del dense
+    rel_err = float((ours.float() - expected).norm() / expected.norm())
+
+    fp8_us, bf16_us = _nanmin(fp8_loop_us, fp8_grouped_us), _nanmin(bf16_loop_us, bf16_grouped_us)
+    memory = ws.report(experts, [(n, k)], MOE_LAYERS)
+    slot_bytes = ws.nbytes // ws.slots
+    row = {
+        "gemm": name, "T": tokens, "M": m, "E": experts, "N": n, "K": k, "active_experts": len(spans),
+        "config": json.dumps(config),
+        "ours_us": ours_us, "ours_tflops": 2.0 * m * n * k / (ours_us * 1e-6) / 1e12,
+        "convert_us": convert_us, "gemm_us": gemm_us, "serial_us": serial_us, "pipelined_us": pipelined_us,
+        "hidden": (serial_us - pipelined_us) / min(convert_us, gemm_us),
+        "scaled_mm_loop_us": fp8_loop_us, "scaled_grouped_mm_us": fp8_grouped_us, "fp8_us": fp8_us,
+        "vs_fp8": fp8_us / ours_us,
+        "bf16_loop_us": bf16_loop_us, "bf16_grouped_us": bf16_grouped_us, "bf16_us": bf16_us,
+        "vs_bf16": bf16_us / ours_us,
+        "workspace_bytes": stages * slot_bytes, "shared_workspace_bytes": memory["workspace_bytes"],
+        "peak_allocated_bytes": peak, "peak_over_before_bytes": peak - before,
+        "offline_fp8_all_layers_bytes": memory["offline_fp8_bytes"], "bf16_all_layers_bytes": memory["bf16_bytes"],
+        "mxfp4_all_layers_bytes": memory["mxfp4_bytes"],
+        "rel_err": rel_err,
+    }
+    if ceilings is not None:
+        floor = max(experts * n * k * 17 / 32 / (ceilings.copy_tbps * 1e12), 2.0 * m * n * k / (ceilings.fp8_tflops * 1e12))
+        row["of_floor"] = floor * 1e6 / ours_us
+    if not rel_err < 0.1:
+        row["error"] = f"ours differs from the bf16 baseline: relative error {rel_err:.3g}"
+    return row
+
+
+def moe_prefill_report(device, ceilings) -> list[dict]:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return [case_row(name, 256, 8, t, n, k, device, ceilings) for name, t, n, k in GPU_CASES]
+    return [case_row(name, 5, 2, t, n, k, device, None) for name, t, n, k in CPU_CASES]
+
+
+registry.register_report("moe_prefill", moe_prefill_report)

@@ -1,0 +1,127 @@
+"""Prefill workspace grouped GEMM (interpreter, fp16 activations) against the reference: activation
+quantization bit for bit, grouped products with odd expert counts, empty experts, K and N off 128."""
+import pytest
+import torch
+
+from dsa_triton import registry
+from dsa_triton.moe.convert_reference import mxfp4_to_fp8_torch
+from dsa_triton.moe.fp8_grouped_gemm import fp8_grouped_gemm, quantize_activations_fp8
+from dsa_triton.moe.fp8_grouped_gemm_reference import fp8_grouped_gemm_torch, quantize_rows_fp8_torch
+from dsa_triton.moe.fused_moe_reference import grouped_gemm_torch
+from dsa_triton.moe.mxfp4 import random_mxfp4
+from dsa_triton.moe.workspace import FP8Workspace
+from tests.poison import poisoned_allocations
+
+CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
+          "EXPERTS_PER_STAGE": 2}
+
+
+def offsets_of(counts):
+    return torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def problem(counts, n, k, seed, k_weights=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(counts), k, generator=g).half()
+    blocks, scales = random_mxfp4((len(counts), n), k_weights or k, "cpu", seed, spread=3)
+    return x, offsets_of(counts), blocks, scales
+
+
+def check_against_reference(y, x, offsets, blocks, scales):
+    ref = fp8_grouped_gemm_torch(x, offsets, blocks, scales)
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    assert not y.isnan().any()
+    err = (y.float() - ref).abs()
+    assert bool((err <= ref.abs() * 2**-10 + 1e-3 * ref.abs().max()).all()), float(err.max())  # fp16 rounding
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_activation_quantization_matches_reference_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 160, generator=g) * torch.exp2(torch.randint(-12, 12, (9, 1), generator=g).float())
+    # row 0, group 0: amax 448 (scale 1) and exact ties: to even in the normal and the subnormal range
+    x[0, :8] = torch.tensor([448.0, 1.0625, 1.1875, -1.1875, 2.0**-10, 3 * 2.0**-10, 2.0**-7 + 2.0**-11, 0.0])
+    x[1, :128] = 0.0  # an all-zero group
+    x[2, :4] = torch.tensor([450.0, 1e-3, -1e-4, 1.0])  # amax just above 448 (in every dtype): scale 2
+    x = x.to(dtype)
+    with poisoned_allocations():
+        q, s = quantize_activations_fp8(x)
+    ref_q, ref_s = quantize_rows_fp8_torch(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (9, 2)
+    assert torch.equal(s, ref_s)
+    assert torch.equal(q.float(), ref_q.float())
+    assert float(s[0, 0]) == 1.0 and float(s[2, 0]) == 2.0 and float(s[1, 0]) == 2.0**-126
+    assert q[0, :7].float().tolist() == [448.0, 1.0, 1.25, -1.25, 0.0, 2.0**-8, 2.0**-7]
+
+
+@pytest.mark.parametrize("counts, n, k, config", [
+    ([7, 0, 12, 5, 9], 48, 96, CONFIG),  # E = 5, an empty expert, K = 96 < 128, N off BLOCK_N
+    ([3, 18, 0, 0, 6, 1, 11], 40, 160, {**CONFIG, "EXPERTS_PER_STAGE": 1, "GROUP_M": 4}),  # 5 stages
+    ([9, 4, 13], 72, 256, {**CONFIG, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "EXPERTS_PER_STAGE": 4}),
+])
+def test_grouped_gemm_matches_reference(counts, n, k, config):
+    x, offsets, blocks, scales = problem(counts, n, k, seed=len(counts) + k)
+    with poisoned_allocations():
+        y = fp8_grouped_gemm(x, offsets, blocks, scales, config=config)
+    check_against_reference(y, x, offsets, blocks, scales)
+    # and close to the product without activation quantization (e4m3 keeps 3 mantissa bits)
+    exact = grouped_gemm_torch(x, offsets, blocks, scales)
+    assert float((y.float() - exact).norm() / exact.norm()) < 0.05
+
+
+def test_k_short_of_the_padded_weights_and_rows_outside_every_expert():
+    x, _, blocks, scales = problem([10, 10, 10], 40, 80, seed=5, k_weights=96)  # x has K = 80, weights 96
+    offsets = torch.tensor([3, 9, 9, 26], dtype=torch.int32)  # rows 0..2 and 26..29 belong to no expert
+    with poisoned_allocations():
+        y = fp8_grouped_gemm(x, offsets, blocks, scales, config=CONFIG)
+    check_against_reference(y, x, offsets, blocks, scales)
+    assert not y[:3].any() and not y[26:].any()
+    none = fp8_grouped_gemm(x, torch.zeros(4, dtype=torch.int32), blocks, scales, config=CONFIG)
+    assert none.shape == (30, 40) and not none.any()
+
+
+def test_unfit_blocks_are_counted_in_the_given_workspace():
+    x, offsets, blocks, scales = problem([5, 6, 7], 24, 128, seed=9)
+    scales[1, 3, 0], scales[1, 3, 1] = 130, 80  # 50 binades below the group top: flushed, counted
+    blocks[1, 3, 1] |= 0x11  # make sure it holds nonzero codes
+    workspace = FP8Workspace(4, [(24, 128)], "cpu")
+    unfit = torch.zeros(1, dtype=torch.int32)
+    y = fp8_grouped_gemm(x, offsets, blocks, scales, config=CONFIG, workspace=workspace, unfit_counter=unfit)
+    assert int(unfit) == mxfp4_to_fp8_torch(blocks, scales)[2] >= 1
+    check_against_reference(y, x, offsets, blocks, scales)  # one flushed block of 2^-50 weights: invisible
+    assert workspace._free_run(workspace.slots) == 0  # the lease was released
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: {**a, "x": a["x"].float()}, "x_sorted: dtype"),
+    (lambda a: {**a, "x": a["x"][:, :60]}, "x_sorted: K = 60"),
+    (lambda a: {**a, "offsets": a["offsets"][:-1]}, "expert_offsets: dimension 0"),
+    (lambda a: {**a, "offsets": torch.tensor([0, 9, 4, 20], dtype=torch.int32)}, "expert_offsets: must be non-decreasing"),
+    (lambda a: {**a, "offsets": torch.tensor([0, 9, 14, 21], dtype=torch.int32)}, r"within \[0, 20\]"),
+    (lambda a: {**a, "scales": a["scales"][:2]}, "scales: dimension 0"),
+    (lambda a: {**a, "blocks": a["blocks"].view(3, 16, 3, 2, 8)}, "blocks: expected 4 dimensions"),
+    (lambda a: {**a, "workspace": object()}, "workspace: expected an FP8Workspace"),
+    (lambda a: {**a, "config": {**CONFIG, "BLOCK_K": 256}}, "BLOCK_K=256"),
+])
+def test_bad_arguments_raise_value_errors(change, match):
+    x, offsets, blocks, scales = problem([9, 5, 6], 16, 96, seed=1)
+    args = change({"x": x, "offsets": offsets, "blocks": blocks, "scales": scales, "workspace": None, "config": CONFIG})
+    with pytest.raises(ValueError, match=match):
+        fp8_grouped_gemm(args["x"], args["offsets"], args["blocks"], args["scales"], config=args["config"],
+                         workspace=args["workspace"])
+
+
+def test_registry_entry_checks_out_and_catches_a_wrong_result():
+    spec = registry.get("moe_workspace_gemm")
+    (shape,) = spec.bench_shapes("prefill", False)
+    inputs = spec.make_inputs("prefill", shape, torch.device("cpu"), 2)
+    ref = spec.reference(inputs)
+    out = spec.run(inputs, spec.launch_config("prefill", shape, "cpu"))
+    assert spec.compare(out, ref) is None
+    assert spec.compare(out * 1.05, ref) is not None
+    assert spec.compare(spec.baseline(inputs), grouped_gemm_torch(inputs["x"], inputs["offsets"],
+                                                                  inputs["weights"].blocks, inputs["weights"].scales)) is None
+    big = {"M": 32768, "E": 256, "N": 4096, "K": 7168}
+    assert spec.is_valid(spec.default("prefill", big), big)
+    assert "accumulator" in spec.constraint({**CONFIG, "BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 4}, big)
+    assert "expert count" in spec.constraint({**CONFIG, "EXPERTS_PER_STAGE": 16}, shape)
