@@ -26,9 +26,9 @@ from .attention.sparse_attention import sparse_attention_decode, sparse_attentio
 
 __all__ += ["sparse_attention_decode", "sparse_attention_prefill"]
 
-from .moe import mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8  # noqa: E402
+from .moe import FP8Workspace, fp8_grouped_gemm, mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8  # noqa: E402
 
-__all__ += ["mxfp4_quantize", "mxfp4_dequantize", "mxfp4_to_fp8"]
+__all__ += ["mxfp4_quantize", "mxfp4_dequantize", "mxfp4_to_fp8", "FP8Workspace", "fp8_grouped_gemm"]
 
 from .moe import RoutingConfig, deepseek_topk, fused_moe_gemm, moe_forward, route, softmax_topk  # noqa: E402
 
