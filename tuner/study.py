@@ -167,7 +167,8 @@ def search(
     for text, config in queue.items():
         if text not in known and in_space(config, spec.space):
             study.enqueue_trial(encode(config, spec.space), skip_if_exists=True)
-    goal = trials if valid is None else min(trials, sum(config_text(c) not in known for c in valid))
+    valid_texts = None if valid is None else [config_text(c) for c in valid]
+    goal = trials if valid is None else min(trials, sum(t not in known for t in valid_texts))
     counts = {"new": 0, "calls": 0}
     lost: list[str] = []
     bar = _progress(goal, name, progress)
@@ -196,12 +197,12 @@ def search(
         return outcome.value
 
     def budget(study: "optuna.Study", trial: "optuna.trial.FrozenTrial") -> None:
-        exhausted = valid is not None and all(config_text(c) in known for c in valid)
+        exhausted = valid is not None and all(t in known for t in valid_texts)
         reached = stop_below is not None and any(o.ok and o.us <= stop_below for o in known.values())
         if lost or counts["new"] >= goal or exhausted or reached or counts["calls"] >= 20 * max(goal, 1) + 100:
             study.stop()
         elif trial.user_attrs.get("repeat") and valid is not None:
-            fresh = [c for c in valid if config_text(c) not in known]
+            fresh = [c for c, t in zip(valid, valid_texts) if t not in known]
             study.enqueue_trial(encode(rng.choice(fresh), spec.space))
 
     try:
