@@ -23,8 +23,9 @@ from .attention import block_scores_report  # noqa: E402,F401  (registers the re
 __all__ += ["indexer_logits", "block_scores", "select_pages", "selected_page_logits", "block_indexer_logits"]
 
 from .attention.sparse_attention import sparse_attention_decode, sparse_attention_prefill  # noqa: E402
+from .attention.topk import topk_indices  # noqa: E402
 
-__all__ += ["sparse_attention_decode", "sparse_attention_prefill"]
+__all__ += ["sparse_attention_decode", "sparse_attention_prefill", "topk_indices"]
 
 from .moe import FP8Workspace, fp8_grouped_gemm, mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8  # noqa: E402
 

@@ -1,0 +1,472 @@
+"""Exact per-row top-k over fp32 scores: :func:`topk_indices` (radix select in three Triton kernels).
+
+Scores become int32 *sort keys* (integer order = float order, NaN -> -inf; see ``topk_reference``).
+A row of ``n`` selectable positions takes one of three routes, decided inside the kernels (no host sync):
+
+- ``n <= k``: every position is taken.
+- ``k < n < 2 * k * GROUP`` (short rows): one program radix-selects straight over the row.
+- longer rows, two passes over the scores, then a small one:
+  1. *bound* (grid ``T x SPLIT``): split each tile into ``TILE / GROUP`` groups of ``GROUP`` keys and
+     histogram the groups' maxima on their top ``HIST_BITS`` bits. The lower edge ``tau`` of the bin
+     holding the k-th largest maximum is a guaranteed bound: at least k groups, hence k keys, are
+     ``>= tau``; for smooth data only ~1.2-1.5 k are (the histogram only sees 1/GROUP of the keys, which
+     keeps this pass at memory speed).
+  2. *collect* (grid ``T x SPLIT``): append every key ``>= tau`` with its position to a per-row candidate
+     buffer of ``CAP_K * k`` entries (one atomic per tile and row).
+  3. *select* (grid ``T``): radix select, ``SEL_BITS`` per digit, over the candidates (or over the row
+     itself when they overflowed the buffer: ties, clustered values), then write the keys above the
+     k-th largest, enough ties to reach k, the optional block-table translation, and -1 padding.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import registry
+from ..checks import check_kernel_device, check_positive, check_tensor
+from ..registry import Cost
+from . import topk_reference
+from .topk_reference import check_topk, topk_indices_torch
+
+MAX_K = 4096
+_INVALID = tl.constexpr(topk_reference.INVALID_KEY)
+_NEG_INF_KEY = tl.constexpr(topk_reference.NEG_INF_KEY)
+
+
+@triton.jit
+def _sort_key(bits):
+    """fp32 bit patterns (int32) -> int32 keys ordered like the floats; NaN gets the key of -inf."""
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, _NEG_INF_KEY, key)
+
+
+@triton.jit
+def _row_length(lengths, t, L, HAS_LENGTHS: tl.constexpr):
+    """Selectable positions of row t: ``lengths[t]`` clamped to ``[0, L]`` (or L)."""
+    n = tl.full([], 0, tl.int32) + L
+    if HAS_LENGTHS:
+        n = tl.minimum(tl.maximum(tl.load(lengths + t), 0), n)
+    return n
+
+
+@triton.jit
+def _select_bin(hist, need, NB: tl.constexpr):
+    """Largest bin d with ``count(bins >= d) >= need`` (-1 if none), and ``count(bins > d)``."""
+    at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+    d = tl.sum((at_or_above >= need).to(tl.int32), 0) - 1
+    above = tl.sum(tl.where(tl.arange(0, NB) > d, hist, 0), 0)
+    return d, above
+
+
+@triton.jit
+def _bound_from_hist(hist, t, k, HIST_BITS: tl.constexpr):
+    """Lower edge of the bin holding the k-th largest group maximum of row t, as a float.
+
+    ``-inf`` when that is the -inf bin; NaN (collects nothing) when fewer than k groups were counted.
+    """
+    NB: tl.constexpr = 1 << HIST_BITS
+    d, _ = _select_bin(tl.load(hist + t * NB + tl.arange(0, NB)), k, NB)
+    key = tl.maximum((d - NB // 2) << (32 - HIST_BITS), _NEG_INF_KEY)
+    key = tl.where(d >= 0, key, -1)  # the key -1 is a NaN bit pattern
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the key map is its own inverse
+
+
+@triton.jit(do_not_specialize=["L", "k", "group_min"])
+def _topk_bound_kernel(scores, stride_t, L, lengths, hist, k, chunk, group_min,
+                       HAS_LENGTHS: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr,
+                       HIST_BITS: tl.constexpr):
+    """Pass 1, grid (T, SPLIT): ``hist[t]`` += histogram of the top bits of group maxima of the chunk."""
+    t = tl.program_id(0)
+    n = _row_length(lengths, t, L, HAS_LENGTHS)
+    if n >= group_min:
+        NB: tl.constexpr = 1 << HIST_BITS
+        row = scores + t.to(tl.int64) * stride_t
+        lo = tl.program_id(1) * chunk
+        hi = tl.minimum(lo + chunk, n)
+        # group g of a tile = the GROUP scores of column g: its max is a reduction inside one thread
+        cols = tl.arange(0, COLS)
+        tile = tl.arange(0, GROUP)[:, None] * COLS + cols[None, :]
+        acc = tl.zeros([NB], tl.int32)
+        for start in range(lo, hi, GROUP * COLS):
+            offs = start + tile
+            x = tl.load(row + offs, mask=offs < hi, other=float("-inf"))
+            gmax = tl.max(x, axis=0)  # NaN-ignoring: NaN ranks as -inf
+            counted = (start + cols < hi) & (gmax == gmax)
+            key = _sort_key(gmax.to(tl.int32, bitcast=True))
+            acc += tl.histogram((key >> (32 - HIST_BITS)) + NB // 2, NB, mask=counted)
+        tl.atomic_add(hist + t * NB + tl.arange(0, NB), acc, mask=acc > 0, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["L", "k", "group_min", "cap"])
+def _topk_collect_kernel(scores, stride_t, L, lengths, hist, count, cand_val, cand_idx, k, chunk,
+                         group_min, cap, HAS_LENGTHS: tl.constexpr, TILE: tl.constexpr,
+                         HIST_BITS: tl.constexpr):
+    """Pass 2, grid (T, SPLIT): append scores ``>= tau`` (value and position) to row t's candidates.
+
+    NaN scores are skipped: they rank as -inf, and a row whose top k needs them overflows to pass 3's
+    route over the whole row. The next tile is loaded before this one's atomic returns.
+    """
+    t = tl.program_id(0)
+    n = _row_length(lengths, t, L, HAS_LENGTHS)
+    if n >= group_min:
+        tau = _bound_from_hist(hist, t, k, HIST_BITS)
+        row = scores + t.to(tl.int64) * stride_t
+        out_val = cand_val + t.to(tl.int64) * cap
+        out_idx = cand_idx + t.to(tl.int64) * cap
+        lo = tl.program_id(1) * chunk
+        hi = tl.minimum(lo + chunk, n)
+        offs = lo + tl.arange(0, TILE)
+        x = tl.load(row + offs, mask=offs < hi, other=float("nan"))
+        for _ in range(lo, hi, TILE):
+            x_next = tl.load(row + offs + TILE, mask=offs + TILE < hi, other=float("nan"))
+            take = (x >= tau).to(tl.int32)
+            base = tl.atomic_add(count + t, tl.sum(take, 0), sem="relaxed")
+            pos = base + tl.cumsum(take, 0) - 1
+            keep = (take > 0) & (pos < cap)
+            tl.store(out_val + pos, x, mask=keep)
+            tl.store(out_idx + pos, offs, mask=keep)
+            x = x_next
+            offs += TILE
+
+
+@triton.jit
+def _load_keys(src, start, n_src, TILE: tl.constexpr):
+    offs = start + tl.arange(0, TILE)
+    ok = offs < n_src
+    x = tl.load(src + offs, mask=ok, other=0.0)
+    return _sort_key(x.to(tl.int32, bitcast=True)), ok, offs
+
+
+@triton.jit(do_not_specialize=["L", "k", "group_min", "cap", "page_size"])
+def _topk_select_kernel(scores, stride_t, L, lengths, count, cand_val, cand_idx, out, k, group_min, cap,
+                        block_table, stride_bt, row_to_seq, page_size,
+                        HAS_LENGTHS: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_ROW_TO_SEQ: tl.constexpr,
+                        SEL_BITS: tl.constexpr, TILE: tl.constexpr):
+    """Pass 3, grid (T,): the exact k-th largest key of row t by radix select, then ``out[t]``."""
+    t = tl.program_id(0)
+    n = _row_length(lengths, t, L, HAS_LENGTHS)
+    c = tl.load(count + t)
+    use_buf = (n >= group_min) & (c >= k) & (c <= cap)
+    src = scores + t.to(tl.int64) * stride_t
+    n_src = n
+    if use_buf:
+        src = cand_val + t.to(tl.int64) * cap
+        n_src = c
+
+    # thr: the k-th largest key; n_above: keys > thr; need: ties (key == thr) to take.
+    # Rows with n <= k take everything: thr stays below every key.
+    thr = tl.full([], _INVALID, tl.int32)
+    n_above = tl.full([], 0, tl.int32)
+    need = tl.full([], 0, tl.int32) + k
+    if n > k:
+        NB: tl.constexpr = 1 << SEL_BITS
+        thr = tl.full([], 0, tl.int32)
+        for level in tl.static_range((32 + SEL_BITS - 1) // SEL_BITS):
+            HI_BIT = 32 - level * SEL_BITS  # bits at and above HI_BIT are already fixed in thr
+            SHIFT = HI_BIT - SEL_BITS
+            if SHIFT < 0:
+                SHIFT = 0
+            hist = tl.zeros([NB], tl.int32)
+            for start in range(0, n_src, TILE):
+                key, ok, _ = _load_keys(src, start, n_src, TILE)
+                digit = (key >> SHIFT) & ((1 << (HI_BIT - SHIFT)) - 1)
+                if level == 0:
+                    digit = digit ^ (1 << (31 - SHIFT))  # flip the sign bit: digits in key order
+                else:
+                    ok = ok & ((key >> HI_BIT) == (thr >> HI_BIT))
+                hist += tl.histogram(digit, NB, mask=ok)
+            d, above = _select_bin(hist, need, NB)
+            n_above += above
+            need -= above
+            if level == 0:
+                d = d ^ (1 << (31 - SHIFT))
+            thr = thr | (d << SHIFT)
+
+    seq = t
+    if HAS_ROW_TO_SEQ:
+        seq = tl.load(row_to_seq + t)
+    out_row = out + t.to(tl.int64) * k
+    done_above = tl.full([], 0, tl.int32)
+    done_ties = tl.full([], 0, tl.int32)
+    for start in range(0, n_src, TILE):
+        key, ok, offs = _load_keys(src, start, n_src, TILE)
+        above = ok & (key > thr)
+        tie = ok & (key == thr)
+        packed = above.to(tl.int32) + tie.to(tl.int32) * 65536  # two running ranks in one scan
+        rank = tl.cumsum(packed, 0)
+        tie_rank = done_ties + (rank >> 16) - 1
+        write = above | (tie & (tie_rank < need))
+        pos = tl.where(above, done_above + (rank & 0xFFFF) - 1, n_above + tie_rank)
+        idx = tl.load(cand_idx + t.to(tl.int64) * cap + offs, mask=write & use_buf, other=0)
+        idx = tl.where(use_buf, idx, offs)
+        if HAS_TABLE:
+            page = tl.load(block_table + seq.to(tl.int64) * stride_bt + idx // page_size, mask=write, other=0)
+            idx = page * page_size + idx % page_size
+        tl.store(out_row + pos, idx, mask=write)
+        total = tl.sum(packed, 0)
+        done_above += total & 0xFFFF
+        done_ties += total >> 16
+    for start in range(tl.minimum(n, k), k, TILE):
+        offs = start + tl.arange(0, TILE)
+        tl.store(out_row + offs, tl.full([TILE], -1, tl.int32), mask=offs < k)
+
+
+# -- host side -------------------------------------------------------------------------------------
+def _launch(scores, k, lengths, block_table, page_size, row_to_seq, config, out) -> torch.Tensor:
+    T, L = scores.shape
+    if T == 0:
+        return out
+    NB = 1 << config["HIST_BITS"]
+    cap = config["CAP_K"] * k
+    group_min = 2 * k * config["GROUP"]
+    work = torch.zeros(T * (NB + 1), dtype=torch.int32, device=scores.device)
+    hist, count = work[: T * NB], work[T * NB:]
+    dummy = out  # stands in for absent optional tensors (never read)
+    lengths_arg = dummy if lengths is None else lengths
+    if L >= group_min:  # some row may take the two-pass route
+        cand_val = torch.empty(T, cap, dtype=torch.float32, device=scores.device)
+        cand_idx = torch.empty(T, cap, dtype=torch.int32, device=scores.device)
+        step = max(config["TILE"], config["COLLECT_TILE"])
+        chunk = triton.cdiv(triton.cdiv(L, config["SPLIT"]), step) * step
+        grid = (T, config["SPLIT"])
+        _topk_bound_kernel[grid](scores, scores.stride(0), L, lengths_arg, hist, k, chunk, group_min,
+                                 HAS_LENGTHS=lengths is not None, GROUP=config["GROUP"],
+                                 COLS=config["TILE"] // config["GROUP"], HIST_BITS=config["HIST_BITS"],
+                                 num_warps=config["WARPS"])
+        _topk_collect_kernel[grid](scores, scores.stride(0), L, lengths_arg, hist, count, cand_val, cand_idx,
+                                   k, chunk, group_min, cap, HAS_LENGTHS=lengths is not None,
+                                   TILE=config["COLLECT_TILE"], HIST_BITS=config["HIST_BITS"],
+                                   num_warps=config["COLLECT_WARPS"])
+    else:
+        cand_val, cand_idx = scores, dummy
+    _topk_select_kernel[(T,)](
+        scores, scores.stride(0), L, lengths_arg, count, cand_val, cand_idx, out, k, group_min, cap,
+        dummy if block_table is None else block_table, 0 if block_table is None else block_table.stride(0),
+        dummy if row_to_seq is None else row_to_seq, page_size or 1,
+        HAS_LENGTHS=lengths is not None, HAS_TABLE=block_table is not None, HAS_ROW_TO_SEQ=row_to_seq is not None,
+        SEL_BITS=config["SEL_BITS"], TILE=config["SEL_TILE"], num_warps=config["SEL_WARPS"])
+    return out
+
+
+def _check_arguments(scores, k, lengths, block_table, page_size, row_to_seq, num_pages, out):
+    check_tensor("scores", scores, dtype=torch.float32, ndim=2)
+    device = check_kernel_device("scores", scores)
+    T, L = scores.shape
+    check_positive("k", k)
+    if k > MAX_K:
+        raise ValueError(f"k: at most {MAX_K} is supported, got {k}")
+    if out is not None:
+        check_tensor("out", out, dtype=torch.int32, shape=(T, k), device=device)
+        if not out.is_contiguous():
+            raise ValueError(f"out: must be contiguous, got strides {out.stride()}")
+    if lengths is not None:
+        check_tensor("lengths", lengths, dtype=torch.int32, shape=(T,), device=device)
+    if block_table is None:
+        for name, value in (("page_size", page_size), ("row_to_seq", row_to_seq), ("num_pages", num_pages)):
+            if value is not None:
+                raise ValueError(f"{name}: only meaningful with block_table, which is None")
+        return
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=device)
+    check_positive("page_size", page_size)
+    if num_pages is not None:
+        check_positive("num_pages", num_pages)
+    B, max_pages = block_table.shape
+    if max_pages * page_size < L:
+        raise ValueError(f"block_table: {max_pages} pages of page_size {page_size} cover {max_pages * page_size} "
+                         f"positions, fewer than the {L} columns of scores")
+    if row_to_seq is None:
+        if B < T:
+            raise ValueError(f"block_table: {B} sequences for {T} rows; pass row_to_seq to map rows to sequences")
+    else:
+        check_tensor("row_to_seq", row_to_seq, dtype=torch.int32, shape=(T,), device=device)
+
+
+def _check_values(T, L, lengths, block_table, page_size, row_to_seq, num_pages):
+    """Range checks on the index tensors, with a single device-to-host copy."""
+    names, flags = [], []
+    if lengths is not None:
+        names.append(f"lengths: every entry must lie in [0, {L}]")
+        flags.append(((lengths < 0) | (lengths > L)).any())
+    if block_table is not None:
+        B, max_pages = block_table.shape
+        dev = block_table.device
+        seq = torch.arange(T, device=dev)
+        if row_to_seq is not None:
+            names.append(f"row_to_seq: every entry must lie in [0, {B})")
+            flags.append(((row_to_seq < 0) | (row_to_seq >= B)).any())
+            seq = row_to_seq.long().clamp(0, B - 1)
+        row_len = torch.full((T,), L, device=dev) if lengths is None else lengths.long().clamp(0, L)
+        pages = torch.zeros(B, dtype=torch.int64, device=dev)
+        pages.scatter_reduce_(0, seq, (row_len + page_size - 1) // page_size, reduce="amax")
+        in_use = torch.arange(max_pages, device=dev)[None, :] < pages[:, None]
+        limit = min(num_pages or 2**31, 2**31 // page_size)
+        names.append(f"block_table: entries of the pages in use must lie in [0, {limit})")
+        flags.append((in_use & ((block_table < 0) | (block_table >= limit))).any())
+    for name, bad in zip(names, torch.stack(flags).tolist() if flags else []):
+        if bad:
+            raise ValueError(name)
+
+
+def topk_indices(
+    scores: torch.Tensor,
+    k: int,
+    lengths: torch.Tensor | None = None,
+    *,
+    block_table: torch.Tensor | None = None,
+    page_size: int | None = None,
+    row_to_seq: torch.Tensor | None = None,
+    num_pages: int | None = None,
+    check_values: bool = True,
+    config: dict | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact top-k positions of each row: ``idx[T, k]`` int32.
+
+    Args:
+        scores: ``[T, L]`` fp32, last dimension contiguous (any row stride). ``L`` up to 2^20 and beyond.
+        k: 1..4096 (``k > L`` is fine).
+        lengths: optional ``[T]`` int32; row t only considers ``s < lengths[t]`` (default: all L).
+            Scores at or beyond a row's length are never read, so they may hold anything (NaN).
+        block_table: optional ``[B, max_pages]`` int32 with ``max_pages * page_size >= L``: returns
+            physical slots ``block_table[seq, i // page_size] * page_size + i % page_size``.
+        page_size: page size of ``block_table`` (any positive integer; required with it).
+        row_to_seq: optional ``[T]`` int32, the sequence (row of ``block_table``) of each row;
+            default row t -> sequence t (then ``B >= T``).
+        num_pages: optional size of the paged cache: block-table entries in use must be below it.
+        check_values: range-check ``lengths``, ``row_to_seq`` and the block-table entries in use
+            (one device-to-host copy). Skipped inside CUDA-graph capture; pass False in hot loops
+            when the inputs are known good. The kernels never read out of bounds either way.
+        config: launch parameters (default: the tuning database's, else the registered default).
+        out: optional ``[T, k]`` int32 contiguous tensor to write (and return).
+
+    Returns:
+        ``idx[T, k]`` int32. Row t holds ``min(k, lengths[t])`` indices first, in no particular order
+        (it may differ between runs), then -1. Exact: the multiset of selected scores equals that of
+        a sorted top-k; among equal scores any may be taken. ``-inf`` inside the valid range is a
+        valid, lowest score (taken only when fewer than k larger ones exist); NaN ranks as ``-inf``.
+    """
+    _check_arguments(scores, k, lengths, block_table, page_size, row_to_seq, num_pages, out)
+    T, L = scores.shape
+    shape = {"T": T, "L": L, "k": k}
+    if config is None:
+        config = SPEC.launch_config(PHASE, shape, scores.device)
+    else:
+        SPEC.validate(config, shape)
+    capturing = scores.is_cuda and torch.cuda.is_current_stream_capturing()
+    if check_values and not capturing and T > 0:
+        _check_values(T, L, lengths, block_table, page_size, row_to_seq, num_pages)
+    if out is None:
+        out = torch.empty(T, k, dtype=torch.int32, device=scores.device)
+    return _launch(scores, k, lengths, block_table, page_size, row_to_seq, config, out)
+
+
+# -- registry entry ------------------------------------------------------------------------------
+PHASE = "any"  # one kernel serves prefill and decode alike; T (bucketed) tells them apart
+_SMS = 132  # H200: the default spreads the two passes over about 4 programs per SM
+
+SPACE = {
+    "SPLIT": (1, 2, 4, 8, 16, 32, 64, 128),  # programs per row in passes 1 and 2
+    "TILE": (2048, 4096, 8192, 16384),  # scores per loop step of pass 1
+    "WARPS": (1, 2, 4, 8),  # pass 1
+    "GROUP": (8, 16, 32),  # scores per group maximum in pass 1
+    "HIST_BITS": (8, 9, 10, 11),  # pass 1 histogram: 2^HIST_BITS bins
+    "COLLECT_TILE": (1024, 2048, 4096),  # pass 2
+    "COLLECT_WARPS": (2, 4, 8),
+    "CAP_K": (2, 4, 8),  # candidate buffer per row, in multiples of k
+    "SEL_BITS": (4, 5, 6, 8),  # radix digit of pass 3
+    "SEL_TILE": (1024, 2048, 4096, 8192),
+    "SEL_WARPS": (2, 4, 8, 16),
+}
+
+
+def _constraint(config, shape):
+    if config["TILE"] // config["GROUP"] < 128 * config["WARPS"]:
+        return "TILE / GROUP must be >= 128 * WARPS (each thread owns whole groups: no replicated maxima)"
+    if config["SPLIT"] > max(1, shape["L"] // max(config["TILE"], config["COLLECT_TILE"])):
+        return "SPLIT leaves programs without a full tile"
+    return None
+
+
+def _default(phase, shape):
+    T, L = shape["T"], shape["L"]
+    split = 1
+    while T * split < 4 * _SMS and (split * 2) * 8192 <= L:
+        split *= 2
+    few_rows = T <= 2 * _SMS  # then pass 3 has an SM per row: wide programs, fewer digit sweeps
+    return {"SPLIT": split, "TILE": 8192, "WARPS": 4, "GROUP": 16, "HIST_BITS": 10,
+            "COLLECT_TILE": 2048, "COLLECT_WARPS": 4, "CAP_K": 4,
+            "SEL_BITS": 8 if few_rows else 5, "SEL_TILE": 4096 if few_rows else 2048,
+            "SEL_WARPS": 16 if few_rows else 4}
+
+
+def _causal_lengths(T, L):
+    """Row t of a chunk of T query tokens whose last token sees all L keys: ``L - (T - 1 - t)``, >= 0."""
+    return (L - (T - 1) + torch.arange(T)).clamp(min=0)
+
+
+def _make_inputs(phase, shape, device, seed):
+    """Random scores (-inf past each row's causal length), 64-token pages of up to 64 sequences."""
+    T, L, k = shape["T"], shape["L"], shape["k"]
+    g = torch.Generator(device=device).manual_seed(seed)
+    lengths = _causal_lengths(T, L).to(device=device, dtype=torch.int32)
+    scores = torch.randn(T, L, generator=g, device=device)
+    scores.masked_fill_(torch.arange(L, device=device)[None, :] >= lengths[:, None], float("-inf"))
+    page_size = 64
+    seqs = max(1, min(T, 64))
+    max_pages = triton.cdiv(L, page_size)
+    pages = torch.randperm(seqs * max_pages, generator=g, device=device).to(torch.int32)
+    row_to_seq = (torch.arange(T, device=device) * seqs // max(T, 1)).to(torch.int32)
+    return {"scores": scores, "k": k, "lengths": lengths, "block_table": pages.view(seqs, max_pages),
+            "page_size": page_size, "row_to_seq": row_to_seq}
+
+
+def _run(inputs, config):
+    return topk_indices(**inputs, check_values=False, config=config)
+
+
+def _reference(inputs):
+    return topk_indices_torch(**inputs), inputs
+
+
+def _compare(out, ref):
+    ref_idx, inputs = ref
+    return check_topk(out, ref_idx, **inputs)
+
+
+def _cost(phase, shape):
+    T, L, k = shape["T"], shape["L"], shape["k"]
+    return Cost(bytes=4.0 * int(_causal_lengths(T, L).sum()) + 4.0 * T * k)
+
+
+def _bench_shapes(phase, gpu):
+    if gpu:
+        return [{"T": 64, "L": 131072, "k": 2048}, {"T": 4096, "L": 131072, "k": 2048}, {"T": 1, "L": 131072, "k": 2048}]
+    return [{"T": 3, "L": 4500, "k": 64}, {"T": 6, "L": 300, "k": 40}]
+
+
+def _baseline(inputs):
+    scores = inputs["scores"]
+    return torch.topk(scores, min(inputs["k"], scores.shape[1]), dim=1)
+
+
+SPEC = registry.register(registry.KernelSpec(
+    name="topk_indices",
+    phases=(PHASE,),
+    space=SPACE,
+    default=_default,
+    fixed_dims=("k",),
+    bucketed_dims=("T", "L"),
+    make_inputs=_make_inputs,
+    run=_run,
+    reference=_reference,
+    compare=_compare,
+    cost=_cost,
+    bench_shapes=_bench_shapes,
+    constraint=_constraint,
+    baseline=_baseline,
+    baseline_name="torch.topk",
+    source_modules=(sys.modules[__name__], topk_reference),
+))

@@ -1,0 +1,236 @@
+"""dt.topk_indices in the interpreter against topk_indices_torch: every route of a row, ties, -inf, NaN,
+block-table translation, bad input. Outputs start as -2 so an unwritten slot fails the check."""
+import pytest
+import torch
+
+import dsa_triton as dt
+from dsa_triton.attention import topk as tk
+from dsa_triton.attention.topk_reference import check_topk, topk_indices_torch
+
+# Small tiles so that short rows still reach the two-pass route (group_min = 2 * k * GROUP).
+SMALL = {"SPLIT": 1, "TILE": 2048, "WARPS": 2, "GROUP": 8, "HIST_BITS": 10, "COLLECT_TILE": 1024,
+         "COLLECT_WARPS": 4, "CAP_K": 4, "SEL_BITS": 5, "SEL_TILE": 1024, "SEL_WARPS": 4}
+
+
+def cfg(**changes):
+    return {**SMALL, **changes}
+
+
+def run_and_check(scores, k, lengths=None, config=SMALL, num_pages=None, check_values=True, **table):
+    T = scores.shape[0]
+    poisoned = torch.full((T + 2, k), -2, dtype=torch.int32)  # a guard row on each side of the output
+    out = poisoned[1:-1]
+    got = dt.topk_indices(scores, k, lengths, config=config, out=out, num_pages=num_pages,
+                          check_values=check_values, **table)
+    assert got is out and (poisoned[[0, -1]] == -2).all(), "wrote outside the output"
+    if lengths is not None:
+        lengths = lengths.clamp(0, scores.shape[1])
+    ref = topk_indices_torch(scores, k, lengths, **table)
+    error = check_topk(got, ref, scores, k, lengths, **table)
+    assert error is None, error
+    return got
+
+
+def nan_past_lengths(scores, lengths):
+    """Poison every position a row must not read or select."""
+    pos = torch.arange(scores.shape[1])
+    return scores.masked_fill(pos[None, :] >= lengths[:, None].long(), float("nan"))
+
+
+def test_every_route_of_a_row():
+    """One batch: zero length, k >= length, short rows (direct), long rows (candidates), all with NaN past the end."""
+    g = torch.Generator().manual_seed(0)
+    k, L = 24, 3000  # group_min = 2 * 24 * 8 = 384
+    lengths = torch.tensor([0, 1, 24, 23, 100, 383, 384, 1500, 2999, 3000], dtype=torch.int32)
+    scores = nan_past_lengths(torch.randn(len(lengths), L, generator=g), lengths)
+    out = run_and_check(scores, k, lengths)
+    assert (out[0] == -1).all() and (out[1, 1:] == -1).all() and int(out[1, 0]) == 0
+
+
+@pytest.mark.parametrize("sel_bits", [4, 5, 6, 8])
+def test_radix_digit_widths(sel_bits):
+    g = torch.Generator().manual_seed(sel_bits)
+    scores = torch.randn(3, 2500, generator=g) * torch.tensor([[1e-30], [1.0], [1e30]])  # tiny, plain, huge
+    scores[:, ::7] *= -1
+    run_and_check(scores, 50, config=cfg(SEL_BITS=sel_bits))
+
+
+def test_split_rows_over_programs():
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([5000, 4097, 2048], dtype=torch.int32)
+    scores = nan_past_lengths(torch.randn(3, 5000, generator=g), lengths)
+    run_and_check(scores, 40, lengths, config=cfg(SPLIT=2, TILE=2048, COLLECT_TILE=1024))
+
+
+@pytest.mark.parametrize("k", [1, 7, 300])
+def test_ties_and_all_equal_rows(k):
+    """All-equal rows overflow the candidate buffer (the whole row is >= tau) and take the row route."""
+    g = torch.Generator().manual_seed(k)
+    L = 2600
+    scores = torch.stack([
+        torch.full((L,), 0.25),  # all equal
+        torch.randint(0, 3, (L,), generator=g).float(),  # three values, ties at the threshold
+        torch.randint(0, 40, (L,), generator=g).float() - 20,
+        torch.where(torch.arange(L) % 2 == 0, 0.0, -0.0),  # +0 ranks above -0
+    ])
+    run_and_check(scores, k, config=cfg(CAP_K=2))
+    for row in scores:  # alone, each row is also the last: a stray write lands in the guard row
+        run_and_check(row[None], k, config=cfg(CAP_K=2))
+
+
+def test_inf_and_nan_inside_the_valid_range():
+    """-inf is a valid lowest score; NaN inside the range ranks as -inf."""
+    g = torch.Generator().manual_seed(2)
+    L, k = 3000, 40
+    scores = torch.randn(6, L, generator=g)
+    scores[0, 30:] = float("-inf")  # 30 finite: 10 -inf picks
+    scores[1] = float("nan")  # every score NaN: no group counts, the row route takes k of them
+    scores[2, ::3] = float("nan")
+    scores[3, 100:] = float("-inf")
+    scores[3, 5:20] = float("inf")
+    scores[4, ::2] = float("-inf")
+    scores[4, 1::4] = float("nan")
+    scores[5, 2::5] = float("nan")  # a short row (radix select straight over it)
+    out = run_and_check(scores, k, torch.tensor([L] * 5 + [300], dtype=torch.int32))
+    assert set(range(30)) <= set(out[0].tolist())  # every finite score is taken
+
+
+def test_candidate_buffer_exactly_full_then_one_over():
+    """k = 8, CAP_K = 2: 16 scores in [8, 12) (one pass-1 bin) fill the buffer; 17 overflow to the row route."""
+    g = torch.Generator().manual_seed(9)
+    L, k = 600, 8  # group_min = 2 * 8 * 8 = 128
+    scores = torch.randn(2, L, generator=g).clamp(max=7.0)
+    for row, high in ((0, 16), (1, 17)):
+        pos = torch.randperm(L, generator=g)[:high]
+        scores[row, pos] = 8.0 + 3.9 * torch.rand(high, generator=g)
+    run_and_check(scores, k, config=cfg(CAP_K=2))
+
+
+def test_unchecked_lengths_are_clamped():
+    """With check_values=False a negative or too long length must still not read or write out of bounds."""
+    g = torch.Generator().manual_seed(10)
+    scores = torch.randn(3, 500, generator=g)
+    out = run_and_check(scores, 20, torch.tensor([-5, 900, 7], dtype=torch.int32), check_values=False)
+    assert (out[0] == -1).all()
+
+
+def test_k_larger_than_every_row():
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([0, 5, 9, 9], dtype=torch.int32)
+    scores = nan_past_lengths(torch.randn(4, 9, generator=g), lengths)
+    out = run_and_check(scores, 16, lengths)
+    assert sorted(out[2, :9].tolist()) == list(range(9)) and (out[:, 9:] == -1).all()
+
+
+def test_default_config_and_no_lengths():
+    g = torch.Generator().manual_seed(4)
+    scores = torch.randn(2, 700, generator=g)
+    out = dt.topk_indices(scores, 33)
+    assert check_topk(out, topk_indices_torch(scores, 33), scores, 33) is None
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_block_table_translation(page_size):
+    """Decode rows (row t -> sequence t) and prefill rows (row_to_seq), pages in random physical order."""
+    g = torch.Generator().manual_seed(page_size)
+    B, max_pages, k = 3, 3000 // page_size + 1, 37
+    L = 3000
+    table = torch.randperm(B * max_pages + 5, generator=g)[: B * max_pages].view(B, max_pages).int()
+    lengths = torch.tensor([L, 1000, 0, 2900, 60], dtype=torch.int32)
+    row_to_seq = torch.tensor([0, 2, 1, 0, 2], dtype=torch.int32)
+    scores = nan_past_lengths(torch.randn(5, L, generator=g), lengths)
+    out = run_and_check(scores, k, lengths, block_table=table, page_size=page_size, row_to_seq=row_to_seq,
+                        num_pages=B * max_pages + 5)
+    assert (out[2] == -1).all()
+    # decode form: row t is sequence t
+    run_and_check(scores[:3], k, lengths[:3], block_table=table, page_size=page_size)
+
+
+def test_row_stride_larger_than_row():
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(3, 2700, generator=g)
+    run_and_check(big[:, :2500], 60)
+
+
+def test_checker_catches_wrong_answers():
+    """The oracle comparison is not vacuous: each corruption of a right answer is reported."""
+    g = torch.Generator().manual_seed(6)
+    scores = torch.randn(2, 50, generator=g)
+    lengths = torch.tensor([50, 3], dtype=torch.int32)
+    ref = topk_indices_torch(scores, 5, lengths)
+    shuffled = ref.clone()
+    shuffled[0] = ref[0].flip(0)
+    assert check_topk(shuffled, ref, scores, 5, lengths) is None  # the order within a row is free
+    lowest = int(scores[0].argmin())
+    for bad in (
+        lambda o: o.__setitem__((0, 0), lowest),  # not in the top 5
+        lambda o: o.__setitem__((0, 1), int(o[0, 0])),  # repeated
+        lambda o: o.__setitem__((1, 1), 10),  # beyond the row's length
+        lambda o: o.__setitem__((1, 3), 0),  # a slot past min(k, length) not -1
+        lambda o: o.__setitem__((0, 4), -1),  # missing index
+        lambda o: o.__setitem__((0, 2), -2),  # unwritten
+    ):
+        out = ref.clone()
+        bad(out)
+        assert check_topk(out, ref, scores, 5, lengths) is not None
+
+
+def test_registered_spec_runs_its_cpu_shapes():
+    spec = dt.registry.get("topk_indices")
+    for shape in spec.bench_shapes("any", False):
+        inputs = spec.make_inputs("any", shape, torch.device("cpu"), 7)
+        assert spec.compare(spec.run(inputs, spec.launch_config("any", shape, "cpu")), spec.reference(inputs)) is None
+    assert spec.cost("any", {"T": 2, "L": 10, "k": 4}).bytes == 4 * (9 + 10) + 4 * 2 * 4
+
+
+def test_empty_batch():
+    assert dt.topk_indices(torch.randn(0, 100), 8).shape == (0, 8)
+
+
+def _bad_calls():
+    s = torch.randn(4, 100)
+    table = torch.arange(4 * 7, dtype=torch.int32).view(4, 7)
+    ok = dict(block_table=table, page_size=16)
+    return [
+        ("scores", lambda: dt.topk_indices(s.double(), 4)),
+        ("scores", lambda: dt.topk_indices(s[0], 4)),
+        ("scores", lambda: dt.topk_indices(s.t(), 4)),
+        ("k", lambda: dt.topk_indices(s, 0)),
+        ("k", lambda: dt.topk_indices(s, 4097)),
+        ("k", lambda: dt.topk_indices(s, 2.0)),
+        ("lengths", lambda: dt.topk_indices(s, 4, torch.full((4,), 5))),
+        ("lengths", lambda: dt.topk_indices(s, 4, torch.full((3,), 5, dtype=torch.int32))),
+        ("lengths", lambda: dt.topk_indices(s, 4, torch.tensor([5, 101, 0, 0], dtype=torch.int32))),
+        ("lengths", lambda: dt.topk_indices(s, 4, torch.tensor([5, -1, 0, 0], dtype=torch.int32))),
+        ("page_size", lambda: dt.topk_indices(s, 4, page_size=16)),
+        ("page_size", lambda: dt.topk_indices(s, 4, block_table=table)),
+        ("block_table", lambda: dt.topk_indices(s, 4, block_table=table.long(), page_size=16)),
+        ("block_table", lambda: dt.topk_indices(s, 4, block_table=table[:, :6], page_size=16)),  # 96 < 100
+        ("block_table", lambda: dt.topk_indices(s, 4, block_table=table[:3], page_size=16)),
+        ("block_table", lambda: dt.topk_indices(s, 4, block_table=table - 1, page_size=16)),
+        ("block_table", lambda: dt.topk_indices(s, 4, **ok, num_pages=20)),
+        ("row_to_seq", lambda: dt.topk_indices(s, 4, **ok, row_to_seq=torch.tensor([0, 1, 2, 4], dtype=torch.int32))),
+        ("row_to_seq", lambda: dt.topk_indices(s, 4, row_to_seq=torch.zeros(4, dtype=torch.int32))),
+        ("out", lambda: dt.topk_indices(s, 4, out=torch.empty(4, 5, dtype=torch.int32))),
+        ("SPLIT", lambda: dt.topk_indices(s, 4, config=cfg(SPLIT=3))),
+    ]
+
+
+@pytest.mark.parametrize("name, call", _bad_calls(), ids=[f"{n}-{i}" for i, (n, _) in enumerate(_bad_calls())])
+def test_bad_input_raises_value_error_naming_the_argument(name, call, monkeypatch):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launched despite bad input")
+
+    monkeypatch.setattr(tk, "_launch", no_launch)
+    with pytest.raises(ValueError, match=name):
+        call()
+
+
+def test_unused_table_entries_are_not_checked():
+    """Entries past a sequence's pages in use may hold anything (-1 here)."""
+    g = torch.Generator().manual_seed(8)
+    table = torch.randperm(8, generator=g).int().view(2, 4)
+    table[1, 2:] = -1  # sequence 1 only uses 2 pages of 16
+    lengths = torch.tensor([64, 30], dtype=torch.int32)
+    scores = nan_past_lengths(torch.randn(2, 64, generator=g), lengths)
+    run_and_check(scores, 8, lengths, block_table=table, page_size=16)
