@@ -284,6 +284,9 @@ def test_model_shapes_prefill_chunks_and_expert_gemms():
     topk = shaped("topk", ("k",), ("T", "L"))
     prefill = sh.model_shapes(topk, "prefill", V32, contexts=(4096, 16384), chunks=(1024, 8192))
     assert [(s["T"], s["L"]) for s in prefill] == [(1024, 4096), (1024, 16384), (8192, 16384)]  # context >= chunk
+    anyphase = shaped("topk_any", ("k",), ("T", "L"), phases=("any",))
+    both = sh.model_shapes(anyphase, "any", V32, batches=(1, 64), contexts=(4096,), chunks=(4096, 8192))
+    assert [(s["T"], s["L"]) for s in both] == [(1, 4096), (64, 4096), (4096, 4096)]  # decode rows, then prefill
 
 
 def test_model_shapes_overrides_bench_fallbacks_and_errors():

@@ -17,6 +17,7 @@ Fixed dims (any of the names on a row): ::
     num_experts_per_tok            top_k, experts_per_token, num_experts_per_tok
     moe_intermediate_size          I, inter, moe_intermediate_size
     page size (not in config: 64)  P, page, page_size, block_size
+    n_group, topk_group            n_group, n_groups; topk_group, topk_groups
 
 Expert weights (kernels named *mxfp4*, *moe*, *gemm*, *expert*): ``N``, ``K`` and ``gather``, fixed or
 bucketed, take both GEMMs: gate_up (N = 2 x moe_intermediate_size, K = hidden_size, gather = 1) and down
@@ -26,7 +27,7 @@ Bucketed dims: batch names (B, batch, num_seqs, seqs) take the decode batch size
 (T, M, Q, N, tokens, num_tokens, rows) the prefill chunk sizes in prefill, and in decode the batch sizes
 (tied to the batch dim when the kernel's bench shapes tie them; otherwise, beside a batch dim, they count
 queries per sequence, see below); context names (L, context, ctx, seq_len, kv_len, keys) the context lengths
-(at least the chunk in prefill).
+(at least the chunk in prefill). A phase that is neither decode nor prefill (``any``) gets both.
 
 Any other dimension (and any the kernel's shape carries outside its key) takes its value from the kernel's
 GPU bench shape (its realistic DeepSeek-V3.2 shape) that agrees most with the derived dims; those are
@@ -66,6 +67,8 @@ for names, quantity in [
     (("top_k", "experts_per_token", "num_experts_per_tok"), lambda c: c["num_experts_per_tok"]),
     (("I", "inter", "moe_intermediate_size"), lambda c: c["moe_intermediate_size"]),
     (("P", "page", "page_size", "block_size"), lambda c: c.get("page_size", DEFAULT_PAGE)),
+    (("n_group", "n_groups"), lambda c: c["n_group"]),
+    (("topk_group", "topk_groups"), lambda c: c["topk_group"]),
 ]:
     FIXED.update(dict.fromkeys(names, quantity))
 INDEXER_FIXED = {"H": FIXED["index_heads"], "D": FIXED["index_dim"]}
@@ -118,30 +121,28 @@ def derived_dims(spec: KernelSpec, config: dict[str, Any]) -> list[dict[str, int
 
 def counted_dims(spec: KernelSpec, phase: str, skip: set[str], batches: tuple[int, ...], contexts: tuple[int, ...],
                  chunks: tuple[int, ...]) -> list[dict[str, int]]:
-    """Every combination of the kernel's bucketed batch / token / context dims (not in ``skip``) for ``phase``."""
+    """Every combination of the kernel's bucketed batch / token / context dims (not in ``skip``) for ``phase``;
+    a phase that is neither decode nor prefill (``any``) gets the combinations of both."""
     roles: dict[str, list[str]] = {"batch": [], "tokens": [], "context": []}
     for dim in (d for d in spec.bucketed_dims if d not in skip):
         for role, names in (("batch", BATCH_NAMES), ("tokens", TOKEN_NAMES), ("context", CONTEXT_NAMES)):
             if dim in names:
                 roles[role].append(dim)
-    decode = phase == "decode"
-    if decode and roles["batch"]:  # beside a batch dim, a token dim is tied to it only if the bench shapes say so
+    batch_dims, context_dims = roles["batch"], roles["context"]
+    tied = roles["tokens"]
+    if batch_dims:  # beside a batch dim, a decode token dim follows it only if the bench shapes tie them
         benches = spec.bench_shapes(phase, True)
-        roles["tokens"] = [t for t in roles["tokens"] if all(s.get(t) == s.get(roles["batch"][0]) for s in benches)]
+        tied = [t for t in tied if all(s.get(t) == s.get(batch_dims[0]) for s in benches)]
     some = lambda values, wanted: values if wanted else (None,)
-    contexts = some(contexts, roles["context"])
-    if decode:
-        rows = [(b, b, c) for b in some(batches, roles["batch"] or roles["tokens"]) for c in contexts]
-    else:
-        rows = [(1, t, c) for t in some(chunks, roles["tokens"]) for c in contexts
-                if t is None or c is None or c >= t]
-    out = []
-    for batch, tokens, context in rows:
-        shape = {d: batch for d in roles["batch"]}
-        shape |= {d: tokens for d in roles["tokens"]}
-        shape |= {d: context for d in roles["context"]}
-        out.append(shape)
-    return out
+    rows = []
+    if phase != "prefill":  # decode: batch sizes x contexts
+        rows += [({d: b for d in batch_dims + tied}, c) for b in some(batches, batch_dims or tied)
+                 for c in some(contexts, context_dims)]
+    if phase != "decode":  # prefill: one sequence, chunks x contexts of at least the chunk
+        rows += [({**{d: 1 for d in batch_dims}, **{d: t for d in roles["tokens"]}}, c)
+                 for t in some(chunks, roles["tokens"]) for c in some(contexts, context_dims)
+                 if t is None or c is None or c >= t]
+    return dedupe([{**counts, **{d: c for d in context_dims}} for counts, c in rows])
 
 
 def closest_bench(spec: KernelSpec, phase: str, derived: dict[str, int]) -> dict[str, int]:
