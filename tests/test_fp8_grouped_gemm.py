@@ -119,8 +119,9 @@ def test_registry_entry_checks_out_and_catches_a_wrong_result():
     out = spec.run(inputs, spec.launch_config("prefill", shape, "cpu"))
     assert spec.compare(out, ref) is None
     assert spec.compare(out * 1.05, ref) is not None
-    assert spec.compare(spec.baseline(inputs), grouped_gemm_torch(inputs["x"], inputs["offsets"],
-                                                                  inputs["weights"].blocks, inputs["weights"].scales)) is None
+    exact = grouped_gemm_torch(inputs["x"], inputs["offsets"], inputs["weights"].blocks, inputs["weights"].scales)
+    baseline = spec.baseline(inputs).float()  # torch._scaled_mm per expert on an FP8 copy: the same product
+    assert float((baseline - exact).norm() / exact.norm()) < 0.05
     big = {"M": 32768, "E": 256, "N": 4096, "K": 7168}
     assert spec.is_valid(spec.default("prefill", big), big)
     assert "accumulator" in spec.constraint({**CONFIG, "BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 4}, big)
