@@ -79,6 +79,9 @@ def test_tune_lists_model_shapes_and_shards(toys, tmp_path, capsys):
                                 "toy_axpy prefill D=576,T=512", "3 jobs"]
     rc, out, _ = run(capsys, *args, "--shard", "1/2")
     assert out.splitlines() == ["toy_axpy decode D=576,T=8", "1 jobs"]
+    rc, out, _ = run(capsys, "tune", "--kernels", "toy_axpy", "--model", "deepseek-v3.2", "--batches", "4",
+                     "--phases", "decode", "--list")  # a model shipped under tuner/models, by name
+    assert rc == 0 and out.splitlines() == ["toy_axpy decode D=576,T=4", "1 jobs"]
 
 
 def test_merge(toys, tmp_path, capsys):

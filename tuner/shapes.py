@@ -92,10 +92,17 @@ def parse_ints(text: str) -> tuple[int, ...]:
         raise ValueError(f"expected comma-separated integers, got {text!r}") from None
 
 
+MODELS = Path(__file__).resolve().parent / "models"
+
+
 def load_model_config(path: str | Path) -> dict[str, Any]:
+    """A config.json, or the name of one under ``tuner/models`` (``deepseek-v3.2``: the shape fields only)."""
     path = Path(path)
+    if not path.is_file() and (MODELS / f"{path}.json").is_file():
+        path = MODELS / f"{path}.json"
     if not path.is_file():
-        raise ValueError(f"--model: no config.json at {path}")
+        known = ", ".join(sorted(p.stem for p in MODELS.glob("*.json")))
+        raise ValueError(f"--model: no config.json at {path} (or a model name: {known})")
     return json.loads(path.read_text())
 
 
