@@ -4,12 +4,15 @@ kernel compiled. Used before an exhaustive search on a GPU, where compiling domi
 
 Each worker is a spawned process (CUDA does not survive a fork) with its own inputs and reference. A
 config that breaks a worker's CUDA context is reported ``fatal`` and the timing process never runs it;
-the worker passes on every config after that (the timing process checks those itself).
+the worker passes on every config after that (the timing process checks those itself). A worker that
+cannot start or dies only costs the speed-up: the timing process then checks (and compiles) as usual.
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from .objective import Evaluator, Outcome
@@ -18,11 +21,15 @@ _worker: dict[str, Any] = {}
 
 
 def _start(kernel: str, phase: str, shape: dict[str, int], device: str) -> None:
+    _worker["broken"] = True  # until the evaluator exists: pass on everything
     import dsa_triton  # noqa: F401  (registers the kernels in this process)
     from dsa_triton import registry
 
-    _worker["evaluator"] = Evaluator(registry.get(kernel), phase, shape, device, rotate=False)
-    _worker["broken"] = False
+    try:
+        _worker["evaluator"] = Evaluator(registry.get(kernel), phase, shape, device, rotate=False)
+        _worker["broken"] = False
+    except Exception:  # e.g. out of memory beside the other workers
+        pass
 
 
 def _check(item: tuple[str, dict]) -> tuple[str, Outcome | None]:
@@ -44,9 +51,14 @@ def check_in_workers(kernel: str, phase: str, shape: dict[str, int], device: str
     from tuning_db.records import config_text
 
     items = [(config_text(c), c) for c in configs]
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(min(workers, len(items)), initializer=_start, initargs=(kernel, phase, shape, device)) as pool:
-        return dict(pool.imap_unordered(_check, items))
+    pool = ProcessPoolExecutor(min(workers, len(items)), mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_start, initargs=(kernel, phase, shape, device))
+    try:
+        return dict(pool.map(_check, items))
+    except BrokenProcessPool:  # a worker died: the caller checks everything itself
+        return {}
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def precompile(evaluator: Evaluator, configs: list[dict], workers: int | None = None) -> dict[str, Outcome]:
