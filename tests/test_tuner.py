@@ -48,6 +48,21 @@ def test_wrong_failing_and_invalid_configs_are_penalised(toys):
     assert all(o.value == PENALTY_US and math.isnan(o.us) for o in (wrong, error, invalid))
 
 
+def test_a_config_failing_while_timed_is_penalised():
+    from .test_tuner_toys import launch
+
+    calls = []
+
+    def flaky(inputs, config):  # right on the check, raises once it is timed
+        calls.append(config)
+        if len(calls) > 1:
+            raise RuntimeError("timing broke")
+        return launch(inputs, config)
+
+    outcome = evaluator(toy_spec("toy_flaky", run=flaky)).evaluate({"BLOCK": 32, "num_warps": 1})
+    assert outcome.status == "error" and "timing broke" in outcome.detail and outcome.value == PENALTY_US
+
+
 def test_invalid_config_is_never_run(toys):
     axpy_spec, _ = toys
     ev = evaluator(axpy_spec)

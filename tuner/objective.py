@@ -110,8 +110,7 @@ class Evaluator:
             _sync(self.device)
             error = self.spec.compare(out, self.spec.reference(inputs) if self.expected is None else self.expected)
         except Exception as exc:  # a config that does not compile or launch is penalised
-            fatal = self.device.type == "cuda" and any(m in str(exc) for m in FATAL_CUDA_ERRORS)
-            return Outcome("fatal" if fatal else "error", detail=f"{type(exc).__name__}: {exc}"[:300])
+            return self._failure(exc)
         return Outcome("wrong", detail=str(error)[:300]) if error else None
 
     def evaluate(self, config: dict[str, Any]) -> Outcome:
@@ -119,7 +118,14 @@ class Evaluator:
         failed = self.check(config)
         if failed is not None:
             return failed
-        return Outcome("ok", self.time(config, self.warmup_ms, self.rep_ms))
+        try:
+            return Outcome("ok", self.time(config, self.warmup_ms, self.rep_ms))
+        except Exception as exc:
+            return self._failure(exc)
+
+    def _failure(self, exc: Exception) -> Outcome:
+        fatal = self.device.type == "cuda" and any(m in str(exc) for m in FATAL_CUDA_ERRORS)
+        return Outcome("fatal" if fatal else "error", detail=f"{type(exc).__name__}: {exc}"[:300])
 
     def time(self, config: dict[str, Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
         """Median microseconds of the kernel with ``config`` over the rotated input sets."""
