@@ -22,6 +22,7 @@ Scale bytes above 240 (blocks beyond 2^113) make the dequantized weights inf: fa
 """
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 
@@ -42,24 +43,64 @@ GPU_SMS = 132  # H200: the default config splits K until the grid has two progra
 
 @triton.jit
 def _e2m1_pair(words, c: tl.constexpr):
-    """fp16 ``E2M1 * 2^-14`` of nibbles ``c`` and ``c + 4`` of int32 ``words``: (k = 8w + c, k = 8w + c + 4)."""
-    t = words >> (4 * c)
-    bits = ((t & 0x70007) << 9) | ((t & 0x80008) << 12)  # magnitude -> fp16 exponent/mantissa, sign -> bit 15
+    """fp16 ``E2M1 * 2^-14`` of nibbles ``c`` and ``c + 4`` of int32 ``words``: (k = 8w + c, k = 8w + c + 4).
+
+    The nibble's magnitude bits go to fp16 bits 9..11 (exponent low bits + mantissa top bit), its sign to bit 15:
+    a shifted copy of the word per destination, one mask each (the E2M1 subnormal 0.5 lands on an fp16 subnormal).
+    """
+    if c < 3:
+        magnitude = words << (9 - 4 * c)
+    else:
+        magnitude = words >> 3
+    sign = words << (12 - 4 * c)
+    bits = (magnitude & 0x0E000E00) | (sign & -0x7FFF8000)  # -0x7FFF8000 == 0x80008000 as int32
     low = bits.to(tl.int16).to(tl.float16, bitcast=True)
     high = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     return low, high
 
 
 @triton.jit
-def _multiply_add(acc, w16, multiplier, x_ptrs, x_mask, USE_DOT: tl.constexpr):
-    """acc += (w16 * multiplier)[BLOCK_N, WORDS] @ x[WORDS, BLOCK_M] (tensor cores or FMA)."""
-    x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-    w = w16.to(tl.float32) * multiplier
-    if USE_DOT:
-        acc = tl.dot(w.to(x.dtype), x, acc)
+def _k_mask(k0, k_end, WORDS: tl.constexpr, EVEN_K: tl.constexpr):
+    """Word offsets ``[WORDS]`` of the K tile at ``k0`` and which are inside the split (``[WORDS]`` mask, or the
+    tile's scalar when every split is whole tiles: a mask constant along k keeps loads 16-byte vectors)."""
+    kw = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, WORDS), WORDS), WORDS)
+    if EVEN_K:
+        k_ok = k0 < k_end
     else:
-        acc += w[:, :, None] * x.to(tl.float32)[None, :, :]
-    return acc
+        k_ok = kw < k_end
+    return kw, k_ok
+
+
+@triton.jit
+def _weight_tile(w_rows, s_rows, kw, n_ok, k_ok, EVEN_K: tl.constexpr):
+    """Words ``[BLOCK_N, WORDS]`` of the tile at word offsets ``kw`` and their scale multipliers 2^(s - 113)."""
+    if EVEN_K:
+        mask = n_ok[:, None] & k_ok
+    else:
+        mask = n_ok[:, None] & k_ok[None, :]
+    words = tl.load(w_rows + kw[None, :], mask=mask, other=0)
+    s = tl.load(s_rows + (kw // 4)[None, :], mask=mask, other=0)  # one E8M0 byte per 4 words
+    multiplier = (tl.minimum(s.to(tl.int32) + 14, 255) << 23).to(tl.float32, bitcast=True)  # 2^(s-113)
+    return words, multiplier
+
+
+@triton.jit
+def _x_class(x_rows_ptr, c: tl.constexpr, kw, K_WORDS, row_ok, k_ok, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr):
+    """Activations of weight class ``c`` (k = 8 kw + c) from the class-major copy ``x[rows, 8, K/8]``:
+    ``[WORDS, BLOCK_M]`` for tl.dot, ``[BLOCK_M (= 1), WORDS]`` for the FMA path."""
+    if USE_DOT:
+        if EVEN_K:
+            mask = row_ok[None, :] & k_ok
+        else:
+            mask = k_ok[:, None] & row_ok[None, :]
+        x = tl.load(x_rows_ptr[None, :] + c * K_WORDS + kw[:, None], mask=mask, other=0.0)
+    else:
+        if EVEN_K:
+            mask = row_ok[:, None] & k_ok
+        else:
+            mask = row_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_rows_ptr[:, None] + c * K_WORDS + kw[None, :], mask=mask, other=0.0)
+    return x
 
 
 @triton.jit
@@ -67,13 +108,13 @@ def _fused_moe_kernel(
     x_ptr, x_row_ptr, w_ptr, s_ptr, y_ptr, padded_rows_ptr, block_expert_ptr,
     N, K_WORDS,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-    GATHER: tl.constexpr, ATOMIC: tl.constexpr,
+    GATHER: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
         return
-    USE_DOT: tl.constexpr = BLOCK_M >= 16
+    USE_DOT: tl.constexpr = BLOCK_M > 1
     WORDS: tl.constexpr = BLOCK_K // 8
     rows = tl.load(padded_rows_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))  # sorted row, -1 = pad
     row_ok = rows >= 0
@@ -89,28 +130,43 @@ def _fused_moe_kernel(
 
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
     s_rows = s_ptr + expert.to(tl.int64) * stride_se + offs_n[:, None] * stride_sn
-    x_cols = x_ptr + x_rows[None, :].to(tl.int64) * stride_xm + 8 * tl.arange(0, WORDS)[:, None]  # [WORDS, BLOCK_M]
-    if USE_DOT:
+    x_rows_ptr = x_ptr + x_rows.to(tl.int64) * stride_xm
+    if USE_DOT:  # tensor cores; the compiler pipelines the loads (num_stages)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, WORDS, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, WORDS):
-        kw = k0 + tl.arange(0, WORDS)
-        k_ok = kw < k_end
-        w_mask = n_ok[:, None] & k_ok[None, :]
-        words = tl.load(w_rows + kw[None, :], mask=w_mask, other=0)
-        s = tl.load(s_rows + (kw // 4)[None, :], mask=w_mask, other=0)  # one E8M0 byte per 4 words
-        multiplier = (tl.minimum(s.to(tl.int32) + 14, 255) << 23).to(tl.float32, bitcast=True)  # 2^(s-113)
-        x_mask = k_ok[:, None] & row_ok[None, :]
-        x_tile = x_cols + 8 * k0
-        for c in tl.static_range(4):
-            low, high = _e2m1_pair(words, c)
-            acc = _multiply_add(acc, low, multiplier, x_tile + c, x_mask, USE_DOT)
-            acc = _multiply_add(acc, high, multiplier, x_tile + c + 4, x_mask, USE_DOT)
-    if USE_DOT:
+        for k0 in range(k_begin, k_end, WORDS):
+            kw, k_ok = _k_mask(k0, k_end, WORDS, EVEN_K)
+            words, multiplier = _weight_tile(w_rows, s_rows, kw, n_ok, k_ok, EVEN_K)
+            for c in tl.static_range(4):
+                low, high = _e2m1_pair(words, c)
+                x_low = _x_class(x_rows_ptr, c, kw, K_WORDS, row_ok, k_ok, USE_DOT, EVEN_K)
+                acc = tl.dot((low.to(tl.float32) * multiplier).to(x_low.dtype), x_low, acc)
+                x_high = _x_class(x_rows_ptr, c + 4, kw, K_WORDS, row_ok, k_ok, USE_DOT, EVEN_K)
+                acc = tl.dot((high.to(tl.float32) * multiplier).to(x_high.dtype), x_high, acc)
         out = acc
-    else:
-        out = tl.sum(acc, axis=1)
+    else:  # GEMV: the eight classes of a word summed unscaled, one multiply-add by the word's scale. PREFETCH
+        # issues the next tile's loads before this tile's arithmetic (the pipeliner leaves dot-free loops alone)
+        acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        if PREFETCH:
+            kw, k_ok = _k_mask(k_begin, k_end, WORDS, EVEN_K)
+            words, multiplier = _weight_tile(w_rows, s_rows, kw, n_ok, k_ok, EVEN_K)
+        for k0 in range(k_begin, k_end, WORDS):
+            kw, k_ok = _k_mask(k0, k_end, WORDS, EVEN_K)
+            if PREFETCH:
+                next_kw, next_ok = _k_mask(k0 + WORDS, k_end, WORDS, EVEN_K)
+                next_words, next_multiplier = _weight_tile(w_rows, s_rows, next_kw, n_ok, next_ok, EVEN_K)
+            else:
+                words, multiplier = _weight_tile(w_rows, s_rows, kw, n_ok, k_ok, EVEN_K)
+            part = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+            for c in tl.static_range(4):
+                low, high = _e2m1_pair(words, c)
+                x_low = _x_class(x_rows_ptr, c, kw, K_WORDS, row_ok, k_ok, USE_DOT, EVEN_K)
+                part += low.to(tl.float32) * x_low.to(tl.float32)
+                x_high = _x_class(x_rows_ptr, c + 4, kw, K_WORDS, row_ok, k_ok, USE_DOT, EVEN_K)
+                part += high.to(tl.float32) * x_high.to(tl.float32)
+            acc += part * multiplier
+            if PREFETCH:
+                words, multiplier = next_words, next_multiplier
+        out = tl.sum(acc, axis=1)[:, None]
     y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
     y_mask = n_ok[:, None] & row_ok[None, :]
     if ATOMIC:
@@ -172,21 +228,25 @@ def _launch(x, sort, blocks, scales, gather_tokens, config) -> torch.Tensor:
         return y.to(x.dtype)
     alignment = sort.aligned(config["BLOCK_M"])
     words = blocks.view(torch.int32).flatten(-2)  # [E, N, K/8]
+    k_words = words.shape[-1]
+    x_classes = x.view(x.shape[0], k_words, 8).transpose(1, 2).contiguous()  # [rows, 8, K/8]: k = 8w + c -> [c, w]
     grid = (alignment.num_blocks, triton.cdiv(n, config["BLOCK_N"]), split)
+    gemv = config["BLOCK_M"] == 1  # num_stages > 1 means: prefetch the next tile into registers
     _fused_moe_kernel[grid](
-        x, sort.sorted_token, words, scales, y, alignment.padded_rows, alignment.block_expert,
-        n, words.shape[-1],
-        x.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1), y.stride(0),
-        GATHER=gather_tokens, ATOMIC=split > 1,
+        x_classes, sort.sorted_token, words, scales, y, alignment.padded_rows, alignment.block_expert,
+        n, k_words,
+        x_classes.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1), y.stride(0),
+        GATHER=gather_tokens, ATOMIC=split > 1, EVEN_K=k_words % (split * config["BLOCK_K"] // 8) == 0,
+        PREFETCH=gemv and config["num_stages"] > 1,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], SPLIT_K=split,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        num_warps=config["num_warps"], num_stages=1 if gemv else config["num_stages"],
     )
     return y.to(x.dtype) if split > 1 else y
 
 
 # -- registry entry --------------------------------------------------------------------------------
 SPACE = {
-    "BLOCK_M": (1, 2, 4, 16, 32, 64),  # < 16: FMA (GEMV style); >= 16: tl.dot with tokens padded to the block
+    "BLOCK_M": (1, 16, 32, 64),  # 1: FMA (GEMV style); >= 16: tl.dot with tokens padded to the block
     "BLOCK_N": (16, 32, 64, 128, 256),
     "BLOCK_K": (64, 128, 256, 512),
     "SPLIT_K": (1, 2, 4, 8),
@@ -198,7 +258,7 @@ SPACE = {
 def _constraint(config, shape) -> str | None:
     bm, bn, bk, warps = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["num_warps"]
     words = bk // 8
-    if bm >= 16 and words < 16:
+    if bm > 1 and words < 16:
         return "tl.dot needs BLOCK_K / 8 >= 16 (BLOCK_K >= 128)"
     if bm > max(16, bucket(shape["T"] * shape["top_k"])):
         return "BLOCK_M exceeds the routed rows"
@@ -206,8 +266,8 @@ def _constraint(config, shape) -> str | None:
         return "BLOCK_N or BLOCK_K exceeds the matrix"
     if config["SPLIT_K"] > triton.cdiv(shape["K"], bk):
         return "SPLIT_K leaves a split without a K tile"
-    per_thread = bn * words * (bm if bm < 16 else 1) / (32 * warps)  # weight words (and FMA partial sums)
-    if per_thread > 64 or (bm >= 16 and bn * bm / (32 * warps) > 128):
+    per_thread = bn * words / (32 * warps)  # weight words per thread; GEMV keeps as many fp32 partial sums
+    if per_thread > (32 if bm == 1 else 64) or bn * bm / (32 * warps) > 128:
         return "tile too large for the registers of num_warps warps"
     return None
 
@@ -219,20 +279,24 @@ def expected_active_experts(shape) -> float:
 
 
 def _default(phase, shape):
+    """GEMV style (BLOCK_M = 1) while experts average under 1.2 rows, else tensor cores with 16..64-row blocks.
+
+    Tiles from the sm_90 SASS of this kernel (instructions per weight: GEMV 128 x 128 about 5.3 at 80
+    registers; dot 128 x 128 about 8 with 16-byte shared stores); split K only when the grid would leave
+    SMs idle.
+    """
     routed = shape["T"] * shape["top_k"]
     per_expert = routed / expected_active_experts(shape)
     block_m = 1 if per_expert < 1.2 else 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    block_n = min(64, max(16, bucket(shape["N"])))
-    block_k = min(256, max(128, bucket(shape["K"])))
-    warps = 4
-    while block_n * block_k // 8 * (block_m if block_m < 16 else 1) > 64 * 32 * warps:
-        block_k //= 2
-    programs = (routed if block_m == 1 else min(shape["E"], routed)) * triton.cdiv(shape["N"], block_n)
+    block_n = min(128, max(16, bucket(shape["N"])))
+    block_k = 128
+    blocks = routed if block_m == 1 else expected_active_experts(shape) * math.ceil(per_expert / block_m)
+    programs = blocks * triton.cdiv(shape["N"], block_n)
     split = 1
-    while programs * split < 2 * GPU_SMS and 2 * split <= min(8, triton.cdiv(shape["K"], block_k)):
+    while programs * split < GPU_SMS and 2 * split <= min(8, triton.cdiv(shape["K"], block_k)):
         split *= 2
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
-            "num_warps": warps, "num_stages": 3}
+            "num_warps": 4, "num_stages": 1 if block_m == 1 else 3}
 
 
 def _cost(phase, shape) -> Cost:
