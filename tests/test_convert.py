@@ -31,6 +31,21 @@ def test_fitting_blocks_convert_exactly(lead, n, k):
     assert torch.equal(w.view(torch.uint8), ref_w.view(torch.uint8))
 
 
+def test_every_code_at_every_fast_path_distance_is_exact():
+    # rows 2d and 2d + 1 hold all 256 byte values, every block d binades below its group's top block (d <= 11:
+    # the bit-twiddling path), the top block itself first in each group
+    n, kb = 24, 8
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(12).view(n, kb, 16)
+    d = torch.arange(n) // 2
+    scales = (140 - d).to(torch.uint8)[:, None].repeat(1, kb)
+    scales[:, ::4] = 140
+    with poisoned_allocations():
+        w, scale, n_unfit = dt.mxfp4_to_fp8(blocks, scales)
+    ref_w, ref_scale, ref_unfit = mxfp4_to_fp8_torch(blocks, scales)
+    assert n_unfit == ref_unfit == 0 and torch.equal(scale, ref_scale)
+    assert torch.equal(w.view(torch.uint8), ref_w.view(torch.uint8))  # signed zeros included
+
+
 def test_unfit_blocks_are_counted_and_the_rest_stay_exact():
     blocks, scales = random_mxfp4((9,), 160, "cpu", seed=11, spread=2)  # 5 blocks per row: groups of 4 + 1
     # block 1 sits 15 binades below its group's top, where only magnitudes 0.5 and 1.5 (codes 1, 3) lose

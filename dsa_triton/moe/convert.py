@@ -1,11 +1,16 @@
 """Online MXFP4 -> FP8 conversion kernel: ``dt.mxfp4_to_fp8`` (and the launcher the prefill GEMM pipelines).
 
 Semantics and oracle: :mod:`.convert_reference`. One program converts ``BLOCK_N`` rows x ``GROUPS``
-128-k groups of one expert: it reads the group's four E8M0 scales, takes ``ref = max - 6``, builds each
-value's fp32 bit pattern ``e2m1 * 2^(6 - d)`` (d = binades below the group's top block) directly from the
-code bits, casts it to e4m3 (exact wherever the block fits) and writes the group scale ``2^(ref - 127)``.
-A block is unfit when one of its values is below e4m3's reach (its lowest set bit under 2^-9); unfit
-blocks are counted with one atomic add per program.
+128-k groups of one expert: it reads the groups' E8M0 scales, takes ``ref = max - 6`` per group and
+``d`` = binades of each block below its group's top, and writes the group scale ``2^(ref - 127)``. Values are
+``e2m1 * 2^(6 - d)`` in e4m3:
+
+- fast path, every ``d <= 11`` in the tile (every value a normal e4m3 number, every block fits): the e4m3
+  bytes come straight from the code bits, four per uint32 (SWAR: spread 4 codes into byte lanes, about six
+  integer operations per value), so the kernel stays bound by memory, not by the integer pipes;
+- otherwise: each value's fp32 pattern is built from the code bits and cast to e4m3 (exact wherever the
+  block fits); a block is unfit when one of its values is below e4m3's reach (lowest set bit under 2^-9),
+  and unfit blocks are counted with one atomic add per program.
 """
 from __future__ import annotations
 
@@ -33,7 +38,27 @@ def _lost_in_e4m3(bits):
 
 
 @triton.jit
-def _convert_kernel(blocks_ptr, scales_ptr, ids_ptr, w_ptr, s_ptr, unfit_ptr,
+def _spread_nibbles(h):
+    """uint32 with 4 codes in its low 16 bits -> one code per byte lane (code i in byte i)."""
+    t = (h | (h << 8)) & 0x00FF00FF
+    return (t | (t << 4)) & 0x0F0F0F0F
+
+
+@triton.jit
+def _e4m3_lanes(x, base):
+    """e4m3 bytes of the E2M1 codes in the byte lanes of uint32 ``x``, scaled by 2^(6 - d), where every lane of
+    ``base`` holds ``(12 - d) << 3`` (d <= 11: all results normal). Per lane, magnitude m: 0 -> 0;
+    1 (0.5) -> exponent field 12 - d, mantissa 0; m >= 2 -> ``(m << 2) + base`` (its 2 exponent bits and
+    mantissa bit moved up, the exponent rebased). Lane flags come from adding 0x7F (bit 7 set iff nonzero)."""
+    m = x & 0x07070707
+    at_least_2 = ((m & 0x06060606) + 0x7F7F7F7F) & 0x80808080
+    at_least_1 = (m + 0x7F7F7F7F) & 0x80808080
+    value = ((m << 2) & (at_least_2 - (at_least_2 >> 7))) + (base & (at_least_1 - (at_least_1 >> 7)))
+    return value | ((x & 0x08080808) << 4)
+
+
+@triton.jit
+def _convert_kernel(blocks_ptr, words_ptr, scales_ptr, ids_ptr, w_ptr, w_words_ptr, s_ptr, unfit_ptr,
                     N, KB, NG,
                     stride_be, stride_bn, stride_se, stride_sn,
                     stride_we, stride_wn, stride_oe, stride_on,
@@ -46,27 +71,39 @@ def _convert_kernel(blocks_ptr, scales_ptr, ids_ptr, w_ptr, s_ptr, unfit_ptr,
     s = tl.load(scales_ptr + expert * stride_se + n[:, None] * stride_sn + kb[None, :], mask=inside, other=0).to(tl.int32)
     top = tl.max(tl.reshape(s, [BLOCK_N, GROUPS, 4]), axis=2)  # [BLOCK_N, GROUPS]
     top_per_block = tl.reshape(tl.broadcast_to(top[:, :, None], [BLOCK_N, GROUPS, 4]), [BLOCK_N, GROUPS * 4])
-    # values e2m1 * 2^(6 - d); d capped at 120 keeps the fp32 pattern normal (such values are lost anyway)
-    exp_field = (133 - tl.minimum(top_per_block - s, 120))[:, :, None]
-    j = tl.arange(0, 16)
-    packed = tl.load(blocks_ptr + expert * stride_be + n[:, None, None] * stride_bn + kb[None, :, None] * 16
-                     + j[None, None, :], mask=inside[:, :, None], other=0).to(tl.int32)
-    lo = e2m1_bits(packed & 0xF, exp_field)  # [BLOCK_N, GROUPS * 4, 16] even k
-    hi = e2m1_bits(packed >> 4, exp_field)  # odd k
-    if COUNT_UNFIT:
-        lost = tl.max(tl.maximum(_lost_in_e4m3(lo), _lost_in_e4m3(hi)), axis=2)
-        tl.atomic_add(unfit_ptr, tl.sum(tl.sum(lost, axis=1), axis=0))
-    values = tl.join(lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True))
-    w8 = tl.reshape(values, [BLOCK_N, GROUPS * 128]).to(tl.float8e4nv)
-    k = tl.program_id(2) * (GROUPS * 128) + tl.arange(0, GROUPS * 128)
-    tl.store(w_ptr + slot * stride_we + n[:, None] * stride_wn + k[None, :], w8,
-             mask=(n < N)[:, None] & (k < KB * 32)[None, :])
+    d = tl.where(inside, top_per_block - s, 0)  # binades below the group's top block
+    row_in = (n < N)[:, None]
+    block_row = expert * stride_be + n[:, None, None] * stride_bn + kb[None, :, None] * 16  # bytes
+    if tl.max(tl.max(d, axis=1), axis=0) <= 11:
+        # every value is a normal e4m3 number: its bytes straight from the code bits, 4 per uint32 (SWAR)
+        words = tl.load(words_ptr + block_row // 4 + tl.arange(0, 4)[None, None, :], mask=inside[:, :, None],
+                        other=0).to(tl.uint32, bitcast=True)  # [BLOCK_N, GROUPS * 4, 4]: 8 codes each
+        base = (((12 - d) << 3).to(tl.uint32) * 0x01010101)[:, :, None]
+        low = _e4m3_lanes(_spread_nibbles(words & 0xFFFF), base)  # k = 8i .. 8i + 3 of word i
+        high = _e4m3_lanes(_spread_nibbles(words >> 16), base)  # k = 8i + 4 .. 8i + 7
+        out = tl.reshape(tl.join(low, high), [BLOCK_N, GROUPS * 32]).to(tl.int32, bitcast=True)
+        kw = tl.program_id(2) * (GROUPS * 32) + tl.arange(0, GROUPS * 32)
+        tl.store(w_words_ptr + slot * (stride_we // 4) + n[:, None] * (stride_wn // 4) + kw[None, :], out,
+                 mask=row_in & (kw < KB * 8)[None, :])
+    else:
+        # values e2m1 * 2^(6 - d) built in fp32 (d capped at 120 keeps the pattern normal: lost anyway), cast
+        exp_field = (133 - tl.minimum(d, 120))[:, :, None]
+        packed = tl.load(blocks_ptr + block_row + tl.arange(0, 16)[None, None, :], mask=inside[:, :, None],
+                         other=0).to(tl.int32)
+        lo = e2m1_bits(packed & 0xF, exp_field)  # [BLOCK_N, GROUPS * 4, 16] even k
+        hi = e2m1_bits(packed >> 4, exp_field)  # odd k
+        if COUNT_UNFIT:
+            lost = tl.max(tl.maximum(_lost_in_e4m3(lo), _lost_in_e4m3(hi)), axis=2)
+            tl.atomic_add(unfit_ptr, tl.sum(tl.sum(lost, axis=1), axis=0))
+        values = tl.join(lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True))
+        w8 = tl.reshape(values, [BLOCK_N, GROUPS * 128]).to(tl.float8e4nv)
+        k = tl.program_id(2) * (GROUPS * 128) + tl.arange(0, GROUPS * 128)
+        tl.store(w_ptr + slot * stride_we + n[:, None] * stride_wn + k[None, :], w8, mask=row_in & (k < KB * 32)[None, :])
     # group scale 2^(top - 133), a subnormal fp32 for top < 7: two normal factors
     scale = ((tl.maximum(top, 7) - 6) << 23).to(tl.float32, bitcast=True) \
         * ((tl.minimum(top, 7) + 120) << 23).to(tl.float32, bitcast=True)
     g = tl.program_id(2) * GROUPS + tl.arange(0, GROUPS)
-    tl.store(s_ptr + slot * stride_oe + n[:, None] * stride_on + g[None, :], scale,
-             mask=(n < N)[:, None] & (g < NG)[None, :])
+    tl.store(s_ptr + slot * stride_oe + n[:, None] * stride_on + g[None, :], scale, mask=row_in & (g < NG)[None, :])
 
 
 def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torch.Tensor, w_out: torch.Tensor,
@@ -82,7 +119,8 @@ def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torc
     groups = config["GROUPS"]
     grid = (count, triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(kb, groups * BLOCKS_PER_GROUP))
     _convert_kernel[grid](
-        blocks, scales, expert_ids, w_out, s_out, unfit if unfit is not None else expert_ids,
+        blocks, blocks.view(torch.int32), scales, expert_ids, w_out, w_out.view(torch.int32), s_out,
+        unfit if unfit is not None else expert_ids,
         n, kb, s_out.shape[2],
         blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
         w_out.stride(0), w_out.stride(1), s_out.stride(0), s_out.stride(1),
@@ -91,10 +129,14 @@ def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torc
 
 
 def check_experts_layout(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
-    """``blocks[E, N, K/32, 16]`` / ``scales[E, N, K/32]`` with each block row's bytes contiguous (any E, N strides)."""
+    """``blocks[E, N, K/32, 16]`` / ``scales[E, N, K/32]`` with each block row's bytes contiguous (any E, N strides)
+    and ``blocks`` 4-byte aligned (the kernel reads it as int32 words)."""
     if blocks.stride(-1) != 1 or blocks.stride(-2) != 16 or scales.stride(-1) != 1:
         raise ValueError(f"{name}_blocks / {name}_scales: the last dimensions must be contiguous, got strides "
                          f"{blocks.stride()} and {scales.stride()}")
+    if blocks.data_ptr() % 4 or any(st % 4 for st in blocks.stride()[:-2]):
+        raise ValueError(f"{name}_blocks: must be 4-byte aligned with strides in multiples of 4, got offset "
+                         f"{blocks.storage_offset()} and strides {blocks.stride()}")
 
 
 def mxfp4_to_fp8(blocks: torch.Tensor, scales: torch.Tensor,
@@ -122,6 +164,8 @@ def mxfp4_to_fp8(blocks: torch.Tensor, scales: torch.Tensor,
             raise ValueError("out: expected a (w, scale) pair")
         w = check_tensor("out[0]", out[0], dtype=torch.float8_e4m3fn, shape=(*lead, n, k), device=device)
         s = check_tensor("out[1]", out[1], dtype=torch.float32, shape=(*lead, n, ng), device=device)
+        if w.data_ptr() % 4 or any(st % 4 for st in w.stride()[:-1]):
+            raise ValueError(f"out[0]: must be 4-byte aligned with strides in multiples of 4, got {w.stride()}")
     try:
         w3, s3 = w.view(-1, n, k), s.view(-1, n, ng)
     except RuntimeError:
