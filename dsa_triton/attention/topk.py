@@ -133,11 +133,22 @@ def _topk_collect_kernel(scores, stride_t, L, lengths, hist, count, cand_val, ca
 
 
 @triton.jit
-def _load_keys(src, start, n_src, TILE: tl.constexpr):
+def _load_tile(src, src_idx, from_buf, start, n_src, TILE: tl.constexpr):
+    """Scores ``src[start : start + TILE]`` (< n_src), their sort keys and row positions."""
     offs = start + tl.arange(0, TILE)
     ok = offs < n_src
     x = tl.load(src + offs, mask=ok, other=0.0)
-    return _sort_key(x.to(tl.int32, bitcast=True)), ok, offs
+    idx = tl.load(src_idx + offs, mask=ok & from_buf, other=0)
+    return x, _sort_key(x.to(tl.int32, bitcast=True)), ok, tl.where(from_buf, idx, offs)
+
+
+@triton.jit
+def _write_indices(out_row, pos, idx, mask, table_row, page_size, HAS_TABLE: tl.constexpr):
+    """``out_row[pos] = idx`` where mask, translated to physical slots through the block table."""
+    if HAS_TABLE:
+        page = tl.load(table_row + idx // page_size, mask=mask, other=0)
+        idx = page * page_size + idx % page_size
+    tl.store(out_row + pos, idx, mask=mask)
 
 
 @triton.jit(do_not_specialize=["L", "k", "group_min", "cap", "page_size"])
@@ -145,33 +156,49 @@ def _topk_select_kernel(scores, stride_t, L, lengths, count, cand_val, cand_idx,
                         block_table, stride_bt, row_to_seq, page_size,
                         HAS_LENGTHS: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_ROW_TO_SEQ: tl.constexpr,
                         SEL_BITS: tl.constexpr, TILE: tl.constexpr):
-    """Pass 3, grid (T,): the exact k-th largest key of row t by radix select, then ``out[t]``."""
+    """Pass 3, grid (T,): the exact k-th largest key of row t by radix select, then ``out[t]``.
+
+    The source is row t's candidates or, on the other routes, the row itself. After a digit, when the
+    scores left on the threshold's prefix fit the candidate buffer and are at most half the source,
+    one sweep writes out those above the prefix and moves those on it to the buffer's front (in place
+    when the source is the buffer: every score moves to a lower slot of the tile already read).
+    """
     t = tl.program_id(0)
     n = _row_length(lengths, t, L, HAS_LENGTHS)
     c = tl.load(count + t)
-    use_buf = (n >= group_min) & (c >= k) & (c <= cap)
+    from_buf = (n >= group_min) & (c >= k) & (c <= cap)
+    buf_val = cand_val + t.to(tl.int64) * cap
+    buf_idx = cand_idx + t.to(tl.int64) * cap
     src = scores + t.to(tl.int64) * stride_t
     n_src = n
-    if use_buf:
-        src = cand_val + t.to(tl.int64) * cap
+    if from_buf:
+        src = buf_val
         n_src = c
+    seq = t
+    if HAS_ROW_TO_SEQ:
+        seq = tl.load(row_to_seq + t)
+    table_row = block_table + seq.to(tl.int64) * stride_bt
+    out_row = out + t.to(tl.int64) * k
 
-    # thr: the k-th largest key; n_above: keys > thr; need: ties (key == thr) to take.
+    # thr: the k-th largest key; n_above: keys > thr; need: ties (key == thr) to take;
+    # written: keys > thr already written by a compaction sweep.
     # Rows with n <= k take everything: thr stays below every key.
     thr = tl.full([], _INVALID, tl.int32)
     n_above = tl.full([], 0, tl.int32)
     need = tl.full([], 0, tl.int32) + k
+    written = tl.full([], 0, tl.int32)
     if n > k:
         NB: tl.constexpr = 1 << SEL_BITS
+        LEVELS: tl.constexpr = (32 + SEL_BITS - 1) // SEL_BITS
         thr = tl.full([], 0, tl.int32)
-        for level in tl.static_range((32 + SEL_BITS - 1) // SEL_BITS):
+        for level in tl.static_range(LEVELS):
             HI_BIT = 32 - level * SEL_BITS  # bits at and above HI_BIT are already fixed in thr
             SHIFT = HI_BIT - SEL_BITS
             if SHIFT < 0:
                 SHIFT = 0
             hist = tl.zeros([NB], tl.int32)
             for start in range(0, n_src, TILE):
-                key, ok, _ = _load_keys(src, start, n_src, TILE)
+                _, key, ok, _ = _load_tile(src, buf_idx, from_buf, start, n_src, TILE)
                 digit = (key >> SHIFT) & ((1 << (HI_BIT - SHIFT)) - 1)
                 if level == 0:
                     digit = digit ^ (1 << (31 - SHIFT))  # flip the sign bit: digits in key order
@@ -179,35 +206,46 @@ def _topk_select_kernel(scores, stride_t, L, lengths, count, cand_val, cand_idx,
                     ok = ok & ((key >> HI_BIT) == (thr >> HI_BIT))
                 hist += tl.histogram(digit, NB, mask=ok)
             d, above = _select_bin(hist, need, NB)
+            on_prefix = tl.sum(tl.where(tl.arange(0, NB) == d, hist, 0), 0)
             n_above += above
             need -= above
             if level == 0:
                 d = d ^ (1 << (31 - SHIFT))
             thr = thr | (d << SHIFT)
+            if level < LEVELS - 1:
+                if (on_prefix <= cap) & (2 * on_prefix <= n_src):
+                    kept = tl.full([], 0, tl.int32)
+                    for start in range(0, n_src, TILE):
+                        x, key, ok, idx = _load_tile(src, buf_idx, from_buf, start, n_src, TILE)
+                        up = ok & ((key >> SHIFT) > (thr >> SHIFT))
+                        keep = ok & ((key >> SHIFT) == (thr >> SHIFT))
+                        rank = tl.cumsum(up.to(tl.int32) + keep.to(tl.int32) * 65536, 0)
+                        _write_indices(out_row, written + (rank & 0xFFFF) - 1, idx, up, table_row, page_size,
+                                       HAS_TABLE)
+                        slot = kept + (rank >> 16) - 1
+                        tl.store(buf_val + slot, x, mask=keep)
+                        tl.store(buf_idx + slot, idx, mask=keep)
+                        total = tl.sum(up.to(tl.int32) + keep.to(tl.int32) * 65536, 0)
+                        written += total & 0xFFFF
+                        kept += total >> 16
+                    tl.debug_barrier()  # the moved scores are read back by other threads
+                    src = buf_val
+                    from_buf = tl.full([], 1, tl.int1)
+                    n_src = kept
 
-    seq = t
-    if HAS_ROW_TO_SEQ:
-        seq = tl.load(row_to_seq + t)
-    out_row = out + t.to(tl.int64) * k
-    done_above = tl.full([], 0, tl.int32)
     done_ties = tl.full([], 0, tl.int32)
     for start in range(0, n_src, TILE):
-        key, ok, offs = _load_keys(src, start, n_src, TILE)
+        _, key, ok, idx = _load_tile(src, buf_idx, from_buf, start, n_src, TILE)
         above = ok & (key > thr)
         tie = ok & (key == thr)
         packed = above.to(tl.int32) + tie.to(tl.int32) * 65536  # two running ranks in one scan
         rank = tl.cumsum(packed, 0)
         tie_rank = done_ties + (rank >> 16) - 1
-        write = above | (tie & (tie_rank < need))
-        pos = tl.where(above, done_above + (rank & 0xFFFF) - 1, n_above + tie_rank)
-        idx = tl.load(cand_idx + t.to(tl.int64) * cap + offs, mask=write & use_buf, other=0)
-        idx = tl.where(use_buf, idx, offs)
-        if HAS_TABLE:
-            page = tl.load(block_table + seq.to(tl.int64) * stride_bt + idx // page_size, mask=write, other=0)
-            idx = page * page_size + idx % page_size
-        tl.store(out_row + pos, idx, mask=write)
+        take = above | (tie & (tie_rank < need))
+        pos = tl.where(above, written + (rank & 0xFFFF) - 1, n_above + tie_rank)
+        _write_indices(out_row, pos, idx, take, table_row, page_size, HAS_TABLE)
         total = tl.sum(packed, 0)
-        done_above += total & 0xFFFF
+        written += total & 0xFFFF
         done_ties += total >> 16
     for start in range(tl.minimum(n, k), k, TILE):
         offs = start + tl.arange(0, TILE)
@@ -220,15 +258,15 @@ def _launch(scores, k, lengths, block_table, page_size, row_to_seq, config, out)
     if T == 0:
         return out
     NB = 1 << config["HIST_BITS"]
-    cap = config["CAP_K"] * k
+    cap = min(config["CAP_K"] * k, L)  # candidates per row (also the select pass's compaction space)
     group_min = 2 * k * config["GROUP"]
     work = torch.zeros(T * (NB + 1), dtype=torch.int32, device=scores.device)
     hist, count = work[: T * NB], work[T * NB:]
+    cand_val = torch.empty(T, cap, dtype=torch.float32, device=scores.device)
+    cand_idx = torch.empty(T, cap, dtype=torch.int32, device=scores.device)
     dummy = out  # stands in for absent optional tensors (never read)
     lengths_arg = dummy if lengths is None else lengths
     if L >= group_min:  # some row may take the two-pass route
-        cand_val = torch.empty(T, cap, dtype=torch.float32, device=scores.device)
-        cand_idx = torch.empty(T, cap, dtype=torch.int32, device=scores.device)
         step = max(config["TILE"], config["COLLECT_TILE"])
         chunk = triton.cdiv(triton.cdiv(L, config["SPLIT"]), step) * step
         grid = (T, config["SPLIT"])
@@ -240,8 +278,6 @@ def _launch(scores, k, lengths, block_table, page_size, row_to_seq, config, out)
                                    k, chunk, group_min, cap, HAS_LENGTHS=lengths is not None,
                                    TILE=config["COLLECT_TILE"], HIST_BITS=config["HIST_BITS"],
                                    num_warps=config["COLLECT_WARPS"])
-    else:
-        cand_val, cand_idx = scores, dummy
     _topk_select_kernel[(T,)](
         scores, scores.stride(0), L, lengths_arg, count, cand_val, cand_idx, out, k, group_min, cap,
         dummy if block_table is None else block_table, 0 if block_table is None else block_table.stride(0),
@@ -398,7 +434,7 @@ def _default(phase, shape):
     few_rows = T <= 2 * _SMS  # then pass 3 has an SM per row: wide programs, fewer digit sweeps
     return {"SPLIT": split, "TILE": 8192, "WARPS": 4, "GROUP": 16, "HIST_BITS": 10,
             "COLLECT_TILE": 2048, "COLLECT_WARPS": 4, "CAP_K": 4,
-            "SEL_BITS": 8 if few_rows else 5, "SEL_TILE": 4096 if few_rows else 2048,
+            "SEL_BITS": 8 if few_rows else 5, "SEL_TILE": 4096 if few_rows else 1024,  # 8 scores per thread
             "SEL_WARPS": 16 if few_rows else 4}
 
 
