@@ -47,6 +47,9 @@ def test_all_pages_selected_equals_token_level(P):
                               seq_lens=cache.seq_lens, num_cols=(n_pages + 2) * P,
                               config={"BLOCK_M": 1, "BLOCK_N": 32, "CHUNK": 256, "num_warps": 4, "num_stages": 3})
     assert torch.equal(logits, dense)  # exactly, -inf past each row's limit included
+    fast = dt.block_indexer_logits(q, w, cache.ik, cache.ik_scale, cache.pmax, cache.pmin, cache.block_table,
+                                   cache.seq_lens, limits, n_pages + 2, max_len=70, max_q=3, check_values=False, **kw)
+    assert torch.equal(fast[0], logits) and torch.equal(fast[1], pos)
     expected = torch.arange((n_pages + 2) * P).expand_as(pos)
     assert torch.equal(pos, expected.where(expected < limits[:, None], -1).int())
 
@@ -93,6 +96,9 @@ def test_bad_inputs():
         dt.block_scores(q, w, cache.pmax[:, :16], cache.pmin[:, :16], *base[4:], cu_seqlens_q=cu)
     with pytest.raises(ValueError, match="^limits"):
         dt.block_scores(*base[:6], limits + 1, 16, cu_seqlens_q=cu)
+    with pytest.raises(ValueError, match="^max_len"):
+        dt.block_indexer_logits(q, w, cache.ik, cache.ik_scale, cache.pmax, cache.pmin, cache.block_table,
+                                cache.seq_lens, limits, 2, cu_seqlens_q=cu, max_len=40)
     with pytest.raises(ValueError, match="^n_select"):
         dt.select_pages(torch.zeros(2, 3), 0)
     pages = torch.tensor([[0, 5]] * q.shape[0], dtype=torch.int32)  # page 5 lies past sequence 0's 70 tokens

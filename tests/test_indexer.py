@@ -39,6 +39,9 @@ def test_decode_paged_mixed_lengths(P):
     assert compare_logits(out, ref, rtol=1e-5) is None  # also: no NaN from the poisoned slots
     assert bool(out[limits == 0].isneginf().all())
     assert bool(out[:, 70:].isneginf().all())
+    fast = dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, seq_lens=cache.seq_lens, num_cols=75, max_q=4,
+                             check_values=False, **kw)  # no device-to-host transfer
+    assert torch.equal(fast, out)
 
 
 @pytest.mark.parametrize("block_m,block_n,chunk", [(1, 32, 128), (2, 64, 128), (4, 128, 512)])
@@ -111,6 +114,8 @@ def test_bad_inputs():
         call(q, w, cache.ik.transpose(0, 1).contiguous().transpose(0, 1), cache.ik_scale, limits)
     with pytest.raises(ValueError, match="^num_cols"):
         call(*args, num_cols=-1)
+    with pytest.raises(ValueError, match="^max_q: a sequence has more than"):
+        call(*args, cu_seqlens_q=torch.tensor([0, 2, 2], dtype=torch.int32), max_q=1)
     k8, scale = cache.ik.view(-1, 32)[16:40], cache.ik_scale.view(-1)[16:40]
     with pytest.raises(ValueError, match="^limits: key_starts"):
         dt.indexer_logits(q, w, k8, scale, limits, cu_seqlens_q=cu, key_starts=torch.tensor([0, 22], dtype=torch.int32))

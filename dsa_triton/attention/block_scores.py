@@ -23,8 +23,8 @@ from ..registry import Cost, KernelSpec
 from . import block_scores_reference
 from .block_scores_reference import gather_selected_torch, page_bounds_torch, page_summaries_torch
 from .cache import PAGE_SIZES
-from .indexer import (BOUND, SELECTED, compare_logits, indexer_logits, launch_logits, logits_shape, random_paged_keys,
-                      random_queries)
+from .indexer import (BOUND, SELECTED, accumulator_registers, compare_logits, indexer_logits, launch_logits,
+                      logits_shape, random_paged_keys, random_queries)
 from .indexer_checks import (QueryRows, check_block_table, check_pages, check_paged_keys, check_queries,
                              check_summaries, output_columns)
 from .indexer_reference import indexer_logits_torch
@@ -40,8 +40,9 @@ def _selected_config(config: dict) -> dict:
             "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
 
 
-def _path_config(config: dict | None, rows: QueryRows, P: int) -> dict:
-    _, shape = logits_shape(rows.rows_per_seq, rows.max_limit, P, rows.H, rows.DK)
+def _path_config(config: dict | None, rows: QueryRows, block_table: torch.Tensor, P: int) -> dict:
+    """The path's config; its shape key's L is the block table's capacity (host-known in every stage)."""
+    _, shape = logits_shape(rows, block_table.shape[1] * P, P)
     if config is None:
         return SPEC.launch_config("decode", shape, rows.device)
     return SPEC.validate(config, shape)
@@ -50,21 +51,18 @@ def _path_config(config: dict | None, rows: QueryRows, P: int) -> dict:
 def _launch_bounds(rows: QueryRows, q, weights, pmax, pmin, block_table, limits, P: int, n_pages: int,
                    config: dict) -> torch.Tensor:
     out = torch.empty(rows.T, n_pages, dtype=torch.float32, device=rows.device)
-    return launch_logits(BOUND, q, weights, pmax, None, out, limits, rows.cu,
-                         torch.arange(rows.B, dtype=torch.int32, device=rows.device), max(rows.rows_per_seq),
-                         config=_bound_config(config), page_size=P, block_table=block_table, k2=pmin)
+    return launch_logits(BOUND, q, weights, pmax, None, out, limits, rows.cu, rows.max_q, config=_bound_config(config),
+                         page_size=P, block_table=block_table, k2=pmin)
 
 
 def _launch_selected(rows: QueryRows, q, weights, k, k_scale, block_table, limits, pages,
                      config: dict) -> tuple[torch.Tensor, torch.Tensor]:
     P = k.shape[1]
     out = torch.empty(rows.T, pages.shape[1] * P, dtype=torch.float32, device=rows.device)
-    one_row_groups = torch.arange(rows.T + 1, dtype=torch.int32, device=rows.device)
-    launch_logits(SELECTED, q, weights, k, k_scale, out, limits, one_row_groups, rows.row_seq.int(), 1,
-                  config=_selected_config(config), page_size=P, block_table=block_table, pages=pages)
-    pos = (pages[:, :, None] * P + torch.arange(P, dtype=torch.int32, device=rows.device)).flatten(1)
-    valid = (pages >= 0).repeat_interleave(P, dim=1) & (pos < limits[:, None])
-    return out, pos.where(valid, -1)
+    positions = torch.empty(rows.T, pages.shape[1] * P, dtype=torch.int32, device=rows.device)
+    launch_logits(SELECTED, q, weights, k, k_scale, out, limits, rows.cu, rows.max_q, config=_selected_config(config),
+                  page_size=P, block_table=block_table, pages=pages, positions=positions)
+    return out, positions
 
 
 def _check_page_size(page_size) -> int:
@@ -85,6 +83,8 @@ def block_scores(
     *,
     cu_seqlens_q: torch.Tensor | None = None,
     num_cols: int | None = None,
+    max_q: int | None = None,
+    check_values: bool = True,
     config: dict | None = None,
 ) -> torch.Tensor:
     """Upper bounds ``[T, num_cols]`` fp32 of each logical page's best indexer score, ``-inf`` for pages
@@ -94,19 +94,20 @@ def block_scores(
     ``[num_pages, DK]`` fp32 with equal strides (e.g. ``PagedCache.pmax`` / ``.pmin``), block_table
     ``[>= B, max_pages]`` int32, seq_lens ``[>= B]`` int32, limits ``[T]`` int32 (at most the sequence's
     length), page_size ``P``; cu_seqlens_q ``[B + 1]`` int32 (default: one sequence); num_cols
-    defaults to ``ceil(max(limits) / P)``. ``config``: the ``indexer_block_path`` config.
+    defaults to ``ceil(max(limits) / P)``; max_q and check_values as in
+    :func:`~dsa_triton.indexer_logits`. ``config``: the ``indexer_block_path`` config.
 
     On the GPU the summaries enter bf16 tensor-core dots; dequantized FP8 keys are exact in bf16, so
     the bound stays a bound up to fp32 rounding of the sums.
     """
-    rows = check_queries(q, weights, limits, cu_seqlens_q)
+    rows = check_queries(q, weights, limits, cu_seqlens_q, max_q, check_values)
     check_summaries(rows, pmax, pmin)
     P = _check_page_size(page_size)
     check_block_table(rows, block_table, seq_lens, limits, pmax.shape[0], P)
-    rows.finish()
+    rows.finish(limits, need_max_limit=num_cols is None)
     n_pages = output_columns(num_cols, triton.cdiv(rows.max_limit, P))
     return _launch_bounds(rows, q, weights, pmax, pmin, block_table, limits, P, n_pages,
-                          _path_config(config, rows, P))
+                          _path_config(config, rows, block_table, P))
 
 
 def select_pages(bounds: torch.Tensor, n_select: int) -> torch.Tensor:
@@ -134,6 +135,8 @@ def selected_page_logits(
     pages: torch.Tensor,
     *,
     cu_seqlens_q: torch.Tensor | None = None,
+    max_q: int | None = None,
+    check_values: bool = True,
     config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level logits inside selected pages: ``(logits [T, n_sel * P] fp32, positions [T, n_sel * P]
@@ -143,11 +146,12 @@ def selected_page_logits(
     k ``[num_pages, P, DK]`` e4m3, k_scale ``[num_pages, P]`` fp32, pages ``[T, n_sel]`` int32 logical
     page indices (-1 = none, e.g. from :func:`select_pages`); the rest as in :func:`block_scores`.
     """
-    rows = check_queries(q, weights, limits, cu_seqlens_q)
+    rows = check_queries(q, weights, limits, cu_seqlens_q, max_q, check_values)
     P = check_paged_keys(rows, k, k_scale, block_table, seq_lens, limits)
     check_pages(rows, pages, seq_lens, P)
-    rows.finish()
-    return _launch_selected(rows, q, weights, k, k_scale, block_table, limits, pages, _path_config(config, rows, P))
+    rows.finish(limits, need_max_limit=False)
+    return _launch_selected(rows, q, weights, k, k_scale, block_table, limits, pages,
+                            _path_config(config, rows, block_table, P))
 
 
 def block_indexer_logits(
@@ -163,23 +167,31 @@ def block_indexer_logits(
     n_select: int,
     *,
     cu_seqlens_q: torch.Tensor | None = None,
+    max_len: int | None = None,
+    max_q: int | None = None,
+    check_values: bool = True,
     config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The block-level path: page bounds, the ``n_select`` best pages per row, token logits inside them.
 
     Returns ``(logits [T, n_select * P] fp32, positions [T, n_select * P] int32)`` as
-    :func:`selected_page_logits`. Arguments as in :func:`block_scores` and :func:`selected_page_logits`;
-    everything is checked once, up front (one device-to-host transfer).
+    :func:`selected_page_logits`. ``max_len``: at least ``max(limits)`` (sizes the bound matrix;
+    default read off ``limits``). Everything is checked once, up front (one device-to-host transfer);
+    with ``check_values=False``, ``max_len`` and ``max_q`` given, none (CUDA-graph safe).
     """
-    rows = check_queries(q, weights, limits, cu_seqlens_q)
+    rows = check_queries(q, weights, limits, cu_seqlens_q, max_q, check_values)
     P = check_paged_keys(rows, k, k_scale, block_table, seq_lens, limits)
     check_summaries(rows, pmax, pmin)
     if pmax.shape[0] != k.shape[0]:
         raise ValueError(f"pmax: {pmax.shape[0]} pages, but k has {k.shape[0]}")
     check_positive("n_select", n_select)
-    rows.finish()
-    config = _path_config(config, rows, P)
-    bounds = _launch_bounds(rows, q, weights, pmax, pmin, block_table, limits, P, triton.cdiv(rows.max_limit, P), config)
+    if max_len is not None:
+        check_positive("max_len", max_len)
+        rows.checks.fail_if(lambda: limits > max_len, "max_len: below a row's limit")
+    rows.finish(limits, need_max_limit=max_len is None)
+    n_pages = triton.cdiv(rows.max_limit if max_len is None else max_len, P)
+    config = _path_config(config, rows, block_table, P)
+    bounds = _launch_bounds(rows, q, weights, pmax, pmin, block_table, limits, P, n_pages, config)
     pages = select_pages(bounds, n_select)
     return _launch_selected(rows, q, weights, k, k_scale, block_table, limits, pages, config)
 
@@ -193,16 +205,17 @@ def _make_inputs(phase: str, shape, device, seed: int) -> dict:
     k, k_scale, table, lens = random_paged_keys(B, L, P, DK, g)
     summaries = page_summaries_torch(k, k_scale, table, lens)
     return {"q": q, "weights": w, "k": k, "k_scale": k_scale, "pmax": summaries[:, 0], "pmin": summaries[:, 1],
-            "block_table": table, "seq_lens": lens, "n_select": shape["SEL"],
+            "block_table": table, "seq_lens": lens, "n_select": shape["SEL"], "max_q": Q, "max_len": L,
             "limits": (L - Q + 1 + torch.arange(Q, device=device)).repeat(B).int(),
             "cu_seqlens_q": torch.arange(0, B * Q + 1, Q, dtype=torch.int32, device=device)}
 
 
 def _run(inputs: dict, config: dict):
     q, w = inputs["q"], inputs["weights"]
-    kw = {"cu_seqlens_q": inputs["cu_seqlens_q"], "config": config}
+    kw = {"cu_seqlens_q": inputs["cu_seqlens_q"], "max_q": inputs["max_q"], "check_values": False, "config": config}
+    P = inputs["k"].shape[1]
     bounds = block_scores(q, w, inputs["pmax"], inputs["pmin"], inputs["block_table"], inputs["seq_lens"],
-                          inputs["limits"], inputs["k"].shape[1], **kw)
+                          inputs["limits"], P, num_cols=triton.cdiv(inputs["max_len"], P), **kw)
     pages = select_pages(bounds, inputs["n_select"])
     logits, positions = selected_page_logits(q, w, inputs["k"], inputs["k_scale"], inputs["block_table"],
                                              inputs["seq_lens"], inputs["limits"], pages, **kw)
@@ -212,7 +225,8 @@ def _run(inputs: dict, config: dict):
 def _token_level(inputs: dict) -> torch.Tensor:
     return indexer_logits(inputs["q"], inputs["weights"], inputs["k"], inputs["k_scale"], inputs["limits"],
                           cu_seqlens_q=inputs["cu_seqlens_q"], block_table=inputs["block_table"],
-                          seq_lens=inputs["seq_lens"])
+                          seq_lens=inputs["seq_lens"], num_cols=inputs["max_len"], max_q=inputs["max_q"],
+                          check_values=False)
 
 
 def _reference(inputs: dict):
@@ -267,15 +281,18 @@ def _bench_shapes(phase: str, gpu: bool) -> list[dict[str, int]]:
 
 
 def _default(phase: str, shape) -> dict:
-    return {"bound_BLOCK_M": min(4, triton.next_power_of_2(max(shape["Q"], 1))), "bound_BLOCK_N": 64,
-            "bound_CHUNK": 1024, "bound_warps": 4, "BLOCK_N": 64, "CHUNK": 512, "num_warps": 4, "num_stages": 3}
+    block_m = min(4, triton.next_power_of_2(max(shape["Q"], 1)))
+    return {"bound_BLOCK_M": block_m, "bound_BLOCK_N": 64 if block_m <= 2 else 32, "bound_CHUNK": 256,
+            "bound_warps": 4 if block_m == 1 else 8, "BLOCK_N": 64, "CHUNK": 512, "num_warps": 4, "num_stages": 3}
 
 
 def _constraint(config: dict, shape) -> str | None:
     if config["CHUNK"] % config["BLOCK_N"] or config["bound_CHUNK"] % config["bound_BLOCK_N"]:
         return "a CHUNK must be a multiple of its BLOCK_N"
-    if config["bound_BLOCK_M"] * triton.next_power_of_2(max(shape["H"], 16)) > 256:
-        return "bound_BLOCK_M * heads above 256 columns (four accumulators)"
+    if accumulator_registers(config["bound_BLOCK_N"], config["bound_BLOCK_M"], shape["H"], config["bound_warps"], 4) > 128:
+        return "the four bound accumulators take over 128 registers per thread (spills)"
+    if accumulator_registers(config["BLOCK_N"], 1, shape["H"], config["num_warps"]) > 128:
+        return "the accumulator takes over 128 registers per thread (spills)"
     return None
 
 

@@ -45,20 +45,35 @@ def _topk_positions(logits: torch.Tensor, positions: torch.Tensor | None, k: int
     return idx if positions is None else positions.gather(1, idx).long()
 
 
+def graph_us(fn, device) -> float:
+    """Median time of ``fn`` captured once in a CUDA graph and replayed (no host overhead)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()  # compiles and warms up outside the capture
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_us(graph.replay, device)
+
+
 def report(device, ceilings) -> list[dict]:
     gpu = ceilings is not None
     B, L, P, H, DK, k = (64, 131072, 64, 64, 128, 2048) if gpu else (2, 2048, 16, 8, 32, 32)
     n_pages = triton.cdiv(L, P)
     prob = local_keys_problem(B, L, P, H, DK, hot_pages=max(2, n_pages // 64), device=device)
     cache, q, w, limits, cu = (prob[n] for n in ("cache", "q", "weights", "limits", "cu_seqlens_q"))
+    fast = {"max_q": 1, "check_values": False}  # sizes given, value checks off: no device-to-host transfer
 
-    def token_level():
+    def token_level(sizes_given: bool = False):
         return indexer_logits(q, w, cache.ik, cache.ik_scale, limits, cu_seqlens_q=cu, block_table=cache.block_table,
-                              seq_lens=cache.seq_lens)
+                              seq_lens=cache.seq_lens, **({"num_cols": L, **fast} if sizes_given else {}))
 
-    def block_level(n_select):
+    def block_level(n_select: int, sizes_given: bool = False):
         return block_indexer_logits(q, w, cache.ik, cache.ik_scale, cache.pmax, cache.pmin, cache.block_table,
-                                    cache.seq_lens, limits, n_select, cu_seqlens_q=cu)
+                                    cache.seq_lens, limits, n_select, cu_seqlens_q=cu,
+                                    **({"max_len": L, **fast} if sizes_given else {}))
 
     dense = token_level()
     exact = torch.zeros_like(dense, dtype=torch.bool).scatter_(1, _topk_positions(dense, None, k), True)
@@ -72,22 +87,27 @@ def report(device, ceilings) -> list[dict]:
                      "recall_mean": hits.mean().item(), "recall_min": hits.min().item()})
 
     n_select = max(1, n_pages // 32)
-    token_us = time_us(token_level, device)
-    block_us = time_us(lambda: block_level(n_select), device)
-    bounds_us = time_us(lambda: block_scores(q, w, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens,
-                                             limits, P, cu_seqlens_q=cu), device)
-    token_topk_us = time_us(lambda: token_level().topk(k, dim=1), device)
-    block_topk_us = time_us(lambda: block_level(n_select)[0].topk(k, dim=1), device)
-    shape = f"B={B},L={L},P={P},H={H},DK={DK}"
-    rows += [
-        {"measure": "time", "path": "token-level logits [T, L]", "shape": shape, "us": token_us,
-         "out_MB": B * L * 4 / 1e6},
-        {"measure": "time", "path": "block-level 1/32 (bounds + pages + logits)", "shape": shape, "us": block_us,
-         "speedup": token_us / block_us, "bounds_us": bounds_us, "out_MB": B * (n_pages * 4 + n_select * P * 8) / 1e6},
-        {"measure": "time", "path": f"token-level + torch.topk({k})", "shape": shape, "us": token_topk_us},
-        {"measure": "time", "path": f"block-level 1/32 + torch.topk({k})", "shape": shape, "us": block_topk_us,
-         "speedup": token_topk_us / block_topk_us},
-    ]
+    shape = f"B={B},L={L},P={P},H={H},DK={DK},pages 1/32"
+    calls = {
+        "logits": (lambda: token_level(True), lambda: block_level(n_select, True)),
+        "logits, value checks on": (token_level, lambda: block_level(n_select)),
+        f"logits + torch.topk({k})": (lambda: token_level(True).topk(k, dim=1),
+                                      lambda: block_level(n_select, True)[0].topk(k, dim=1)),
+    }
+    modes = [("eager", time_us)] + ([("CUDA graph", graph_us)] if gpu else [])
+    for what, (token_fn, block_fn) in calls.items():
+        for mode, timer in modes:
+            if mode == "CUDA graph" and "checks on" in what:
+                continue  # the value checks wait on the device: not capturable
+            token_us, block_us = timer(token_fn, device), timer(block_fn, device)
+            rows.append({"measure": "time", "what": what, "mode": mode, "shape": shape, "token_us": token_us,
+                         "block_us": block_us, "speedup": token_us / block_us})
+    rows.append({"measure": "time", "what": "page bounds alone", "mode": "eager", "shape": shape,
+                 "block_us": time_us(lambda: block_scores(q, w, cache.pmax, cache.pmin, cache.block_table,
+                                                          cache.seq_lens, limits, P, cu_seqlens_q=cu, num_cols=n_pages,
+                                                          **fast), device)})
+    rows.append({"measure": "memory", "what": "output bytes", "shape": shape, "token_MB": B * L * 4 / 1e6,
+                 "block_MB": B * (n_pages * 4 + n_select * P * 8) / 1e6})
     return rows
 
 

@@ -30,7 +30,7 @@ from ..registry import Cost, KernelSpec
 from ..runtime import interpreting
 from . import indexer_reference
 from .cache_reference import fp8_quantize_rows
-from .indexer_checks import check_contiguous_keys, check_paged_keys, check_queries, output_columns
+from .indexer_checks import QueryRows, check_contiguous_keys, check_paged_keys, check_queries, output_columns
 from .indexer_reference import indexer_logits_torch
 
 DENSE, SELECTED, BOUND = 0, 1, 2
@@ -39,8 +39,8 @@ MAX_DECODE_ROWS = 4  # a sequence with at most this many query rows is the decod
 
 @triton.jit
 def _logits_kernel(
-    q_ptr, w_ptr, k_ptr, k2_ptr, ks_ptr, out_ptr,
-    limit_ptr, cu_ptr, gseq_ptr, table_ptr, kstart_ptr, pages_ptr,
+    q_ptr, w_ptr, k_ptr, k2_ptr, ks_ptr, out_ptr, pos_ptr,
+    limit_ptr, cu_ptr, table_ptr, kstart_ptr, pages_ptr,
     H, DK, n_cols,
     stride_qt, stride_qh, stride_wt, stride_k, stride_table, stride_out, stride_pages,
     MODE: tl.constexpr, PAGED: tl.constexpr, P: tl.constexpr,
@@ -48,13 +48,13 @@ def _logits_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     BOUND_DTYPE: tl.constexpr,
 ):
-    """Program (group, row block, column chunk). Group g owns rows cu[g]..cu[g+1] of sequence gseq[g]."""
+    """Program (sequence, row block, column chunk). Sequence g owns query rows cu[g]..cu[g+1]."""
     g = tl.program_id(0)
     row0 = tl.load(cu_ptr + g)
     row1 = tl.load(cu_ptr + g + 1)
     m_start = row0 + tl.program_id(1) * BLOCK_M
     if m_start < row1:
-        seq = tl.load(gseq_ptr + g).to(tl.int64)
+        seq = g.to(tl.int64)
         rows = m_start + tl.arange(0, BLOCK_M)
         row_ok = rows < row1
         limits = tl.load(limit_ptr + rows, mask=row_ok, other=0)
@@ -92,10 +92,10 @@ def _logits_kernel(
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < c_active
             # logical position of each column and the physical row it reads
-            if MODE == 1:
+            if MODE == 1:  # one row per program (BLOCK_M = 1)
                 lpage = tl.load(pages_ptr + m_start.to(tl.int64) * stride_pages + cols // P, mask=col_ok, other=-1)
                 pos = lpage * P + cols % P
-                col_ok = col_ok & (lpage >= 0)
+                col_ok = col_ok & (lpage >= 0) & (pos < tl.max(limits))
             elif MODE == 2:
                 lpage = cols
                 pos = cols * P
@@ -114,8 +114,8 @@ def _logits_kernel(
             if MODE == 2:
                 k_max = tl.load(k_ptr + k_off, mask=k_mask, other=0.0).to(BOUND_DTYPE)
                 k_min = tl.load(k2_ptr + k_off, mask=k_mask, other=0.0).to(BOUND_DTYPE)
-                ub = tl.dot(k_max, q_pos) + tl.dot(k_min, q_neg)  # products exact: fp8 x (bf16-exact) values
-                lb = tl.dot(k_max, q_neg) + tl.dot(k_min, q_pos)
+                ub = tl.dot(k_min, q_neg, tl.dot(k_max, q_pos))  # products exact: fp8 x (bf16-exact) values
+                lb = tl.dot(k_min, q_pos, tl.dot(k_max, q_neg))
                 s = tl.maximum(ub, 0.0) * w_pos[None, :] + tl.maximum(lb, 0.0) * w_neg[None, :]
             else:
                 k = tl.load(k_ptr + k_off, mask=k_mask, other=0.0)
@@ -129,6 +129,8 @@ def _logits_kernel(
             valid = col_ok[:, None] & (pos[:, None] < limits[None, :])
             s = tl.where(valid, s, float("-inf"))
             tl.store(out_rows[None, :] + cols[:, None], s, mask=row_ok[None, :] & (cols < c_end)[:, None])
+            if MODE == 1:
+                tl.store(pos_ptr + m_start.to(tl.int64) * stride_out + cols, tl.where(col_ok, pos, -1), mask=cols < c_end)
         fill_start = c0 + tl.cdiv(tl.maximum(c_active - c0, 0), BLOCK_N) * BLOCK_N
         for n0 in range(fill_start, c_end, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
@@ -136,15 +138,16 @@ def _logits_kernel(
                      mask=row_ok[None, :] & (cols < c_end)[:, None])
 
 
-def launch_logits(mode: int, q, w, k, k_scale, out, limits, cu, gseq, max_rows: int, *, config: dict,
-                  page_size: int = 1, block_table=None, key_starts=None, pages=None, k2=None) -> torch.Tensor:
+def launch_logits(mode: int, q, w, k, k_scale, out, limits, cu, max_rows: int, *, config: dict,
+                  page_size: int = 1, block_table=None, key_starts=None, pages=None, k2=None,
+                  positions=None) -> torch.Tensor:
     """Launch :func:`_logits_kernel` (no argument checks: callers validate). ``out[T, n_cols]`` fp32.
 
-    ``cu[G + 1]``, ``gseq[G]`` int32 group rows and sequences; ``max_rows`` the most rows of one group.
+    ``cu[B + 1]`` int32 rows of each sequence; ``max_rows`` the most rows of one sequence.
     ``k`` is ``[rows, DK]``-addressable with row stride ``k.stride(-2)`` (``pmax`` in BOUND mode,
-    ``k2`` = ``pmin`` with the same strides).
+    ``k2`` = ``pmin`` with the same strides). SELECTED mode also writes ``positions`` (like ``out``).
     """
-    G = gseq.shape[0]
+    G = cu.shape[0] - 1
     n_cols = out.shape[1]
     if G == 0 or out.numel() == 0:
         return out
@@ -154,7 +157,7 @@ def launch_logits(mode: int, q, w, k, k_scale, out, limits, cu, gseq, max_rows: 
     dummy = cu
     _logits_kernel[grid](
         q, w, k, k2 if k2 is not None else k, k_scale if k_scale is not None else dummy, out,
-        limits, cu, gseq,
+        positions if positions is not None else dummy, limits, cu,
         block_table if block_table is not None else dummy,
         key_starts if key_starts is not None else dummy,
         pages if pages is not None else dummy,
@@ -171,11 +174,10 @@ def launch_logits(mode: int, q, w, k, k_scale, out, limits, cu, gseq, max_rows: 
     return out
 
 
-def logits_shape(rows_per_seq: list[int], L: int, P: int, H: int, DK: int) -> tuple[str, dict[str, int]]:
+def logits_shape(rows: QueryRows, L: int, P: int) -> tuple[str, dict[str, int]]:
     """Phase and registry shape of a call: decode when every sequence has at most 4 query rows."""
-    Q = max(rows_per_seq, default=0)
-    phase = "decode" if Q <= MAX_DECODE_ROWS else "prefill"
-    return phase, {"B": len(rows_per_seq), "Q": Q, "L": L, "P": P, "H": H, "DK": DK}
+    phase = "decode" if rows.max_q <= MAX_DECODE_ROWS else "prefill"
+    return phase, {"B": rows.B, "Q": rows.max_q, "L": L, "P": P, "H": rows.H, "DK": rows.DK}
 
 
 def indexer_logits(
@@ -190,6 +192,8 @@ def indexer_logits(
     seq_lens: torch.Tensor | None = None,
     key_starts: torch.Tensor | None = None,
     num_cols: int | None = None,
+    max_q: int | None = None,
+    check_values: bool = True,
     config: dict | None = None,
 ) -> torch.Tensor:
     """Token-level DSA indexer logits ``[T, num_cols]`` fp32, ``-inf`` outside ``[0, limits[t])``.
@@ -206,11 +210,13 @@ def indexer_logits(
         seq_lens: ``[>= B]`` int32, required in paged mode; no limit may exceed its sequence's length.
         key_starts: ``[B]`` int32 (contiguous mode): first key row of each sequence (default 0).
         num_cols: output width ``L`` (default ``max(limits)``).
+        max_q: the most query rows of one sequence (default: read off ``cu_seqlens_q``).
+        check_values: check limits, lengths and block-table entries on the device (one transfer);
+            ``False`` skips them, and with ``num_cols`` and ``max_q`` given the call never waits on
+            the device (CUDA-graph safe). Shapes, dtypes and devices are always checked.
         config: launch parameters (default: the tuning database / the registry default).
-
-    The value checks (limits, lengths, block-table entries) cost one device-to-host transfer.
     """
-    rows = check_queries(q, weights, limits, cu_seqlens_q)
+    rows = check_queries(q, weights, limits, cu_seqlens_q, max_q, check_values)
     if block_table is not None:
         if key_starts is not None:
             raise ValueError("key_starts: only for contiguous keys (no block_table)")
@@ -220,17 +226,15 @@ def indexer_logits(
     else:
         key_starts = check_contiguous_keys(rows, k, k_scale, key_starts, limits)
         P = 0
-    rows.finish()
+    rows.finish(limits, need_max_limit=num_cols is None)
     L = output_columns(num_cols, rows.max_limit)
-    phase, shape = logits_shape(rows.rows_per_seq, L, P, rows.H, rows.DK)
+    phase, shape = logits_shape(rows, L, P)
     if config is None:
         config = SPEC.launch_config(phase, shape, rows.device)
     else:
         SPEC.validate(config, shape)
     out = torch.empty(rows.T, L, dtype=torch.float32, device=rows.device)
-    gseq = torch.arange(rows.B, dtype=torch.int32, device=rows.device)
-    return launch_logits(DENSE, q, weights, k, k_scale, out, limits, rows.cu, gseq, max(rows.rows_per_seq),
-                         config=config, page_size=max(P, 1), block_table=block_table, key_starts=key_starts)
+    return launch_logits(DENSE, q, weights, k, k_scale, out, limits, rows.cu, rows.max_q, config=config, page_size=max(P, 1), block_table=block_table, key_starts=key_starts)
 
 
 # -- registry entry -------------------------------------------------------------------------------
@@ -278,7 +282,7 @@ def _make_inputs(phase: str, shape, device, seed: int) -> dict:
     # row j of a sequence's Q rows sees the first L - Q + 1 + j keys (causal, the last chunk of a prefill)
     limits = (L - Q + 1 + torch.arange(Q, device=device)).clamp_min(0).repeat(B).int()
     cu = torch.arange(0, B * Q + 1, Q, dtype=torch.int32, device=device)
-    inputs = {"q": q, "weights": w, "limits": limits, "cu_seqlens_q": cu, "num_cols": L}
+    inputs = {"q": q, "weights": w, "limits": limits, "cu_seqlens_q": cu, "num_cols": L, "max_q": Q}
     if P:
         inputs["k"], inputs["k_scale"], inputs["block_table"], inputs["seq_lens"] = random_paged_keys(B, L, P, DK, g)
     else:
@@ -293,8 +297,9 @@ def _call_args(inputs: dict) -> tuple[tuple, dict]:
 
 
 def _run(inputs: dict, config: dict) -> torch.Tensor:
+    """The kernel as a decode loop calls it: sizes given, value checks off (the inputs are valid)."""
     args, kw = _call_args(inputs)
-    return indexer_logits(*args, **kw, config=config)
+    return indexer_logits(*args, **kw, max_q=inputs["max_q"], check_values=False, config=config)
 
 
 def _reference(inputs: dict, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -343,11 +348,16 @@ def _default(phase: str, shape) -> dict:
     return {"BLOCK_M": 2, "BLOCK_N": 128, "CHUNK": 16384, "num_warps": 8, "num_stages": 3}
 
 
+def accumulator_registers(block_n: int, block_m: int, heads: int, warps: int, accumulators: int = 1) -> float:
+    """fp32 registers per thread that the ``[BLOCK_N, BLOCK_M * heads]`` dot accumulators take."""
+    return block_n * block_m * triton.next_power_of_2(max(heads, 16)) * accumulators / (32 * warps)
+
+
 def _constraint(config: dict, shape) -> str | None:
     if config["CHUNK"] % config["BLOCK_N"]:
         return "CHUNK must be a multiple of BLOCK_N"
-    if config["BLOCK_M"] * triton.next_power_of_2(max(shape["H"], 16)) > 512:
-        return "BLOCK_M * heads above 512 columns"
+    if accumulator_registers(config["BLOCK_N"], config["BLOCK_M"], shape["H"], config["num_warps"]) > 128:
+        return "the accumulator takes over 128 registers per thread (spills)"
     return None
 
 

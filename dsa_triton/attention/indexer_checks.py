@@ -1,10 +1,15 @@
 """Argument checks of the indexer ops: shapes, dtypes and devices on the host; values (lengths, limits,
 block-table entries) on the device, fetched in one transfer, so a call waits on the device once,
 not once per check. Every failure is a ``ValueError`` naming the argument, raised before any launch.
+
+``check_values=False`` (hot loops, CUDA graphs) skips the value checks; then a call needs no transfer
+at all when the caller also gives the host-side sizes (``max_q``, ``num_cols`` / ``max_len``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable
 
 import torch
 
@@ -15,12 +20,15 @@ from .cache import PAGE_SIZES
 class DeviceChecks:
     """Conditions and values on the device, brought to the host together by :meth:`run`."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self._parts: list[tuple[str, torch.Tensor]] = []
 
-    def fail_if(self, bad: torch.Tensor, message: str) -> None:
-        """Raise ``ValueError(message)`` at :meth:`run` if any element of the bool tensor ``bad`` is set."""
-        self._parts.append((message, bad.any().reshape(1).long()))
+    def fail_if(self, bad: Callable[[], torch.Tensor], message: str) -> None:
+        """Raise ``ValueError(message)`` at :meth:`run` if any element of ``bad()`` (a bool tensor) is set.
+        ``bad`` is only evaluated when the checks are enabled."""
+        if self.enabled:
+            self._parts.append((message, bad().any().reshape(1).long()))
 
     def fetch(self, name: str, values: torch.Tensor) -> None:
         """Bring ``values`` (integers) to the host; :meth:`run` returns them under ``name``."""
@@ -50,27 +58,34 @@ class QueryRows:
     H: int
     DK: int
     cu: torch.Tensor  # [B + 1] int32
-    row_seq: torch.Tensor  # [T] int64, the sequence of each row (clamped into range until checked)
-    checks: DeviceChecks = field(default_factory=DeviceChecks)
-    rows_per_seq: list[int] = field(default_factory=list)  # filled by finish()
-    max_limit: int = 0  # filled by finish()
+    checks: DeviceChecks
+    max_q: int | None = None  # the most rows of one sequence (fetched by finish() when not given)
+    max_limit: int | None = None  # max(limits) (fetched by finish() when asked for)
 
     @property
     def B(self) -> int:
         return self.cu.shape[0] - 1
 
-    def finish(self) -> dict[str, list[int]]:
-        """Run the device checks; fills ``rows_per_seq`` and ``max_limit``; returns other fetched values."""
+    @cached_property
+    def row_seq(self) -> torch.Tensor:
+        """``[T]`` int64 sequence of each row (clamped into range; meaningful once ``cu`` checks pass)."""
+        rows = torch.arange(self.T, dtype=torch.int32, device=self.device)
+        return torch.searchsorted(self.cu[1:], rows, right=True).clamp_max(self.B - 1)
+
+    def finish(self, limits: torch.Tensor, need_max_limit: bool) -> None:
+        """Run the device checks and fetch ``max_q`` / ``max_limit`` when unknown, in one transfer."""
+        if self.max_q is None:
+            self.checks.fetch("max_q", (self.cu[1:] - self.cu[:-1]).max())
+        if need_max_limit and self.T:
+            self.checks.fetch("max_limit", limits.max())
         host = self.checks.run()
-        cu = host.pop("cu")
-        self.rows_per_seq = [b - a for a, b in zip(cu, cu[1:])]
-        self.max_limit = host.pop("max_limit", [0])[0]
-        return host
+        self.max_q = max(0, host["max_q"][0]) if "max_q" in host else self.max_q
+        self.max_limit = host["max_limit"][0] if "max_limit" in host else 0
 
 
-def check_queries(q, weights, limits, cu_seqlens_q) -> QueryRows:
+def check_queries(q, weights, limits, cu_seqlens_q, max_q: int | None = None, check_values: bool = True) -> QueryRows:
     """q ``[T, H, DK]`` e4m3, weights ``[T, H]`` fp32, limits ``[T]`` int32 (>= 0), cu ``[B + 1]`` int32
-    rising from 0 to T (default: one sequence holding every row)."""
+    rising from 0 to T (default: one sequence holding every row); ``max_q`` the most rows of a sequence."""
     check_tensor("q", q, dtype=torch.float8_e4m3fn, ndim=3)
     device = check_kernel_device("q", q)
     T, H, DK = q.shape
@@ -80,21 +95,21 @@ def check_queries(q, weights, limits, cu_seqlens_q) -> QueryRows:
     check_tensor("limits", limits, dtype=torch.int32, shape=(T,), device=device)
     if not limits.is_contiguous():
         raise ValueError(f"limits: must be contiguous, got strides {limits.stride()}")
-    if cu_seqlens_q is None:
+    one_sequence = cu_seqlens_q is None
+    if one_sequence:
         cu_seqlens_q = torch.tensor([0, T], dtype=torch.int32, device=device)
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, ndim=1, device=device)
     if cu_seqlens_q.shape[0] < 2:
         raise ValueError(f"cu_seqlens_q: needs B + 1 >= 2 entries, got {cu_seqlens_q.shape[0]}")
+    if max_q is not None and (not isinstance(max_q, int) or max_q < 0):
+        raise ValueError(f"max_q: must be an integer >= 0, got {max_q!r}")
     cu = cu_seqlens_q.contiguous()
-    B = cu.shape[0] - 1
-    row_seq = torch.searchsorted(cu[1:], torch.arange(T, dtype=torch.int32, device=device), right=True)
-    rows = QueryRows(device, T, H, DK, cu, row_seq.clamp_max(B - 1))
-    rows.checks.fail_if((cu[0] != 0) | (cu[-1] != T) | (cu[1:] < cu[:-1]).any(),
+    rows = QueryRows(device, T, H, DK, cu, DeviceChecks(check_values), T if one_sequence else max_q)
+    rows.checks.fail_if(lambda: (cu[0] != 0) | (cu[-1] != T) | (cu[1:] < cu[:-1]).any(),
                         f"cu_seqlens_q: must rise from 0 to T = {T}")
-    rows.checks.fail_if(limits < 0, "limits: must be >= 0")
-    rows.checks.fetch("cu", cu)
-    if T:
-        rows.checks.fetch("max_limit", limits.max())
+    if max_q is not None:
+        rows.checks.fail_if(lambda: (cu[1:] - cu[:-1]) > max_q, f"max_q: a sequence has more than {max_q} rows")
+    rows.checks.fail_if(lambda: limits < 0, "limits: must be >= 0")
     return rows
 
 
@@ -110,12 +125,15 @@ def check_block_table(rows: QueryRows, block_table, seq_lens, limits, num_pages:
         raise ValueError(f"seq_lens: {seq_lens.shape[0]} entries for {B} sequences")
     lens = seq_lens[:B].long()
     capacity = block_table.shape[1] * P
-    rows.checks.fail_if((lens < 0) | (lens > capacity), f"seq_lens: must lie in [0, {capacity}] (table width x page size)")
-    rows.checks.fail_if(limits.long() > lens[rows.row_seq], "limits: a row's limit exceeds its sequence's length in seq_lens")
-    used = torch.arange(block_table.shape[1], device=rows.device)[None, :] * P < lens[:, None]
-    entries = block_table[:B]
-    rows.checks.fail_if(((entries < 0) | (entries >= num_pages)) & used,
-                        f"block_table: an entry of a used page lies outside [0, {num_pages})")
+    rows.checks.fail_if(lambda: (lens < 0) | (lens > capacity),
+                        f"seq_lens: must lie in [0, {capacity}] (table width x page size)")
+    rows.checks.fail_if(lambda: limits.long() > lens[rows.row_seq],
+                        "limits: a row's limit exceeds its sequence's length in seq_lens")
+
+    def bad_entries():
+        used = torch.arange(block_table.shape[1], device=rows.device)[None, :] * P < lens[:, None]
+        return ((block_table[:B] < 0) | (block_table[:B] >= num_pages)) & used
+    rows.checks.fail_if(bad_entries, f"block_table: an entry of a used page lies outside [0, {num_pages})")
 
 
 def check_paged_keys(rows: QueryRows, k, k_scale, block_table, seq_lens, limits) -> int:
@@ -150,8 +168,9 @@ def check_contiguous_keys(rows: QueryRows, k, k_scale, key_starts, limits) -> to
         key_starts = torch.zeros(rows.B, dtype=torch.int32, device=rows.device)
     check_tensor("key_starts", key_starts, dtype=torch.int32, shape=(rows.B,), device=rows.device)
     starts = key_starts.long()
-    rows.checks.fail_if((starts < 0) | (starts > S), f"key_starts: must lie in [0, {S}]")
-    rows.checks.fail_if(starts[rows.row_seq] + limits.long() > S, f"limits: key_starts + limits must stay within the {S} keys")
+    rows.checks.fail_if(lambda: (starts < 0) | (starts > S), f"key_starts: must lie in [0, {S}]")
+    rows.checks.fail_if(lambda: starts[rows.row_seq] + limits.long() > S,
+                        f"limits: key_starts + limits must stay within the {S} keys")
     return key_starts.contiguous()
 
 
@@ -172,8 +191,8 @@ def check_pages(rows: QueryRows, pages, seq_lens, P: int) -> None:
         raise ValueError(f"pages: {pages.shape[0]} rows for {rows.T} query rows")
     if not pages.is_contiguous():
         raise ValueError(f"pages: must be contiguous, got strides {pages.stride()}")
-    lens = seq_lens[: rows.B].long()[rows.row_seq, None]
-    rows.checks.fail_if((pages < -1) | (pages.long() * P >= lens), "pages: entries must be -1 or pages inside the row's sequence")
+    rows.checks.fail_if(lambda: (pages < -1) | (pages.long() * P >= seq_lens[: rows.B].long()[rows.row_seq, None]),
+                        "pages: entries must be -1 or pages inside the row's sequence")
 
 
 def output_columns(num_cols, default: int, name: str = "num_cols") -> int:
