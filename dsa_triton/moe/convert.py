@@ -61,7 +61,7 @@ def _e4m3_lanes(x, base):
 def _convert_kernel(blocks_ptr, words_ptr, scales_ptr, ids_ptr, w_ptr, w_words_ptr, s_ptr, unfit_ptr,
                     N, KB, NG,
                     stride_be, stride_bn, stride_se, stride_sn,
-                    stride_we, stride_wn, stride_oe, stride_on,
+                    stride_we, stride_wn, stride_oe, stride_on, stride_og,
                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, COUNT_UNFIT: tl.constexpr):
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -103,13 +103,14 @@ def _convert_kernel(blocks_ptr, words_ptr, scales_ptr, ids_ptr, w_ptr, w_words_p
     scale = ((tl.maximum(top, 7) - 6) << 23).to(tl.float32, bitcast=True) \
         * ((tl.minimum(top, 7) + 120) << 23).to(tl.float32, bitcast=True)
     g = tl.program_id(2) * GROUPS + tl.arange(0, GROUPS)
-    tl.store(s_ptr + slot * stride_oe + n[:, None] * stride_on + g[None, :], scale, mask=row_in & (g < NG)[None, :])
+    tl.store(s_ptr + slot * stride_oe + n[:, None] * stride_on + g[None, :] * stride_og, scale,
+             mask=row_in & (g < NG)[None, :])
 
 
 def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torch.Tensor, w_out: torch.Tensor,
                     s_out: torch.Tensor, unfit: torch.Tensor | None, config: dict) -> None:
     """Launch only (arguments already checked): experts ``expert_ids[j]`` of ``blocks[E, N, K/32, 16]`` into
-    ``w_out[j]`` ([G, N, K] e4m3, rows contiguous) and ``s_out[j]`` ([G, N, ceil(K/128)] fp32); adds the
+    ``w_out[j]`` ([G, N, K] e4m3, rows contiguous) and ``s_out[j]`` ([G, N, ceil(K/128)] fp32, any strides); adds the
     count of unfit blocks to ``unfit`` (int32 [1]) when given. Enqueued on the current stream.
     """
     n, kb = blocks.shape[1], blocks.shape[2]
@@ -123,7 +124,7 @@ def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torc
         unfit if unfit is not None else expert_ids,
         n, kb, s_out.shape[2],
         blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
-        w_out.stride(0), w_out.stride(1), s_out.stride(0), s_out.stride(1),
+        w_out.stride(0), w_out.stride(1), s_out.stride(0), s_out.stride(1), s_out.stride(2),
         BLOCK_N=config["BLOCK_N"], GROUPS=groups, COUNT_UNFIT=unfit is not None, num_warps=config["num_warps"],
     )
 
@@ -163,7 +164,8 @@ def mxfp4_to_fp8(blocks: torch.Tensor, scales: torch.Tensor,
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise ValueError("out: expected a (w, scale) pair")
         w = check_tensor("out[0]", out[0], dtype=torch.float8_e4m3fn, shape=(*lead, n, k), device=device)
-        s = check_tensor("out[1]", out[1], dtype=torch.float32, shape=(*lead, n, ng), device=device)
+        s = check_tensor("out[1]", out[1], dtype=torch.float32, shape=(*lead, n, ng), device=device,
+                         contiguous_last=False)
         if w.data_ptr() % 4 or any(st % 4 for st in w.stride()[:-1]):
             raise ValueError(f"out[0]: must be 4-byte aligned with strides in multiples of 4, got {w.stride()}")
     try:

@@ -56,7 +56,8 @@ def round_to_e4m3(v):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s, BLOCK_M: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sg,
+                          BLOCK_M: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = tl.program_id(1)
     k = g * 128 + tl.arange(0, 128)
@@ -68,12 +69,13 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_
     e = tl.maximum(((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32), -126)
     q = round_to_e4m3(x * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None])
     tl.store(q_ptr + rows64 * stride_q + k[None, :], q.to(tl.float8e4nv), mask=inside)
-    tl.store(s_ptr + rows * stride_s + g, ((e + 127) << 23).to(tl.float32, bitcast=True), mask=rows < M)
+    tl.store(s_ptr + rows * stride_sm + g * stride_sg, ((e + 127) << 23).to(tl.float32, bitcast=True), mask=rows < M)
 
 
 @triton.jit
 def _grouped_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, tiles_ptr, n_mtiles, N, K,
-                         stride_xm, stride_sxm, stride_we, stride_wn, stride_swe, stride_swn, stride_ym,
+                         stride_xm, stride_sxm, stride_sxg, stride_we, stride_wn, stride_swe, stride_swn, stride_swg,
+                         stride_ym,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     pid = tl.program_id(0)
@@ -105,8 +107,8 @@ def _grouped_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, tiles_ptr, n_mtile
             a = tl.load(x_ptrs, mask=row_in[:, None] & k_in[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=k_in[:, None] & col_in[None, :], other=0.0)
         g = k0 // 128
-        sa = tl.load(sx_ptrs + g, mask=row_in, other=0.0)
-        sb = tl.load(sw_ptrs + g, mask=col_in, other=0.0)
+        sa = tl.load(sx_ptrs + g * stride_sxg, mask=row_in, other=0.0)
+        sb = tl.load(sw_ptrs + g * stride_swg, mask=col_in, other=0.0)
         acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -119,13 +121,14 @@ QUANTIZE_ROWS_BLOCK_M = 32
 
 
 def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x[M, K]`` fp16/bf16/fp32 (rows contiguous) -> ``(q e4m3 [M, K], scale fp32 [M, ceil(K/128)])``, launch only."""
+    """``x[M, K]`` fp16/bf16/fp32 (rows contiguous) -> ``(q e4m3 [M, K], scale fp32 [M, ceil(K/128)])``, launch
+    only. The scales are stored group-major (strides ``(1, M)``), as the GEMM reads them."""
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, n_groups(k), dtype=torch.float32, device=x.device)
+    s = torch.empty(n_groups(k), m, dtype=torch.float32, device=x.device).t()
     if m and k:
         grid = (triton.cdiv(m, QUANTIZE_ROWS_BLOCK_M), n_groups(k))
-        _quantize_rows_kernel[grid](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
+        _quantize_rows_kernel[grid](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
                                     BLOCK_M=QUANTIZE_ROWS_BLOCK_M, num_warps=4)
     return q, s
 
@@ -174,7 +177,8 @@ def launch_gemm(xq, sx, w_half, s_half, y, tiles, config) -> None:
     grid = (n_mtiles * triton.cdiv(n, config["BLOCK_N"]),)
     _grouped_gemm_kernel[grid](
         xq, sx, w_half, s_half, y, tiles, n_mtiles, n, k,
-        xq.stride(0), sx.stride(0), w_half.stride(0), w_half.stride(1), s_half.stride(0), s_half.stride(1), y.stride(0),
+        xq.stride(0), sx.stride(0), sx.stride(1), w_half.stride(0), w_half.stride(1),
+        s_half.stride(0), s_half.stride(1), s_half.stride(2), y.stride(0),
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
         EVEN_K=k % config["BLOCK_K"] == 0, num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
@@ -333,7 +337,7 @@ def _default(phase, shape):
     if shape["M"] * shape["N"] * shape["K"] < 2**24:  # interpreter-sized: few programs, still two stages
         return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
                 "EXPERTS_PER_STAGE": 2}
-    big = per_expert > 96
+    big = per_expert > 160  # below, 64-row tiles waste less of each expert's last tile
     return {"BLOCK_M": 128 if big else 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
             "num_warps": 8 if big else 4, "num_stages": 4, "EXPERTS_PER_STAGE": min(8, bucket(shape["E"]))}
 

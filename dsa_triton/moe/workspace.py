@@ -36,13 +36,16 @@ class WorkspaceLease:
     count: int
 
     def views(self, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w float8_e4m3fn [count, n, k], scale fp32 [count, n, ceil(k/128)])`` over the leased slots."""
+        """``(w float8_e4m3fn [count, n, k], scale fp32 [count, n, ceil(k/128)])`` over the leased slots.
+
+        The scales are stored group-major (strides ``(slot, 1, n)``): a GEMM tile reads one group's scales
+        of consecutive rows as one coalesced vector."""
         ws = self.workspace
         if n * k > ws.slot_elems or n * n_groups(k) > ws.slot_scales:
             raise ValueError(f"views: an [{n}, {k}] matrix does not fit a slot sized for {ws.shapes}")
         rows = slice(self.first, self.first + self.count)
         return (ws.weights[rows, : n * k].view(self.count, n, k),
-                ws.scales[rows, : n * n_groups(k)].view(self.count, n, n_groups(k)))
+                ws.scales[rows, : n * n_groups(k)].view(self.count, n_groups(k), n).transpose(1, 2))
 
 
 class FP8Workspace:
