@@ -4,18 +4,20 @@ Scores become int32 *sort keys* (integer order = float order, NaN -> -inf; see `
 A row of ``n`` selectable positions takes one of three routes, decided inside the kernels (no host sync):
 
 - ``n <= k``: every position is taken.
-- ``k < n < 2 * k * GROUP`` (short rows): one program radix-selects straight over the row.
-- longer rows, two passes over the scores, then a small one:
-  1. *bound* (grid ``T x SPLIT``): split each tile into ``TILE / GROUP`` groups of ``GROUP`` keys and
-     histogram the groups' maxima on their top ``HIST_BITS`` bits. The lower edge ``tau`` of the bin
-     holding the k-th largest maximum is a guaranteed bound: at least k groups, hence k keys, are
-     ``>= tau``; for smooth data only ~1.2-1.5 k are (the histogram only sees 1/GROUP of the keys, which
-     keeps this pass at memory speed).
-  2. *collect* (grid ``T x SPLIT``): append every key ``>= tau`` with its position to a per-row candidate
-     buffer of ``CAP_K * k`` entries (one atomic per tile and row).
-  3. *select* (grid ``T``): radix select, ``SEL_BITS`` per digit, over the candidates (or over the row
-     itself when they overflowed the buffer: ties, clustered values), then write the keys above the
-     k-th largest, enough ties to reach k, the optional block-table translation, and -1 padding.
+- ``k < n < 2 * k * GROUP`` (short rows): pass 3 alone, over the row.
+- longer rows: two passes over the scores, then pass 3 over a few thousand candidates:
+  1. *bound* (grid ``T x SPLIT``): each tile is ``GROUP`` x ``TILE / GROUP``; histogram the column
+     maxima on their top ``HIST_BITS`` key bits. The lower edge ``tau`` of the bin holding the k-th
+     largest maximum is a sure bound: at least k columns, hence k scores, are ``>= tau``; for smooth
+     data only ~1.2-1.5 k are. The histogram sees 1/GROUP of the scores, which keeps this pass near
+     memory speed.
+  2. *collect* (grid ``T x SPLIT``): append every score ``>= tau`` and its position to the row's candidate
+     buffer of ``CAP_K * k`` entries (one atomic per tile). Correctness never rests on the bound: pass 3
+     uses the buffer only when it holds at least k and at most ``CAP_K * k`` scores (then it holds the top
+     k), and otherwise goes over the row (ties, clustered values, NaN).
+  3. *select* (grid ``T``): radix select, ``SEL_BITS`` per digit; once the scores left on the threshold's
+     prefix fit the buffer they are compacted into it and the sweeps shrink. Then write the scores above
+     the k-th largest, enough ties to reach k (first found), the optional block-table translation, -1s.
 """
 from __future__ import annotations
 
