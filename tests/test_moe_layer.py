@@ -91,3 +91,9 @@ def test_bad_inputs_raise_naming_the_argument():
     for a, override, match in cases:
         with pytest.raises(ValueError, match=match):
             dt.moe_forward(*a, **{**kwargs, **override})
+
+
+def test_zero_tokens_give_an_empty_output():
+    args, kwargs = layer(0, 6, 64, 32, DEEPSEEK)
+    y = dt.moe_forward(*args, **kwargs)
+    assert y.shape == (0, 64) and y.dtype == torch.float16

@@ -8,13 +8,17 @@ One program owns (row block, N tile, K split). Row blocks come from the block-al
 returns at once), so the grid size is a host-side bound and nothing syncs. The tile is computed
 transposed, ``acc[BLOCK_N, BLOCK_M]`` (the weights are the long side, tokens the short one):
 
-- weights are loaded as int32 words ``[BLOCK_N, BLOCK_K / 8]``; word ``w`` of row ``n`` holds k = 8w .. 8w + 7,
-  nibble ``i`` (bits 4i..4i+3) being k = 8w + i. One shift and two masks turn nibbles ``c`` and ``c + 4``
-  of every word into two fp16 values (E2M1 value * 2^-14, exact: the E2M1 subnormal 0.5 lands on an fp16
-  subnormal), so each word yields eight weight "classes" k = 8w + c, c = 0..7;
-- each class is scaled in fp32 by ``2^(s - 127 + 14)`` (built from the E8M0 bits) and multiplied with the
-  matching activations ``x[rows, 8w + c]``: ``tl.dot`` when ``BLOCK_M >= 16`` (tokens padded to the block),
-  else an FMA accumulation ``[BLOCK_N, BLOCK_K / 8, BLOCK_M]`` reduced once at the end (GEMV style);
+- weights are loaded as int32 words ``[BLOCK_N, BLOCK_K / 8]`` (16-byte loads); word ``w`` of row ``n`` holds
+  k = 8w .. 8w + 7, nibble ``i`` (bits 4i..4i+3) being k = 8w + i. Two shifts and two masks turn nibbles
+  ``c`` and ``c + 4`` of every word into two fp16 values (E2M1 value * 2^-14, exact: the E2M1 subnormal 0.5
+  lands on an fp16 subnormal), so each word yields eight weight "classes" k = 8w + c, c = 0..7;
+- the activations are read from a class-major copy ``x[rows, 8, K/8]`` (one small transpose per call), so
+  class ``c`` of a tile is a contiguous vector;
+- ``BLOCK_M = 1`` (GEMV style, about one row per expert): the eight classes of a word are multiplied and
+  summed in fp32, then scaled once per word by ``2^(s - 127 + 14)`` (built from the E8M0 bits);
+  ``num_stages > 1`` here means: load the next tile into registers before this one's arithmetic;
+- ``BLOCK_M >= 16``: each class is scaled in fp32, rounded to the activation dtype and multiplied on tensor
+  cores (``tl.dot``, tokens padded to the block);
 - ``SPLIT_K > 1`` splits K over the grid and adds fp32 partials with atomics (fills the GPU when there are
   few row blocks and N tiles).
 
@@ -286,7 +290,7 @@ def _default(phase, shape):
     SMs idle.
     """
     routed = shape["T"] * shape["top_k"]
-    per_expert = routed / expected_active_experts(shape)
+    per_expert = routed / max(expected_active_experts(shape), 1.0)
     block_m = 1 if per_expert < 1.2 else 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     block_n = min(128, max(16, bucket(shape["N"])))
     block_k = 128

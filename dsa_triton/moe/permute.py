@@ -125,5 +125,5 @@ def combine_rows(y_sorted: torch.Tensor, sort: ExpertSort) -> torch.Tensor:
     """Weighted sum of each token's expert rows: ``y_sorted[M, N]`` (sorted order) -> ``[T, N]`` fp32."""
     slot_row = sort.slot_row.long()
     tokens = sort.num_rows // sort.top_k
-    per_slot = y_sorted[slot_row].float().view(tokens, sort.top_k, -1)
+    per_slot = y_sorted[slot_row].float().view(tokens, sort.top_k, y_sorted.shape[1])
     return (per_slot * sort.sorted_weight[slot_row].view(tokens, sort.top_k, 1)).sum(dim=1)
