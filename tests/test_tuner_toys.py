@@ -14,9 +14,10 @@ from typing import Iterator
 
 import pytest
 import torch
+
+import dsa_triton  # noqa: F401  (first: turns the interpreter on before triton is imported)
 import triton
 import triton.language as tl
-
 import tuning_db
 from dsa_triton import registry
 from dsa_triton.registry import Cost, KernelSpec
