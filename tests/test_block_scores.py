@@ -108,3 +108,11 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="^pages: 1 rows"):
         dt.selected_page_logits(q, w, cache.ik, cache.ik_scale, cache.block_table, cache.seq_lens, limits,
                                 pages[:1], cu_seqlens_q=cu)
+
+
+def test_recall_report_on_cpu():
+    rows = registry.reports()["block_scores_recall"](torch.device("cpu"), None)
+    recall = [r for r in rows if r["measure"] == "recall"]
+    assert len(recall) == 6 and all(0.0 <= r["recall_min"] <= r["recall_mean"] <= 1.0 for r in recall)
+    assert all(r["recall_mean"] >= 0.8 for r in recall if r["locality"] == 1.0)  # a few hot pages: found
+    assert all(r["block_us"] > 0 for r in rows if r["measure"] == "time")
