@@ -84,7 +84,7 @@ def _paths(prob: dict, L: int):
 
 def report(device, ceilings) -> list[dict]:
     gpu = ceilings is not None
-    B, L, P, H, DK, k = (64, 131072, 64, 64, 128, 2048) if gpu else (2, 2048, 16, 8, 32, 32)
+    B, L, P, H, DK, k = (64, 131072, 64, 64, 128, 2048) if gpu else (2, 1024, 16, 8, 32, 16)
     n_pages = triton.cdiv(L, P)
     rows = []
     for strength in (0.25, 1.0):  # weak, then strong locality (kept for the timing)
