@@ -4,7 +4,7 @@ import torch
 
 import dsa_triton as dt
 from dsa_triton import ConfigError
-from dsa_triton.moe.layer import PATH, _workspace_gemm, swiglu
+from dsa_triton.moe.layer import PATH, _workspace_gemm, compare_layer, swiglu
 from dsa_triton.moe.layer_reference import moe_forward_torch
 from dsa_triton.moe.mxfp4_reference import mxfp4_quantize_torch
 from dsa_triton.moe.routing import RoutingConfig
@@ -49,12 +49,16 @@ def test_moe_forward_matches_oracle(tokens, experts, hidden, inter, routing, sha
 
 
 def test_workspace_path_when_available():
-    args, kwargs = layer(3, 6, 64, 32, DEEPSEEK, seed=11)
+    args, kwargs = layer(16, 6, 64, 32, DEEPSEEK, seed=11)
     if _workspace_gemm() is None:  # part of another module; until it lands the path is refused, not faked
         with pytest.raises(ConfigError, match="workspace"):
             dt.moe_forward(*args, **kwargs, config={"path": "workspace"})
-    else:
-        assert_matches_oracle(args, kwargs, config={"path": "workspace"})
+    else:  # FP8 (e4m3) activations: about 4% relative error; a wrong expert or row would be O(1)
+        with poisoned_allocations():
+            y = dt.moe_forward(*args, **kwargs, config={"path": "workspace"})
+        ref = moe_forward_torch(*args, **kwargs)
+        assert compare_layer(y, ref) is None
+        assert compare_layer(y, ref, max_relative=1e-3) is not None  # it did run the FP8 path (fused: ~5e-4)
 
 
 def test_path_default_is_a_crossover_on_rows_per_expert():
