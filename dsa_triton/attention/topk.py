@@ -429,14 +429,16 @@ def _constraint(config, shape):
 
 
 def _default(phase, shape):
+    """About 4 programs per SM in passes 1-2 (smaller tiles when there are few scores), 8 scores per thread in pass 3."""
     T, L = shape["T"], shape["L"]
+    tile, group, warps = (8192, 16, 4) if T * L >= 4 * _SMS * 8192 else (2048, 8, 2)
     split = 1
-    while T * split < 4 * _SMS and (split * 2) * 8192 <= L:
+    while T * split < 4 * _SMS and (split * 2) * tile <= L:
         split *= 2
     few_rows = T <= 2 * _SMS  # then pass 3 has an SM per row: wide programs, fewer digit sweeps
-    return {"SPLIT": split, "TILE": 8192, "WARPS": 4, "GROUP": 16, "HIST_BITS": 10,
-            "COLLECT_TILE": 2048, "COLLECT_WARPS": 4, "CAP_K": 4,
-            "SEL_BITS": 8 if few_rows else 5, "SEL_TILE": 4096 if few_rows else 1024,  # 8 scores per thread
+    return {"SPLIT": split, "TILE": tile, "WARPS": warps, "GROUP": group, "HIST_BITS": 10,
+            "COLLECT_TILE": min(2048, tile), "COLLECT_WARPS": 4, "CAP_K": 4,
+            "SEL_BITS": 8 if few_rows else 5, "SEL_TILE": 4096 if few_rows else 1024,
             "SEL_WARPS": 16 if few_rows else 4}
 
 
