@@ -183,8 +183,9 @@ def test_registered_spec_runs_its_cpu_shapes():
     assert spec.cost("any", {"T": 2, "L": 10, "k": 4}).bytes == 4 * (9 + 10) + 4 * 2 * 4
 
 
-def test_empty_batch():
+def test_empty_batch_and_empty_rows():
     assert dt.topk_indices(torch.randn(0, 100), 8).shape == (0, 8)
+    assert (run_and_check(torch.randn(3, 0), 4) == -1).all()
 
 
 def _bad_calls():
