@@ -154,6 +154,9 @@ def launch_logits(mode: int, q, w, k, k_scale, out, limits, cu, max_rows: int, *
     H, DK = q.shape[1], q.shape[2]
     block_m = config["BLOCK_M"]
     grid = (G, triton.cdiv(max_rows, block_m), triton.cdiv(n_cols, config["CHUNK"]))
+    if grid[1] > 65535 or grid[2] > 65535:
+        raise ValueError(f"max_q, num_cols: {max_rows} rows of a sequence / {n_cols} columns exceed one launch "
+                         f"(65535 row blocks of {block_m}, chunks of {config['CHUNK']}); split the call")
     dummy = cu
     _logits_kernel[grid](
         q, w, k, k2 if k2 is not None else k, k_scale if k_scale is not None else dummy, out,
@@ -234,7 +237,8 @@ def indexer_logits(
     else:
         SPEC.validate(config, shape)
     out = torch.empty(rows.T, L, dtype=torch.float32, device=rows.device)
-    return launch_logits(DENSE, q, weights, k, k_scale, out, limits, rows.cu, rows.max_q, config=config, page_size=max(P, 1), block_table=block_table, key_starts=key_starts)
+    return launch_logits(DENSE, q, weights, k, k_scale, out, limits, rows.cu, rows.max_q, config=config,
+                         page_size=max(P, 1), block_table=block_table, key_starts=key_starts)
 
 
 # -- registry entry -------------------------------------------------------------------------------
@@ -342,10 +346,12 @@ def _bench_shapes(phase: str, gpu: bool) -> list[dict[str, int]]:
 
 
 def _default(phase: str, shape) -> dict:
+    """Tiles that keep 2-4 CTAs per SM on an H200 (sm_90 ptxas: 106-156 registers, no spills)."""
     if phase == "decode":
         block_m = triton.next_power_of_2(max(shape["Q"], 1))
-        return {"BLOCK_M": block_m, "BLOCK_N": 128, "CHUNK": 4096, "num_warps": 4 if block_m == 1 else 8, "num_stages": 3}
-    return {"BLOCK_M": 2, "BLOCK_N": 128, "CHUNK": 16384, "num_warps": 8, "num_stages": 3}
+        block_n, warps = {1: (128, 4), 2: (64, 4)}.get(block_m, (64, 8))
+        return {"BLOCK_M": block_m, "BLOCK_N": block_n, "CHUNK": 4096, "num_warps": warps, "num_stages": 3}
+    return {"BLOCK_M": 2, "BLOCK_N": 64, "CHUNK": 16384, "num_warps": 4, "num_stages": 3}
 
 
 def accumulator_registers(block_n: int, block_m: int, heads: int, warps: int, accumulators: int = 1) -> float:
