@@ -76,15 +76,30 @@ def _k_mask(k0, k_end, WORDS: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(w_rows, s_rows, kw, n_ok, k_ok, EVEN_K: tl.constexpr):
-    """Words ``[BLOCK_N, WORDS]`` of the tile at word offsets ``kw`` and their scale multipliers 2^(s - 113)."""
+def _weight_tile(w_rows, s_rows, k0, k_end, n_ok, WORDS: tl.constexpr, EVEN_K: tl.constexpr,
+                 GROUP_SCALES: tl.constexpr):
+    """Words ``[BLOCK_N, WORDS]`` of the tile at word ``k0`` and their scale multipliers 2^(s - 113) (one E8M0
+    byte per 4 words). ``GROUP_SCALES`` loads the bytes once per group and broadcasts them to the words
+    (fewer loads where rows spread over many threads: the tensor-core layouts), else one gather per word."""
+    kw, k_ok = _k_mask(k0, k_end, WORDS, EVEN_K)
     if EVEN_K:
         mask = n_ok[:, None] & k_ok
     else:
         mask = n_ok[:, None] & k_ok[None, :]
     words = tl.load(w_rows + kw[None, :], mask=mask, other=0)
-    s = tl.load(s_rows + (kw // 4)[None, :], mask=mask, other=0)  # one E8M0 byte per 4 words
+    if GROUP_SCALES:
+        groups, g_ok = _k_mask(k0 // 4, tl.cdiv(k_end, 4), WORDS // 4, EVEN_K)
+        if EVEN_K:
+            g_mask = n_ok[:, None] & g_ok
+        else:
+            g_mask = n_ok[:, None] & g_ok[None, :]
+        s = tl.load(s_rows + groups[None, :], mask=g_mask, other=0)
+    else:
+        s = tl.load(s_rows + (kw // 4)[None, :], mask=mask, other=0)
     multiplier = (tl.minimum(s.to(tl.int32) + 14, 255) << 23).to(tl.float32, bitcast=True)  # 2^(s-113)
+    if GROUP_SCALES:
+        multiplier = tl.reshape(tl.broadcast_to(multiplier[:, :, None], (w_rows.shape[0], WORDS // 4, 4)),
+                                (w_rows.shape[0], WORDS))
     return words, multiplier
 
 
@@ -139,7 +154,7 @@ def _fused_moe_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_begin, k_end, WORDS):
             kw, k_ok = _k_mask(k0, k_end, WORDS, EVEN_K)
-            words, multiplier = _weight_tile(w_rows, s_rows, kw, n_ok, k_ok, EVEN_K)
+            words, multiplier = _weight_tile(w_rows, s_rows, k0, k_end, n_ok, WORDS, EVEN_K, True)
             for c in tl.static_range(4):
                 low, high = _e2m1_pair(words, c)
                 x_low = _x_class(x_rows_ptr, c, kw, K_WORDS, row_ok, k_ok, USE_DOT, EVEN_K)
@@ -151,15 +166,13 @@ def _fused_moe_kernel(
         # issues the next tile's loads before this tile's arithmetic (the pipeliner leaves dot-free loops alone)
         acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
         if PREFETCH:
-            kw, k_ok = _k_mask(k_begin, k_end, WORDS, EVEN_K)
-            words, multiplier = _weight_tile(w_rows, s_rows, kw, n_ok, k_ok, EVEN_K)
+            words, multiplier = _weight_tile(w_rows, s_rows, k_begin, k_end, n_ok, WORDS, EVEN_K, False)
         for k0 in range(k_begin, k_end, WORDS):
             kw, k_ok = _k_mask(k0, k_end, WORDS, EVEN_K)
             if PREFETCH:
-                next_kw, next_ok = _k_mask(k0 + WORDS, k_end, WORDS, EVEN_K)
-                next_words, next_multiplier = _weight_tile(w_rows, s_rows, next_kw, n_ok, next_ok, EVEN_K)
+                next_words, next_multiplier = _weight_tile(w_rows, s_rows, k0 + WORDS, k_end, n_ok, WORDS, EVEN_K, False)
             else:
-                words, multiplier = _weight_tile(w_rows, s_rows, kw, n_ok, k_ok, EVEN_K)
+                words, multiplier = _weight_tile(w_rows, s_rows, k0, k_end, n_ok, WORDS, EVEN_K, False)
             part = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
             for c in tl.static_range(4):
                 low, high = _e2m1_pair(words, c)
@@ -285,9 +298,9 @@ def expected_active_experts(shape) -> float:
 def _default(phase, shape):
     """GEMV style (BLOCK_M = 1) while experts average under 1.2 rows, else tensor cores with 16..64-row blocks.
 
-    Tiles from the sm_90 SASS of this kernel (instructions per weight: GEMV 128 x 128 about 5.3 at 80
-    registers; dot 128 x 128 about 8 with 16-byte shared stores); split K only when the grid would leave
-    SMs idle.
+    Tiles from the sm_90 SASS of this kernel (loop instructions per weight: GEMV 128 x 128 about 5.3 at 80
+    registers; tensor cores 16 x 128 x 128 about 6.7, the weights fed to wgmma from registers); split K only
+    when the grid would leave SMs idle.
     """
     routed = shape["T"] * shape["top_k"]
     per_expert = routed / max(expected_active_experts(shape), 1.0)
