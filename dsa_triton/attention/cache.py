@@ -274,7 +274,8 @@ class PagedCache:
         fill = float("nan") if poison else 0.0
         new = lambda shape, dt: torch.full(shape, fill, dtype=dt, device=device)  # noqa: E731
         self.kv = new((num_pages, page_size, kv_dim), dtype) if kv_dim else None
-        self.ik = new((num_pages, page_size, index_dim), torch.float8_e4m3fn) if index_dim else None
+        ik_bytes = torch.full((num_pages, page_size, index_dim), 0x7F if poison else 0, dtype=torch.uint8, device=device)
+        self.ik = ik_bytes.view(torch.float8_e4m3fn) if index_dim else None  # 0x7F: e4m3 NaN
         self.ik_scale = new((num_pages, page_size), torch.float32) if index_dim else None
         self.summaries = new((num_pages, 2, index_dim), torch.float32) if index_dim else None
         self.block_table = torch.full((max_seqs, max_pages_per_seq), -1, dtype=torch.int32, device=device)

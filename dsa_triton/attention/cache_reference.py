@@ -23,6 +23,11 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x8, scale
 
 
+def fp8_rows(x8: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x8[index]`` for an FP8 tensor, through a byte view (indexing FP8 is not on every device)."""
+    return x8.view(torch.uint8)[index].view(x8.dtype)
+
+
 def dequantize_rows(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x8[..., D]`` e4m3, ``scale[...]`` -> fp32 ``[..., D]``."""
     return x8.float() * scale[..., None].float()
@@ -49,9 +54,9 @@ def append_torch(
     if index_k is None:
         return
     x8, scale = fp8_quantize_rows(index_k)
-    ik.view(-1, ik.shape[-1])[slots] = x8
+    ik.view(-1, ik.shape[-1]).view(torch.uint8)[slots] = x8.view(torch.uint8)
     ik_scale.view(-1)[slots] = scale
-    keys = dequantize_rows(ik[pages], ik_scale[pages])  # [n, P, DK]
+    keys = dequantize_rows(fp8_rows(ik, pages), ik_scale[pages])  # [n, P, DK]
     used = (torch.arange(ik.shape[1], device=ik.device) < fill[:, None])[..., None]
     summaries[pages, 0] = keys.where(used, float("-inf")).amax(dim=1)
     summaries[pages, 1] = keys.where(used, float("inf")).amin(dim=1)

@@ -10,6 +10,8 @@ import contextlib
 
 import torch
 
+from .cache_reference import fp8_rows
+
 
 @contextlib.contextmanager
 def exact_fp8_matmul():
@@ -31,7 +33,7 @@ def sequence_keys(k: torch.Tensor, k_scale: torch.Tensor, b: int, n: int, *,
     if block_table is not None:
         P = k.shape[1]
         slots = block_table[b].long()[pos // P] * P + pos % P
-        return k.reshape(-1, k.shape[-1])[slots], k_scale.reshape(-1)[slots]
+        return fp8_rows(k.reshape(-1, k.shape[-1]), slots), k_scale.reshape(-1)[slots]
     start = 0 if key_starts is None else int(key_starts[b])
     return k[start:start + n], k_scale[start:start + n]
 
