@@ -146,7 +146,7 @@ def _check_cache_tensors(kv_cache, ik, ik_scale, summaries, kv, index_k) -> tupl
         check_tensor("kv", kv, dtype=kv_cache.dtype, shape=(None, D), device=device)
         n = kv.shape[0]
     if index_k is not None:
-        check_tensor("ik", ik, dtype=torch.float8_e4m3fn, ndim=3)
+        check_tensor("ik", ik, dtype=torch.float8_e4m3fn, ndim=3, device=device)
         device = device or check_kernel_device("ik", ik)
         num_pages, P2, DK = ik.shape
         if P is not None and (P2 != P or num_pages != kv_cache.shape[0]):
@@ -164,7 +164,8 @@ def _check_cache_tensors(kv_cache, ik, ik_scale, summaries, kv, index_k) -> tupl
             raise ValueError(f"index_k: {index_k.shape[0]} rows, but kv has {n}")
         n = index_k.shape[0]
     if P not in PAGE_SIZES:
-        raise ValueError(f"page size: must be one of {PAGE_SIZES}, got {P}")
+        name = "kv_cache" if kv is not None else "ik"
+        raise ValueError(f"{name}: page size (dimension 1) must be one of {PAGE_SIZES}, got {P}")
     return P, n, device
 
 
