@@ -277,12 +277,16 @@ def _constraint(config, shape) -> str | None:
     words = bk // 8
     if bm > 1 and words < 16:
         return "tl.dot needs BLOCK_K / 8 >= 16 (BLOCK_K >= 128)"
+    if bm == 1 and config["num_stages"] > 2:
+        return "GEMV style: num_stages 1 (no prefetch) or 2 (prefetch the next tile) only"
     if bm > max(16, bucket(shape["T"] * shape["top_k"])):
         return "BLOCK_M exceeds the routed rows"
     if bn > max(16, bucket(shape["N"])) or bk > max(128, bucket(shape["K"])):
         return "BLOCK_N or BLOCK_K exceeds the matrix"
     if config["SPLIT_K"] > triton.cdiv(shape["K"], bk):
         return "SPLIT_K leaves a split without a K tile"
+    if bm > 1 and config["num_stages"] * (2 * bk * bm + bn * bk // 2 + bn * bk // 32) > 200 * 1024:
+        return "pipelined x, weight and scale tiles exceed 200 KB of shared memory"
     per_thread = bn * words / (32 * warps)  # weight words per thread; GEMV keeps as many fp32 partial sums
     if per_thread > (32 if bm == 1 else 64) or bn * bm / (32 * warps) > 128:
         return "tile too large for the registers of num_warps warps"
