@@ -7,6 +7,7 @@ from dsa_triton import registry
 from dsa_triton.attention.block_scores_reference import gather_selected_torch, page_bounds_torch
 from dsa_triton.attention.indexer import compare_logits, random_queries
 
+from .poison import poisoned_allocations
 from .test_indexer import decode_rows, paged_cache
 
 
@@ -22,8 +23,9 @@ def test_bounds_are_upper_bounds(P):
     cache, q, w, limits, cu = problem(P, seed=P)
     assert bool((w < 0).any() and (w > 0).any())  # both signs of the head weights
     n_pages = -(-70 // P)
-    bounds = dt.block_scores(q, w, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens, limits, P,
-                             cu_seqlens_q=cu)
+    with poisoned_allocations():
+        bounds = dt.block_scores(q, w, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens, limits, P,
+                                 cu_seqlens_q=cu)
     ref = page_bounds_torch(q, w, cache.pmax, cache.pmin, cache.block_table, limits, P, n_pages, cu)
     assert compare_logits(bounds, ref, rtol=1e-5) is None
     dense = dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, cu_seqlens_q=cu,
@@ -41,8 +43,9 @@ def test_all_pages_selected_equals_token_level(P):
     n_pages = -(-70 // P)
     kw = dict(cu_seqlens_q=cu, config={**registry.get("indexer_block_path").default("decode", {"Q": 3, "H": 8}),
                                        "BLOCK_N": 32, "CHUNK": 256, "num_warps": 4})
-    logits, pos = dt.block_indexer_logits(q, w, cache.ik, cache.ik_scale, cache.pmax, cache.pmin, cache.block_table,
-                                          cache.seq_lens, limits, n_pages + 2, **kw)
+    with poisoned_allocations():
+        logits, pos = dt.block_indexer_logits(q, w, cache.ik, cache.ik_scale, cache.pmax, cache.pmin,
+                                              cache.block_table, cache.seq_lens, limits, n_pages + 2, **kw)
     dense = dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, cu_seqlens_q=cu, block_table=cache.block_table,
                               seq_lens=cache.seq_lens, num_cols=(n_pages + 2) * P,
                               config={"BLOCK_M": 1, "BLOCK_N": 32, "CHUNK": 256, "num_warps": 4, "num_stages": 3})
@@ -65,8 +68,9 @@ def test_partial_selection_matches_dense_logits():
     assert torch.equal(chosen[:2], top[:2])
     assert torch.equal(pages[2], torch.tensor([0, -1, -1], dtype=torch.int32))  # one valid page only
     assert bool((pages[3:] == -1).all())  # zero-length sequence
-    logits, pos = dt.selected_page_logits(q, w, cache.ik, cache.ik_scale, cache.block_table, cache.seq_lens,
-                                          limits, pages, cu_seqlens_q=cu)
+    with poisoned_allocations():
+        logits, pos = dt.selected_page_logits(q, w, cache.ik, cache.ik_scale, cache.block_table, cache.seq_lens,
+                                              limits, pages, cu_seqlens_q=cu)
     dense = dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, cu_seqlens_q=cu,
                               block_table=cache.block_table, seq_lens=cache.seq_lens, num_cols=150)
     ref_logits, ref_pos = gather_selected_torch(dense, pages, 16, limits)
@@ -79,7 +83,8 @@ def test_registry_entry():
     spec = registry.get("indexer_block_path")
     for shape in spec.bench_shapes("decode", False):
         inputs = spec.make_inputs("decode", shape, torch.device("cpu"), 11)
-        out = spec.run(inputs, spec.default("decode", shape))
+        with poisoned_allocations():
+            out = spec.run(inputs, spec.default("decode", shape))
         ref = spec.reference(inputs)
         assert spec.compare(out, ref) is None
         bounds, logits, positions = out
