@@ -8,6 +8,7 @@ import torch
 import dsa_triton as dt
 from dsa_triton.moe.mxfp4 import random_mxfp4
 from dsa_triton.moe.mxfp4_reference import mxfp4_dequantize_torch
+from dsa_triton.moe import workspace
 from dsa_triton.moe.workspace import FP8Workspace, shared_workspace
 
 
@@ -86,7 +87,8 @@ def test_views_fit_every_sized_shape_and_conversion_writes_into_them():
         assert w.data_ptr() == ws.weights[lease.first].data_ptr()
 
 
-def test_shared_workspace_is_reused_and_grows_to_the_peak():
+def test_shared_workspace_is_reused_and_grows_to_the_peak(monkeypatch):
+    monkeypatch.setattr(workspace, "_shared", {})  # start from no workspace, whatever ran before
     a = shared_workspace("cpu", 2, 16, 64)
     assert shared_workspace("cpu", 1, 8, 64) is a
     b = shared_workspace("cpu", 4, 16, 128)
