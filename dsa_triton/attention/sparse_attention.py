@@ -17,6 +17,7 @@ Launch configs come from the tuning database through the registry (kernels ``spa
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -77,12 +78,20 @@ def _check_index_range(indices: torch.Tensor, block_table: torch.Tensor | None, 
         raise ValueError(f"block_table: an entry used by indices is outside [0, {num_slots // page_size}) (num_pages)")
 
 
+@functools.lru_cache(maxsize=1024)
+def _validated(kernel: str, config: tuple, shape: tuple) -> dict:
+    """An explicit config checked against the kernel's space once per (config, shape)."""
+    return registry.get(kernel).validate(dict(config), dict(shape))
+
+
 def _attend(kernel: str, shape: dict[str, int], q4: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
             block_table: torch.Tensor | None, bt_div: int, page_size: int, d_v: int, sm_scale: float,
             config: dict | None, check_indices: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = registry.get(kernel)
-    phase = spec.phases[0]
-    config = spec.launch_config(phase, shape, q4.device) if config is None else spec.validate(dict(config), shape)
+    if config is None:
+        spec = registry.get(kernel)
+        config = spec.launch_config(spec.phases[0], shape, q4.device)
+    else:
+        config = _validated(kernel, tuple(config.items()), tuple(shape.items()))
     if check_indices and idx.numel():
         _check_index_range(idx, block_table, bt_div, kv.shape[0], page_size)
     if block_table is not None:

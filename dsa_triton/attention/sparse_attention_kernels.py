@@ -53,12 +53,22 @@ def _logical_to_slots(idx_ptr, bt_ptr, slot_ptr, k_len, max_pages, num_pages, bt
 
 
 @triton.jit
+def _scores(q_nope, k_nope, q_rope, k_rope, qk_scale, D_R: tl.constexpr):
+    """``(q_nope @ k_nope^T + q_rope @ k_rope^T) * qk_scale`` (fp32); each dot scaled on its own, so neither
+    becomes the other's accumulator (which would make Triton treat the first as chained)."""
+    qk = tl.dot(q_nope, tl.trans(k_nope)) * qk_scale
+    if D_R > 0:
+        qk += tl.dot(q_rope, tl.trans(k_rope)) * qk_scale
+    return qk
+
+
+@triton.jit
 def _sparse_attention_fwd(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
     M, H, k_len, tokens_per_split, num_slots, qk_scale,
     s_qr, s_qs, s_qh, s_kv, s_ir,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_SCORES: tl.constexpr,
 ):
     """Query row (r, m) is ``q_ptr + r*s_qr + (m // H)*s_qs + (m % H)*s_qh``; outputs are contiguous
     ``[R, M, NUM_SPLITS, D_V]`` and lse ``[R, M, NUM_SPLITS]`` (with one split: the final out and lse)."""
@@ -74,6 +84,7 @@ def _sparse_attention_fwd(
     offs_dr = tl.arange(0, BLOCK_DR)
     q_rows = q_ptr + r * s_qr + (offs_m // H) * s_qs + (offs_m % H) * s_qh
     q_nope = tl.load(q_rows[:, None] + offs_dv[None, :], mask=_tile_mask(m_ok, offs_dv, D_V, BLOCK_DV), other=0.0)
+    q_rope = q_nope  # unused without a rope part
     if D_R > 0:
         q_rope = tl.load(q_rows[:, None] + D_V + offs_dr[None, :], mask=_tile_mask(m_ok, offs_dr, D_R, BLOCK_DR),
                          other=0.0)
@@ -90,12 +101,18 @@ def _sparse_attention_fwd(
         ok = (slot >= 0) & (slot < num_slots)
         rows = kv_ptr + tl.where(ok, slot, 0).to(tl.int64) * s_kv
         k_nope = tl.load(rows[:, None] + offs_dv[None, :], mask=_tile_mask(ok, offs_dv, D_V, BLOCK_DV), other=0.0)
-        qk = tl.dot(q_nope, tl.trans(k_nope))
+        k_rope = k_nope  # unused without a rope part
         if D_R > 0:
             k_rope = tl.load(rows[:, None] + D_V + offs_dr[None, :], mask=_tile_mask(ok, offs_dr, D_R, BLOCK_DR),
                              other=0.0)
-            qk = tl.dot(q_rope, tl.trans(k_rope), qk)
-        qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))
+        if SPLIT_SCORES:
+            if start >= lo:  # always true: the region ends the score dots' forward slice (see the module docstring)
+                qk = _scores(q_nope, k_nope, q_rope, k_rope, qk_scale, D_R)
+            else:
+                qk = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        else:
+            qk = _scores(q_nope, k_nope, q_rope, k_rope, qk_scale, D_R)
+        qk = tl.where(ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while nothing is valid yet
         p = tl.exp2(qk - m_ref[:, None])
@@ -139,9 +156,19 @@ def _combine_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, D_V: tl.conste
     tl.store(lse_ptr + row, lse)
 
 
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil division (``triton.cdiv`` is a constexpr function, ~10x slower to call from Python)."""
+    return -(-a // b)
+
+
+def pow2(n: int) -> int:
+    """Host-side next power of two (>= 1), like ``triton.next_power_of_2`` without its call overhead."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def head_blocks(d: int, d_v: int) -> tuple[int, int]:
     """Padded widths of the value part and the rope part of a ``d``-wide row (each at least 16, for ``tl.dot``)."""
-    return max(16, triton.next_power_of_2(d_v)), max(16, triton.next_power_of_2(max(1, d - d_v)))
+    return max(16, pow2(d_v)), max(16, pow2(d - d_v))
 
 
 def logical_to_slots(indices: torch.Tensor, block_table: torch.Tensor, bt_div: int, page_size: int,
@@ -151,8 +178,8 @@ def logical_to_slots(indices: torch.Tensor, block_table: torch.Tensor, bt_div: i
     R, k = indices.shape
     slots = alloc((R, k), dtype=torch.int32, device=indices.device)
     if slots.numel():
-        block = min(1024, triton.next_power_of_2(k))
-        _logical_to_slots[(R, triton.cdiv(k, block))](
+        block = min(1024, pow2(k))
+        _logical_to_slots[(R, cdiv(k, block))](
             indices, block_table, slots, k, block_table.shape[1], num_pages, bt_div, indices.stride(0),
             block_table.stride(0), PAGE_SIZE=page_size, BLOCK=block, num_warps=4)
     return slots
@@ -176,16 +203,16 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
     else:
         part_out, part_lse = out, lse
     block_dv, block_dr = head_blocks(D, d_v)
-    grid = (R * num_splits * triton.cdiv(M, config["BLOCK_H"]),)
+    grid = (R * num_splits * cdiv(M, config["BLOCK_H"]),)
     _sparse_attention_fwd[grid](
         q, kv, slots, part_out, part_lse,
-        M, H, k, triton.cdiv(triton.cdiv(k, num_splits), block_n) * block_n, kv.shape[0], sm_scale * LOG2E,
+        M, H, k, cdiv(cdiv(k, num_splits), block_n) * block_n, kv.shape[0], sm_scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), slots.stride(0),
         D_V=d_v, D_R=D - d_v, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
-        NUM_SPLITS=num_splits, BLOCK_H=config["BLOCK_H"], BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, BLOCK_H=config["BLOCK_H"], BLOCK_N=block_n, SPLIT_SCORES=config["SPLIT_SCORES"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     if num_splits > 1:
         _combine_splits[(R * M,)](part_out, part_lse, out, lse, D_V=d_v, NUM_SPLITS=num_splits, BLOCK_DV=block_dv,
-                                  BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
+                                  BLOCK_S=pow2(num_splits), num_warps=4)
     return out, lse

@@ -15,13 +15,11 @@ from __future__ import annotations
 import sys
 
 import torch
-import triton
-
 from .. import registry
 from ..harness import Ceilings, floor_us, rotation, time_rotating, time_us
 from ..registry import Cost, KernelSpec
 from . import sparse_attention, sparse_attention_kernels, sparse_attention_reference
-from .sparse_attention_kernels import head_blocks
+from .sparse_attention_kernels import cdiv, head_blocks, pow2
 from .sparse_attention_reference import (gather_einsum, slots_from_indices, sparse_attention_decode_torch,
                                          sparse_attention_prefill_torch)
 
@@ -31,6 +29,7 @@ SPACE = {
     "num_splits": (1, 2, 4, 8, 16, 32, 64),
     "num_warps": (4, 8),
     "num_stages": (1, 2, 3, 4),
+    "SPLIT_SCORES": (0, 1),
 }
 SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
 REG_BUDGET = 128  # 32-bit registers per thread for the fp32 accumulator (+ q where mma.sync keeps it in registers)
@@ -48,17 +47,19 @@ def _constraint(phase: str):
         R, M = _rows(phase, shape)
         k, bh, bn, warps = shape["k"], config["BLOCK_H"], config["BLOCK_N"], config["num_warps"]
         bdv, bdr = head_blocks(shape["D"], shape["Dv"])
-        if bh > max(16, triton.next_power_of_2(M)):
+        if bh > max(16, pow2(M)):
             return f"BLOCK_H={bh} is wider than the {M} query rows"
-        if bn > max(16, triton.next_power_of_2(k)):
+        if bn > max(16, pow2(k)):
             return f"BLOCK_N={bn} is longer than k={k}"
-        if config["num_splits"] > triton.cdiv(k, bn):
-            return f"num_splits={config['num_splits']} exceeds the {triton.cdiv(k, bn)} tiles of k"
+        if config["num_splits"] > cdiv(k, bn):
+            return f"num_splits={config['num_splits']} exceeds the {cdiv(k, bn)} tiles of k"
         threads = 32 * warps
         regs = bh * bdv / threads + (bh * (bdv + bdr) / 2 / threads if bh < WGMMA_ROWS else 0)
         if regs > REG_BUDGET:
             return f"accumulator needs ~{regs:.0f} registers per thread (> {REG_BUDGET}): fewer rows or more warps"
-        smem = 2 * (bh + min(config["num_stages"], 2) * bn) * (bdv + bdr)
+        if config["SPLIT_SCORES"] and (bh < WGMMA_ROWS or warps == 4):
+            return "SPLIT_SCORES only changes tiles of >= 64 rows over two warpgroups (BLOCK_H >= 64, 8 warps)"
+        smem = 2 * (bh + min(config["num_stages"], 2) * bn) * (bdv + bdr) + 4 * bh * bn * config["SPLIT_SCORES"]
         if smem > SMEM_BYTES:
             return f"q tile + KV buffers need ~{smem} bytes of shared memory (> {SMEM_BYTES})"
         return None
@@ -76,12 +77,13 @@ def _default(phase: str):
     def default(_phase, shape) -> dict:
         R, M = _rows(phase, shape)
         k = shape["k"]
-        top = min(WGMMA_ROWS, max(16, triton.next_power_of_2(M)))
-        candidates = ({"BLOCK_N": bn, "BLOCK_H": bh, "num_splits": 1, "num_warps": w, "num_stages": 2}
+        top = min(WGMMA_ROWS, max(16, pow2(M)))
+        candidates = ({"BLOCK_N": bn, "BLOCK_H": bh, "num_splits": 1, "num_warps": w, "num_stages": 2,
+                       "SPLIT_SCORES": 0}
                       for bh in (64, 32, 16) if bh <= top for w in (4, 8) for bn in (64, 32, 16))
         config = next(c for c in candidates if constraint(c, shape) is None)
-        programs = max(1, R * triton.cdiv(M, config["BLOCK_H"]))
-        while (config["num_splits"] * 2 <= min(SPACE["num_splits"][-1], triton.cdiv(k, config["BLOCK_N"]))
+        programs = max(1, R * cdiv(M, config["BLOCK_H"]))
+        while (config["num_splits"] * 2 <= min(SPACE["num_splits"][-1], cdiv(k, config["BLOCK_N"]))
                and programs * config["num_splits"] * 2 <= _sm_count()):
             config["num_splits"] *= 2
         return config
@@ -100,7 +102,7 @@ def _make_inputs(phase: str):
         k, D, P = shape["k"], shape["D"], shape.get("P", 64)
         L = shape.get("L", 2 * k)
         seqs = R if phase == "decode" else 1
-        pages = triton.cdiv(L, P)
+        pages = cdiv(L, P)
         kv = torch.full(((seqs * pages + 1), P, D), float("nan"), dtype=dtype, device=device)
         table = (torch.randperm(seqs * pages, generator=g, device=device) + 1).view(seqs, pages).to(torch.int32)
         positions = torch.arange(L, device=device)
