@@ -79,6 +79,15 @@ def test_index_only_cache():
     assert cache.kv is None
 
 
+def test_latent_only_cache():
+    cache = PagedCache(3, 16, 2, kv_dim=24, index_dim=0, dtype=torch.float16, device="cpu", poison=True)
+    kv = torch.randn(21, 24).half()
+    cache.append([1, 0], [17, 4], kv, None)
+    assert torch.equal(cache.kv.view(-1, 24)[cache.slots(1, torch.arange(17))], kv[:17])
+    assert torch.equal(cache.kv.view(-1, 24)[cache.slots(0, torch.arange(4))], kv[17:])
+    assert int(cache.kv.isnan().any(-1).sum()) == 3 * 16 - 21 and cache.ik is None
+
+
 def test_quantization_scales_are_minimal_powers_of_two():
     x = torch.randn(64, 128) * torch.exp2(torch.randint(-20, 20, (64, 1)).float())
     x8, scale = fp8_quantize_rows(x)
