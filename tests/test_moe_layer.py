@@ -3,8 +3,7 @@ import pytest
 import torch
 
 import dsa_triton as dt
-from dsa_triton import ConfigError
-from dsa_triton.moe.layer import PATH, _workspace_gemm, compare_layer, swiglu
+from dsa_triton.moe.layer import PATH, compare_layer, swiglu
 from dsa_triton.moe.layer_reference import moe_forward_torch
 from dsa_triton.moe.mxfp4_reference import mxfp4_quantize_torch
 from dsa_triton.moe.routing import RoutingConfig
@@ -48,24 +47,20 @@ def test_moe_forward_matches_oracle(tokens, experts, hidden, inter, routing, sha
     assert_matches_oracle(args, kwargs)
 
 
-def test_workspace_path_when_available():
+def test_workspace_path_matches_oracle_to_fp8_precision():
     args, kwargs = layer(16, 6, 64, 32, DEEPSEEK, seed=11)
-    if _workspace_gemm() is None:  # part of another module; until it lands the path is refused, not faked
-        with pytest.raises(ConfigError, match="workspace"):
-            dt.moe_forward(*args, **kwargs, config={"path": "workspace"})
-    else:  # FP8 (e4m3) activations: about 4% relative error; a wrong expert or row would be O(1)
-        with poisoned_allocations():
-            y = dt.moe_forward(*args, **kwargs, config={"path": "workspace"})
-        ref = moe_forward_torch(*args, **kwargs)
-        assert compare_layer(y, ref) is None
-        assert compare_layer(y, ref, max_relative=1e-3) is not None  # it did run the FP8 path (fused: ~5e-4)
+    with poisoned_allocations():
+        y = dt.moe_forward(*args, **kwargs, config={"path": "workspace"})
+    ref = moe_forward_torch(*args, **kwargs)
+    # FP8 (e4m3) activations: about 4% relative error; a wrong expert or row would be O(1)
+    assert compare_layer(y, ref) is None
+    assert compare_layer(y, ref, max_relative=1e-3) is not None  # it did run the FP8 path (fused: ~5e-4)
 
 
 def test_path_default_is_a_crossover_on_rows_per_expert():
     decode = {"T": 1, "E": 256, "top_k": 8, "hidden": 7168, "I": 2048}
     assert PATH.default("decode", decode) == {"path": "fused"}
-    prefill = dict(decode, T=16384)
-    assert PATH.default("prefill", prefill) == {"path": "workspace" if _workspace_gemm() else "fused"}
+    assert PATH.default("prefill", dict(decode, T=16384)) == {"path": "workspace"}
 
 
 def test_swiglu_is_silu_of_the_first_half_times_the_second():

@@ -7,8 +7,9 @@ the activation is ``silu(gate) * up``. (gpt-oss interleaves gate and up rows: de
 
 Two paths for the grouped GEMMs, chosen per shape by the ``moe_path`` registry entry (the tuning database,
 else a crossover on the average routed rows per expert): ``fused`` (:func:`.fused_moe.fused_moe_gemm`,
-MXFP4 dequantized in registers: decode and small batches) and ``workspace`` (the online MXFP4 -> FP8
-conversion into the shared workspace plus an FP8 GEMM: large batches).
+MXFP4 dequantized in registers: decode and small batches) and ``workspace``
+(:func:`.fp8_grouped_gemm.fp8_grouped_gemm`: online MXFP4 -> FP8 conversion into the shared workspace plus an
+FP8 GEMM with e4m3 activations: large batches; it reads the expert offsets on the host, one sync).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from .. import registry
 from ..checks import check_kernel_device, check_tensor
 from ..registry import Cost
 from . import fused_moe, permute
+from .fp8_grouped_gemm import fp8_grouped_gemm
 from .fused_moe import ExpertWeights, expected_active_experts, fused_moe_gemm
 from .layer_reference import moe_forward_torch
 from .permute import combine_rows, sort_by_expert
@@ -39,15 +41,6 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 def shared_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Dense SwiGLU MLP: ``x[T, H]``, ``gate_up[2Is, H]`` (gate | up), ``down[H, Is]`` -> ``[T, H]``."""
     return swiglu(x @ gate_up.t()) @ down.t()
-
-
-def _workspace_gemm():
-    """Part of the prefill path, imported on use: the FP8-workspace grouped GEMM (None while it is missing)."""
-    try:
-        from .fp8_grouped_gemm import fp8_grouped_gemm
-    except ImportError:
-        return None
-    return fp8_grouped_gemm
 
 
 def _check(x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
@@ -116,9 +109,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
         h = fused_moe_gemm(x, sort, gate_up_blocks, gate_up_scales, gather_tokens=True)
         y = fused_moe_gemm(swiglu(h), sort, down_blocks, down_scales, gather_tokens=False)
     else:
-        grouped_gemm_workspace = _workspace_gemm()
-        h = grouped_gemm_workspace(x[sort.sorted_token.long()], sort.expert_offsets, gate_up_blocks, gate_up_scales)
-        y = grouped_gemm_workspace(swiglu(h), sort.expert_offsets, down_blocks, down_scales)
+        h = fp8_grouped_gemm(x[sort.sorted_token.long()], sort.expert_offsets, gate_up_blocks, gate_up_scales)
+        y = fp8_grouped_gemm(swiglu(h), sort.expert_offsets, down_blocks, down_scales)
     out = combine_rows(y, sort)
     if shared_gate_up is not None:
         out += shared_expert(x, shared_gate_up, shared_down).float()
@@ -126,16 +118,9 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
 
 
 # -- registry entry: which path per shape ------------------------------------------------------------
-def _constraint(config, shape) -> str | None:
-    if config["path"] == "workspace" and _workspace_gemm() is None:
-        return "the workspace path (moe/fp8_grouped_gemm.py) is not available"
-    return None
-
-
 def _default(phase, shape):
     rows_per_expert = shape["T"] * shape["top_k"] / shape["E"]
-    big = rows_per_expert >= CROSSOVER_ROWS and _workspace_gemm() is not None
-    return {"path": "workspace" if big else "fused"}
+    return {"path": "workspace" if rows_per_expert >= CROSSOVER_ROWS else "fused"}
 
 
 def _routing_of(shape) -> RoutingConfig:
@@ -235,7 +220,6 @@ PATH = registry.register(registry.KernelSpec(
     compare=compare_layer,
     cost=_cost,
     bench_shapes=_bench_shapes,
-    constraint=_constraint,
     baseline=bf16_layer,
     baseline_name="torch layer, cuBLAS bf16 mm per active expert (pre-dequantized)",
     source_modules=(sys.modules[__name__], fused_moe, permute),
