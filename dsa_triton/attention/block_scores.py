@@ -22,7 +22,7 @@ from ..checks import check_positive, check_tensor
 from ..registry import Cost, KernelSpec
 from . import block_scores_reference
 from .block_scores_reference import gather_selected_torch, page_bounds_torch, page_summaries_torch
-from .cache import PAGE_SIZES
+from .cache import PAGE_SIZES, cdiv
 from .indexer import (BOUND, SELECTED, accumulator_registers, compare_logits, indexer_logits, launch_logits,
                       logits_shape, random_paged_keys, random_queries)
 from .indexer_checks import (QueryRows, check_block_table, check_pages, check_paged_keys, check_queries,
@@ -105,7 +105,7 @@ def block_scores(
     P = _check_page_size(page_size)
     check_block_table(rows, block_table, seq_lens, limits, pmax.shape[0], P)
     rows.finish(limits, need_max_limit=num_cols is None)
-    n_pages = output_columns(num_cols, triton.cdiv(rows.max_limit, P))
+    n_pages = output_columns(num_cols, cdiv(rows.max_limit, P))
     return _launch_bounds(rows, q, weights, pmax, pmin, block_table, limits, P, n_pages,
                           _path_config(config, rows, block_table, P))
 
@@ -189,7 +189,7 @@ def block_indexer_logits(
         check_positive("max_len", max_len)
         rows.checks.fail_if(lambda: limits > max_len, "max_len: below a row's limit")
     rows.finish(limits, need_max_limit=max_len is None)
-    n_pages = triton.cdiv(rows.max_limit if max_len is None else max_len, P)
+    n_pages = cdiv(rows.max_limit if max_len is None else max_len, P)
     config = _path_config(config, rows, block_table, P)
     bounds = _launch_bounds(rows, q, weights, pmax, pmin, block_table, limits, P, n_pages, config)
     pages = select_pages(bounds, n_select)

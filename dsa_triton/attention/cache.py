@@ -33,6 +33,16 @@ from .cache_reference import append_torch, fp8_quantize_rows
 PAGE_SIZES = (16, 32, 64, 128)
 
 
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil(a / b) (``triton.cdiv`` is a constexpr function: microseconds a call on the host)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Host-side smallest power of two >= n (n >= 1), like ``triton.next_power_of_2``."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 @triton.jit
 def round_to_e4m3(x):
     """Round fp32 ``x`` (|x| <= 448) to the nearest e4m3 value, ties to even, in fp32 arithmetic.
@@ -118,7 +128,7 @@ def _launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config
     P = cache.shape[1]
     D = kv_cache.shape[-1] if has_kv else 0
     DK = ik.shape[-1] if has_index else 0
-    parts = (triton.cdiv(D, config["BLOCK_D"]) if has_kv else 0) + int(has_index)
+    parts = (cdiv(D, config["BLOCK_D"]) if has_kv else 0) + int(has_index)
     dummy = items  # never dereferenced: the constexpr flags remove those loads
     _append_kernel[(n_items, parts)](
         items,
@@ -127,7 +137,7 @@ def _launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config
         ik_scale if has_index else dummy, summaries if has_index else dummy,
         index_k.stride(0) if has_index else 0,
         D, DK, P=P, HAS_KV=has_kv, HAS_INDEX=int(has_index),
-        BLOCK_T=config["BLOCK_T"], BLOCK_D=config["BLOCK_D"], DKP=triton.next_power_of_2(max(DK, 16)),
+        BLOCK_T=config["BLOCK_T"], BLOCK_D=config["BLOCK_D"], DKP=next_pow2(max(DK, 16)),
         num_warps=config["num_warps"],
     )
 

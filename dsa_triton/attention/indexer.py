@@ -29,6 +29,7 @@ from .. import registry
 from ..registry import Cost, KernelSpec
 from ..runtime import interpreting
 from . import indexer_reference
+from .cache import cdiv, next_pow2
 from .cache_reference import fp8_quantize_rows
 from .indexer_checks import QueryRows, check_contiguous_keys, check_paged_keys, check_queries, output_columns
 from .indexer_reference import indexer_logits_torch
@@ -153,7 +154,7 @@ def launch_logits(mode: int, q, w, k, k_scale, out, limits, cu, max_rows: int, *
         return out
     H, DK = q.shape[1], q.shape[2]
     block_m = config["BLOCK_M"]
-    grid = (G, triton.cdiv(max_rows, block_m), triton.cdiv(n_cols, config["CHUNK"]))
+    grid = (G, cdiv(max_rows, block_m), cdiv(n_cols, config["CHUNK"]))
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"max_q, num_cols: {max_rows} rows of a sequence / {n_cols} columns exceed one launch "
                          f"(65535 row blocks of {block_m}, chunks of {config['CHUNK']}); split the call")
@@ -169,7 +170,7 @@ def launch_logits(mode: int, q, w, k, k_scale, out, limits, cu, max_rows: int, *
         block_table.stride(0) if block_table is not None else 0, out.stride(0),
         pages.stride(0) if pages is not None else 0,
         MODE=mode, PAGED=block_table is not None, P=page_size,
-        HP=triton.next_power_of_2(max(H, 16)), DKP=triton.next_power_of_2(max(DK, 16)),
+        HP=next_pow2(max(H, 16)), DKP=next_pow2(max(DK, 16)),
         BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], CHUNK=config["CHUNK"],
         BOUND_DTYPE=tl.float32 if interpreting() else tl.bfloat16,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
