@@ -303,21 +303,24 @@ def _default(phase, shape):
     """GEMV style (BLOCK_M = 1) while experts average under 1.2 rows, else tensor cores with 16..64-row blocks.
 
     Tiles from the sm_90 SASS of this kernel (loop instructions per weight: GEMV 128 x 128 about 5.3 at 80
-    registers; tensor cores 16 x 128 x 128 about 6.7, the weights fed to wgmma from registers); split K only
-    when the grid would leave SMs idle.
+    registers, 64 x 256 about 5.7; tensor cores 16 x 128 x 128 about 6.7, the weights fed to wgmma from
+    registers). A GEMV grid under four programs per SM takes 64 x 256 tiles (twice the programs, so each
+    scheduler has warps to switch to while loads are in flight); K is split only when the grid would still
+    leave SMs idle.
     """
     routed = shape["T"] * shape["top_k"]
     per_expert = routed / max(expected_active_experts(shape), 1.0)
     block_m = 1 if per_expert < 1.2 else 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    block_n = min(128, max(16, bucket(shape["N"])))
-    block_k = 128
     blocks = routed if block_m == 1 else expected_active_experts(shape) * math.ceil(per_expert / block_m)
+    block_n, block_k, stages = min(128, max(16, bucket(shape["N"]))), 128, 1 if block_m == 1 else 3
+    if block_m == 1 and blocks * triton.cdiv(shape["N"], block_n) < 4 * GPU_SMS:
+        block_n, block_k = min(64, block_n), min(256, max(128, bucket(shape["K"])))
     programs = blocks * triton.cdiv(shape["N"], block_n)
     split = 1
     while programs * split < GPU_SMS and 2 * split <= min(8, triton.cdiv(shape["K"], block_k)):
         split *= 2
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
-            "num_warps": 4, "num_stages": 1 if block_m == 1 else 3}
+            "num_warps": 4, "num_stages": stages}
 
 
 def _cost(phase, shape) -> Cost:
