@@ -42,7 +42,12 @@ from .mxfp4 import mxfp4_dequantize, random_mxfp4
 from . import permute
 from .permute import ExpertSort, sort_by_expert
 
-GPU_SMS = 132  # H200: the default config splits K until the grid has two programs per SM
+GPU_SMS = 132  # H200: the default config splits K until the grid has a program per SM
+
+
+def _cdiv(a: int, b: int) -> int:
+    """Host-side ceil division (``triton.cdiv`` is a constexpr function: slow to call on the host)."""
+    return -(-a // b)
 
 
 @triton.jit
@@ -247,7 +252,7 @@ def _launch(x, sort, blocks, scales, gather_tokens, config) -> torch.Tensor:
     words = blocks.view(torch.int32).flatten(-2)  # [E, N, K/8]
     k_words = words.shape[-1]
     x_classes = x.view(x.shape[0], k_words, 8).transpose(1, 2).contiguous()  # [rows, 8, K/8]: k = 8w + c -> [c, w]
-    grid = (alignment.num_blocks, triton.cdiv(n, config["BLOCK_N"]), split)
+    grid = (alignment.num_blocks, _cdiv(n, config["BLOCK_N"]), split)
     gemv = config["BLOCK_M"] == 1  # num_stages > 1 means: prefetch the next tile into registers
     _fused_moe_kernel[grid](
         x_classes, sort.sorted_token, words, scales, y, alignment.padded_rows, alignment.block_expert,
@@ -283,7 +288,7 @@ def _constraint(config, shape) -> str | None:
         return "BLOCK_M exceeds the routed rows"
     if bn > max(16, bucket(shape["N"])) or bk > max(128, bucket(shape["K"])):
         return "BLOCK_N or BLOCK_K exceeds the matrix"
-    if config["SPLIT_K"] > triton.cdiv(shape["K"], bk):
+    if config["SPLIT_K"] > _cdiv(shape["K"], bk):
         return "SPLIT_K leaves a split without a K tile"
     if bm > 1 and config["num_stages"] * (2 * bk * bm + bn * bk // 2 + bn * bk // 32) > 200 * 1024:
         return "pipelined x, weight and scale tiles exceed 200 KB of shared memory"
@@ -313,11 +318,11 @@ def _default(phase, shape):
     block_m = 1 if per_expert < 1.2 else 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     blocks = routed if block_m == 1 else expected_active_experts(shape) * math.ceil(per_expert / block_m)
     block_n, block_k, stages = min(128, max(16, bucket(shape["N"]))), 128, 1 if block_m == 1 else 3
-    if block_m == 1 and blocks * triton.cdiv(shape["N"], block_n) < 4 * GPU_SMS:
+    if block_m == 1 and blocks * _cdiv(shape["N"], block_n) < 4 * GPU_SMS:
         block_n, block_k = min(64, block_n), min(256, max(128, bucket(shape["K"])))
-    programs = blocks * triton.cdiv(shape["N"], block_n)
+    programs = blocks * _cdiv(shape["N"], block_n)
     split = 1
-    while programs * split < GPU_SMS and 2 * split <= min(8, triton.cdiv(shape["K"], block_k)):
+    while programs * split < GPU_SMS and 2 * split <= min(8, _cdiv(shape["K"], block_k)):
         split *= 2
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
             "num_warps": 4, "num_stages": stages}
