@@ -15,7 +15,7 @@ from dsa_triton.attention.sparse_attention_reference import (slots_from_indices,
 
 D, DV = 80, 64  # 64 value dims + 16 rope dims: the DSA split (512 + 64) in small
 NAN = float("nan")
-CFG = {"BLOCK_N": 16, "BLOCK_H": 16, "num_splits": 1, "num_warps": 4, "num_stages": 2, "SPLIT_SCORES": 0}
+CFG = {"BLOCK_N": 16, "BLOCK_H": 16, "num_splits": 1, "num_warps": 4, "num_stages": 2}
 
 
 @pytest.fixture(autouse=True)

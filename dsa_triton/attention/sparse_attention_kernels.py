@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+COMBINE_ELEMENTS = 4096  # fp32 partials one combine program loads at once (32 registers a thread at 4 warps)
 _LN2 = tl.constexpr(0.6931471805599453)
 
 # Every buffer the launcher writes comes from here (tests swap in a NaN-filled allocator).
@@ -53,22 +54,12 @@ def _logical_to_slots(idx_ptr, bt_ptr, slot_ptr, k_len, max_pages, num_pages, bt
 
 
 @triton.jit
-def _scores(q_nope, k_nope, q_rope, k_rope, qk_scale, D_R: tl.constexpr):
-    """``(q_nope @ k_nope^T + q_rope @ k_rope^T) * qk_scale`` (fp32); each dot scaled on its own, so neither
-    becomes the other's accumulator (which would make Triton treat the first as chained)."""
-    qk = tl.dot(q_nope, tl.trans(k_nope)) * qk_scale
-    if D_R > 0:
-        qk += tl.dot(q_rope, tl.trans(k_rope)) * qk_scale
-    return qk
-
-
-@triton.jit
 def _sparse_attention_fwd(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
     M, H, k_len, tokens_per_split, num_slots, qk_scale,
     s_qr, s_qs, s_qh, s_kv, s_ir,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_SCORES: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Query row (r, m) is ``q_ptr + r*s_qr + (m // H)*s_qs + (m % H)*s_qh``; outputs are contiguous
     ``[R, M, NUM_SPLITS, D_V]`` and lse ``[R, M, NUM_SPLITS]`` (with one split: the final out and lse)."""
@@ -84,7 +75,6 @@ def _sparse_attention_fwd(
     offs_dr = tl.arange(0, BLOCK_DR)
     q_rows = q_ptr + r * s_qr + (offs_m // H) * s_qs + (offs_m % H) * s_qh
     q_nope = tl.load(q_rows[:, None] + offs_dv[None, :], mask=_tile_mask(m_ok, offs_dv, D_V, BLOCK_DV), other=0.0)
-    q_rope = q_nope  # unused without a rope part
     if D_R > 0:
         q_rope = tl.load(q_rows[:, None] + D_V + offs_dr[None, :], mask=_tile_mask(m_ok, offs_dr, D_R, BLOCK_DR),
                          other=0.0)
@@ -101,18 +91,12 @@ def _sparse_attention_fwd(
         ok = (slot >= 0) & (slot < num_slots)
         rows = kv_ptr + tl.where(ok, slot, 0).to(tl.int64) * s_kv
         k_nope = tl.load(rows[:, None] + offs_dv[None, :], mask=_tile_mask(ok, offs_dv, D_V, BLOCK_DV), other=0.0)
-        k_rope = k_nope  # unused without a rope part
+        qk = tl.dot(q_nope, tl.trans(k_nope))
         if D_R > 0:
             k_rope = tl.load(rows[:, None] + D_V + offs_dr[None, :], mask=_tile_mask(ok, offs_dr, D_R, BLOCK_DR),
                              other=0.0)
-        if SPLIT_SCORES:
-            if start >= lo:  # always true: the region ends the score dots' forward slice (see the module docstring)
-                qk = _scores(q_nope, k_nope, q_rope, k_rope, qk_scale, D_R)
-            else:
-                qk = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        else:
-            qk = _scores(q_nope, k_nope, q_rope, k_rope, qk_scale, D_R)
-        qk = tl.where(ok[None, :], qk, float("-inf"))
+            qk = tl.dot(q_rope, tl.trans(k_rope), qk)
+        qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while nothing is valid yet
         p = tl.exp2(qk - m_ref[:, None])
@@ -133,27 +117,25 @@ def _sparse_attention_fwd(
 
 @triton.jit
 def _combine_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, D_V: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
-    """One program per query row: ``part_out[rows, NUM_SPLITS, D_V]`` fp32, ``part_lse[rows, NUM_SPLITS]`` (natural
-    log, -inf for an empty split) -> ``out[rows, D_V]``, ``lse[rows]``; a row with every split empty gives 0, -inf."""
+                    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Grid (rows, cdiv(D_V, BLOCK_C)): ``part_out[rows, NUM_SPLITS, D_V]`` fp32, ``part_lse[rows, NUM_SPLITS]``
+    (natural log, -inf for an empty split) -> ``out[rows, D_V]``, ``lse[rows]``; every split of a column chunk
+    is loaded at once (one memory round trip). A row with every split empty gives 0, -inf."""
     row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
-    lse_s = tl.load(part_lse_ptr + row * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    s_ok = offs_s < NUM_SPLITS
+    lse_s = tl.load(part_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    part = tl.load(part_out_ptr + (row * NUM_SPLITS + offs_s)[:, None] * D_V + offs_c[None, :],
+                   mask=s_ok[:, None] & (offs_c < D_V)[None, :], other=0.0)
     m = tl.max(lse_s, 0)
-    m_ref = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lse_s - m_ref), 0)
+    w = tl.exp(lse_s - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty splits
+    total = tl.sum(w, 0)
     seen = total > 0
-    lse = tl.where(seen, m_ref + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
-    lse_ref = tl.where(seen, lse, 0.0)
-    offs_d = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < D_V
-    acc = tl.zeros([BLOCK_DV], tl.float32)
-    for s in range(NUM_SPLITS):
-        w = tl.exp(tl.load(part_lse_ptr + row * NUM_SPLITS + s) - lse_ref)
-        part = tl.load(part_out_ptr + (row * NUM_SPLITS + s) * D_V + offs_d, mask=d_ok, other=0.0)
-        acc += w * part
-    tl.store(out_ptr + row * D_V + offs_d, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
-    tl.store(lse_ptr + row, lse)
+    acc = tl.sum(part * (w / tl.where(seen, total, 1.0))[:, None], 0)
+    tl.store(out_ptr + row * D_V + offs_c, acc.to(out_ptr.dtype.element_ty), mask=offs_c < D_V)
+    if tl.program_id(1) == 0:
+        tl.store(lse_ptr + row, tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), float("-inf")))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -209,10 +191,12 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
         M, H, k, cdiv(cdiv(k, num_splits), block_n) * block_n, kv.shape[0], sm_scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), slots.stride(0),
         D_V=d_v, D_R=D - d_v, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
-        NUM_SPLITS=num_splits, BLOCK_H=config["BLOCK_H"], BLOCK_N=block_n, SPLIT_SCORES=config["SPLIT_SCORES"],
+        NUM_SPLITS=num_splits, BLOCK_H=config["BLOCK_H"], BLOCK_N=block_n,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     if num_splits > 1:
-        _combine_splits[(R * M,)](part_out, part_lse, out, lse, D_V=d_v, NUM_SPLITS=num_splits, BLOCK_DV=block_dv,
-                                  BLOCK_S=pow2(num_splits), num_warps=4)
+        block_s = pow2(num_splits)
+        block_c = min(block_dv, max(16, COMBINE_ELEMENTS // block_s))
+        _combine_splits[(R * M, cdiv(d_v, block_c))](part_out, part_lse, out, lse, D_V=d_v, NUM_SPLITS=num_splits,
+                                                     BLOCK_S=block_s, BLOCK_C=block_c, num_warps=4)
     return out, lse

@@ -29,7 +29,6 @@ SPACE = {
     "num_splits": (1, 2, 4, 8, 16, 32, 64),
     "num_warps": (4, 8),
     "num_stages": (1, 2, 3, 4),
-    "SPLIT_SCORES": (0, 1),
 }
 SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
 REG_BUDGET = 128  # 32-bit registers per thread for the fp32 accumulator (+ q where mma.sync keeps it in registers)
@@ -57,9 +56,7 @@ def _constraint(phase: str):
         regs = bh * bdv / threads + (bh * (bdv + bdr) / 2 / threads if bh < WGMMA_ROWS else 0)
         if regs > REG_BUDGET:
             return f"accumulator needs ~{regs:.0f} registers per thread (> {REG_BUDGET}): fewer rows or more warps"
-        if config["SPLIT_SCORES"] and (bh < WGMMA_ROWS or warps == 4):
-            return "SPLIT_SCORES only changes tiles of >= 64 rows over two warpgroups (BLOCK_H >= 64, 8 warps)"
-        smem = 2 * (bh + min(config["num_stages"], 2) * bn) * (bdv + bdr) + 4 * bh * bn * config["SPLIT_SCORES"]
+        smem = 2 * (bh + min(config["num_stages"], 2) * bn) * (bdv + bdr)
         if smem > SMEM_BYTES:
             return f"q tile + KV buffers need ~{smem} bytes of shared memory (> {SMEM_BYTES})"
         return None
@@ -78,8 +75,7 @@ def _default(phase: str):
         R, M = _rows(phase, shape)
         k = shape["k"]
         top = min(WGMMA_ROWS, max(16, pow2(M)))
-        candidates = ({"BLOCK_N": bn, "BLOCK_H": bh, "num_splits": 1, "num_warps": w, "num_stages": 2,
-                       "SPLIT_SCORES": 0}
+        candidates = ({"BLOCK_N": bn, "BLOCK_H": bh, "num_splits": 1, "num_warps": w, "num_stages": 2}
                       for bh in (64, 32, 16) if bh <= top for w in (4, 8) for bn in (64, 32, 16))
         config = next(c for c in candidates if constraint(c, shape) is None)
         programs = max(1, R * cdiv(M, config["BLOCK_H"]))
