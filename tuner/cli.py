@@ -42,19 +42,22 @@ def build_jobs(args: argparse.Namespace, device) -> list:
     """The (kernel, phase, shape) jobs the arguments ask for, in order (then this shard's share)."""
     from tuning_db.records import shape_from_text
 
-    from .shapes import job_shapes, load_model_config, model_shapes, parse_ints, parse_shapes
+    from .shapes import (CONTEXTS, DECODE_BATCHES, PREFILL_CHUNKS, job_shapes, load_model_config, model_shapes,
+                         parse_ints, parse_shapes)
     from .tune import Job
 
     given = parse_shapes(args.shapes)
     overrides = shape_from_text(args.set)
     model = load_model_config(args.model) if args.model else None
+    counts = {name: parse_ints(getattr(args, name)) or default
+              for name, default in (("batches", DECODE_BATCHES), ("contexts", CONTEXTS), ("chunks", PREFILL_CHUNKS))}
     phases = _names(args.phases)
     jobs, notes = [], []
     for spec in _specs(args):
         for phase in [p for p in spec.phases if not phases or p in phases]:
             if model is not None:
-                templates = model_shapes(spec, phase, model, overrides, parse_ints(args.batches),
-                                         parse_ints(args.contexts), parse_ints(args.chunks), notes)
+                templates = model_shapes(spec, phase, model, overrides, counts["batches"], counts["contexts"],
+                                         counts["chunks"], notes)
             else:
                 templates = spec.bench_shapes(phase, device.type == "cuda")
             shapes = job_shapes(spec, phase, given=given, templates=templates, overrides=overrides)
@@ -210,19 +213,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _job_args(p: argparse.ArgumentParser) -> None:
-    from .shapes import CONTEXTS, DECODE_BATCHES, PREFILL_CHUNKS
-
-    ints = lambda xs: ",".join(map(str, xs))
     p.add_argument("--kernels", default="", help="comma-separated kernel names (default: every registered one)")
     p.add_argument("--phases", default="", help="comma-separated phases (default: each kernel's phases)")
     p.add_argument("--shapes", action="append", default=[],
                    help='shapes like "B=64,L=131072" (";" separates several; the option repeats); their dims are '
                         "laid over the model's or the bench shapes")
-    p.add_argument("--model", default="", help="a config.json: derive every shape the model needs")
+    p.add_argument("--model", default="", help="a config.json, or a model of tuner/models (deepseek-v3.2): derive "
+                   "every shape the model needs")
     p.add_argument("--set", default="", help='dims that override or complete derived shapes, e.g. "P=64"')
-    p.add_argument("--batches", default=ints(DECODE_BATCHES), help="decode batch sizes for --model")
-    p.add_argument("--contexts", default=ints(CONTEXTS), help="context lengths for --model")
-    p.add_argument("--chunks", default=ints(PREFILL_CHUNKS), help="prefill chunk sizes for --model")
+    p.add_argument("--batches", default="", help="decode batch sizes for --model (default: 1, 2, 4 ... 128)")
+    p.add_argument("--contexts", default="", help="context lengths for --model (default: 4096, 8192 ... 131072)")
+    p.add_argument("--chunks", default="", help="prefill chunk sizes for --model (default: 512, 1024 ... 16384)")
     p.add_argument("--shard", default="", help=SHARD_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--workers", type=int, default=0,
