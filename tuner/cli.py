@@ -65,10 +65,10 @@ def build_jobs(args: argparse.Namespace, device) -> list:
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     if args.shard:
-        index, count = parse_ints(args.shard.replace("/", ","))
-        if not 0 <= index < count:
+        parts = parse_ints(args.shard.replace("/", ","))
+        if len(parts) != 2 or not 0 <= parts[0] < parts[1]:
             raise ValueError(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
-        jobs = jobs[index::count]
+        jobs = jobs[parts[0]::parts[1]]
     return jobs
 
 
