@@ -118,7 +118,7 @@ def test_env_and_errors(toys, tmp_path, capsys):
     assert rc == 2 and "T must be an integer" in err
     for shard in ("2/2", "3", "a/b"):
         rc, _, err = run(capsys, "tune", "--kernels", "toy_axpy", "--shard", shard, "--list")
-        assert rc == 2 and "--shard" in err or "integers" in err
+        assert rc == 2 and ("--shard" in err or "integers" in err)
     rc, _, err = run(capsys, "merge", tmp_path / "missing.csv", "--db", tmp_path / "db")
     assert rc == 2 and "no record file" in err
     rc, _, err = run(capsys, "tune", "--kernels", "toy_axpy", "--model", tmp_path / "none.json", "--list")
