@@ -79,7 +79,7 @@ def compare_kernel(spec: KernelSpec, phase: str, shape: dict[str, int], device: 
     summary = {"kernel": spec.name, "phase": phase, "shape": shape_text(shape), "valid configs": len(configs),
                "grid": spec.space_size(), "passed check": len(ok), "best": best, "best us": ok[best],
                "default us": ok.get(default, float("nan")),
-               "best/default": ok[best] / ok[default] if default in ok else float("nan")}
+               "default/best": ok[default] / ok[best] if default in ok else float("nan")}
     for sampler in samplers:
         mine = [r["configs run"] for r in runs if r["sampler"] == sampler and r["configs run"] > 0]
         summary[f"{sampler} median runs to {within:.0%}"] = statistics.median(mine) if mine else float("nan")
