@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .mxfp4_reference import BLOCK, mxfp4_dequantize_torch, validate_mxfp4
+from .mxfp4_reference import BLOCK, exp2_exact, mxfp4_dequantize_torch, validate_mxfp4
 
 GROUP = 128  # k elements per fp32 scale of the FP8 weights
 BLOCKS_PER_GROUP = GROUP // BLOCK
@@ -37,7 +37,7 @@ def fp8_conversion_torch(blocks: torch.Tensor, scales: torch.Tensor, name: str =
     """``(w float8_e4m3fn [..., N, K], scale fp32 [..., N, ceil(K/128)], lost bool [..., N, K/32])``: lost marks unfit blocks."""
     validate_mxfp4(name, blocks, scales)
     k = blocks.shape[-2] * BLOCK
-    group_scale = torch.pow(2.0, (group_reference_exponent(scales) - 127).double())  # [..., N, G], exact
+    group_scale = exp2_exact(group_reference_exponent(scales) - 127)  # [..., N, G]
     per_k = group_scale.repeat_interleave(GROUP, dim=-1)[..., :k]
     exact = mxfp4_dequantize_torch(blocks, scales, torch.float64)
     w_fp8 = (exact / per_k).float().to(torch.float8_e4m3fn)

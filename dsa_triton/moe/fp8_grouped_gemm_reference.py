@@ -11,6 +11,7 @@ import torch
 
 from .convert_reference import GROUP
 from .fused_moe_reference import grouped_gemm_torch
+from .mxfp4_reference import exp2_exact
 
 E4M3_MAX = 448.0
 MIN_EXPONENT = -126
@@ -22,9 +23,9 @@ def quantize_rows_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     xg = torch.nn.functional.pad(x.double(), (0, -k % GROUP)).unflatten(-1, (-1, GROUP))  # [M, G, 128]
     amax = xg.abs().amax(-1)
     _, f = torch.frexp(amax)  # amax = m * 2^f, m in [0.5, 1)
-    e = f - 9 + (amax > E4M3_MAX * torch.pow(2.0, (f - 9).double())).to(f.dtype)
+    e = f - 9 + (amax > E4M3_MAX * exp2_exact(f - 9)).to(f.dtype)
     e = torch.where(amax > 0, e, MIN_EXPONENT).clamp(min=MIN_EXPONENT)
-    scale = torch.pow(2.0, e.double())
+    scale = exp2_exact(e)
     q = (xg / scale.unsqueeze(-1)).flatten(-2)[:, :k].float().to(torch.float8_e4m3fn)
     return q, scale.float()
 

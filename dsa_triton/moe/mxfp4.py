@@ -159,6 +159,20 @@ def random_mxfp4(shape: tuple[int, ...], k: int, device, seed: int, spread: int 
     return blocks, scales
 
 
+def realistic_mxfp4(shape: tuple[int, ...], k: int, device, seed: int, outliers: float = 1e-3
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 shaped like a trained layer's: every code, scales within a few binades per row (a base of 2^-7 +- 2,
+    each block +-1 around it, as the amax of 32 Gaussian weights varies), and a fraction ``outliers`` of blocks
+    15..40 binades below their row (near-dead inputs): the ones the FP8 conversion cannot fit."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    blocks = torch.randint(0, 256, (*shape, k // BLOCK, BLOCK // 2), generator=g, device=device, dtype=torch.uint8)
+    base = torch.randint(118, 123, (*shape, 1), generator=g, device=device)
+    scales = base + torch.randint(-1, 2, (*shape, k // BLOCK), generator=g, device=device)
+    low = torch.rand(scales.shape, generator=g, device=device) < outliers
+    drop = torch.randint(15, 41, scales.shape, generator=g, device=device)
+    return blocks, torch.where(low, scales - drop, scales).to(torch.uint8)
+
+
 def _compare_exact(out, ref) -> str | None:
     out, ref = (out,) if isinstance(out, torch.Tensor) else out, (ref,) if isinstance(ref, torch.Tensor) else ref
     for i, (a, b) in enumerate(zip(out, ref)):

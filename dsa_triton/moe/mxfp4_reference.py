@@ -28,6 +28,12 @@ def e2m1_lut(dtype: torch.dtype = torch.float64, device: torch.device | str | No
     return torch.cat([pos, -pos])
 
 
+def exp2_exact(e: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** e`` in float64 for integer ``e`` in [-1022, 1023], built from the exponent bits: exact on every
+    device (CUDA's float64 ``pow`` is off by an ulp for some integer exponents, which breaks ties and round trips)."""
+    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
 def pad_k(w: torch.Tensor) -> torch.Tensor:
     """Zero-pad the last dimension of ``w[..., N, K]`` to a multiple of 32 (a no-op when it already is)."""
     pad = -w.shape[-1] % BLOCK
@@ -55,7 +61,7 @@ def mxfp4_quantize_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x.abs().amax(dim=-1)
     _, e2 = torch.frexp(amax)  # amax = m * 2^e2, m in [0.5, 1): floor(log2(amax)) = e2 - 1
     exponent = torch.where(amax > 0, e2 - 1 - 2, -127).clamp(-127, 127)
-    codes = e2m1_codes_torch(x * torch.pow(2.0, -exponent.double()).unsqueeze(-1))
+    codes = e2m1_codes_torch(x * exp2_exact(-exponent).unsqueeze(-1))
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks.contiguous(), (exponent + 127).to(torch.uint8)
 
@@ -67,7 +73,7 @@ def mxfp4_dequantize_torch(blocks: torch.Tensor, scales: torch.Tensor, dtype: to
     """
     validate_mxfp4("mxfp4", blocks, scales)
     codes = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).flatten(-2)  # [..., N, K/32, 32]
-    values = e2m1_lut(device=blocks.device)[codes.long()] * torch.pow(2.0, scales.double() - 127).unsqueeze(-1)
+    values = e2m1_lut(device=blocks.device)[codes.long()] * exp2_exact(scales.to(torch.int64) - 127).unsqueeze(-1)
     return values.flatten(-2).to(dtype)
 
 
