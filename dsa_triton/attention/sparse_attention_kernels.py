@@ -179,9 +179,10 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
     lse = alloc((R, S, H), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    if num_splits > 1:
-        part_out = alloc((R, M, num_splits, d_v), dtype=torch.float32, device=q.device)
-        part_lse = alloc((R, M, num_splits), dtype=torch.float32, device=q.device)
+    if num_splits > 1:  # one fp32 buffer: partial outputs [R, M, num_splits, d_v], then their lse [R, M, num_splits]
+        parts = R * M * num_splits
+        part = alloc((parts * (d_v + 1),), dtype=torch.float32, device=q.device)
+        part_out, part_lse = part[:parts * d_v], part[parts * d_v:]
     else:
         part_out, part_lse = out, lse
     block_dv, block_dr = head_blocks(D, d_v)
