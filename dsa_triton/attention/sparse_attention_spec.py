@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 
 import torch
+
 from .. import registry
 from ..harness import Ceilings, floor_us, rotation, time_rotating, time_us
 from ..registry import Cost, KernelSpec
