@@ -101,6 +101,20 @@ def test_decode_k_and_splits(k, config):
     check(out, lse, *sparse_attention_decode_torch(q, kv, slots, 0.15, DV))
 
 
+def test_combine_in_column_chunks(monkeypatch):
+    """The combine over several column chunks of d_v (as at d_v=512 with 32 splits), some splits empty."""
+    monkeypatch.setattr(sparse_attention_kernels, "COMBINE_ELEMENTS", 64)  # 4 splits -> 16-column chunks
+    g = torch.Generator().manual_seed(11)
+    B, H, L, k = 3, 5, 64, 64
+    kv, table = paged_cache(1, L, 16, g)
+    q = torch.randn(B, H, D, generator=g).half()
+    idx = pick(B, L, k, [k, 20, 0], g)
+    idx[1, k // 2:] = -1  # row 1: the last two splits empty
+    slots = slots_from_indices(idx, table.expand(B, -1), 16).to(torch.int32)
+    out, lse = dt.sparse_attention_decode(q, kv, slots, 0.2, d_v=DV, config={**CFG, "num_splits": 4})
+    check(out, lse, *sparse_attention_decode_torch(q, kv, slots, 0.2, DV))
+
+
 @pytest.mark.parametrize("H, P, table_rows", [(3, 16, 1), (16, 64, 2), (2, 16, 0)])
 def test_prefill(H, P, table_rows):
     """Each token its own index set; the block table shared ([1, pages]), per token ([T, pages]) or none."""
