@@ -39,14 +39,39 @@ MAX_DECODE_ROWS = 4  # a sequence with at most this many query rows is the decod
 
 
 @triton.jit
+def _tile_keys(n0, c0, c_active, phys, lpages, key_start, max_limit,
+               MODE: tl.constexpr, PAGED: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Columns ``n0 .. n0 + BLOCK_N`` of the chunk starting at ``c0``: ``(cols, col_ok, logical
+    positions, physical key rows)``; ``phys`` / ``lpages`` hold the chunk's physical / logical pages."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < c_active
+    if MODE == 2:  # BOUND: a column is a page
+        pos = cols * P
+        krow = tl.gather(phys, tl.minimum(cols - c0, phys.shape[0] - 1), 0).to(tl.int64)
+    elif PAGED:
+        slot = tl.minimum(cols // P - c0 // P, phys.shape[0] - 1)
+        if MODE == 1:  # SELECTED
+            lpage = tl.gather(lpages, slot, 0)
+            pos = lpage * P + cols % P
+            col_ok = col_ok & (lpage >= 0) & (pos < max_limit)
+        else:
+            pos = cols
+        krow = tl.gather(phys, slot, 0).to(tl.int64) * P + cols % P
+    else:
+        pos = cols
+        krow = key_start + pos
+    return cols, col_ok, pos, krow
+
+
+@triton.jit
 def _logits_kernel(
     q_ptr, w_ptr, k_ptr, k2_ptr, ks_ptr, out_ptr, pos_ptr,
     limit_ptr, cu_ptr, table_ptr, kstart_ptr, pages_ptr,
-    H, DK, n_cols,
+    H, n_cols,
     stride_qt, stride_qh, stride_wt, stride_k, stride_table, stride_out, stride_pages,
     MODE: tl.constexpr, PAGED: tl.constexpr, P: tl.constexpr,
-    HP: tl.constexpr, DKP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    DK: tl.constexpr, HP: tl.constexpr, DKP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, NPG: tl.constexpr,
     BOUND_DTYPE: tl.constexpr,
 ):
     """Program (sequence, row block, column chunk). Sequence g owns query rows cu[g]..cu[g+1]."""
@@ -89,27 +114,31 @@ def _logits_kernel(
         else:
             c_active = c_end
         out_rows = out_ptr + rows.to(tl.int64) * stride_out
+        # the chunk's NPG physical pages (BOUND: one per column), loaded before the loop: the loop's key
+        # loads then depend on no load inside the loop, and Triton pipelines them num_stages deep
+        slots = tl.arange(0, NPG)
+        lpages = slots  # logical pages (SELECTED)
+        key_start = 0  # first key row (contiguous keys)
+        if MODE == 2:
+            phys = tl.load(table_ptr + seq * stride_table + c0 + slots, mask=c0 + slots < c_active, other=0)
+        elif MODE == 1:
+            lpages = tl.load(pages_ptr + m_start.to(tl.int64) * stride_pages + c0 // P + slots,
+                             mask=(c0 // P + slots) * P < c_end, other=-1)
+            phys = tl.load(table_ptr + seq * stride_table + lpages, mask=lpages >= 0, other=0)
+        elif PAGED:
+            phys = tl.load(table_ptr + seq * stride_table + c0 // P + slots, mask=(c0 // P + slots) * P < c_active,
+                           other=0)
+        else:
+            phys = slots
+            key_start = tl.load(kstart_ptr + seq).to(tl.int64)
+        max_limit = tl.max(limits)
+        if MODE != 2:  # key scales, one tile ahead (the pipeliner only prefetches the dot's operands)
+            _, next_ok, _, next_krow = _tile_keys(c0, c0, c_active, phys, lpages, key_start, max_limit,
+                                                  MODE, PAGED, P, BLOCK_N)
+            next_scale = tl.load(ks_ptr + next_krow, mask=next_ok, other=0.0)
         for n0 in range(c0, c_active, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
-            col_ok = cols < c_active
-            # logical position of each column and the physical row it reads
-            if MODE == 1:  # one row per program (BLOCK_M = 1)
-                lpage = tl.load(pages_ptr + m_start.to(tl.int64) * stride_pages + cols // P, mask=col_ok, other=-1)
-                pos = lpage * P + cols % P
-                col_ok = col_ok & (lpage >= 0) & (pos < tl.max(limits))
-            elif MODE == 2:
-                lpage = cols
-                pos = cols * P
-            else:
-                lpage = cols // P
-                pos = cols
-            if MODE == 2:
-                krow = tl.load(table_ptr + seq * stride_table + lpage, mask=col_ok, other=0).to(tl.int64)
-            elif PAGED:
-                page = tl.load(table_ptr + seq * stride_table + lpage, mask=col_ok, other=0).to(tl.int64)
-                krow = page * P + pos % P
-            else:
-                krow = tl.load(kstart_ptr + seq).to(tl.int64) + pos
+            cols, col_ok, pos, krow = _tile_keys(n0, c0, c_active, phys, lpages, key_start, max_limit,
+                                                 MODE, PAGED, P, BLOCK_N)
             k_mask = col_ok[:, None] & d_ok[None, :]
             k_off = krow[:, None] * stride_k + offs_d[None, :]
             if MODE == 2:
@@ -120,13 +149,17 @@ def _logits_kernel(
                 s = tl.maximum(ub, 0.0) * w_pos[None, :] + tl.maximum(lb, 0.0) * w_neg[None, :]
             else:
                 k = tl.load(k_ptr + k_off, mask=k_mask, other=0.0)
+                k_scale = next_scale
+                _, next_ok, _, next_krow = _tile_keys(n0 + BLOCK_N, c0, c_active, phys, lpages, key_start,
+                                                      max_limit, MODE, PAGED, P, BLOCK_N)
+                next_scale = tl.load(ks_ptr + next_krow, mask=next_ok, other=0.0)
                 s = tl.maximum(tl.dot(k, q_t), 0.0) * w[None, :]  # [BLOCK_N, BLOCK_M * HP]
             if BLOCK_M == 1:  # heads are the dot's N axis: the sum stays within a thread and its quad
                 s = tl.sum(s, axis=1)[:, None]
             else:
                 s = tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_M, HP)), axis=2)  # [BLOCK_N, BLOCK_M]
             if MODE != 2:
-                s = s * tl.load(ks_ptr + krow, mask=col_ok, other=0.0)[:, None]
+                s = s * k_scale[:, None]
             valid = col_ok[:, None] & (pos[:, None] < limits[None, :])
             s = tl.where(valid, s, float("-inf"))
             tl.store(out_rows[None, :] + cols[:, None], s, mask=row_ok[None, :] & (cols < c_end)[:, None])
@@ -165,13 +198,14 @@ def launch_logits(mode: int, q, w, k, k_scale, out, limits, cu, max_rows: int, *
         block_table if block_table is not None else dummy,
         key_starts if key_starts is not None else dummy,
         pages if pages is not None else dummy,
-        H, DK, n_cols,
+        H, n_cols,
         q.stride(0), q.stride(1), w.stride(0), k.stride(-2),
         block_table.stride(0) if block_table is not None else 0, out.stride(0),
         pages.stride(0) if pages is not None else 0,
-        MODE=mode, PAGED=block_table is not None, P=page_size,
+        MODE=mode, PAGED=block_table is not None, P=page_size, DK=DK,
         HP=next_pow2(max(H, 16)), DKP=next_pow2(max(DK, 16)),
         BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], CHUNK=config["CHUNK"],
+        NPG=config["CHUNK"] if mode == BOUND else max(config["CHUNK"] // page_size, 1),
         BOUND_DTYPE=tl.float32 if interpreting() else tl.bfloat16,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
