@@ -7,10 +7,12 @@ A row of ``n`` selectable positions takes one of three routes, decided inside th
 - ``k < n < 2 * k * GROUP`` (short rows): pass 3 alone, over the row.
 - longer rows: two passes over the scores, then pass 3 over a few thousand candidates:
   1. *bound* (grid ``T x SPLIT``): each tile is ``GROUP`` x ``TILE / GROUP``; histogram the column
-     maxima on their top ``HIST_BITS`` key bits. The lower edge ``tau`` of the bin holding the k-th
-     largest maximum is a sure bound: at least k columns, hence k scores, are ``>= tau``; for smooth
-     data only ~1.2-1.5 k are. The histogram sees 1/GROUP of the scores, which keeps this pass near
-     memory speed.
+     maxima in ``2^HIST_BITS`` bins. The lower edge ``tau`` of the bin holding the k-th largest maximum
+     is a sure bound: at least k columns, hence k scores, are ``>= tau``; for smooth data only ~1.2-1.5 k
+     are. The histogram sees 1/GROUP of the scores, which keeps this pass at memory speed. Bins are
+     linear in the sort key over a window read off a fixed sample of the row, so they stay fine for any
+     shift or scale of the scores (bins on the top key bits, i.e. the float exponent, would put the top
+     of N(100, 1) or of U(0, 1) into one bin and overflow the buffer).
   2. *collect* (grid ``T x SPLIT``): append every score ``>= tau`` and its position to the row's candidate
      buffer of ``CAP_K * k`` entries (one atomic per tile). Correctness never rests on the bound: pass 3
      uses the buffer only when it holds at least k and at most ``CAP_K * k`` scores (then it holds the top
@@ -64,74 +66,136 @@ def _select_bin(hist, need, NB: tl.constexpr):
 
 
 @triton.jit
-def _bound_from_hist(hist, t, k, HIST_BITS: tl.constexpr):
-    """Lower edge of the bin holding the k-th largest group maximum of row t, as a float.
+def _bin_window(row, n, HIST_BITS: tl.constexpr):
+    """Pass 1's bins for a row: ``(key_lo, shift)`` (see :func:`_bin`), from a fixed sample of the row.
 
-    ``-inf`` when that is the -inf bin; NaN (collects nothing) when fewer than k groups were counted.
+    The sample (32 pieces of 16 scores, evenly spread) is the same in every program of the row, so all
+    agree. ``key_lo`` is the smallest finite piece maximum; the bins cover twice the key span from there
+    to the largest finite sample. Without finite samples: the top ``HIST_BITS`` key bits.
+    """
+    NB: tl.constexpr = 1 << HIST_BITS
+    offs = tl.arange(0, 32)[:, None] * (n // 32) + tl.arange(0, 16)[None, :]
+    x = tl.load(row + offs, mask=offs < n, other=float("-inf"))
+    piece_max = tl.max(tl.where(tl.abs(x) < float("inf"), x, float("-inf")), axis=1)  # NaN, +-inf out
+    lo = tl.min(tl.where(piece_max > float("-inf"), piece_max, float("inf")), axis=0)
+    hi = tl.max(piece_max, axis=0)
+    key_lo = _sort_key(lo.to(tl.int32, bitcast=True))
+    span = 2 * (_sort_key(hi.to(tl.int32, bitcast=True)).to(tl.int64) - key_lo)
+    shift = tl.sum(((span >> tl.arange(0, 64).to(tl.int64)) >= NB - 2).to(tl.int32), 0)
+    found = lo <= hi
+    return tl.where(found, key_lo, -(2**31)), tl.where(found, shift, 32 - HIST_BITS)
+
+
+@triton.jit
+def _bin(key, key_lo, shift, NB: tl.constexpr):
+    """Bin of sort keys: 0 below ``key_lo``, else ``min((key - key_lo) >> shift, NB - 2) + 1``."""
+    d = key.to(tl.int64) - key_lo
+    return tl.where(d < 0, 0, tl.minimum(d >> shift, NB - 2) + 1).to(tl.int32)
+
+
+@triton.jit
+def _bound(hist, window, t, k, HIST_BITS: tl.constexpr):
+    """Lower edge ``tau`` of the bin holding the k-th largest group maximum of row t, as a float.
+
+    ``-inf`` for the bin below the window; NaN (collects nothing) when fewer than k groups were counted.
     """
     NB: tl.constexpr = 1 << HIST_BITS
     d, _ = _select_bin(tl.load(hist + t * NB + tl.arange(0, NB)), k, NB)
-    key = tl.maximum((d - NB // 2) << (32 - HIST_BITS), _NEG_INF_KEY)
-    key = tl.where(d >= 0, key, -1)  # the key -1 is a NaN bit pattern
-    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the key map is its own inverse
+    key_lo = tl.load(window + 2 * t).to(tl.int64)
+    shift = tl.load(window + 2 * t + 1)
+    key = tl.where(d > 0, key_lo + ((d - 1).to(tl.int64) << shift), _NEG_INF_KEY).to(tl.int32)
+    tau = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the key map is its own inverse
+    return tl.where(d >= 0, tau, float("nan"))
 
 
-@triton.jit(do_not_specialize=["L", "k", "group_min"])
-def _topk_bound_kernel(scores, stride_t, L, lengths, hist, k, chunk, group_min,
+@triton.jit
+def _hist_of_group_max(x, key_lo, shift, NB: tl.constexpr, mask):
+    """Histogram of the column maxima of an ``x[GROUP, COLS]`` tile (NaN-ignoring; all-NaN is -inf)."""
+    key = _sort_key(tl.max(x, axis=0).to(tl.int32, bitcast=True))
+    return tl.histogram(_bin(key, key_lo, shift, NB), NB, mask=mask)
+
+
+@triton.jit(do_not_specialize=["L", "group_min"])
+def _topk_bound_kernel(scores, stride_t, L, lengths, hist, window, chunk, group_min,
                        HAS_LENGTHS: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr,
                        HIST_BITS: tl.constexpr):
-    """Pass 1, grid (T, SPLIT): ``hist[t]`` += histogram of the top bits of group maxima of the chunk."""
+    """Pass 1, grid (T, SPLIT): ``hist[t]`` += histogram of the group maxima of the chunk; ``window[t]``.
+
+    Group g of a tile is column g of ``GROUP`` x ``COLS`` scores: its max is a reduction inside one
+    thread. Full tiles load without a mask (16-byte loads); the chunk's last, partial tile with one.
+    """
     t = tl.program_id(0)
     n = _row_length(lengths, t, L, HAS_LENGTHS)
     if n >= group_min:
         NB: tl.constexpr = 1 << HIST_BITS
+        STEP: tl.constexpr = GROUP * COLS
         row = scores + t.to(tl.int64) * stride_t
+        key_lo, shift = _bin_window(row, n, HIST_BITS)
+        if tl.program_id(1) == 0:
+            tl.store(window + 2 * t, key_lo)
+            tl.store(window + 2 * t + 1, shift)
         lo = tl.program_id(1) * chunk
         hi = tl.minimum(lo + chunk, n)
-        # group g of a tile = the GROUP scores of column g: its max is a reduction inside one thread
+        full_end = lo + tl.maximum(hi - lo, 0) // STEP * STEP
         cols = tl.arange(0, COLS)
         tile = tl.arange(0, GROUP)[:, None] * COLS + cols[None, :]
         acc = tl.zeros([NB], tl.int32)
-        for start in range(lo, hi, GROUP * COLS):
-            offs = start + tile
-            x = tl.load(row + offs, mask=offs < hi, other=float("-inf"))
-            gmax = tl.max(x, axis=0)  # NaN-ignoring: NaN ranks as -inf
-            counted = (start + cols < hi) & (gmax == gmax)
-            key = _sort_key(gmax.to(tl.int32, bitcast=True))
-            acc += tl.histogram((key >> (32 - HIST_BITS)) + NB // 2, NB, mask=counted)
+        for start in range(lo, full_end, STEP):
+            acc += _hist_of_group_max(tl.load(row + start + tile), key_lo, shift, NB, None)
+        if full_end < hi:
+            x = tl.load(row + full_end + tile, mask=full_end + tile < hi, other=float("-inf"))
+            acc += _hist_of_group_max(x, key_lo, shift, NB, full_end + cols < hi)
         tl.atomic_add(hist + t * NB + tl.arange(0, NB), acc, mask=acc > 0, sem="relaxed")
 
 
+@triton.jit
+def _append(x, offs, tau, counter, out_val, out_idx, cap):
+    """Append the scores ``x >= tau`` of a ``[COLS, ROWS]`` tile and their positions to a row's candidates.
+
+    A column belongs to one thread: ranks come from an in-thread scan down the columns and one scan across
+    them; one atomic per tile.
+    """
+    take = (x >= tau).to(tl.int32)
+    col_total = tl.sum(take, axis=1)
+    base = tl.atomic_add(counter, tl.sum(col_total, axis=0), sem="relaxed")
+    pos = base + (tl.cumsum(col_total, axis=0) - col_total)[:, None] + tl.cumsum(take, axis=1) - 1
+    keep = (take > 0) & (pos < cap)
+    tl.store(out_val + pos, x, mask=keep)
+    tl.store(out_idx + pos, offs, mask=keep)
+
+
 @triton.jit(do_not_specialize=["L", "k", "group_min", "cap"])
-def _topk_collect_kernel(scores, stride_t, L, lengths, hist, count, cand_val, cand_idx, k, chunk,
-                         group_min, cap, HAS_LENGTHS: tl.constexpr, TILE: tl.constexpr,
+def _topk_collect_kernel(scores, stride_t, L, lengths, hist, window, count, cand_val, cand_idx, k, chunk,
+                         group_min, cap, HAS_LENGTHS: tl.constexpr, TILE: tl.constexpr, WARPS: tl.constexpr,
                          HIST_BITS: tl.constexpr):
     """Pass 2, grid (T, SPLIT): append scores ``>= tau`` (value and position) to row t's candidates.
 
     NaN scores are skipped: they rank as -inf, and a row whose top k needs them overflows to pass 3's
-    route over the whole row. The next tile is loaded before this one's atomic returns.
+    route over the whole row. A tile is ``COLS = 32 * WARPS`` columns by ``TILE / COLS`` rows (score
+    ``r * COLS + c`` at ``[c, r]``), a column per thread; scalar loads (declared non-contiguous) keep
+    loads, ranks and scattered stores in one layout. Full tiles load without a mask, the next one before this one's atomic returns.
     """
     t = tl.program_id(0)
     n = _row_length(lengths, t, L, HAS_LENGTHS)
     if n >= group_min:
-        tau = _bound_from_hist(hist, t, k, HIST_BITS)
+        COLS: tl.constexpr = 32 * WARPS
+        tau = _bound(hist, window, t, k, HIST_BITS)
         row = scores + t.to(tl.int64) * stride_t
+        counter = count + t
         out_val = cand_val + t.to(tl.int64) * cap
         out_idx = cand_idx + t.to(tl.int64) * cap
         lo = tl.program_id(1) * chunk
         hi = tl.minimum(lo + chunk, n)
-        offs = lo + tl.arange(0, TILE)
-        x = tl.load(row + offs, mask=offs < hi, other=float("nan"))
-        for _ in range(lo, hi, TILE):
-            x_next = tl.load(row + offs + TILE, mask=offs + TILE < hi, other=float("nan"))
-            take = (x >= tau).to(tl.int32)
-            base = tl.atomic_add(count + t, tl.sum(take, 0), sem="relaxed")
-            pos = base + tl.cumsum(take, 0) - 1
-            keep = (take > 0) & (pos < cap)
-            tl.store(out_val + pos, x, mask=keep)
-            tl.store(out_idx + pos, offs, mask=keep)
+        full_end = lo + tl.maximum(hi - lo, 0) // TILE * TILE
+        tile = tl.max_contiguous(tl.arange(0, COLS)[:, None] + tl.arange(0, TILE // COLS)[None, :] * COLS, [1, 1])
+        x = tl.load(row + lo + tile, mask=lo < full_end)
+        for start in range(lo, full_end, TILE):
+            x_next = tl.load(row + start + TILE + tile, mask=start + TILE < full_end)
+            _append(x, start + tile, tau, counter, out_val, out_idx, cap)
             x = x_next
-            offs += TILE
+        if full_end < hi:
+            x = tl.load(row + full_end + tile, mask=full_end + tile < hi, other=float("nan"))
+            _append(x, full_end + tile, tau, counter, out_val, out_idx, cap)
 
 
 @triton.jit
@@ -255,30 +319,35 @@ def _topk_select_kernel(scores, stride_t, L, lengths, count, cand_val, cand_idx,
 
 
 # -- host side -------------------------------------------------------------------------------------
+def _workspace(T: int, NB: int, cap: int, device: torch.device):
+    """Pass-1/2 state, zeroed with one memset: ``hist[T * NB]``, ``count[T]``, ``window[T * 2]`` int32; and
+    the candidates ``cand_val[T, cap]`` fp32, ``cand_idx[T, cap]`` int32 (one allocation)."""
+    zeroed = torch.zeros(T * (NB + 3), dtype=torch.int32, device=device)
+    cand = torch.empty(2, T, cap, dtype=torch.int32, device=device)
+    return zeroed[: T * NB], zeroed[T * NB: T * (NB + 1)], zeroed[T * (NB + 1):], cand[0].view(torch.float32), cand[1]
+
+
 def _launch(scores, k, lengths, block_table, page_size, row_to_seq, config, out) -> torch.Tensor:
     T, L = scores.shape
     if T == 0:
         return out
-    NB = 1 << config["HIST_BITS"]
     cap = min(config["CAP_K"] * k, L)  # candidates per row (also the select pass's compaction space)
     group_min = 2 * k * config["GROUP"]
-    work = torch.zeros(T * (NB + 1), dtype=torch.int32, device=scores.device)
-    hist, count = work[: T * NB], work[T * NB:]
-    cand_val = torch.empty(T, cap, dtype=torch.float32, device=scores.device)
-    cand_idx = torch.empty(T, cap, dtype=torch.int32, device=scores.device)
+    hist, count, window, cand_val, cand_idx = _workspace(T, 1 << config["HIST_BITS"], cap, scores.device)
     dummy = out  # stands in for absent optional tensors (never read)
     lengths_arg = dummy if lengths is None else lengths
     if L >= group_min:  # some row may take the two-pass route
         step = max(config["TILE"], config["COLLECT_TILE"])
         chunk = triton.cdiv(triton.cdiv(L, config["SPLIT"]), step) * step
         grid = (T, config["SPLIT"])
-        _topk_bound_kernel[grid](scores, scores.stride(0), L, lengths_arg, hist, k, chunk, group_min,
+        _topk_bound_kernel[grid](scores, scores.stride(0), L, lengths_arg, hist, window, chunk, group_min,
                                  HAS_LENGTHS=lengths is not None, GROUP=config["GROUP"],
                                  COLS=config["TILE"] // config["GROUP"], HIST_BITS=config["HIST_BITS"],
                                  num_warps=config["WARPS"])
-        _topk_collect_kernel[grid](scores, scores.stride(0), L, lengths_arg, hist, count, cand_val, cand_idx,
-                                   k, chunk, group_min, cap, HAS_LENGTHS=lengths is not None,
-                                   TILE=config["COLLECT_TILE"], HIST_BITS=config["HIST_BITS"],
+        _topk_collect_kernel[grid](scores, scores.stride(0), L, lengths_arg, hist, window, count, cand_val,
+                                   cand_idx, k, chunk, group_min, cap, HAS_LENGTHS=lengths is not None,
+                                   TILE=config["COLLECT_TILE"], WARPS=config["COLLECT_WARPS"],
+                                   HIST_BITS=config["HIST_BITS"],
                                    num_warps=config["COLLECT_WARPS"])
     _topk_select_kernel[(T,)](
         scores, scores.stride(0), L, lengths_arg, count, cand_val, cand_idx, out, k, group_min, cap,
@@ -410,7 +479,7 @@ SPACE = {
     "TILE": (2048, 4096, 8192, 16384),  # scores per loop step of pass 1
     "WARPS": (1, 2, 4, 8),  # pass 1
     "GROUP": (8, 16, 32),  # scores per group maximum in pass 1
-    "HIST_BITS": (8, 9, 10, 11),  # pass 1 histogram: 2^HIST_BITS bins
+    "HIST_BITS": (7, 8, 9, 10),  # pass 1 histogram: 2^HIST_BITS bins
     "COLLECT_TILE": (1024, 2048, 4096),  # pass 2
     "COLLECT_WARPS": (2, 4, 8),
     "CAP_K": (2, 4, 8),  # candidate buffer per row, in multiples of k
@@ -422,9 +491,11 @@ SPACE = {
 
 def _constraint(config, shape):
     if config["TILE"] // config["GROUP"] < 128 * config["WARPS"]:
-        return "TILE / GROUP must be >= 128 * WARPS (each thread owns whole groups: no replicated maxima)"
+        return "TILE / GROUP must be >= 128 * WARPS (a thread owns 4 whole groups: 16-byte loads, no replicated maxima)"
     if config["SPLIT"] > max(1, shape["L"] // max(config["TILE"], config["COLLECT_TILE"])):
         return "SPLIT leaves programs without a full tile"
+    if config["COLLECT_TILE"] < 128 * config["COLLECT_WARPS"]:
+        return "COLLECT_TILE must be >= 128 * COLLECT_WARPS (4 rows of one score per thread)"
     return None
 
 
@@ -436,8 +507,8 @@ def _default(phase, shape):
     while T * split < 4 * _SMS and (split * 2) * tile <= L:
         split *= 2
     few_rows = T <= 2 * _SMS  # then pass 3 has an SM per row: wide programs, fewer digit sweeps
-    return {"SPLIT": split, "TILE": tile, "WARPS": warps, "GROUP": group, "HIST_BITS": 10,
-            "COLLECT_TILE": min(2048, tile), "COLLECT_WARPS": 4, "CAP_K": 4,
+    return {"SPLIT": split, "TILE": tile, "WARPS": warps, "GROUP": group, "HIST_BITS": 8,
+            "COLLECT_TILE": min(4096, tile), "COLLECT_WARPS": 4, "CAP_K": 4,
             "SEL_BITS": 8 if few_rows else 5, "SEL_TILE": 4096 if few_rows else 1024,
             "SEL_WARPS": 16 if few_rows else 4}
 
