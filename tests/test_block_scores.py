@@ -37,6 +37,26 @@ def test_bounds_are_upper_bounds(P):
     assert bool((bounds + slack >= best)[finite].all())
 
 
+def test_several_chunks():
+    """Over 256 pages (two bound chunks) and 20 selected pages of 16 (two logits chunks of 256 columns)."""
+    cache, q, w, limits, cu = problem(16, lens=(4200, 40), rows=(2, 1), H=4, seed=4)
+    cfg = {**registry.get("indexer_block_path").default("decode", {"Q": 2, "H": 4}),
+           "bound_BLOCK_N": 16, "bound_CHUNK": 256, "BLOCK_N": 32, "CHUNK": 256}
+    with poisoned_allocations():
+        bounds = dt.block_scores(q, w, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens, limits, 16,
+                                 cu_seqlens_q=cu, config=cfg)
+    assert compare_logits(bounds, page_bounds_torch(q, w, cache.pmax, cache.pmin, cache.block_table, limits, 16,
+                                                    263, cu), rtol=1e-5) is None
+    pages = dt.select_pages(bounds, 20)
+    with poisoned_allocations():
+        logits, pos = dt.selected_page_logits(q, w, cache.ik, cache.ik_scale, cache.block_table, cache.seq_lens,
+                                              limits, pages, cu_seqlens_q=cu, config=cfg)
+    dense = dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, cu_seqlens_q=cu, block_table=cache.block_table,
+                              seq_lens=cache.seq_lens)
+    ref_logits, ref_pos = gather_selected_torch(dense, pages, 16, limits)
+    assert torch.equal(pos, ref_pos) and compare_logits(logits, ref_logits, rtol=1e-5) is None
+
+
 @pytest.mark.parametrize("P", [16, 64])
 def test_all_pages_selected_equals_token_level(P):
     cache, q, w, limits, cu = problem(P, seed=3)

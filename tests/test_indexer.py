@@ -47,6 +47,22 @@ def test_decode_paged_mixed_lengths(P):
     assert torch.equal(fast, out)
 
 
+@pytest.mark.parametrize("P,block_m", [(16, 2), (64, 1)])
+def test_decode_paged_several_chunks(P, block_m):
+    """Chunks of 128 columns (several per sequence, 8 or 2 pages each): the pages each program loads
+    before its tile loop and gathers per tile."""
+    lens, rows = [300, 130, 0], [2, 1, 1]
+    cache = paged_cache(lens, P, 32, seed=P + 1)
+    limits, cu = decode_rows(lens, rows)
+    q, w = random_queries(int(cu[-1]), 8, 32, torch.Generator().manual_seed(3))
+    kw = dict(cu_seqlens_q=cu, block_table=cache.block_table)
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": 32, "CHUNK": 128, "num_warps": 4, "num_stages": 3}
+    with poisoned_allocations():
+        out = dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, seq_lens=cache.seq_lens, config=cfg, **kw)
+    ref = indexer_logits_torch(q, w, cache.ik, cache.ik_scale, limits, 300, **kw)
+    assert compare_logits(out, ref, rtol=1e-5) is None
+
+
 @pytest.mark.parametrize("block_m,block_n,chunk", [(1, 32, 128), (2, 64, 128), (4, 128, 512)])
 def test_prefill_contiguous_several_sequences(block_m, block_n, chunk):
     g = torch.Generator().manual_seed(block_m)

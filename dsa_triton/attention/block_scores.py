@@ -91,7 +91,7 @@ def block_scores(
     at or past ``limits[t]``.
 
     q ``[T, H, DK]`` e4m3, weights ``[T, H]`` fp32 (scales folded in; either sign), pmax / pmin
-    ``[num_pages, DK]`` fp32 with equal strides (e.g. ``PagedCache.pmax`` / ``.pmin``), block_table
+    ``[num_pages, DK]`` bf16 or fp32 with equal strides (e.g. ``PagedCache.pmax`` / ``.pmin``), block_table
     ``[>= B, max_pages]`` int32, seq_lens ``[>= B]`` int32, limits ``[T]`` int32 (at most the sequence's
     length), page_size ``P``; cu_seqlens_q ``[B + 1]`` int32 (default: one sequence); num_cols
     defaults to ``ceil(max(limits) / P)``; max_q and check_values as in
@@ -203,7 +203,7 @@ def _make_inputs(phase: str, shape, device, seed: int) -> dict:
     B, Q, L, P, H, DK = (shape[n] for n in ("B", "Q", "L", "P", "H", "DK"))
     q, w = random_queries(B * Q, H, DK, g)
     k, k_scale, table, lens = random_paged_keys(B, L, P, DK, g)
-    summaries = page_summaries_torch(k, k_scale, table, lens)
+    summaries = page_summaries_torch(k, k_scale, table, lens).to(torch.bfloat16)  # exact, as PagedCache keeps them
     return {"q": q, "weights": w, "k": k, "k_scale": k_scale, "pmax": summaries[:, 0], "pmin": summaries[:, 1],
             "block_table": table, "seq_lens": lens, "n_select": shape["SEL"], "max_q": Q, "max_len": L,
             "limits": (L - Q + 1 + torch.arange(Q, device=device)).repeat(B).int(),
@@ -267,7 +267,7 @@ def _compare(out, ref) -> str | None:
 def _cost(phase: str, shape) -> Cost:
     B, Q, L, P, H, DK, SEL = (shape[n] for n in ("B", "Q", "L", "P", "H", "DK", "SEL"))
     T, n_pages = B * Q, -(-L // P)
-    summary_bytes = B * n_pages * 2 * DK * 4
+    summary_bytes = B * n_pages * 2 * DK * 2  # bf16
     selected_key_bytes = T * min(SEL, n_pages) * P * (DK + 4)
     out_bytes = T * n_pages * 4 + T * SEL * P * 8
     flops = 2.0 * T * H * DK * (4 * n_pages + min(SEL, n_pages) * P)

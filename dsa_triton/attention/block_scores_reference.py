@@ -45,7 +45,7 @@ def page_bounds_torch(q: torch.Tensor, weights: torch.Tensor, pmax: torch.Tensor
         for t in range(cu[b], cu[b + 1]):
             n = min(num_cols, -(-int(limits[t]) // page_size))
             pages = block_table[b, :n].long()
-            mx, mn = pmax[pages], pmin[pages]  # [n, DK]
+            mx, mn = pmax[pages].float(), pmin[pages].float()  # [n, DK]
             qf = q[t].float()
             qp, qn = qf.clamp_min(0), qf.clamp_max(0)
             with exact_fp8_matmul():

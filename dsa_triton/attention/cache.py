@@ -5,8 +5,9 @@ Layout (page size ``P`` in 16, 32, 64, 128; every size a parameter):
 - latent KV cache ``kv[num_pages, P, kv_dim]`` (bf16 on GPU; 576 = 512 latent + 64 rope);
 - indexer K cache ``ik[num_pages, P, index_dim]`` float8_e4m3fn and ``ik_scale[num_pages, P]`` fp32,
   one power-of-two scale per token vector, quantized on append (DeepSeek-V3.2 ``act_quant``, ue8m0);
-- page summaries ``summaries[num_pages, 2, index_dim]`` fp32: ``[:, 0]`` = ``pmax``, ``[:, 1]`` = ``pmin``,
-  the element-wise max / min of the page's dequantized indexer keys, kept current by every append;
+- page summaries ``summaries[num_pages, 2, index_dim]`` bf16 (or fp32): ``[:, 0]`` = ``pmax``, ``[:, 1]`` =
+  ``pmin``, the element-wise max / min of the page's dequantized indexer keys, kept current by every append.
+  bf16 holds them exactly (an e4m3 value times a power of two has 4 significant bits) in half the bytes;
 - ``block_table[max_seqs, max_pages_per_seq]`` int32 (-1 = no page), ``seq_lens[max_seqs]`` int32.
 
 Token ``i`` of sequence ``b`` lives at physical slot ``block_table[b, i // P] * P + i % P``.
@@ -31,6 +32,7 @@ from . import cache_reference
 from .cache_reference import append_torch, fp8_quantize_rows
 
 PAGE_SIZES = (16, 32, 64, 128)
+SUMMARY_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -93,8 +95,8 @@ def _append_kernel(
             dmask = offs_d < DK
             # a page whose first written slot is > 0 already holds keys: start from its summary
             old = dmask & (first > 0)
-            run_max = tl.load(sum_ptr + page * 2 * DK + offs_d, mask=old, other=float("-inf"))
-            run_min = tl.load(sum_ptr + page * 2 * DK + DK + offs_d, mask=old, other=float("inf"))
+            run_max = tl.load(sum_ptr + page * 2 * DK + offs_d, mask=old, other=float("-inf")).to(tl.float32)
+            run_min = tl.load(sum_ptr + page * 2 * DK + DK + offs_d, mask=old, other=float("inf")).to(tl.float32)
             for t0 in range(0, count, BLOCK_T):
                 rows = t0 + offs_t
                 tmask = rows < count
@@ -162,10 +164,10 @@ def _check_cache_tensors(kv_cache, ik, ik_scale, summaries, kv, index_k) -> tupl
         if P is not None and (P2 != P or num_pages != kv_cache.shape[0]):
             raise ValueError(f"ik: shape {tuple(ik.shape)} does not match kv_cache {tuple(kv_cache.shape)} in pages")
         P = P2
-        for name, t, shape in (("ik", ik, None), ("ik_scale", ik_scale, (num_pages, P)),
-                               ("summaries", summaries, (num_pages, 2, DK))):
+        for name, t, shape, dtypes in (("ik", ik, None, None), ("ik_scale", ik_scale, (num_pages, P), torch.float32),
+                                       ("summaries", summaries, (num_pages, 2, DK), SUMMARY_DTYPES)):
             if shape is not None:
-                check_tensor(name, t, dtype=torch.float32, shape=shape, device=device)
+                check_tensor(name, t, dtype=dtypes, shape=shape, device=device)
             if not t.is_contiguous():
                 raise ValueError(f"{name}: must be contiguous, got strides {t.stride()}")
         check_tensor("index_k", index_k, dtype=(torch.float32, torch.bfloat16, torch.float16),
@@ -193,7 +195,7 @@ def append_tokens(
     """Write new tokens into the paged caches in place (the functional form of :meth:`PagedCache.append`).
 
     kv_cache ``[num_pages, P, D]``, kv ``[N, D]`` same dtype; ik ``[num_pages, P, DK]`` e4m3,
-    ik_scale ``[num_pages, P]`` fp32, summaries ``[num_pages, 2, DK]`` fp32, index_k ``[N, DK]`` float.
+    ik_scale ``[num_pages, P]`` fp32, summaries ``[num_pages, 2, DK]`` bf16 or fp32, index_k ``[N, DK]`` float.
     ``items[n, 4]`` int32: (first row of kv/index_k, token count, physical page, first slot in the page);
     an item may not cross a page and pages must be distinct across items. Either the latent or the
     index part may be ``None`` (both its cache and its new tokens).
@@ -255,7 +257,8 @@ class PagedCache:
     """Paged latent KV + FP8 indexer K caches of one layer, with block table, lengths and allocator.
 
     ``kv_dim`` or ``index_dim`` may be 0 to leave that cache out. ``poison=True`` fills every slot with
-    NaN (tests: a slot that was never written must never reach an output). Host-side bookkeeping
+    NaN (tests: a slot that was never written must never reach an output). ``summary_dtype``: bf16
+    (exact, the default) or fp32. Host-side bookkeeping
     (lengths, pages) lives in Python lists, so ``append`` never waits on the device.
     """
 
@@ -270,6 +273,7 @@ class PagedCache:
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
         poison: bool = False,
+        summary_dtype: torch.dtype = torch.bfloat16,
     ):
         from ..runtime import default_device
 
@@ -279,6 +283,8 @@ class PagedCache:
             raise ValueError(f"page_size: must be one of {PAGE_SIZES}, got {page_size}")
         if kv_dim < 0 or index_dim < 0 or kv_dim + index_dim == 0:
             raise ValueError(f"kv_dim, index_dim: must be >= 0 and not both 0, got {kv_dim}, {index_dim}")
+        if summary_dtype not in SUMMARY_DTYPES:
+            raise ValueError(f"summary_dtype: must be one of {SUMMARY_DTYPES}, got {summary_dtype}")
         max_pages_per_seq = check_positive("max_pages_per_seq", max_pages_per_seq or num_pages)
         device = torch.device(device) if device is not None else default_device()
         self.page_size, self.max_seqs, self.max_pages_per_seq = page_size, max_seqs, max_pages_per_seq
@@ -288,7 +294,7 @@ class PagedCache:
         ik_bytes = torch.full((num_pages, page_size, index_dim), 0x7F if poison else 0, dtype=torch.uint8, device=device)
         self.ik = ik_bytes.view(torch.float8_e4m3fn) if index_dim else None  # 0x7F: e4m3 NaN
         self.ik_scale = new((num_pages, page_size), torch.float32) if index_dim else None
-        self.summaries = new((num_pages, 2, index_dim), torch.float32) if index_dim else None
+        self.summaries = new((num_pages, 2, index_dim), summary_dtype) if index_dim else None
         self.block_table = torch.full((max_seqs, max_pages_per_seq), -1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self.allocator = PageAllocator(num_pages)
@@ -297,12 +303,12 @@ class PagedCache:
 
     @property
     def pmax(self) -> torch.Tensor | None:
-        """``[num_pages, index_dim]`` fp32 view: element-wise max of each page's dequantized keys."""
+        """``[num_pages, index_dim]`` view (summary dtype): element-wise max of each page's dequantized keys."""
         return None if self.summaries is None else self.summaries[:, 0]
 
     @property
     def pmin(self) -> torch.Tensor | None:
-        """``[num_pages, index_dim]`` fp32 view: element-wise min of each page's dequantized keys."""
+        """``[num_pages, index_dim]`` view (summary dtype): element-wise min of each page's dequantized keys."""
         return None if self.summaries is None else self.summaries[:, 1]
 
     @property
@@ -458,7 +464,7 @@ def _cost(phase: str, shape) -> Cost:
     N, D, DK, B = shape["N"], shape["D"], shape["DK"], shape["B"]
     pages = B * -(-(N // B) // shape["P"]) if phase == "prefill" else B
     kv_bytes = 2 * N * D * 2
-    index_bytes = N * DK * 2 + N * (DK + 4) + pages * 2 * DK * 4 * 2
+    index_bytes = N * DK * 2 + N * (DK + 4) + pages * 2 * DK * 2 * 2  # bf16 summaries, read and written
     return Cost(bytes=kv_bytes + index_bytes)
 
 

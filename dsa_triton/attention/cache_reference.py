@@ -58,5 +58,5 @@ def append_torch(
     ik_scale.view(-1)[slots] = scale
     keys = dequantize_rows(fp8_rows(ik, pages), ik_scale[pages])  # [n, P, DK]
     used = (torch.arange(ik.shape[1], device=ik.device) < fill[:, None])[..., None]
-    summaries[pages, 0] = keys.where(used, float("-inf")).amax(dim=1)
-    summaries[pages, 1] = keys.where(used, float("inf")).amin(dim=1)
+    summaries[pages, 0] = keys.where(used, float("-inf")).amax(dim=1).to(summaries.dtype)  # exact in bf16
+    summaries[pages, 1] = keys.where(used, float("inf")).amin(dim=1).to(summaries.dtype)

@@ -14,8 +14,11 @@ One Triton kernel, :func:`_logits_kernel`, serves three jobs (a constexpr ``MODE
 - ``BOUND``: an upper bound of each page's best score from the page summaries (``pmax``, ``pmin``):
   ``ub_h = q+ . pmax + q- . pmin >= max_k q_h . k``, ``lb_h = q+ . pmin + q- . pmax <= min_k q_h . k``,
   bound = ``sum_h max(w_h, 0) relu(ub_h) + min(w_h, 0) relu(lb_h)`` (used by :mod:`.block_scores`).
+  One accumulator per head: ``w_h >= 0`` needs only ``ub_h``, ``w_h < 0`` only ``lb_h``, so q's sign parts
+  are swapped per head and the tile is two chained dots (``pmax``, ``pmin``), then the same relu head-sum.
 
-Everything outside ``[0, limit[t])`` is ``-inf``. Every size (heads, head dim, page size) is a parameter.
+The chunk's pages are loaded before the tile loop and gathered per tile, so no key load depends on
+another load in the loop and Triton pipelines them ``num_stages`` deep. Everything outside ``[0, limit[t])`` is ``-inf``. Every size (heads, head dim, page size) is a parameter.
 """
 from __future__ import annotations
 
@@ -95,12 +98,12 @@ def _logits_kernel(
         q = tl.load(q_ptr + q_row[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=r_ok[:, None] & d_ok[None, :], other=0.0)
         w = tl.load(w_ptr + q_row.to(tl.int64) * stride_wt + head, mask=r_ok, other=0.0)
-        if MODE == 2:  # BOUND: split q by sign, exact in bf16 or fp32
+        if MODE == 2:  # BOUND: q split by sign (exact in bf16), the parts swapped where the weight is < 0
             qf = q.to(tl.float32)
-            q_pos = tl.trans(tl.maximum(qf, 0.0).to(BOUND_DTYPE))
-            q_neg = tl.trans(tl.minimum(qf, 0.0).to(BOUND_DTYPE))
-            w_pos = tl.maximum(w, 0.0)
-            w_neg = tl.minimum(w, 0.0)
+            q_pos, q_neg = tl.maximum(qf, 0.0), tl.minimum(qf, 0.0)
+            up = (w >= 0.0)[:, None]
+            q_max = tl.trans(tl.where(up, q_pos, q_neg).to(BOUND_DTYPE))  # multiplies pmax
+            q_min = tl.trans(tl.where(up, q_neg, q_pos).to(BOUND_DTYPE))  # multiplies pmin
         else:
             q_t = tl.trans(q)
 
@@ -144,9 +147,8 @@ def _logits_kernel(
             if MODE == 2:
                 k_max = tl.load(k_ptr + k_off, mask=k_mask, other=0.0).to(BOUND_DTYPE)
                 k_min = tl.load(k2_ptr + k_off, mask=k_mask, other=0.0).to(BOUND_DTYPE)
-                ub = tl.dot(k_min, q_neg, tl.dot(k_max, q_pos))  # products exact: fp8 x (bf16-exact) values
-                lb = tl.dot(k_min, q_pos, tl.dot(k_max, q_neg))
-                s = tl.maximum(ub, 0.0) * w_pos[None, :] + tl.maximum(lb, 0.0) * w_neg[None, :]
+                # w >= 0: ub = q+ . pmax + q- . pmin; w < 0: lb = q- . pmax + q+ . pmin (exact products)
+                s = tl.maximum(tl.dot(k_min, q_min, tl.dot(k_max, q_max)), 0.0) * w[None, :]
             else:
                 k = tl.load(k_ptr + k_off, mask=k_mask, other=0.0)
                 k_scale = next_scale

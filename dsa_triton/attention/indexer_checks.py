@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..checks import check_kernel_device, check_tensor
-from .cache import PAGE_SIZES
+from .cache import PAGE_SIZES, SUMMARY_DTYPES
 
 
 class DeviceChecks:
@@ -175,11 +175,14 @@ def check_contiguous_keys(rows: QueryRows, k, k_scale, key_starts, limits) -> to
 
 
 def check_summaries(rows: QueryRows, pmax, pmin) -> None:
-    """pmax / pmin ``[num_pages, DK]`` fp32 with equal strides (views into one summaries buffer or not)."""
-    check_tensor("pmax", pmax, dtype=torch.float32, ndim=2, device=rows.device)
+    """pmax / pmin ``[num_pages, DK]`` bf16 or fp32 (one dtype) with equal strides (views into one
+    summaries buffer or not), rows of contiguous elements."""
+    check_tensor("pmax", pmax, dtype=SUMMARY_DTYPES, ndim=2, device=rows.device)
     if pmax.shape[1] != rows.DK:
         raise ValueError(f"pmax: dimension 1 must be DK = {rows.DK}, got shape {tuple(pmax.shape)}")
-    check_tensor("pmin", pmin, dtype=torch.float32, shape=tuple(pmax.shape), device=rows.device)
+    if pmax.stride(1) != 1:
+        raise ValueError(f"pmax: rows must be contiguous, got strides {pmax.stride()}")
+    check_tensor("pmin", pmin, dtype=pmax.dtype, shape=tuple(pmax.shape), device=rows.device)
     if pmin.stride() != pmax.stride():
         raise ValueError(f"pmin: strides {pmin.stride()} must equal pmax's {pmax.stride()}")
 
