@@ -1,9 +1,15 @@
-"""Prefill workspace grouped GEMM (interpreter, fp16 activations) against the reference: activation
-quantization bit for bit, grouped products with odd expert counts, empty experts, K and N off 128."""
+"""Prefill grouped GEMM (interpreter, fp16 activations) against the reference, both routes (weights converted in
+registers, or through the workspace): activation quantization bit for bit, grouped products with odd expert
+counts, empty experts, K and N off 128, experts split between the routes; the registers route compiles for sm_90."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from dsa_triton import registry
+from dsa_triton.moe.convert import row_references
 from dsa_triton.moe.convert_reference import mxfp4_to_fp8_torch
 from dsa_triton.moe.fp8_grouped_gemm import fp8_grouped_gemm, quantize_activations_fp8
 from dsa_triton.moe.fp8_grouped_gemm_reference import fp8_grouped_gemm_torch, quantize_rows_fp8_torch
@@ -13,7 +19,8 @@ from dsa_triton.moe.workspace import FP8Workspace
 from tests.poison import poisoned_allocations
 
 CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
-          "EXPERTS_PER_STAGE": 2}
+          "EXPERTS_PER_STAGE": 2, "IN_REGISTERS": 0}
+REGISTERS = {**CONFIG, "BLOCK_K": 128, "IN_REGISTERS": 1}
 
 
 def offsets_of(counts):
@@ -39,18 +46,20 @@ def check_against_reference(y, x, offsets, blocks, scales):
 def test_activation_quantization_matches_reference_bit_for_bit(dtype):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(9, 160, generator=g) * torch.exp2(torch.randint(-12, 12, (9, 1), generator=g).float())
-    # row 0, group 0: amax 448 (scale 1) and exact ties: to even in the normal and the subnormal range
+    # row 0: amax 448 (scale 1) and exact ties: to even in the normal and the subnormal range
+    x[0] = 0.0
     x[0, :8] = torch.tensor([448.0, 1.0625, 1.1875, -1.1875, 2.0**-10, 3 * 2.0**-10, 2.0**-7 + 2.0**-11, 0.0])
-    x[1, :128] = 0.0  # an all-zero group
+    x[1] = 0.0  # an all-zero row
     x[2, :4] = torch.tensor([450.0, 1e-3, -1e-4, 1.0])  # amax just above 448 (in every dtype): scale 2
+    x[2, 4:] = x[2, 4:].clamp(-1, 1)
     x = x.to(dtype)
     with poisoned_allocations():
         q, s = quantize_activations_fp8(x)
     ref_q, ref_s = quantize_rows_fp8_torch(x)
-    assert q.dtype == torch.float8_e4m3fn and s.shape == (9, 2)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (9,)
     assert torch.equal(s, ref_s)
     assert torch.equal(q.float(), ref_q.float())
-    assert float(s[0, 0]) == 1.0 and float(s[2, 0]) == 2.0 and float(s[1, 0]) == 2.0**-126
+    assert float(s[0]) == 1.0 and float(s[2]) == 2.0 and float(s[1]) == 2.0**-126
     assert q[0, :7].float().tolist() == [448.0, 1.0, 1.25, -1.25, 0.0, 2.0**-8, 2.0**-7]
 
 
@@ -58,6 +67,9 @@ def test_activation_quantization_matches_reference_bit_for_bit(dtype):
     ([7, 0, 12, 5, 9], 48, 96, CONFIG),  # E = 5, an empty expert, K = 96 < 128, N off BLOCK_N
     ([3, 18, 0, 0, 6, 1, 11], 40, 160, {**CONFIG, "EXPERTS_PER_STAGE": 1, "GROUP_M": 4}),  # 5 stages
     ([9, 4, 13], 72, 256, {**CONFIG, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "EXPERTS_PER_STAGE": 4}),
+    ([7, 0, 12, 5, 9], 48, 96, REGISTERS),
+    ([3, 18, 0, 0, 6, 1, 11], 40, 160, {**REGISTERS, "GROUP_M": 4}),
+    ([9, 4, 13], 72, 256, {**REGISTERS, "BLOCK_M": 32, "BLOCK_N": 64}),
 ])
 def test_grouped_gemm_matches_reference(counts, n, k, config):
     x, offsets, blocks, scales = problem(counts, n, k, seed=len(counts) + k)
@@ -70,14 +82,65 @@ def test_grouped_gemm_matches_reference(counts, n, k, config):
     assert float((y.float() - exact).norm() / exact.norm()) < 0.05
 
 
-def test_k_short_of_the_padded_weights_and_rows_outside_every_expert():
+def test_registers_route_leaves_wide_experts_to_the_workspace():
+    x, offsets, blocks, scales = problem([6, 9, 5, 7], 40, 256, seed=12)
+    scales[2, 5, 6] -= 12  # 12+ binades below its row's largest: expert 2 cannot be converted in registers
+    scales[3, 1, 0], scales[3, 1, 1] = 130, 80  # expert 3: also an unfit block (50 below its group's top)
+    blocks[3, 1, 1] |= 0x11
+    ref, fits = row_references(scales)
+    assert fits == [True, True, False, False] and torch.equal(ref, scales.amax(-1))
+    unfit = torch.zeros(1, dtype=torch.int32)
+    with poisoned_allocations():
+        workspace = FP8Workspace(4, [(40, 256)], "cpu")
+        y = fp8_grouped_gemm(x, offsets, blocks, scales, config={**REGISTERS, "BLOCK_M": 32, "BLOCK_N": 64},
+                             workspace=workspace, unfit_counter=unfit)
+    check_against_reference(y, x, offsets, blocks, scales)
+    assert int(unfit) == mxfp4_to_fp8_torch(blocks, scales)[2] >= 1
+    ref2, _ = row_references(scales)
+    assert ref2 is ref  # cached per tensor
+    scales[0, 0] += 1
+    assert not torch.equal(row_references(scales)[0], ref)  # an in-place change is noticed
+
+
+def test_registers_route_compiles_for_hopper():
+    """The real compiler (sm_90, no GPU needed) takes the byte-permute inline assembly and keeps the converted
+    weights in registers as the MMA's first operand (the interpreter runs the plain-integer twin)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+HOPPER_COMPILE = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dsa_triton.moe.fp8_grouped_gemm import _fused_gemm_kernel
+
+names = _fused_gemm_kernel.arg_names
+types = {"x_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "codes_ptr": "*i16", "scales_ptr": "*u8", "ref_ptr": "*u8",
+         "y_ptr": "*bf16", "tiles_ptr": "*i32", "experts_ptr": "*i32"}
+for even_k in (True, False):
+    constexprs = {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "EVEN_K": even_k, "PTX": True}
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constexprs and n != "n_mtiles"}
+    kernel = triton.compile(ASTSource(_fused_gemm_kernel, signature, constexprs, aligned),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    assert "wgmma" in kernel.asm["ptx"] and "prmt.b32" in kernel.asm["ptx"]
+print("compiled")
+"""
+
+
+@pytest.mark.parametrize("config", [CONFIG, REGISTERS])
+def test_k_short_of_the_padded_weights_and_rows_outside_every_expert(config):
     x, _, blocks, scales = problem([10, 10, 10], 40, 80, seed=5, k_weights=96)  # x has K = 80, weights 96
     offsets = torch.tensor([3, 9, 9, 26], dtype=torch.int32)  # rows 0..2 and 26..29 belong to no expert
     with poisoned_allocations():
-        y = fp8_grouped_gemm(x, offsets, blocks, scales, config=CONFIG)
+        y = fp8_grouped_gemm(x, offsets, blocks, scales, config=config)
     check_against_reference(y, x, offsets, blocks, scales)
     assert not y[:3].any() and not y[26:].any()
-    none = fp8_grouped_gemm(x, torch.zeros(4, dtype=torch.int32), blocks, scales, config=CONFIG)
+    none = fp8_grouped_gemm(x, torch.zeros(4, dtype=torch.int32), blocks, scales, config=config)
     assert none.shape == (30, 40) and not none.any()
 
 

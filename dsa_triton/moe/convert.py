@@ -11,10 +11,17 @@ Semantics and oracle: :mod:`.convert_reference`. One program converts ``BLOCK_N`
 - otherwise: each value's fp32 pattern is built from the code bits and cast to e4m3 (exact wherever the
   block fits); a block is unfit when one of its values is below e4m3's reach (lowest set bit under 2^-9),
   and unfit blocks are counted with one atomic add per program.
+
+The register-side helpers below serve the fused prefill GEMM (:mod:`.fp8_grouped_gemm`), which converts weight
+tiles on their way to the tensor cores instead of through a workspace: :func:`e4m3_words` turns 16-bit groups
+of four codes into four e4m3 bytes with two byte permutes (PTX ``prmt`` against an 8-byte table of the block's
+E2M1 values), :func:`words_to_fp8` reinterprets those words as an FP8 tile, :func:`row_references` picks each
+row's reference exponent and the experts whose every block is within reach of it.
 """
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 import triton
@@ -27,6 +34,62 @@ from . import convert_reference
 from .convert_reference import BLOCKS_PER_GROUP, GROUP, mxfp4_to_fp8_torch, n_groups
 from .mxfp4 import e2m1_bits, realistic_mxfp4
 from .mxfp4_reference import BLOCK, validate_mxfp4
+
+
+@triton.jit
+def reference_scale(top):
+    """fp32 ``2^(top - 133)`` of int32 ``top`` (a block scale byte, 0..254): the scale of e4m3 values whose reference
+    is ``top - 6``; a subnormal fp32 for top < 7, so built from two normal factors."""
+    return ((tl.maximum(top, 7) - 6) << 23).to(tl.float32, bitcast=True) \
+        * ((tl.minimum(top, 7) + 120) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def byte_permute(lo, hi, sel, PTX: tl.constexpr):
+    """int32 lanes: byte ``i`` of the result is byte ``nibble i of sel`` (0..7) of the 8 bytes ``hi:lo`` (PTX ``prmt``;
+    where PTX is not available, as in the interpreter, the same in plain integer operations)."""
+    if PTX:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, sel], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        out = tl.zeros_like(sel)
+        for i in tl.static_range(4):
+            s = (sel >> (4 * i)) & 7
+            out |= (((tl.where(s < 4, lo, hi) >> ((s & 3) * 8)) & 0xFF) << (8 * i))
+        return out
+
+
+@triton.jit
+def e4m3_words(codes, d, PTX: tl.constexpr):
+    """e4m3 bytes of a 128-k group of E2M1 codes: ``codes`` int32 ``[R, 32]`` (16 bits each: four codes, low nibble
+    first), ``d`` int32 ``[R, 4]``: binades of each 32-block below its row's reference, 0..11 -> int32 ``[R, 32]``,
+    four bytes ``e2m1 * 2^(6 - d)`` each in k order. The table of a block's eight magnitudes, 0 .5 1 1.5 | 2 3 4 6
+    times 2^6 (e4m3 0x00 60 68 6C | 70 74 78 7C), has its exponents lowered by d; one permute picks the magnitudes,
+    another the sign bits (0x80 where a code's bit 3 is set)."""
+    rows: tl.constexpr = codes.shape[0]
+    lo = tl.reshape(tl.broadcast_to((0x6C686000 - d * 0x08080800)[:, :, None], [rows, 4, 8]), [rows, 32])
+    hi = tl.reshape(tl.broadcast_to((0x7C787470 - d * 0x08080808)[:, :, None], [rows, 4, 8]), [rows, 32])
+    magnitude = byte_permute(lo, hi, codes & 0x7777, PTX)
+    sign = byte_permute(tl.full(codes.shape, 0x8000, tl.int32), tl.zeros_like(codes), (codes >> 3) & 0x1111, PTX)
+    return magnitude | sign
+
+
+@triton.jit
+def words_to_fp8(words, PTX: tl.constexpr):
+    """int32 ``[R, W]`` of four e4m3 bytes each (first k in the low byte) -> float8e4nv ``[R, 4 W]``. On PTX each word
+    is repeated four times and one ``mov`` per word re-reads it as four bytes (no data moves); elsewhere the bytes
+    are shifted out and interleaved."""
+    rows: tl.constexpr = words.shape[0]
+    width: tl.constexpr = words.shape[1] * 4
+    if PTX:
+        repeated = tl.reshape(tl.join(tl.join(words, words), tl.join(words, words)), [rows, width])
+        out = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [repeated], dtype=tl.int8, is_pure=True,
+                                        pack=4)
+    else:
+        b0, b1 = (words & 0xFF).to(tl.int8), ((words >> 8) & 0xFF).to(tl.int8)
+        b2, b3 = ((words >> 16) & 0xFF).to(tl.int8), ((words >> 24) & 0xFF).to(tl.int8)
+        out = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [rows, width])
+    return out.to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -99,9 +162,7 @@ def _convert_kernel(blocks_ptr, words_ptr, scales_ptr, ids_ptr, w_ptr, w_words_p
         w8 = tl.reshape(values, [BLOCK_N, GROUPS * 128]).to(tl.float8e4nv)
         k = tl.program_id(2) * (GROUPS * 128) + tl.arange(0, GROUPS * 128)
         tl.store(w_ptr + slot * stride_we + n[:, None] * stride_wn + k[None, :], w8, mask=row_in & (k < KB * 32)[None, :])
-    # group scale 2^(top - 133), a subnormal fp32 for top < 7: two normal factors
-    scale = ((tl.maximum(top, 7) - 6) << 23).to(tl.float32, bitcast=True) \
-        * ((tl.minimum(top, 7) + 120) << 23).to(tl.float32, bitcast=True)
+    scale = reference_scale(top)
     g = tl.program_id(2) * GROUPS + tl.arange(0, GROUPS)
     tl.store(s_ptr + slot * stride_oe + n[:, None] * stride_on + g[None, :] * stride_og, scale,
              mask=row_in & (g < NG)[None, :])
@@ -127,6 +188,26 @@ def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torc
         w_out.stride(0), w_out.stride(1), s_out.stride(0), s_out.stride(1), s_out.stride(2),
         BLOCK_N=config["BLOCK_N"], GROUPS=groups, COUNT_UNFIT=unfit is not None, num_warps=config["num_warps"],
     )
+
+
+FAST_SHIFT = 11  # binades below the reference within which every E2M1 value is a normal e4m3 number
+
+_row_refs: dict[int, tuple] = {}
+
+
+def row_references(scales: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+    """``scales[E, N, K/32]`` -> ``(ref uint8 [E, N], fits)``: each row's largest block scale, and per expert whether
+    every block of every row lies within :data:`FAST_SHIFT` binades of its row's (so the fused GEMM converts it in
+    registers with one table per block and no per-group rescaling). Cached per tensor (until it is modified in
+    place or freed); the first call per weight reads the scales once and syncs."""
+    key = id(scales)
+    hit = _row_refs.get(key)
+    if hit is not None and hit[0]() is scales and hit[1] == scales._version:
+        return hit[2], hit[3]
+    ref = scales.amax(-1)
+    fits = ((ref - scales.amin(-1)) <= FAST_SHIFT).all(-1).tolist()
+    _row_refs[key] = (weakref.ref(scales, lambda _, key=key: _row_refs.pop(key, None)), scales._version, ref, fits)
+    return ref, fits
 
 
 def check_experts_layout(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:

@@ -1,30 +1,35 @@
-"""Prefill grouped expert GEMM through the shared FP8 workspace: ``dt.fp8_grouped_gemm``.
+"""Prefill grouped expert GEMM on FP8 tensor cores from MXFP4 weights: ``dt.fp8_grouped_gemm``.
 
 ``y_sorted[r] = x_sorted[r] @ W_e^T`` for the rows ``r`` of expert ``e`` (CSR ``expert_offsets``), MXFP4 weights.
 One call:
 
 1. reads ``expert_offsets`` on the host: the one sync (the tile schedule needs the per-expert row counts);
-2. quantizes ``x`` to e4m3 with one power-of-two scale per (row, 128-k group) (``_quantize_rows_kernel``;
-   oracle :func:`.fp8_grouped_gemm_reference.quantize_rows_fp8_torch`, bit for bit);
-3. walks the experts that got rows in stages of ``EXPERTS_PER_STAGE``: stage ``s`` is converted MXFP4 -> FP8
-   (:mod:`.convert`) into half ``s % 2`` of a workspace lease on a side stream while the main stream runs the
-   GEMM of stage ``s - 1`` from the other half; per half, an event makes its GEMM wait for its conversion and
-   another makes the next conversion into it wait for that GEMM;
-4. the FP8 GEMM (``_grouped_gemm_kernel``): one launch per stage over (row tiles of the stage's experts) x
-   (N tiles), ``GROUP_M`` row tiles per N column for L2 reuse; per 128-k group
-   ``acc += dot(x_q, w_q^T) * sx[:, g] * sw[:, g]``: the weights' scales change per group, and promoting each
-   group's partial sum to fp32 is also what keeps Hopper's FP8 accumulation accurate (DeepSeek-V3).
+2. quantizes ``x`` to e4m3 with one power-of-two scale per row (``_quantize_rows_kernel``; oracle
+   :func:`.fp8_grouped_gemm_reference.quantize_rows_fp8_torch`, bit for bit);
+3. multiplies by one of two routes (config ``IN_REGISTERS``), both over row tiles of ``BLOCK_M`` rows of one
+   expert x ``BLOCK_N`` output columns, ``GROUP_M`` row tiles per N column for L2 reuse:
 
-Why two streams rather than one persistent kernel that converts and multiplies: conversion is memory-bound
-integer work, the GEMM tensor-core work; as two kernels on two streams the hardware runs conversion CTAs
-(few registers, no shared memory) beside GEMM CTAs on the same SMs with no hand-made synchronisation, each
-kernel keeps its own tuned tiles, and the interpreter runs the same code in order. A persistent kernel would
-hand converted tiles over through flags in global memory: spin-waits, which the interpreter cannot run.
+   - registers (1), ``_fused_gemm_kernel``: reads the MXFP4 codes and converts each weight tile to e4m3 on its
+     way to the tensor cores (:func:`.convert.e4m3_words`: two byte permutes per four weights), the weights being
+     the register operand of the MMA and the x tile the shared-memory one. Each weight row is taken relative to its
+     largest block scale (:func:`.convert.row_references`), so one scale per weight row and one per token apply
+     after the K loop and the tensor cores accumulate the whole of K: the weights cross memory once, at 4.25 bits.
+     Experts with a block more than 11 binades below its row's largest (rare in trained weights; exactness there
+     needs per-group rescaling) take the workspace route;
+   - workspace (0): stage ``s`` of ``EXPERTS_PER_STAGE`` experts is converted MXFP4 -> FP8 (:mod:`.convert`, one
+     fp32 scale per (row, 128-k group)) into half ``s % 2`` of a workspace lease on a side stream while the main
+     stream runs the GEMM of stage ``s - 1`` from the other half (events order each half's conversion and GEMM);
+     ``_grouped_gemm_kernel`` adds ``dot(x_q, w_q^T) * sw[:, g]`` per 128-k group, the row scales of x after
+     the loop.
+
+Why two streams rather than one persistent kernel for the workspace route: conversion is memory-bound integer
+work, the GEMM tensor-core work; as two kernels on two streams the hardware runs conversion CTAs beside GEMM CTAs
+with no hand-made synchronisation, each kernel keeps its tuned tiles, and the interpreter runs the same code in
+order. (The registers route removes the round trip through memory altogether.)
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import weakref
 from dataclasses import dataclass
@@ -37,8 +42,9 @@ from .. import registry
 from ..checks import check_kernel_device, check_tensor
 from ..registry import Cost, bucket
 from . import fp8_grouped_gemm_reference, prefill_baselines
-from .convert import CONVERT, check_experts_layout, convert_experts
-from .convert_reference import GROUP, n_groups
+from .convert import (CONVERT, check_experts_layout, convert_experts, e4m3_words, reference_scale,
+                      row_references, words_to_fp8)
+from .convert_reference import n_groups
 from .fp8_grouped_gemm_reference import fp8_grouped_gemm_torch
 from .fused_moe import ExpertWeights, compare_rows
 from .mxfp4 import widen_to_fp32
@@ -56,46 +62,50 @@ def round_to_e4m3(v):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sg,
-                          BLOCK_M: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    g = tl.program_id(1)
-    k = g * 128 + tl.arange(0, 128)
-    inside = (rows < M)[:, None] & (k < K)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
-    x = widen_to_fp32(tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=inside, other=0.0))
-    bits = tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True)
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=(rows < M)[:, None] & (k < K)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(widen_to_fp32(x)), axis=1))
+    bits = amax.to(tl.int32, bitcast=True)
     # smallest e with amax <= 448 * 2^e: amax = 1.f * 2^E gives E - 8, one more when 1.f > 1.75
     e = tl.maximum(((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32), -126)
-    q = round_to_e4m3(x * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None])
-    tl.store(q_ptr + rows64 * stride_q + k[None, :], q.to(tl.float8e4nv), mask=inside)
-    tl.store(s_ptr + rows * stride_sm + g * stride_sg, ((e + 127) << 23).to(tl.float32, bitcast=True), mask=rows < M)
+    inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        inside = (rows < M)[:, None] & (k < K)[None, :]
+        x = widen_to_fp32(tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=inside, other=0.0))
+        tl.store(q_ptr + rows64 * stride_q + k[None, :], round_to_e4m3(x * inv_scale).to(tl.float8e4nv), mask=inside)
+    tl.store(s_ptr + rows, ((e + 127) << 23).to(tl.float32, bitcast=True), mask=rows < M)
+
+
+@triton.jit
+def _tile(tiles_ptr, n_mtiles, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's row tile ``(slot, first row, end row)`` and N tile: ``GROUP_M`` row tiles per N column."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(n_mtiles - first_m, GROUP_M)
+    mt = first_m + (pid % per_group) % group_m
+    slot = tl.load(tiles_ptr + mt * 3).to(tl.int64)
+    return slot, tl.load(tiles_ptr + mt * 3 + 1), tl.load(tiles_ptr + mt * 3 + 2), (pid % per_group) // group_m
 
 
 @triton.jit
 def _grouped_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, tiles_ptr, n_mtiles, N, K,
-                         stride_xm, stride_sxm, stride_sxg, stride_we, stride_wn, stride_swe, stride_swn, stride_swg,
-                         stride_ym,
+                         stride_xm, stride_we, stride_wn, stride_swe, stride_swn, stride_swg, stride_ym,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
-    pid = tl.program_id(0)
-    n_ntiles = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * n_ntiles
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(n_mtiles - first_m, GROUP_M)
-    mt = first_m + (pid % per_group) % group_m
-    nt = (pid % per_group) // group_m
-    slot = tl.load(tiles_ptr + mt * 3).to(tl.int64)  # the expert's slot in this stage's workspace half
-    row0 = tl.load(tiles_ptr + mt * 3 + 1)
-    row_end = tl.load(tiles_ptr + mt * 3 + 2)
-
+    slot, row0, row_end, nt = _tile(tiles_ptr, n_mtiles, N, BLOCK_N, GROUP_M)  # slot: in this stage's half
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     row_in, col_in = rows < row_end, cols < N
     kk = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + kk[None, :]
     w_ptrs = w_ptr + slot * stride_we + cols.to(tl.int64)[None, :] * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
-    sx_ptrs = sx_ptr + rows.to(tl.int64) * stride_sxm
     sw_ptrs = sw_ptr + slot * stride_swe + cols * stride_swn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -106,38 +116,72 @@ def _grouped_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, tiles_ptr, n_mtile
             k_in = k0 + kk < K
             a = tl.load(x_ptrs, mask=row_in[:, None] & k_in[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=k_in[:, None] & col_in[None, :], other=0.0)
-        g = k0 // 128
-        sa = tl.load(sx_ptrs + g * stride_sxg, mask=row_in, other=0.0)
-        sb = tl.load(sw_ptrs + g * stride_swg, mask=col_in, other=0.0)
-        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        sb = tl.load(sw_ptrs + (k0 // 128) * stride_swg, mask=col_in, other=0.0)
+        acc += tl.dot(a, b) * sb[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    acc *= tl.load(sx_ptr + rows, mask=row_in, other=0.0)[:, None]
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
 
 
+@triton.jit
+def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, tiles_ptr, experts_ptr, n_mtiles,
+                       N, K, KB, stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_re, stride_ym,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                       EVEN_K: tl.constexpr, PTX: tl.constexpr):
+    """``acc[BLOCK_N, BLOCK_M]`` = weights (converted in registers: the MMA's register operand) x tokens^T."""
+    slot, row0, row_end, nt = _tile(tiles_ptr, n_mtiles, N, BLOCK_N, GROUP_M)
+    expert = tl.load(experts_ptr + slot).to(tl.int64)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_in = tl.minimum(rows, row_end - 1).to(tl.int64)  # clamped: the loads need no masks
+    cols_in = tl.minimum(cols, N - 1).to(tl.int64)
+    ref = tl.load(ref_ptr + expert * stride_re + cols_in).to(tl.int32)  # each weight row's largest block scale
+    code_rows = codes_ptr + expert * stride_ce + cols_in[:, None] * stride_cn  # int16: four codes each
+    scale_rows = scales_ptr + expert * stride_se + cols_in[:, None] * stride_sn
+    x_rows = x_ptr + rows_in[:, None] * stride_xm
+    j, b, kk = tl.arange(0, 32), tl.arange(0, 4), tl.arange(0, 128)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for g in range(0, tl.cdiv(KB, 4)):  # one 128-k group (four 32-blocks) per step
+        if EVEN_K:
+            codes = tl.load(code_rows + g * 32 + j[None, :])
+            s = tl.load(scale_rows + g * 4 + b[None, :])
+            xt = tl.load(x_rows + g * 128 + kk[None, :])
+        else:
+            codes = tl.load(code_rows + g * 32 + j[None, :], mask=(g * 32 + j < KB * 8)[None, :], other=0)
+            s = tl.load(scale_rows + g * 4 + b[None, :], mask=(g * 4 + b < KB)[None, :], other=0)
+            xt = tl.load(x_rows + g * 128 + kk[None, :], mask=(g * 128 + kk < K)[None, :], other=0.0)
+        d = tl.minimum(ref[:, None] - s.to(tl.int32), 11)  # the clamp only touches padding blocks (codes 0)
+        w8 = words_to_fp8(e4m3_words(codes.to(tl.int32), d, PTX), PTX)
+        acc = tl.dot(w8, tl.trans(xt), acc)
+    sx = tl.load(sx_ptr + rows_in)
+    out = tl.trans(acc * reference_scale(ref)[:, None] * sx[None, :])
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+
+
 # -- host side ------------------------------------------------------------------------------------
-QUANTIZE_ROWS_BLOCK_M = 32
+QUANTIZE_ROWS_BLOCK = (4, 1024)  # rows x k per program and step of the activation quantization
 
 
 def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x[M, K]`` fp16/bf16/fp32 (rows contiguous) -> ``(q e4m3 [M, K], scale fp32 [M, ceil(K/128)])``, launch
-    only. The scales are stored group-major (strides ``(1, M)``), as the GEMM reads them."""
+    """``x[M, K]`` fp16/bf16/fp32 (rows contiguous) -> ``(q e4m3 [M, K], scale fp32 [M])``, launch only."""
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(n_groups(k), m, dtype=torch.float32, device=x.device).t()
-    if m and k:
-        grid = (triton.cdiv(m, QUANTIZE_ROWS_BLOCK_M), n_groups(k))
-        _quantize_rows_kernel[grid](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                    BLOCK_M=QUANTIZE_ROWS_BLOCK_M, num_warps=4)
+    s = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        block_m, block_k = QUANTIZE_ROWS_BLOCK
+        _quantize_rows_kernel[(triton.cdiv(m, block_m),)](x, q, s, m, k, x.stride(0), q.stride(0),
+                                                          BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
     return q, s
 
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Host-side schedule of one call.
+    """Host-side schedule of one route.
 
-    - ``experts`` int32 ``[A]`` (device): the experts with rows, in order;
+    - ``experts`` int32 ``[A]`` (device): the experts with rows (of those the route takes), in order;
     - ``tiles`` int32 ``[n_tiles, 3]`` (device): per row tile, (slot of its expert within its stage, first row,
       end row of the expert);
     - ``stages``: per stage, (first, end) into ``experts`` and (first, end) into ``tiles``.
@@ -149,11 +193,15 @@ class StagePlan:
     stages: tuple[tuple[int, int, int, int], ...]
 
 
-def plan_stages(offsets: list[int], block_m: int, stage_size: int, device: torch.device) -> StagePlan:
-    """Row tiles of ``block_m`` rows per active expert, experts in stages of ``stage_size`` (torch on the host)."""
+def plan_stages(offsets: list[int], block_m: int, stage_size: int | None, device: torch.device,
+                take: list[bool] | None = None) -> StagePlan:
+    """Row tiles of ``block_m`` rows per active expert (of those ``take`` marks), experts in stages of
+    ``stage_size`` (None: one stage), built with torch on the host."""
     off = torch.tensor(offsets, dtype=torch.int64)
     counts = off[1:] - off[:-1]
-    active = torch.nonzero(counts > 0).flatten()
+    chosen = counts > 0 if take is None else (counts > 0) & torch.tensor(take, dtype=torch.bool)
+    active = torch.nonzero(chosen).flatten()
+    stage_size = stage_size or max(1, active.numel())
     start, count = off[:-1][active], counts[active]
     tiles_per = (count + block_m - 1) // block_m
     tile_expert = torch.repeat_interleave(torch.arange(active.numel()), tiles_per)
@@ -169,7 +217,8 @@ def plan_stages(offsets: list[int], block_m: int, stage_size: int, device: torch
 
 
 def launch_gemm(xq, sx, w_half, s_half, y, tiles, config) -> None:
-    """The FP8 GEMM of one stage: rows ``tiles`` of ``xq`` against the stage's experts in ``w_half`` / ``s_half``."""
+    """The FP8 GEMM of one workspace stage: rows ``tiles`` of ``xq`` against the stage's experts in ``w_half`` /
+    ``s_half``."""
     n_mtiles = tiles.shape[0]
     n, k = y.shape[1], xq.shape[1]
     if n_mtiles == 0:
@@ -177,10 +226,28 @@ def launch_gemm(xq, sx, w_half, s_half, y, tiles, config) -> None:
     grid = (n_mtiles * triton.cdiv(n, config["BLOCK_N"]),)
     _grouped_gemm_kernel[grid](
         xq, sx, w_half, s_half, y, tiles, n_mtiles, n, k,
-        xq.stride(0), sx.stride(0), sx.stride(1), w_half.stride(0), w_half.stride(1),
-        s_half.stride(0), s_half.stride(1), s_half.stride(2), y.stride(0),
+        xq.stride(0), w_half.stride(0), w_half.stride(1), s_half.stride(0), s_half.stride(1), s_half.stride(2),
+        y.stride(0),
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
         EVEN_K=k % config["BLOCK_K"] == 0, num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+
+
+def launch_fused(xq, sx, blocks, scales, ref, y, plan: StagePlan, config) -> None:
+    """The registers route: every tile of ``plan`` (one stage) in one launch, weights read as MXFP4."""
+    n_mtiles = plan.tiles.shape[0]
+    (n, kb), k = scales.shape[1:], xq.shape[1]
+    if n_mtiles == 0:
+        return
+    codes = blocks.view(torch.int16)  # [E, N, K/32, 8]: four codes per element
+    grid = (n_mtiles * triton.cdiv(n, config["BLOCK_N"]),)
+    _fused_gemm_kernel[grid](
+        xq, sx, codes, scales, ref, y, plan.tiles, plan.experts, n_mtiles, n, k, kb,
+        xq.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), ref.stride(0),
+        y.stride(0),
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"],
+        EVEN_K=k == 32 * kb and kb % 4 == 0, PTX=xq.device.type == "cuda" and torch.version.hip is None,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
 
@@ -259,15 +326,17 @@ def _host_offsets(expert_offsets: torch.Tensor, rows: int) -> list[int]:
 def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, blocks: torch.Tensor,
                      scales: torch.Tensor, *, config: dict | None = None, workspace: FP8Workspace | None = None,
                      overlap: bool = True, unfit_counter: torch.Tensor | None = None) -> torch.Tensor:
-    """Grouped GEMM of expert-sorted rows with MXFP4 weights via online conversion into the FP8 workspace.
+    """Grouped GEMM of expert-sorted rows with MXFP4 weights on FP8 tensor cores (module docstring: the routes).
 
     - ``x_sorted`` bf16/fp16 ``[M, K]`` (rows contiguous), rows of expert ``e`` at
       ``expert_offsets[e] : expert_offsets[e + 1]`` (int32/int64 ``[E + 1]``, non-decreasing in ``[0, M]``);
     - ``blocks`` uint8 ``[E, N, K_w/32, 16]``, ``scales`` uint8 ``[E, N, K_w/32]`` (validated at load:
       :func:`validate_mxfp4`); ``K_w`` is ``K`` rounded up to 32 (the padding columns are ignored);
     - ``config``: a ``moe_workspace_gemm`` config (None: the tuning database's for this shape);
-    - ``workspace``: default the device's :func:`shared_workspace`; ``overlap``: conversion on a side stream;
-    - ``unfit_counter`` int32 ``[1]``: if given, the conversions add the number of unfit blocks to it (no sync).
+    - ``workspace``: default the device's :func:`shared_workspace` (leased only when an expert takes the
+      workspace route); ``overlap``: its conversions on a side stream;
+    - ``unfit_counter`` int32 ``[1]``: if given, the number of unfit blocks (see :mod:`.convert_reference`) is
+      added to it, no sync (the registers route only takes experts that have none).
 
     Returns ``y_sorted [M, N]`` in ``x_sorted``'s dtype (rows outside every expert are 0). Reads
     ``expert_offsets`` on the host (one sync), so it is not for CUDA-graph capture (the decode path is).
@@ -280,28 +349,48 @@ def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, block
     y = torch.empty(m, n, dtype=x_sorted.dtype, device=device)
     y[: offsets[0]].zero_()
     y[offsets[-1]:].zero_()
-    with staged_call(x_sorted, offsets, blocks, scales, y, config, workspace, unfit_counter) as run:
+    with prefill_call(x_sorted, offsets, blocks, scales, y, config, workspace, unfit_counter) as run:
         run(overlap=overlap)
     return y
 
 
 @contextlib.contextmanager
-def staged_call(x_sorted, offsets: list[int], blocks, scales, y, config, workspace=None, unfit=None):
-    """Plan the stages, quantize ``x``, lease the workspace; yields ``run(overlap=, convert=, gemm=)``, which
-    enqueues the stages into ``y`` (:func:`run_stages`) and may be called again while the lease is held."""
+def prefill_call(x_sorted, offsets: list[int], blocks, scales, y, config, workspace=None, unfit=None):
+    """Plan the routes, quantize ``x``, lease the workspace if an expert takes that route; yields
+    ``run(overlap=, convert=, gemm=)``, which enqueues everything into ``y`` and may be called again while the
+    lease is held (``convert`` / ``gemm`` = False leave that part of the workspace route out, to time the other)."""
     n, kb = scales.shape[1], scales.shape[2]
-    plan = plan_stages(offsets, config["BLOCK_M"], config["EXPERTS_PER_STAGE"], y.device)
-    if not plan.stages:
+    block_m = config["BLOCK_M"]
+    fused = workspace_route = None
+    if config["IN_REGISTERS"]:
+        ref, fits = row_references(scales)
+        fused = plan_stages(offsets, block_m, None, y.device, take=fits)
+        if not all(fits):
+            workspace_route = plan_stages(offsets, block_m, config["EXPERTS_PER_STAGE"], y.device,
+                                          take=[not f for f in fits])
+    else:
+        workspace_route = plan_stages(offsets, block_m, config["EXPERTS_PER_STAGE"], y.device)
+    staged = workspace_route is not None and bool(workspace_route.stages)
+    if not staged and (fused is None or not fused.stages):
         yield lambda **kw: None
         return
     xq, sx = quantize_activations_fp8(x_sorted)
-    slots = plan.stage_size * min(2, len(plan.stages))
-    workspace = workspace or shared_workspace(y.device, slots, n, 32 * kb)
-    convert_config = CONVERT.launch_config("prefill", {"G": plan.stage_size, "N": n, "K": 32 * kb}, y.device)
-    with workspace.acquire(slots) as lease:
-        w_slots, s_slots = lease.views(n, 32 * kb)
-        yield functools.partial(run_stages, plan, blocks, scales, xq, sx, y, w_slots, s_slots, config,
-                                convert_config, unfit=unfit)
+    with contextlib.ExitStack() as stack:
+        if staged:
+            slots = workspace_route.stage_size * min(2, len(workspace_route.stages))
+            workspace = workspace or shared_workspace(y.device, slots, n, 32 * kb)
+            w_slots, s_slots = stack.enter_context(workspace.acquire(slots)).views(n, 32 * kb)
+            convert_config = CONVERT.launch_config("prefill", {"G": workspace_route.stage_size, "N": n, "K": 32 * kb},
+                                                   y.device)
+
+        def run(overlap: bool = True, convert: bool = True, gemm: bool = True) -> None:
+            if fused is not None and gemm:
+                launch_fused(xq, sx, blocks, scales, ref, y, fused, config)
+            if staged:
+                run_stages(workspace_route, blocks, scales, xq, sx, y, w_slots, s_slots, config, convert_config,
+                           unfit=unfit, overlap=overlap, convert=convert, gemm=gemm)
+
+        yield run
 
 
 # -- registry entry -------------------------------------------------------------------------------
@@ -312,13 +401,16 @@ SPACE = {
     "GROUP_M": (1, 4, 8, 16),
     "num_warps": (4, 8),
     "num_stages": (2, 3, 4, 5),
-    "EXPERTS_PER_STAGE": (1, 2, 4, 8, 16, 32),
+    "EXPERTS_PER_STAGE": (1, 2, 4, 8, 16, 32),  # workspace route
+    "IN_REGISTERS": (0, 1),  # 1: the registers route (experts it cannot take still go through the workspace)
 }
 WORKSPACE_LIMIT = 4 * 2**30  # bytes of two stages of FP8 experts
 
 
 def _constraint(config, shape) -> str | None:
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if config["IN_REGISTERS"] and bk != 128:
+        return "the registers route steps through K by 128-k groups (BLOCK_K=128)"
     if config["num_stages"] * (bm + bn) * bk > 200 * 1024:
         return "x and w tiles of all pipeline stages exceed 200 KB of shared memory"
     if bm * bn > 128 * 32 * config["num_warps"]:
@@ -336,10 +428,11 @@ def _default(phase, shape):
     per_expert = shape["M"] / max(1, shape["E"])
     if shape["M"] * shape["N"] * shape["K"] < 2**24:  # interpreter-sized: few programs, still two stages
         return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
-                "EXPERTS_PER_STAGE": 2}
+                "EXPERTS_PER_STAGE": 2, "IN_REGISTERS": 1}
     big = per_expert > 160  # below, 64-row tiles waste less of each expert's last tile
     return {"BLOCK_M": 128 if big else 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8,
-            "num_warps": 8 if big else 4, "num_stages": 4, "EXPERTS_PER_STAGE": min(8, bucket(shape["E"]))}
+            "num_warps": 8 if big else 4, "num_stages": 3, "EXPERTS_PER_STAGE": min(8, bucket(shape["E"])),
+            "IN_REGISTERS": 1}
 
 
 def _bench_shapes(phase, gpu):

@@ -2,19 +2,23 @@
 converted ahead of time, the overlap of conversion and GEMM, and memory.
 
 Per GEMM (gate_up: N = 2 x 2048, K = 7168; down: N = 7168, K = 2048) and routed token count T (E = 256 experts,
-top-8, random routing) one row:
+top-8, random routing, trained-layer-like MXFP4 scales) one row:
 
-- ``ours_us``: :func:`fp8_grouped_gemm` end to end (offsets read on the host, x quantized, pipelined stages);
-- ``convert_us`` / ``gemm_us``: the stages' conversions alone, their GEMMs alone; ``serial_us``: both on one
-  stream; ``pipelined_us``: conversions on the side stream; ``hidden`` = (serial - pipelined) / min(convert,
-  gemm), the part of the shorter stage the overlap hides (1 = fully hidden);
+- ``ours_us``: :func:`fp8_grouped_gemm` end to end with its default config (offsets read on the host, x
+  quantized, then the route the config names); ``quantize_us``: the activation quantization alone;
+- ``registers_us``: the registers route (weights converted on their way to the tensor cores, no workspace);
+- ``workspace_us``: the workspace route end to end; its stages' conversions alone (``convert_us``), GEMMs alone
+  (``gemm_us``), both on one stream (``serial_us``) and with conversions on the side stream (``pipelined_us``);
+  ``hidden`` = (serial - pipelined) / min(convert, gemm), the part of the shorter one the overlap hides;
 - ``fp8_us``: the faster of ``torch._scaled_mm`` per active expert and ``torch._scaled_grouped_mm`` on an
   offline FP8 copy (x quantized beforehand, untimed); ``vs_fp8`` = fp8_us / ours_us (target >= 0.6, goal 0.9);
 - ``bf16_us``: the faster of cuBLAS ``torch.mm`` per active expert and ``torch._grouped_mm`` on a bf16 copy;
   ``vs_bf16`` = bf16_us / ours_us (target > 1);
-- memory: the lease of this call (``workspace_bytes``), the shared workspace, the peak allocated during our
-  call (and above what was allocated before it), and the offline FP8 and bf16 copies of every expert of this
-  matrix over all MoE layers;
+- ``of_floor``: the floor (MXFP4 bytes of every expert at copy speed, or the FLOPs at the measured FP8 rate,
+  whichever is longer) over ours_us;
+- memory: the workspace a call leases on each route, the shared workspace, the peak allocated during our call
+  (and above what was allocated before it), and the offline FP8 and bf16 copies of every expert of this matrix
+  over all MoE layers;
 - ``rel_err``: ||ours - bf16 baseline|| / ||bf16 baseline|| (FP8 activations: about 2-3 %).
 
 On the CPU (no ceilings) the same rows on tiny shapes in the interpreter (E = 5, K = 96 / 64, N = 48 / 40),
@@ -30,9 +34,9 @@ import torch
 
 from .. import registry
 from ..harness import time_us
-from .fp8_grouped_gemm import SPEC, fp8_grouped_gemm, staged_call
+from .fp8_grouped_gemm import SPEC, fp8_grouped_gemm, prefill_call, quantize_activations_fp8
 from .fused_moe import random_routing
-from .mxfp4 import mxfp4_dequantize, random_mxfp4
+from .mxfp4 import mxfp4_dequantize, realistic_mxfp4
 from .prefill_baselines import (active_spans, grouped_mm, mm_loop, offline_fp8_experts, rowwise_fp8,
                                 scaled_grouped_mm, scaled_mm_loop)
 from .workspace import shared_workspace
@@ -69,11 +73,11 @@ def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, d
     m = tokens * top_k
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     x = torch.randn(m, k, generator=gen, device=device).to(dtype)
-    blocks, scales = random_mxfp4((experts, n), k, device, seed=1, spread=2)
-    scales -= 6  # block scales 2^-8 .. 2^-4, the magnitude of a trained layer's weights
+    blocks, scales = realistic_mxfp4((experts, n), k, device, seed=1, outliers=0.0)
     spans = active_spans(offsets)
     shape = {"M": m, "E": experts, "N": n, "K": k}
     config = SPEC.launch_config("prefill", shape, device)
+    routes = {route: {**config, "IN_REGISTERS": route, "BLOCK_K": 128} for route in (0, 1)}
     cuda = device.type == "cuda"
 
     # ours first, so the peak memory is that of the MXFP4 weights, x, y and the workspace only
@@ -84,10 +88,14 @@ def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, d
     ours = fp8_grouped_gemm(x, offsets, blocks, scales)
     peak = torch.cuda.max_memory_allocated(device) if cuda else math.nan
     ours_us = _timed(lambda: fp8_grouped_gemm(x, offsets, blocks, scales), device)
-    stages = config["EXPERTS_PER_STAGE"] * min(2, math.ceil(len(spans) / config["EXPERTS_PER_STAGE"]))
-    ws = shared_workspace(device, stages, n, k)
+    quantize_us = _timed(lambda: quantize_activations_fp8(x), device)
+    registers_us = _timed(lambda: fp8_grouped_gemm(x, offsets, blocks, scales, config=routes[1]), device)
+    workspace_us = _timed(lambda: fp8_grouped_gemm(x, offsets, blocks, scales, config=routes[0]), device)
+    stage = routes[0]["EXPERTS_PER_STAGE"]
+    slots = stage * min(2, math.ceil(len(spans) / stage))
+    ws = shared_workspace(device, slots, n, k)
     y = torch.empty_like(ours)
-    with staged_call(x, offsets.tolist(), blocks, scales, y, config) as run:
+    with prefill_call(x, offsets.tolist(), blocks, scales, y, routes[0]) as run:
         convert_us = _timed(lambda: run(overlap=False, gemm=False), device)
         gemm_us = _timed(lambda: run(overlap=False, convert=False), device)
         serial_us = _timed(lambda: run(overlap=False), device)
@@ -111,14 +119,16 @@ def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, d
     row = {
         "gemm": name, "T": tokens, "M": m, "E": experts, "N": n, "K": k, "active_experts": len(spans),
         "config": json.dumps(config),
-        "ours_us": ours_us, "ours_tflops": 2.0 * m * n * k / (ours_us * 1e-6) / 1e12,
+        "ours_us": ours_us, "ours_tflops": 2.0 * m * n * k / (ours_us * 1e-6) / 1e12, "quantize_us": quantize_us,
+        "registers_us": registers_us, "workspace_us": workspace_us,
         "convert_us": convert_us, "gemm_us": gemm_us, "serial_us": serial_us, "pipelined_us": pipelined_us,
         "hidden": (serial_us - pipelined_us) / min(convert_us, gemm_us),
         "scaled_mm_loop_us": fp8_loop_us, "scaled_grouped_mm_us": fp8_grouped_us, "fp8_us": fp8_us,
         "vs_fp8": fp8_us / ours_us,
         "bf16_loop_us": bf16_loop_us, "bf16_grouped_us": bf16_grouped_us, "bf16_us": bf16_us,
         "vs_bf16": bf16_us / ours_us,
-        "workspace_bytes": stages * slot_bytes, "shared_workspace_bytes": memory["workspace_bytes"],
+        "workspace_bytes_registers_route": 0, "workspace_bytes_workspace_route": slots * slot_bytes,
+        "shared_workspace_bytes": memory["workspace_bytes"],
         "peak_allocated_bytes": peak, "peak_over_before_bytes": peak - before,
         "offline_fp8_all_layers_bytes": memory["offline_fp8_bytes"], "bf16_all_layers_bytes": memory["bf16_bytes"],
         "mxfp4_all_layers_bytes": memory["mxfp4_bytes"],
