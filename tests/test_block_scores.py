@@ -141,3 +141,29 @@ def test_recall_report_on_cpu():
     assert len(recall) == 6 and all(0.0 <= r["recall_min"] <= r["recall_mean"] <= 1.0 for r in recall)
     assert all(r["recall_mean"] >= 0.8 for r in recall if r["locality"] == 1.0)  # a few hot pages: found
     assert all(r["block_us"] > 0 for r in rows if r["measure"] == "time")
+
+
+@pytest.mark.parametrize("tile", [128, 512])
+def test_page_select_registry_entry(tile):
+    """Rows longer than a tile, n_select above the row length and above a tile, a row with no valid page;
+    outputs poisoned (-2) so a slot the kernel skips shows."""
+    spec = registry.get("page_select")
+    for shape in spec.bench_shapes("decode", False) + [{"T": 2, "N": 300, "SEL": 150}, {"T": 2, "N": 40, "SEL": 50}]:
+        inputs = spec.make_inputs("decode", shape, torch.device("cpu"), tile)
+        with poisoned_allocations():
+            out = spec.run(inputs, {"TILE": tile, "num_warps": 4})
+        ref = spec.reference(inputs)
+        assert spec.compare(out, ref) is None
+        assert bool((out[0][-1] == -1).all())  # the row without a valid page
+        assert spec.compare((out[0].roll(1, dims=1), out[1]), ref) is not None  # the check can fail
+
+
+def test_page_select_ties_and_nan():
+    bounds = torch.tensor([[1.0, 2, 2, 2, 0, float("-inf"), 2, float("nan")]])
+    assert dt.select_pages(bounds, 3).tolist() == [[1, 2, 3]]  # ties: the lower pages first
+    assert dt.select_pages(bounds, 6).tolist() == [[0, 1, 2, 3, 4, 6]]
+    assert dt.select_pages(bounds, 9).tolist() == [[0, 1, 2, 3, 4, 6, -1, -1, -1]]  # -inf and NaN never
+    with pytest.raises(ValueError, match="^n_select"):
+        dt.select_pages(bounds, 0)
+    with pytest.raises(ValueError, match="^bounds: dtype"):
+        dt.select_pages(bounds.double(), 2)

@@ -2,8 +2,8 @@
 
 1. :func:`block_scores`: an upper bound of every page's best score from the page summaries
    (``pmax``/``pmin``), ``[T, n_pages]`` fp32 (the ``BOUND`` mode of the indexer kernel);
-2. :func:`select_pages`: the ``n_select`` pages with the highest bounds per row (``torch.topk`` on the
-   small bound matrix), in ascending page order, -1 padded;
+2. :func:`~.page_select.select_pages`: the ``n_select`` pages with the highest bounds per row (one
+   Triton program per row), in ascending page order, -1 padded;
 3. :func:`selected_page_logits`: token-level logits only inside the selected pages (the ``SELECTED``
    mode of the indexer kernel), ``[T, n_select * P]`` plus their logical positions.
 
@@ -18,7 +18,7 @@ import torch
 import triton
 
 from .. import registry
-from ..checks import check_positive, check_tensor
+from ..checks import check_positive
 from ..registry import Cost, KernelSpec
 from . import block_scores_reference
 from .block_scores_reference import gather_selected_torch, page_bounds_torch, page_summaries_torch
@@ -28,6 +28,7 @@ from .indexer import (BOUND, SELECTED, accumulator_registers, compare_logits, in
 from .indexer_checks import (QueryRows, check_block_table, check_pages, check_paged_keys, check_queries,
                              check_summaries, output_columns)
 from .indexer_reference import indexer_logits_torch
+from .page_select import select_pages
 
 
 def _bound_config(config: dict) -> dict:
@@ -110,20 +111,6 @@ def block_scores(
                           _path_config(config, rows, block_table, P))
 
 
-def select_pages(bounds: torch.Tensor, n_select: int) -> torch.Tensor:
-    """The ``n_select`` logical pages with the highest bounds per row: ``[T, n_select]`` int32 in
-    ascending order, -1 after the last valid page (bound ``-inf``) of a row."""
-    check_tensor("bounds", bounds, dtype=torch.float32, ndim=2)
-    check_positive("n_select", n_select)
-    T, n_pages = bounds.shape
-    k = min(n_select, n_pages)
-    top, idx = bounds.topk(k, dim=1, sorted=False)
-    idx = idx.where(top > float("-inf"), n_pages).sort(dim=1).values  # invalid pages sort last
-    pages = torch.full((T, n_select), -1, dtype=torch.int32, device=bounds.device)
-    pages[:, :k] = idx.where(idx < n_pages, -1).int()
-    return pages
-
-
 def selected_page_logits(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -171,13 +158,15 @@ def block_indexer_logits(
     max_q: int | None = None,
     check_values: bool = True,
     config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_bounds: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """The block-level path: page bounds, the ``n_select`` best pages per row, token logits inside them.
 
     Returns ``(logits [T, n_select * P] fp32, positions [T, n_select * P] int32)`` as
-    :func:`selected_page_logits`. ``max_len``: at least ``max(limits)`` (sizes the bound matrix;
-    default read off ``limits``). Everything is checked once, up front (one device-to-host transfer);
-    with ``check_values=False``, ``max_len`` and ``max_q`` given, none (CUDA-graph safe).
+    :func:`selected_page_logits`, and the bounds ``[T, ceil(max_len / P)]`` third with
+    ``return_bounds``. ``max_len``: at least ``max(limits)`` (sizes the bound matrix; default read off
+    ``limits``). Everything is checked once, up front (one device-to-host transfer); with
+    ``check_values=False``, ``max_len`` and ``max_q`` given, none (CUDA-graph safe). Three launches.
     """
     rows = check_queries(q, weights, limits, cu_seqlens_q, max_q, check_values)
     P = check_paged_keys(rows, k, k_scale, block_table, seq_lens, limits)
@@ -193,7 +182,8 @@ def block_indexer_logits(
     config = _path_config(config, rows, block_table, P)
     bounds = _launch_bounds(rows, q, weights, pmax, pmin, block_table, limits, P, n_pages, config)
     pages = select_pages(bounds, n_select)
-    return _launch_selected(rows, q, weights, k, k_scale, block_table, limits, pages, config)
+    logits, positions = _launch_selected(rows, q, weights, k, k_scale, block_table, limits, pages, config)
+    return (logits, positions, bounds) if return_bounds else (logits, positions)
 
 
 # -- registry entry: the block-level path, timed against the token-level path ---------------------
@@ -211,14 +201,12 @@ def _make_inputs(phase: str, shape, device, seed: int) -> dict:
 
 
 def _run(inputs: dict, config: dict):
-    q, w = inputs["q"], inputs["weights"]
-    kw = {"cu_seqlens_q": inputs["cu_seqlens_q"], "max_q": inputs["max_q"], "check_values": False, "config": config}
-    P = inputs["k"].shape[1]
-    bounds = block_scores(q, w, inputs["pmax"], inputs["pmin"], inputs["block_table"], inputs["seq_lens"],
-                          inputs["limits"], P, num_cols=triton.cdiv(inputs["max_len"], P), **kw)
-    pages = select_pages(bounds, inputs["n_select"])
-    logits, positions = selected_page_logits(q, w, inputs["k"], inputs["k_scale"], inputs["block_table"],
-                                             inputs["seq_lens"], inputs["limits"], pages, **kw)
+    """The path as a decode loop calls it: sizes given, value checks off (the inputs are valid)."""
+    logits, positions, bounds = block_indexer_logits(
+        *(inputs[n] for n in ("q", "weights", "k", "k_scale", "pmax", "pmin", "block_table", "seq_lens", "limits",
+                              "n_select")),
+        cu_seqlens_q=inputs["cu_seqlens_q"], max_len=inputs["max_len"], max_q=inputs["max_q"], check_values=False,
+        config=config, return_bounds=True)
     return bounds, logits, positions
 
 

@@ -1,0 +1,150 @@
+"""Page selection of the block-level indexer path: the ``n_select`` best pages of each row of bounds.
+
+:func:`select_pages` is one Triton launch, one program per row (the torch form, ``topk`` + ``sort`` +
+padding, is six launches). A row's sort keys (``uint32`` order = float order) are searched bit by bit
+for the ``kk``-th largest, ``kk = min(n_select, finite bounds)``; then one pass in ascending page
+order writes every page above it and the first pages equal to it, at slots from a running prefix sum,
+and ``-1`` after. So the pages come out ascending, exactly ``kk`` of them, ties to the lower page.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import registry
+from ..checks import check_kernel_device, check_positive, check_tensor
+from ..registry import Cost, KernelSpec
+from . import block_scores_reference
+from .block_scores_reference import select_pages_torch
+from .cache import next_pow2
+
+_NEG_INF_KEY = tl.constexpr(0x7FFFFF)  # key of -inf (and of NaN)
+
+
+@triton.jit
+def _keys(x):
+    """fp32 -> int64 keys in ``[0, 2^32)`` ordered like the floats; NaN gets the key of -inf."""
+    bits = x.to(tl.int32, bitcast=True)
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + (1 << 31)
+    return tl.where(x != x, _NEG_INF_KEY, key)
+
+
+@triton.jit
+def _count_at_least(row_ptr, n, tau, TILE: tl.constexpr):
+    count = 0
+    for t0 in range(0, n, TILE):
+        offs = t0 + tl.arange(0, TILE)
+        ok = offs < n
+        key = _keys(tl.load(row_ptr + offs, mask=ok, other=float("-inf")))
+        count += tl.sum((ok & (key >= tau)).to(tl.int32), 0)
+    return count
+
+
+@triton.jit
+def _select_pages_kernel(bounds_ptr, out_ptr, n, n_select, stride_b, stride_o, TILE: tl.constexpr):
+    """Program t: ``out[t, :]`` = the ``n_select`` best of the ``n`` bounds of row t, ascending, -1 after."""
+    t = tl.program_id(0).to(tl.int64)
+    row_ptr = bounds_ptr + t * stride_b
+    out_row = out_ptr + t * stride_o
+    kk = tl.minimum(_count_at_least(row_ptr, n, _NEG_INF_KEY + 1, TILE), n_select)
+    tau = tl.full([], 0, tl.int64)  # the kk-th largest key: the largest tau with count(key >= tau) >= kk
+    for i in range(32):
+        candidate = tau | (tl.full([], 1, tl.int64) << (31 - i))
+        tau = tl.where(_count_at_least(row_ptr, n, candidate, TILE) >= kk, candidate, tau)
+    ties = kk - _count_at_least(row_ptr, n, tau + 1, TILE)  # pages equal to tau that are taken
+    taken = 0
+    seen_ties = 0
+    for t0 in range(0, n, TILE):
+        offs = t0 + tl.arange(0, TILE)
+        ok = offs < n
+        key = _keys(tl.load(row_ptr + offs, mask=ok, other=float("-inf")))
+        tie = (ok & (key == tau)).to(tl.int32)
+        take = (ok & (key > tau)) | ((tie != 0) & (seen_ties + tl.cumsum(tie, 0) - tie < ties))
+        take = take & (kk > 0)
+        take_i = take.to(tl.int32)
+        tl.store(out_row + taken + tl.cumsum(take_i, 0) - take_i, offs, mask=take)
+        taken += tl.sum(take_i, 0)
+        seen_ties += tl.sum(tie, 0)
+    for s0 in range(0, n_select, TILE):
+        slots = s0 + tl.arange(0, TILE)
+        tl.store(out_row + slots, tl.full([TILE], -1, tl.int32), mask=(slots >= kk) & (slots < n_select))
+
+
+def select_pages(bounds: torch.Tensor, n_select: int, *, config: dict | None = None) -> torch.Tensor:
+    """The ``n_select`` logical pages with the highest bounds per row: ``[T, n_select]`` int32 in
+    ascending order, -1 after the last valid page (bounds of ``-inf`` are never taken; among equal
+    bounds the lower page is taken first).
+
+    ``bounds``: ``[T, n_pages]`` fp32 (e.g. from :func:`~dsa_triton.block_scores`), last dim contiguous.
+    ``config``: ``{"TILE", "num_warps"}`` (default: the tuning database / the registry default).
+    """
+    check_tensor("bounds", bounds, dtype=torch.float32, ndim=2)
+    device = check_kernel_device("bounds", bounds)
+    check_positive("n_select", n_select)
+    T, n_pages = bounds.shape
+    shape = {"T": T, "N": n_pages, "SEL": n_select}
+    config = SPEC.launch_config("decode", shape, device) if config is None else SPEC.validate(config, shape)
+    pages = torch.empty(T, n_select, dtype=torch.int32, device=device)
+    if T:
+        _select_pages_kernel[(T,)](bounds, pages, n_pages, n_select, bounds.stride(0), pages.stride(0),
+                                   TILE=config["TILE"], num_warps=config["num_warps"])
+    return pages
+
+
+# -- registry entry -------------------------------------------------------------------------------
+
+def _make_inputs(phase: str, shape, device, seed: int) -> dict:
+    """Random bounds with a ``-inf`` tail of random length per row (pages past the row's limit); one
+    row without any valid page."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    T, N = shape["T"], shape["N"]
+    bounds = torch.randn(T, N, generator=g, device=device)
+    valid = torch.randint(0, N + 1, (T, 1), generator=g, device=device)
+    valid[0] = N
+    valid[-1] = 0
+    bounds.masked_fill_(torch.arange(N, device=device) >= valid, float("-inf"))
+    return {"bounds": bounds, "n_select": shape["SEL"]}
+
+
+def _compare(out, ref) -> str | None:
+    """Same -1 places, ascending pages, and the same bound values taken (ties may pick other pages)."""
+    pages, bounds = out
+    ref_pages, _ = ref
+    if pages.shape != ref_pages.shape:
+        return f"shape {tuple(pages.shape)} != reference {tuple(ref_pages.shape)}"
+    if bool((pages < -1).any()):
+        return f"{int((pages < -1).sum())} entries below -1 (never written)"
+    if not torch.equal(pages < 0, ref_pages < 0):
+        return f"{int(((pages < 0) != (ref_pages < 0)).sum())} places differ in being -1"
+    later = pages[:, 1:]
+    if bool(((later <= pages[:, :-1]) & (later >= 0)).any()):
+        return "pages not strictly ascending"
+    values = lambda p: bounds.gather(1, p.clamp_min(0).long()).where(p >= 0, 0.0).sort(1).values  # noqa: E731
+    return None if torch.equal(values(pages), values(ref_pages)) else "the pages taken have other bounds"
+
+
+def _default(phase: str, shape) -> dict:
+    return {"TILE": min(2048, max(128, next_pow2(shape["N"]))), "num_warps": 4}
+
+
+SPEC = registry.register(KernelSpec(
+    name="page_select",
+    phases=("decode",),
+    space={"TILE": (128, 256, 512, 1024, 2048, 4096), "num_warps": (1, 2, 4, 8)},
+    default=_default,
+    fixed_dims=(),
+    bucketed_dims=("T", "N", "SEL"),
+    make_inputs=_make_inputs,
+    run=lambda inputs, config: (select_pages(inputs["bounds"], inputs["n_select"], config=config), inputs["bounds"]),
+    reference=lambda inputs: (select_pages_torch(inputs["bounds"], inputs["n_select"]), inputs["bounds"]),
+    compare=_compare,
+    cost=lambda phase, shape: Cost(bytes=shape["T"] * (shape["N"] + shape["SEL"]) * 4),
+    bench_shapes=lambda phase, gpu: ([{"T": 64, "N": 2048, "SEL": 64}, {"T": 128, "N": 2048, "SEL": 256}] if gpu
+                                     else [{"T": 5, "N": 300, "SEL": 7}]),
+    baseline=lambda inputs: select_pages_torch(inputs["bounds"], inputs["n_select"]),
+    baseline_name="torch.topk + sort + -1 padding",
+    source_modules=(block_scores_reference, sys.modules[__name__]),
+))
