@@ -23,8 +23,8 @@ from ..registry import Cost, KernelSpec
 from . import block_scores_reference
 from .block_scores_reference import gather_selected_torch, page_bounds_torch, page_summaries_torch
 from .cache import PAGE_SIZES, cdiv
-from .indexer import (BOUND, SELECTED, accumulator_registers, compare_logits, indexer_logits, launch_logits,
-                      logits_shape, random_paged_keys, random_queries)
+from .indexer import (BOUND, SELECTED, compare_logits, indexer_logits, launch_logits,
+                      logits_shape, random_paged_keys, random_queries, tile_error)
 from .indexer_checks import (QueryRows, check_block_table, check_pages, check_paged_keys, check_queries,
                              check_summaries, output_columns)
 from .indexer_reference import indexer_logits_torch
@@ -33,7 +33,7 @@ from .page_select import select_pages
 
 def _bound_config(config: dict) -> dict:
     return {"BLOCK_M": config["bound_BLOCK_M"], "BLOCK_N": config["bound_BLOCK_N"],
-            "CHUNK": config["bound_CHUNK"], "num_warps": config["bound_warps"], "num_stages": config["num_stages"]}
+            "CHUNK": config["bound_CHUNK"], "num_warps": config["bound_warps"], "num_stages": config["bound_stages"]}
 
 
 def _selected_config(config: dict) -> dict:
@@ -269,26 +269,26 @@ def _bench_shapes(phase: str, gpu: bool) -> list[dict[str, int]]:
 
 
 def _default(phase: str, shape) -> dict:
-    # one row per bound program: more rows per program spill the four accumulators (sm_90 ptxas)
-    return {"bound_BLOCK_M": 1, "bound_BLOCK_N": 64, "bound_CHUNK": 256, "bound_warps": 4,
+    # bounds: 64-page bf16 tiles, double-buffered (sm_90 compile: 108 registers, 98 KB shared, 2 CTAs per SM)
+    return {"bound_BLOCK_M": 1, "bound_BLOCK_N": 64, "bound_CHUNK": 512, "bound_warps": 4, "bound_stages": 2,
             "BLOCK_N": 64, "CHUNK": 512, "num_warps": 4, "num_stages": 3}
 
 
 def _constraint(config: dict, shape) -> str | None:
     if config["CHUNK"] % config["BLOCK_N"] or config["bound_CHUNK"] % config["bound_BLOCK_N"]:
         return "a CHUNK must be a multiple of its BLOCK_N"
-    if accumulator_registers(config["bound_BLOCK_N"], config["bound_BLOCK_M"], shape["H"], config["bound_warps"], 4) > 128:
-        return "the four bound accumulators take over 128 registers per thread (spills)"
-    if accumulator_registers(config["BLOCK_N"], 1, shape["H"], config["num_warps"]) > 128:
-        return "the accumulator takes over 128 registers per thread (spills)"
-    return None
+    bound = tile_error(config["bound_BLOCK_N"], config["bound_BLOCK_M"], shape["H"], shape["DK"],
+                       config["bound_warps"], config["bound_stages"], key_bytes=2, key_operands=2)  # bf16 pmax, pmin
+    if bound:
+        return f"bounds: {bound}"
+    return tile_error(config["BLOCK_N"], 1, shape["H"], shape["DK"], config["num_warps"], config["num_stages"])
 
 
 SPEC = registry.register(KernelSpec(
     name="indexer_block_path",
     phases=("decode",),
-    space={"bound_BLOCK_M": (1, 2, 4), "bound_BLOCK_N": (16, 32, 64, 128), "bound_CHUNK": (256, 1024, 4096, 16384),
-           "bound_warps": (4, 8), "BLOCK_N": (32, 64, 128, 256), "CHUNK": (256, 512, 1024, 2048, 4096),
+    space={"bound_BLOCK_M": (1, 2, 4), "bound_BLOCK_N": (16, 32, 64, 128), "bound_CHUNK": (256, 512, 1024, 2048, 4096),
+           "bound_warps": (4, 8), "bound_stages": (1, 2, 3, 4), "BLOCK_N": (32, 64, 128, 256), "CHUNK": (256, 512, 1024, 2048, 4096),
            "num_warps": (4, 8), "num_stages": (1, 2, 3, 4)},
     default=_default,
     fixed_dims=("P", "H", "DK"),

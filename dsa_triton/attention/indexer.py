@@ -207,7 +207,7 @@ def launch_logits(mode: int, q, w, k, k_scale, out, limits, cu, max_rows: int, *
         MODE=mode, PAGED=block_table is not None, P=page_size, DK=DK,
         HP=next_pow2(max(H, 16)), DKP=next_pow2(max(DK, 16)),
         BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], CHUNK=config["CHUNK"],
-        NPG=config["CHUNK"] if mode == BOUND else max(config["CHUNK"] // page_size, 1),
+        NPG=config["CHUNK"] if mode == BOUND else max(config["CHUNK"] // page_size, 1) if block_table is not None else 1,
         BOUND_DTYPE=tl.float32 if interpreting() else tl.bfloat16,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
@@ -391,17 +391,29 @@ def _default(phase: str, shape) -> dict:
     return {"BLOCK_M": 2, "BLOCK_N": 64, "CHUNK": 16384, "num_warps": 4, "num_stages": 3}
 
 
-def accumulator_registers(block_n: int, block_m: int, heads: int, warps: int, accumulators: int = 1) -> float:
-    """fp32 registers per thread that the ``[BLOCK_N, BLOCK_M * heads]`` dot accumulators take."""
-    return block_n * block_m * triton.next_power_of_2(max(heads, 16)) * accumulators / (32 * warps)
+SHARED_LIMIT = 220 * 1024  # bytes of shared memory a block may take on sm_90 (227 KB), less a margin
+
+
+def tile_error(block_n: int, block_m: int, heads: int, dk: int, warps: int, stages: int, key_bytes: int = 1,
+               key_operands: int = 1) -> str | None:
+    """Why a tile does not fit an H200 SM (None if it does): the ``[BLOCK_N, BLOCK_M * heads]`` fp32
+    accumulator over 128 registers a thread (spills), or ``stages`` buffers of ``key_operands`` key
+    tiles plus as many stationary q^T tiles over the shared memory (sm_90 compiles: 56 KB for decode
+    tiles of 128 keys x 3 stages, 130 KB for bound tiles of 64 pages x 3 stages)."""
+    hp, dkp = next_pow2(max(heads, 16)), next_pow2(max(dk, 16))
+    if block_n * block_m * hp / (32 * warps) > 128:
+        return "the accumulator takes over 128 registers per thread (spills)"
+    shared = key_operands * key_bytes * dkp * (max(stages, 1) * block_n + block_m * hp)
+    if shared > SHARED_LIMIT:
+        return f"{shared // 1024} KB of pipelined tiles exceed the shared memory"
+    return None
 
 
 def _constraint(config: dict, shape) -> str | None:
     if config["CHUNK"] % config["BLOCK_N"]:
         return "CHUNK must be a multiple of BLOCK_N"
-    if accumulator_registers(config["BLOCK_N"], config["BLOCK_M"], shape["H"], config["num_warps"]) > 128:
-        return "the accumulator takes over 128 registers per thread (spills)"
-    return None
+    return tile_error(config["BLOCK_N"], config["BLOCK_M"], shape["H"], shape["DK"], config["num_warps"],
+                      config["num_stages"])
 
 
 SPEC = registry.register(KernelSpec(
