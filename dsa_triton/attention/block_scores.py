@@ -287,7 +287,7 @@ def _constraint(config: dict, shape) -> str | None:
 SPEC = registry.register(KernelSpec(
     name="indexer_block_path",
     phases=("decode",),
-    space={"bound_BLOCK_M": (1, 2, 4), "bound_BLOCK_N": (16, 32, 64, 128), "bound_CHUNK": (256, 512, 1024, 2048, 4096),
+    space={"bound_BLOCK_M": (1, 2, 4), "bound_BLOCK_N": (16, 32, 64, 128), "bound_CHUNK": (128, 256, 512, 1024, 2048, 4096),
            "bound_warps": (4, 8), "bound_stages": (1, 2, 3, 4), "BLOCK_N": (32, 64, 128, 256), "CHUNK": (256, 512, 1024, 2048, 4096),
            "num_warps": (4, 8), "num_stages": (1, 2, 3, 4)},
     default=_default,

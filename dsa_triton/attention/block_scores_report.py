@@ -12,10 +12,11 @@ import triton
 
 from .. import registry
 from ..harness import time_us
-from .block_scores import block_indexer_logits, block_scores
+from .block_scores import block_indexer_logits, block_scores, selected_page_logits
 from .cache import PagedCache
 from .cache_reference import fp8_quantize_rows
 from .indexer import indexer_logits
+from .page_select import select_pages
 
 FRACTIONS = (8, 16, 32)  # 1/8, 1/16, 1/32 of the pages selected
 
@@ -75,11 +76,22 @@ def _paths(prob: dict, L: int):
                                     cache.seq_lens, limits, n_select, cu_seqlens_q=cu,
                                     **({"max_len": L, **fast} if sizes_given else {}))
 
-    def bounds_only():
-        return block_scores(q, w, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens, limits,
-                            cache.page_size, cu_seqlens_q=cu, num_cols=triton.cdiv(L, cache.page_size), **fast)
+    def stages(n_select: int) -> dict:
+        """The block path's three launches, each alone (sizes given, value checks off)."""
+        bounds = block_scores(q, w, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens, limits,
+                              cache.page_size, cu_seqlens_q=cu, num_cols=triton.cdiv(L, cache.page_size), **fast)
+        pages = select_pages(bounds, n_select)
+        return {
+            "page bounds": lambda: block_scores(q, w, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens,
+                                                limits, cache.page_size, cu_seqlens_q=cu,
+                                                num_cols=triton.cdiv(L, cache.page_size), **fast),
+            "page selection": lambda: select_pages(bounds, n_select),
+            "logits in selected pages": lambda: selected_page_logits(q, w, cache.ik, cache.ik_scale, cache.block_table,
+                                                                     cache.seq_lens, limits, pages, cu_seqlens_q=cu,
+                                                                     **fast),
+        }
 
-    return token_level, block_level, bounds_only
+    return token_level, block_level, stages
 
 
 def report(device, ceilings) -> list[dict]:
@@ -89,7 +101,7 @@ def report(device, ceilings) -> list[dict]:
     rows = []
     for strength in (0.25, 1.0):  # weak, then strong locality (kept for the timing)
         prob = local_keys_problem(B, L, P, H, DK, hot_pages=max(2, n_pages // 64), device=device, strength=strength)
-        token_level, block_level, bounds_only = _paths(prob, L)
+        token_level, block_level, stages = _paths(prob, L)
         dense = token_level()
         exact = torch.zeros_like(dense, dtype=torch.bool).scatter_(1, _topk_positions(dense, None, k), True)
         for frac in FRACTIONS:
@@ -118,8 +130,10 @@ def report(device, ceilings) -> list[dict]:
             token_us, block_us = timer(token_fn, device), timer(block_fn, device)
             rows.append({"measure": "time", "what": what, "mode": mode, "shape": shape, "token_us": token_us,
                          "block_us": block_us, "speedup": token_us / block_us})
-    rows.append({"measure": "time", "what": "page bounds alone", "mode": "eager", "shape": shape,
-                 "block_us": time_us(bounds_only, device)})
+    for what, fn in stages(n_select).items():  # where the block path's time goes
+        for mode, timer in modes:
+            rows.append({"measure": "time", "what": f"{what} alone", "mode": mode, "shape": shape,
+                         "block_us": timer(fn, device)})
     rows.append({"measure": "memory", "what": "output bytes", "shape": shape, "token_MB": B * L * 4 / 1e6,
                  "block_MB": B * (n_pages * 4 + n_select * P * 8) / 1e6})
     return rows

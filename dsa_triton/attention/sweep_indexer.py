@@ -2,9 +2,10 @@
 
 For each stage (token-level decode and prefill logits, the page bounds, page selection, the logits
 inside selected pages) and its realistic DeepSeek-V3.2 shape: every listed config is checked against
-the reference on the same inputs and timed (``do_bench`` median), fastest first, with the fraction of
+the reference on the same inputs and timed (``do_bench`` median; the short block-path stages replayed
+from a CUDA graph, so the host's Python does not hide their time), fastest first, with the fraction of
 the floor. ``--budget S`` stops starting new configs after S seconds (compiles dominate);
-``--only a,b`` runs some stages.
+``--only a,b`` runs some stages. :func:`sweep` returns the rows (``best`` picks the fastest passing).
 """
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ from ..harness import floor_us, measure_ceilings, time_us
 from ..registry import Cost
 from .block_scores import block_scores, selected_page_logits
 from .block_scores_reference import gather_selected_torch, page_bounds_torch
+from .block_scores_report import graph_us
 from .cache import cdiv
 from .indexer import compare_logits
 from .indexer_reference import indexer_logits_torch
 from .page_select import select_pages
 
 DECODE = {"B": 64, "Q": 1, "L": 131072, "P": 64, "H": 64, "DK": 128}
+GRAPHED = ("bounds", "selected", "page_select")  # stages of a few tens of microseconds
 _START = time.perf_counter()
 
 
@@ -43,12 +46,11 @@ def _selected(bn, chunk, warps, stages):
 
 STAGES = {
     "decode_q1": ("indexer_logits", "decode", DECODE, [
-        _logits(1, 128, 4096, 4, 3), _logits(1, 64, 4096, 4, 3), _logits(1, 128, 4096, 4, 4),
-        _logits(1, 256, 4096, 8, 4), _logits(1, 256, 4096, 8, 3), _logits(1, 128, 2048, 4, 3),
-        _logits(1, 128, 8192, 4, 3), _logits(1, 64, 2048, 4, 4), _logits(1, 128, 4096, 8, 3)]),
+        _logits(1, 256, 4096, 8, 3), _logits(1, 128, 2048, 4, 3), _logits(1, 128, 4096, 4, 3),
+        _logits(1, 256, 2048, 8, 3), _logits(1, 256, 8192, 8, 3)]),
     "decode_q2": ("indexer_logits", "decode", {**DECODE, "Q": 2}, [
-        _logits(2, 64, 4096, 4, 3), _logits(2, 64, 4096, 4, 4), _logits(2, 128, 4096, 8, 3),
-        _logits(2, 64, 2048, 8, 3)]),
+        _logits(2, 64, 4096, 4, 3), _logits(1, 256, 4096, 8, 3), _logits(1, 128, 2048, 4, 3),
+        _logits(1, 128, 4096, 4, 3), _logits(2, 64, 2048, 4, 3)]),
     "prefill": ("indexer_logits", "prefill", {"B": 1, "Q": 4096, "L": 16384, "P": 0, "H": 64, "DK": 128}, [
         _logits(2, 64, 16384, 4, 3), _logits(2, 64, 16384, 4, 4), _logits(2, 128, 16384, 8, 3),
         _logits(4, 64, 16384, 8, 3), _logits(4, 64, 16384, 8, 4), _logits(1, 128, 16384, 4, 3),
@@ -56,12 +58,14 @@ STAGES = {
     "prefill_paged": ("indexer_logits", "prefill", {"B": 1, "Q": 4096, "L": 16384, "P": 64, "H": 64, "DK": 128}, [
         _logits(2, 64, 16384, 4, 3), _logits(4, 64, 16384, 8, 3)]),
     "bounds": ("indexer_block_path", "decode", {**DECODE, "SEL": 64}, [
-        _bound(64, 512, 4, 2), _bound(64, 512, 4, 3), _bound(32, 512, 4, 3), _bound(32, 512, 4, 4),
-        _bound(64, 512, 8, 3), _bound(64, 256, 4, 2), _bound(64, 1024, 4, 2)]),
+        _bound(64, 256, 4, 2), _bound(64, 128, 4, 2), _bound(32, 256, 4, 3), _bound(32, 128, 4, 3),
+        _bound(64, 256, 4, 3), _bound(64, 512, 4, 2), _bound(64, 128, 8, 2), _bound(16, 128, 4, 4)]),
     "selected": ("indexer_block_path", "decode", {**DECODE, "SEL": 64}, [
-        _selected(64, 512, 4, 3), _selected(128, 512, 4, 3), _selected(64, 1024, 4, 3), _selected(64, 256, 4, 4)]),
+        _selected(64, 512, 4, 3), _selected(64, 256, 4, 3), _selected(64, 512, 4, 2), _selected(128, 512, 4, 3),
+        _selected(64, 1024, 4, 3), _selected(32, 256, 4, 3)]),
     "page_select": ("page_select", "decode", {"T": 64, "N": 2048, "SEL": 64}, [
-        {"TILE": 2048, "num_warps": 4}, {"TILE": 2048, "num_warps": 8}, {"TILE": 1024, "num_warps": 4}]),
+        {"TILE": 2048, "num_warps": 4}, {"TILE": 2048, "num_warps": 8}, {"TILE": 1024, "num_warps": 4},
+        {"TILE": 2048, "num_warps": 2}]),
 }
 
 
@@ -104,6 +108,7 @@ def sweep(name: str, ceilings, budget_s: float) -> list[dict]:
         run, ref, compare, cost = (lambda c: spec.run(inputs, c)), spec.reference(inputs), spec.compare, \
             spec.cost(phase, shape)
     floor, bound = floor_us(cost, ceilings)
+    timer = graph_us if name in GRAPHED else lambda fn, device: time_us(fn, device, warmup_ms=10, rep_ms=40)
     rows = []
     for config in configs:
         if time.perf_counter() - _START > budget_s:
@@ -111,13 +116,13 @@ def sweep(name: str, ceilings, budget_s: float) -> list[dict]:
             continue
         try:
             error = compare(run(config), ref)
-            us = time_us(lambda: run(config), "cuda", warmup_ms=10, rep_ms=40)
-            rows.append({"config": config, "us": us, "of_floor": floor / us, "check": error or "ok"})
+            us = timer(lambda: run(config), "cuda")
+            rows.append({"stage": name, "config": config, "us": us, "of_floor": floor / us, "check": error or "ok"})
         except Exception as e:  # a config the compiler rejects or that runs out of resources
             rows.append({"config": config, "error": f"{type(e).__name__}: {str(e)[:160]}"})
     if name == "page_select":
         rows.append({"config": "torch.topk + sort (baseline)", "check": "-",
-                     "us": time_us(lambda: spec.baseline(inputs), "cuda", warmup_ms=10, rep_ms=40)})
+                     "us": timer(lambda: spec.baseline(inputs), "cuda")})
     print(f"\n## {name}: {kernel} {phase} {shape}  floor {floor:.1f} us ({bound})", flush=True)
     for r in sorted(rows, key=lambda r: r.get("us", float("inf"))):
         if "us" in r:
@@ -127,6 +132,12 @@ def sweep(name: str, ceilings, budget_s: float) -> list[dict]:
     del inputs
     torch.cuda.empty_cache()
     return rows
+
+
+def best(rows: list[dict]) -> dict | None:
+    """The fastest config that matched the reference."""
+    ok = [r for r in rows if r.get("check") == "ok" and isinstance(r.get("config"), dict)]
+    return min(ok, key=lambda r: r["us"])["config"] if ok else None
 
 
 def main(argv=None) -> int:
