@@ -48,7 +48,8 @@ def test_activation_quantization_matches_reference_bit_for_bit(dtype):
     x = torch.randn(9, 160, generator=g) * torch.exp2(torch.randint(-12, 12, (9, 1), generator=g).float())
     # row 0: amax 448 (scale 1) and exact ties: to even in the normal and the subnormal range
     x[0] = 0.0
-    x[0, :8] = torch.tensor([448.0, 1.0625, 1.1875, -1.1875, 2.0**-10, 3 * 2.0**-10, 2.0**-7 + 2.0**-11, 0.0])
+    x[0, :10] = torch.tensor([448.0, 1.0625, 1.1875, -1.1875, 2.0**-10, 3 * 2.0**-10, 2.0**-7 + 2.0**-11, 0.0,
+                              -2.0**-11, -0.0])  # the last two round to -0.0
     x[1] = 0.0  # an all-zero row
     x[2, :4] = torch.tensor([450.0, 1e-3, -1e-4, 1.0])  # amax just above 448 (in every dtype): scale 2
     x[2, 4:] = x[2, 4:].clamp(-1, 1)
@@ -58,9 +59,10 @@ def test_activation_quantization_matches_reference_bit_for_bit(dtype):
     ref_q, ref_s = quantize_rows_fp8_torch(x)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (9,)
     assert torch.equal(s, ref_s)
-    assert torch.equal(q.float(), ref_q.float())
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))  # bit for bit: signed zeros too
     assert float(s[0]) == 1.0 and float(s[2]) == 2.0 and float(s[1]) == 2.0**-126
     assert q[0, :7].float().tolist() == [448.0, 1.0, 1.25, -1.25, 0.0, 2.0**-8, 2.0**-7]
+    assert q[0, 8:10].view(torch.uint8).tolist() == [0x80, 0x80]
 
 
 @pytest.mark.parametrize("counts, n, k, config", [

@@ -54,10 +54,12 @@ from .workspace import FP8Workspace, shared_workspace
 # -- kernels --------------------------------------------------------------------------------------
 @triton.jit
 def round_to_e4m3(v):
-    """fp32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still fp32 (so the cast is exact)."""
+    """fp32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still fp32 (so the cast is exact);
+    the sign survives a rounding to zero (-0.0, as the cast itself gives)."""
     bits = v.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    subnormal = (v + 24576.0) - 24576.0  # below 2^-6 e4m3 steps by 2^-9, the ulp of 1.5 * 2^14
+    subnormal = (tl.abs(v) + 24576.0) - 24576.0  # below 2^-6 e4m3 steps by 2^-9, the ulp of 1.5 * 2^14
+    subnormal = (subnormal.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # v's sign
     return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 
@@ -471,12 +473,12 @@ def _reference(inputs):
 
 
 def _baseline(inputs):
-    """``torch._scaled_mm`` per active expert on an offline FP8 copy (rowwise scales; x quantized beforehand)."""
+    """``torch._scaled_mm`` per active expert on an offline FP8 copy (per-tensor scales; x quantized beforehand)."""
     w, x = inputs["weights"], inputs["x"]
     if w not in _fp8_copies:
         _fp8_copies[w] = prefill_baselines.offline_fp8_experts(w.blocks, w.scales)
     if "xq" not in inputs:
-        inputs["xq"] = prefill_baselines.rowwise_fp8(x)
+        inputs["xq"] = prefill_baselines.tensorwise_fp8(x)
     return prefill_baselines.scaled_mm_loop(*inputs["xq"], *_fp8_copies[w], inputs["spans"])
 
 
@@ -501,6 +503,6 @@ SPEC = registry.register(registry.KernelSpec(
     bench_shapes=_bench_shapes,
     constraint=_constraint,
     baseline=_baseline,
-    baseline_name="torch._scaled_mm per active expert on an offline FP8 copy (rowwise scales)",
+    baseline_name="torch._scaled_mm per active expert on an offline FP8 copy (per-tensor scales)",
     source_modules=(sys.modules[__name__], fp8_grouped_gemm_reference, prefill_baselines),
 ))

@@ -6,7 +6,7 @@ integer with ``amax <= 448 * 2^e`` (at least -126; all-zero rows take -126), ele
 even. A power of two keeps the scaling exact, so the kernel and this oracle agree bit for bit. One scale per
 row rather than per 128-k group: e4m3 is a float format, so a row scale costs only elements below 2^-15 of
 the row's largest (their share of a dot product is under ~1e-4), and the GEMM applies it once after its K loop
-(the baseline's rowwise scaling does the same). The weights keep their per-(row, 128-k group) scales.
+(rowwise FP8 in vLLM-style stacks does the same). The weights keep their per-(row, 128-k group) scales.
 """
 from __future__ import annotations
 

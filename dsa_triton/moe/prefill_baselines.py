@@ -1,9 +1,11 @@
 """What a user would run instead of the workspace grouped GEMM, on the same routed rows (CSR over experts):
 torch on expert weights converted ahead of time.
 
-- FP8: an offline e4m3 copy of every expert with one fp32 scale per row, activations quantized per row,
-  then ``torch._scaled_mm`` per active expert (cuBLASLt, fast accumulation), or ``torch._scaled_grouped_mm``
-  in one call where this torch has it;
+- FP8: an offline e4m3 copy of every expert with one fp32 scale per expert, activations quantized with one
+  scale, then ``torch._scaled_mm`` per active expert (cuBLASLt, fast accumulation), or ``torch._scaled_grouped_mm``
+  in one call where this torch has it. Per-tensor scales because that is what cuBLASLt runs on Hopper: rowwise
+  ``_scaled_mm`` failed there (CUBLAS_STATUS_NOT_SUPPORTED, torch 2.11 + CUDA 13, H200, 2026-11-30); the speed
+  of the product does not depend on the scale granularity;
 - bf16: a bf16 copy of every expert, ``torch.mm`` per active expert (cuBLAS), or ``torch._grouped_mm``.
 
 Each takes the active experts as host ``spans`` ``[(expert, first row, end row)]`` computed beforehand, so the
@@ -25,37 +27,39 @@ def active_spans(expert_offsets: torch.Tensor) -> Spans:
     return [(e, a, b) for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
 
 
-def rowwise_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w[..., R, C]`` -> ``(e4m3 [..., R, C], fp32 scale [..., R, 1])``, scale = row amax / 448."""
-    scale = (w.float().abs().amax(-1, keepdim=True) / E4M3_MAX).clamp(min=1e-30)
+def tensorwise_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w[...]`` -> ``(e4m3 [...], fp32 scale [])``, scale = amax / 448."""
+    scale = (w.float().abs().amax() / E4M3_MAX).clamp(min=1e-30)
     return (w.float() / scale).to(torch.float8_e4m3fn), scale
 
 
 def offline_fp8_experts(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The offline FP8 copy: ``(w [E, N, K] e4m3, scale [E, N] fp32)``, built one expert at a time."""
+    """The offline FP8 copy: ``(w [E, N, K] e4m3, scale [E] fp32)``, built one expert at a time."""
     e, n, kb = scales.shape
     w8 = torch.empty(e, n, kb * 32, dtype=torch.float8_e4m3fn, device=blocks.device)
-    s8 = torch.empty(e, n, dtype=torch.float32, device=blocks.device)
+    s8 = torch.empty(e, dtype=torch.float32, device=blocks.device)
     for i in range(e):
-        q, s = rowwise_fp8(mxfp4_dequantize(blocks[i], scales[i], torch.float32))
-        w8[i], s8[i] = q, s[:, 0]
+        w8[i], s8[i] = tensorwise_fp8(mxfp4_dequantize(blocks[i], scales[i], torch.float32))
     return w8, s8
 
 
 def scaled_mm_loop(xq: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, s8: torch.Tensor, spans: Spans,
                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``torch._scaled_mm`` per active expert: ``xq[M, K]`` e4m3 with ``sx[M, 1]``, ``w8[E, N, K]`` with ``s8[E, N]``."""
+    """``torch._scaled_mm`` per active expert: ``xq[M, K]`` e4m3 with scale ``sx[]``, ``w8[E, N, K]`` with ``s8[E]``."""
     y = torch.zeros(xq.shape[0], w8.shape[1], dtype=out_dtype, device=xq.device)
     for e, a, b in spans:
-        torch._scaled_mm(xq[a:b], w8[e].t(), scale_a=sx[a:b], scale_b=s8[e][None, :], out_dtype=out_dtype,
-                         use_fast_accum=True, out=y[a:b])
+        torch._scaled_mm(xq[a:b], w8[e].t(), scale_a=sx, scale_b=s8[e], out_dtype=out_dtype, use_fast_accum=True,
+                         out=y[a:b])
     return y
 
 
 def scaled_grouped_mm(xq: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, s8: torch.Tensor,
                       expert_offsets: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """One ``torch._scaled_grouped_mm`` over all experts (rows past ``expert_offsets[-1]`` are not computed)."""
-    return torch._scaled_grouped_mm(xq, w8.transpose(-2, -1), sx.flatten(), s8, offs=expert_offsets[1:].int(),
+    """One ``torch._scaled_grouped_mm`` over all experts (rows past ``expert_offsets[-1]`` are not computed); the
+    per-tensor scales handed over as the row / column vectors it takes."""
+    e, n, _ = w8.shape
+    return torch._scaled_grouped_mm(xq, w8.transpose(-2, -1), sx.expand(xq.shape[0]).contiguous(),
+                                    s8[:, None].expand(e, n).contiguous(), offs=expert_offsets[1:].int(),
                                     out_dtype=out_dtype, use_fast_accum=True)
 
 

@@ -37,7 +37,7 @@ from ..harness import time_us
 from .fp8_grouped_gemm import SPEC, fp8_grouped_gemm, prefill_call, quantize_activations_fp8
 from .fused_moe import random_routing
 from .mxfp4 import mxfp4_dequantize, realistic_mxfp4
-from .prefill_baselines import (active_spans, grouped_mm, mm_loop, offline_fp8_experts, rowwise_fp8,
+from .prefill_baselines import (active_spans, grouped_mm, mm_loop, offline_fp8_experts, tensorwise_fp8,
                                 scaled_grouped_mm, scaled_mm_loop)
 from .workspace import shared_workspace
 
@@ -102,7 +102,7 @@ def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, d
         pipelined_us = _timed(lambda: run(overlap=True), device)
 
     w8, s8 = offline_fp8_experts(blocks, scales)
-    xq, sx = rowwise_fp8(x)
+    xq, sx = tensorwise_fp8(x)
     fp8_loop_us = _timed(lambda: scaled_mm_loop(xq, sx, w8, s8, spans), device)
     fp8_grouped_us = _timed(lambda: scaled_grouped_mm(xq, sx, w8, s8, offsets), device) if cuda else math.nan
     del w8, s8, xq, sx
