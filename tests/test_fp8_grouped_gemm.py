@@ -132,8 +132,8 @@ for even_k in (True, False):
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
     assert "wgmma" in kernel.asm["ptx"] and "prmt.b32" in kernel.asm["ptx"]
 names = _convert_kernel.arg_names
-types = {"blocks_ptr": "*u8", "codes_ptr": "*i16", "scales_ptr": "*u8", "ids_ptr": "*i32", "w_ptr": "*fp8e4nv",
-         "w_words_ptr": "*i32", "s_ptr": "*fp32", "unfit_ptr": "*i32"}
+types = {"codes_ptr": "*i16", "scales_ptr": "*u8", "ids_ptr": "*i32", "w_words_ptr": "*i32", "s_ptr": "*fp32",
+         "unfit_ptr": "*i32"}
 constexprs = {"BLOCK_N": 32, "GROUPS": 2, "COUNT_UNFIT": True, "PTX": True}
 signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
 aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constexprs}

@@ -5,13 +5,12 @@ Semantics and oracle: :mod:`.convert_reference`. One program converts ``BLOCK_N`
 ``d`` = binades of each block below its group's top, and writes the group scale ``2^(ref - 127)``. Values are
 ``e2m1 * 2^(6 - d)`` in e4m3:
 
-- fast path, every ``d <= 11`` in the tile (every value a normal e4m3 number, every block fits): the e4m3
-  bytes come from the code bits by byte permutes, four per 16 bits of codes (:func:`e4m3_words`: PTX ``prmt``
-  against each block's 8-byte table, about 1.5 integer operations per value), so the kernel stays bound by
-  memory, not by the integer pipes;
-- otherwise: each value's fp32 pattern is built from the code bits and cast to e4m3 (exact wherever the
-  block fits); a block is unfit when one of its values is below e4m3's reach (lowest set bit under 2^-9),
-  and unfit blocks are counted with one atomic add per program.
+Values are e4m3 bytes from the code bits by byte permutes, four per 16 bits of codes (:func:`permute_codes`:
+PTX ``prmt`` against each block's 8-byte table of its E2M1 magnitudes), about 1.5 integer operations per value,
+so the kernel stays bound by memory. The tables: where every ``d <= 11`` in the tile (every value a normal e4m3
+number, every block fits) a closed form (:func:`fast_tables`); otherwise each magnitude is cast to e4m3 once per
+block (:func:`exact_tables`: nearest even, subnormal or zero far below), and a block is unfit when one of its
+codes picks a magnitude the cast changed; unfit blocks are counted with one atomic add per program.
 
 The register-side helpers below serve the fused prefill GEMM (:mod:`.fp8_grouped_gemm`), which converts weight
 tiles on their way to the tensor cores instead of through a workspace: :func:`e4m3_words` turns 16-bit groups
@@ -61,19 +60,57 @@ def byte_permute(lo, hi, sel, PTX: tl.constexpr):
 
 
 @triton.jit
-def e4m3_words(codes, d, PTX: tl.constexpr):
-    """e4m3 bytes of E2M1 codes: ``codes`` int32 ``[R, 8 B]`` (16 bits each: four codes, low nibble first) of ``B``
-    32-blocks, ``d`` int32 ``[R, B]``: binades of each block below its reference, 0..11 -> int32 ``[R, 8 B]``,
-    four bytes ``e2m1 * 2^(6 - d)`` each in k order. The table of a block's eight magnitudes, 0 .5 1 1.5 | 2 3 4 6
-    times 2^6 (e4m3 0x00 60 68 6C | 70 74 78 7C), has its exponents lowered by d; one permute picks the magnitudes,
-    another the sign bits (0x80 where a code's bit 3 is set)."""
-    rows: tl.constexpr = codes.shape[0]
+def fast_tables(d):
+    """int32 ``(lo, hi)`` ``[R, B]``: the e4m3 bytes of E2M1 magnitudes 0..3 and 4..7 times 2^(6 - d), for ``d`` int32
+    ``[R, B]`` in 0..11 (all normal): 0 .5 1 1.5 | 2 3 4 6 times 2^6 are e4m3 0x00 60 68 6C | 70 74 78 7C, and d
+    lowers every nonzero byte's exponent."""
+    return 0x6C686000 - d * 0x08080800, 0x7C787470 - d * 0x08080808
+
+
+@triton.jit
+def exact_tables(d):
+    """``(lo, hi, lossy)`` for any ``d >= 0``: each magnitude times 2^(6 - d) cast to e4m3 (nearest even; subnormal,
+    or zero, far below) and an 8-bit mask of the magnitudes the cast changed (bit m: magnitude m is unfit)."""
+    rows: tl.constexpr = d.shape[0]
     blocks: tl.constexpr = d.shape[1]
-    lo = tl.reshape(tl.broadcast_to((0x6C686000 - d * 0x08080800)[:, :, None], [rows, blocks, 8]), [rows, 8 * blocks])
-    hi = tl.reshape(tl.broadcast_to((0x7C787470 - d * 0x08080808)[:, :, None], [rows, blocks, 8]), [rows, 8 * blocks])
-    magnitude = byte_permute(lo, hi, codes & 0x7777, PTX)
+    m = tl.arange(0, 8)[None, None, :]
+    bits = e2m1_bits(m, (133 - tl.minimum(d, 120))[:, :, None])  # [R, B, 8] (d capped: the pattern stays normal)
+    byte = bits.to(tl.float32, bitcast=True).to(tl.float8e4nv).to(tl.int8, bitcast=True).to(tl.int32) & 0xFF
+    lo, hi = tl.split(tl.sum(tl.reshape(byte << (8 * (m % 4)), [rows, blocks, 2, 4]), axis=3))
+    return lo, hi, tl.sum(_lost_in_e4m3(bits) << m, axis=2)
+
+
+@triton.jit
+def per_code(table, codes):
+    """``table`` ``[R, B]`` repeated over each block's 8 code words: ``[R, 8 B]``, like ``codes``."""
+    return tl.reshape(tl.broadcast_to(table[:, :, None], [codes.shape[0], table.shape[1], 8]), codes.shape)
+
+
+@triton.jit
+def permute_codes(codes, lo, hi, PTX: tl.constexpr):
+    """e4m3 words of E2M1 codes: ``codes`` int32 ``[R, 8 B]`` (16 bits each: four codes, low nibble first) of ``B``
+    32-blocks, with their blocks' tables ``lo``/``hi`` ``[R, B]`` -> int32 ``[R, 8 B]``, four e4m3 bytes each in k
+    order: one permute picks the magnitudes, another the sign bits (0x80 where a code's bit 3 is set)."""
+    magnitude = byte_permute(per_code(lo, codes), per_code(hi, codes), codes & 0x7777, PTX)
     sign = byte_permute(tl.full(codes.shape, 0x8000, tl.int32), tl.zeros_like(codes), (codes >> 3) & 0x1111, PTX)
     return magnitude | sign
+
+
+@triton.jit
+def e4m3_words(codes, d, PTX: tl.constexpr):
+    """:func:`permute_codes` with :func:`fast_tables` (``d`` in 0..11)."""
+    lo, hi = fast_tables(d)
+    return permute_codes(codes, lo, hi, PTX)
+
+
+@triton.jit
+def unfit_blocks(codes, lossy):
+    """Blocks (``[R, B]`` int32, 1 = unfit) with a code whose magnitude is marked in their ``lossy`` mask."""
+    hit = tl.zeros_like(codes)
+    mask = per_code(lossy, codes)
+    for i in tl.static_range(4):
+        hit |= (mask >> ((codes >> (4 * i)) & 7)) & 1
+    return tl.max(tl.reshape(hit, [codes.shape[0], lossy.shape[1], 8]), axis=2)
 
 
 @triton.jit
@@ -103,10 +140,8 @@ def _lost_in_e4m3(bits):
 
 
 @triton.jit
-def _convert_kernel(blocks_ptr, codes_ptr, scales_ptr, ids_ptr, w_ptr, w_words_ptr, s_ptr, unfit_ptr,
-                    N, KB, NG,
-                    stride_be, stride_bn, stride_se, stride_sn,
-                    stride_we, stride_wn, stride_oe, stride_on, stride_og,
+def _convert_kernel(codes_ptr, scales_ptr, ids_ptr, w_words_ptr, s_ptr, unfit_ptr, N, KB, NG,
+                    stride_ce, stride_cn, stride_se, stride_sn, stride_we, stride_wn, stride_oe, stride_on, stride_og,
                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, COUNT_UNFIT: tl.constexpr, PTX: tl.constexpr):
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -117,33 +152,21 @@ def _convert_kernel(blocks_ptr, codes_ptr, scales_ptr, ids_ptr, w_ptr, w_words_p
     top = tl.max(tl.reshape(s, [BLOCK_N, GROUPS, 4]), axis=2)  # [BLOCK_N, GROUPS]
     top_per_block = tl.reshape(tl.broadcast_to(top[:, :, None], [BLOCK_N, GROUPS, 4]), [BLOCK_N, GROUPS * 4])
     d = tl.where(inside, top_per_block - s, 0)  # binades below the group's top block
-    row_in = (n < N)[:, None]
-    block_row = expert * stride_be + n[:, None, None] * stride_bn + kb[None, :, None] * 16  # bytes
+    code_rows = codes_ptr + expert * stride_ce + n.to(tl.int64)[:, None] * stride_cn  # int16: four codes each
+    j = tl.program_id(2) * (GROUPS * 32) + tl.arange(0, GROUPS * 32)
+    codes = tl.load(code_rows + j[None, :], mask=(n < N)[:, None] & (j < KB * 8)[None, :], other=0).to(tl.int32)
     if tl.max(tl.max(d, axis=1), axis=0) <= 11:
-        # every value is a normal e4m3 number: four bytes per 16 bits of codes, by byte permutes
-        codes = tl.load(codes_ptr + block_row // 2 + tl.arange(0, 8)[None, None, :], mask=inside[:, :, None], other=0)
-        out = e4m3_words(tl.reshape(codes, [BLOCK_N, GROUPS * 32]).to(tl.int32), d, PTX)  # k = 4i .. 4i + 3 in word i
-        kw = tl.program_id(2) * (GROUPS * 32) + tl.arange(0, GROUPS * 32)
-        tl.store(w_words_ptr + slot * (stride_we // 4) + n[:, None] * (stride_wn // 4) + kw[None, :], out,
-                 mask=row_in & (kw < KB * 8)[None, :])
+        lo, hi = fast_tables(d)
     else:
-        # values e2m1 * 2^(6 - d) built in fp32 (d capped at 120 keeps the pattern normal: lost anyway), cast
-        exp_field = (133 - tl.minimum(d, 120))[:, :, None]
-        packed = tl.load(blocks_ptr + block_row + tl.arange(0, 16)[None, None, :], mask=inside[:, :, None],
-                         other=0).to(tl.int32)
-        lo = e2m1_bits(packed & 0xF, exp_field)  # [BLOCK_N, GROUPS * 4, 16] even k
-        hi = e2m1_bits(packed >> 4, exp_field)  # odd k
+        lo, hi, lossy = exact_tables(d)
         if COUNT_UNFIT:
-            lost = tl.max(tl.maximum(_lost_in_e4m3(lo), _lost_in_e4m3(hi)), axis=2)
-            tl.atomic_add(unfit_ptr, tl.sum(tl.sum(lost, axis=1), axis=0))
-        values = tl.join(lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True))
-        w8 = tl.reshape(values, [BLOCK_N, GROUPS * 128]).to(tl.float8e4nv)
-        k = tl.program_id(2) * (GROUPS * 128) + tl.arange(0, GROUPS * 128)
-        tl.store(w_ptr + slot * stride_we + n[:, None] * stride_wn + k[None, :], w8, mask=row_in & (k < KB * 32)[None, :])
-    scale = reference_scale(top)
+            tl.atomic_add(unfit_ptr, tl.sum(tl.sum(unfit_blocks(codes, lossy), axis=1), axis=0))
+    words = permute_codes(codes, lo, hi, PTX)  # k = 4j .. 4j + 3 in word j
+    tl.store(w_words_ptr + slot * stride_we + n.to(tl.int64)[:, None] * stride_wn + j[None, :], words,
+             mask=(n < N)[:, None] & (j < KB * 8)[None, :])
     g = tl.program_id(2) * GROUPS + tl.arange(0, GROUPS)
-    tl.store(s_ptr + slot * stride_oe + n[:, None] * stride_on + g[None, :] * stride_og, scale,
-             mask=row_in & (g < NG)[None, :])
+    tl.store(s_ptr + slot * stride_oe + n[:, None] * stride_on + g[None, :] * stride_og, reference_scale(top),
+             mask=(n < N)[:, None] & (g < NG)[None, :])
 
 
 def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torch.Tensor, w_out: torch.Tensor,
@@ -158,12 +181,11 @@ def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torc
         return
     groups = config["GROUPS"]
     grid = (count, triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(kb, groups * BLOCKS_PER_GROUP))
+    codes, words = blocks.view(torch.int16), w_out.view(torch.int32)  # [E, N, K/32, 8], [G, N, K/4]
     _convert_kernel[grid](
-        blocks, blocks.view(torch.int16), scales, expert_ids, w_out, w_out.view(torch.int32), s_out,
-        unfit if unfit is not None else expert_ids,
-        n, kb, s_out.shape[2],
-        blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
-        w_out.stride(0), w_out.stride(1), s_out.stride(0), s_out.stride(1), s_out.stride(2),
+        codes, scales, expert_ids, words, s_out, unfit if unfit is not None else expert_ids, n, kb, s_out.shape[2],
+        codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), words.stride(0), words.stride(1),
+        s_out.stride(0), s_out.stride(1), s_out.stride(2),
         BLOCK_N=config["BLOCK_N"], GROUPS=groups, COUNT_UNFIT=unfit is not None,
         PTX=blocks.device.type == "cuda" and torch.version.hip is None, num_warps=config["num_warps"],
     )
