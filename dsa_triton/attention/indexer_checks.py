@@ -123,15 +123,18 @@ def check_block_table(rows: QueryRows, block_table, seq_lens, limits, num_pages:
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=rows.device)
     if seq_lens.shape[0] < B:
         raise ValueError(f"seq_lens: {seq_lens.shape[0]} entries for {B} sequences")
-    lens = seq_lens[:B].long()
+
+    def lens():  # a device op only when the value checks run
+        return seq_lens[:B].long()
+
     capacity = block_table.shape[1] * P
-    rows.checks.fail_if(lambda: (lens < 0) | (lens > capacity),
+    rows.checks.fail_if(lambda: (lens() < 0) | (lens() > capacity),
                         f"seq_lens: must lie in [0, {capacity}] (table width x page size)")
-    rows.checks.fail_if(lambda: limits.long() > lens[rows.row_seq],
+    rows.checks.fail_if(lambda: limits.long() > lens()[rows.row_seq],
                         "limits: a row's limit exceeds its sequence's length in seq_lens")
 
     def bad_entries():
-        used = torch.arange(block_table.shape[1], device=rows.device)[None, :] * P < lens[:, None]
+        used = torch.arange(block_table.shape[1], device=rows.device)[None, :] * P < lens()[:, None]
         return ((block_table[:B] < 0) | (block_table[:B] >= num_pages)) & used
     rows.checks.fail_if(bad_entries, f"block_table: an entry of a used page lies outside [0, {num_pages})")
 
@@ -167,9 +170,12 @@ def check_contiguous_keys(rows: QueryRows, k, k_scale, key_starts, limits) -> to
     if key_starts is None:
         key_starts = torch.zeros(rows.B, dtype=torch.int32, device=rows.device)
     check_tensor("key_starts", key_starts, dtype=torch.int32, shape=(rows.B,), device=rows.device)
-    starts = key_starts.long()
-    rows.checks.fail_if(lambda: (starts < 0) | (starts > S), f"key_starts: must lie in [0, {S}]")
-    rows.checks.fail_if(lambda: starts[rows.row_seq] + limits.long() > S,
+
+    def starts():
+        return key_starts.long()
+
+    rows.checks.fail_if(lambda: (starts() < 0) | (starts() > S), f"key_starts: must lie in [0, {S}]")
+    rows.checks.fail_if(lambda: starts()[rows.row_seq] + limits.long() > S,
                         f"limits: key_starts + limits must stay within the {S} keys")
     return key_starts.contiguous()
 
