@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from dsa_triton import ConfigError, registry
+from dsa_triton.moe import fused_moe
 from dsa_triton.moe.fused_moe import SPEC, fused_moe_gemm, random_routing
 from dsa_triton.moe.fused_moe_reference import fused_moe_gemm_torch
 from dsa_triton.moe.mxfp4_reference import mxfp4_dequantize_torch, mxfp4_quantize_torch
@@ -180,6 +181,24 @@ def test_fused_gemm_bad_inputs_raise_naming_the_argument():
     for call, match in cases:
         with pytest.raises(ValueError, match=match):
             call()
+
+
+def test_scale_bytes_above_the_paths_range_raise_once_per_version():
+    weights, ids = routing(2, 5, 2, seed=1)
+    sort = sort_by_expert(ids, weights, 5)
+    blocks, scales = experts_mxfp4(5, 32, 64, seed=1)
+    x = torch.randn(2, 64, generator=gen(1)).half()
+    config = cfg(8, 32, 64)
+    fused_moe_gemm(x, sort, blocks, scales, config=config)  # in range: checked, remembered
+    scales[3, 7, 1] = 250  # in place: a new version is read again
+    with pytest.raises(ValueError, match="scales: bytes must be at most 240 .* got 250"):
+        fused_moe_gemm(x, sort, blocks, scales, config=config)
+    scales[3, 7, 1] = 0xFF  # NaN in E8M0
+    with pytest.raises(ValueError, match="scales"):
+        fused_moe_gemm(x, sort, blocks, scales, config=config)
+    scales[3, 7, 1] = 0  # small bytes are fine (all-zero blocks often carry 0)
+    fused_moe_gemm(x, sort, blocks, scales, config=config)
+    assert fused_moe.SCALE_MAX[True] == 192  # the bf16 GPU path (inline PTX), not reachable on the CPU
 
 
 HOPPER_COMPILE = r"""

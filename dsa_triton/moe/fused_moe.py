@@ -7,7 +7,8 @@ One program owns (row block, N tile, K split). Row blocks come from the block-al
 (:meth:`ExpertSort.aligned`): one expert per block, padding rows -1, blocks past the end -1 (the program
 returns at once), so the grid size is a host-side bound and nothing syncs. The tile is computed
 transposed on tensor cores, ``acc[BLOCK_N, BLOCK_M] += W[BLOCK_N, k] @ x[k, BLOCK_M]``: the weights are the
-long side (the wgmma A operand, from registers), the routed rows the short one (padded to ``BLOCK_M >= 16``).
+long side (the MMA's A operand, from registers), the routed rows the short one (padded to ``BLOCK_M``: 8 rows
+run on mma.sync m16n8k16, 16 and more on wgmma where the tile allows).
 
 - the codes are read as int16 *quarters* ``[BLOCK_N, BLOCK_K / 4]`` (quarter ``q`` of a row holds k = 4q .. 4q+3,
   nibble ``c`` being k = 4q + c): each nibble position ``c`` is a weight *class*, and the tile is four dots, one
@@ -15,10 +16,13 @@ long side (the wgmma A operand, from registers), the routed rows the short one (
 - bf16 activations on the GPU: two neighbouring quarters are one 32-bit register, and a few integer ops per
   class (inline PTX) turn it into a bf16x2 pair ``code * 2^-126`` (exact: the E2M1 subnormal 0.5 lands on a
   bf16 subnormal); one bf16x2 multiply by ``2^(s - 1 - 64)`` scales it, and the fp32 result is multiplied by
-  ``2^64`` at the end: about 2 instructions per weight. Exact for scale bytes in [66, 192] (blocks
-  2^-61 .. 2^65, far outside any model's range; outside it the weights flush to zero or overflow);
+  ``2^64`` at the end (sm_90 loop: 3.1-3.4 instructions per weight, addressing included). Exact for scale
+  bytes 66..192 (blocks 2^-61 .. 2^65); smaller ones (all-zero blocks often carry 0) flush toward zero, an
+  error under 2^-58 per weight;
 - elsewhere (fp16 activations, the interpreter): the nibble becomes an fp16 ``code * 2^-14``, widened to fp32,
   multiplied by ``2^(s - 113)`` and rounded to the activation dtype (scale bytes up to 240);
+- scale bytes above the path's :data:`SCALE_MAX` (and 0xFF, NaN) raise ``ValueError`` (read once per scales
+  tensor and version);
 - ``SPLIT_K > 1`` splits K over the grid and adds fp32 partials with atomics (fills the GPU when there are
   few row blocks and N tiles).
 """
@@ -50,6 +54,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 FAST_SHIFT = tl.constexpr(64)  # bf16 path: weights computed as W * 2^-64 (in bf16 range), the fp32 sums scaled back
+SCALE_MAX = {True: 192, False: 240}  # largest scale byte of the bf16 GPU path (FAST) and of the other path
 
 # Nibble c of both halves of a 32-bit register (two int16 quarters) -> a bf16x2 pair ``code * 2^-126``: the
 # magnitude bits go to bits 6..8 (exponent low bits + mantissa top bit) of each half, the sign to bit 15.
@@ -178,12 +183,14 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
     - ``x``: fp16/bf16 ``[T, K]`` when ``gather_tokens`` (sorted row r reads token ``sort.sorted_token[r]``:
       the gate_up GEMM) or ``[M, K]`` already in sorted order (the down GEMM); ``M = T * top_k``;
     - ``sort``: :func:`.permute.sort_by_expert` of the routing;
-    - ``blocks`` uint8 ``[E, N, K/32, 16]`` (rows contiguous), ``scales`` uint8 ``[E, N, K/32]``;
+    - ``blocks`` uint8 ``[E, N, K/32, 16]`` (rows contiguous), ``scales`` uint8 ``[E, N, K/32]``, bytes at most
+      :data:`SCALE_MAX` (192 for bf16 on the GPU, else 240);
     - ``config``: a ``moe_fused_gemm`` launch config; None reads the tuning database for this shape.
 
     Returns ``y_sorted [M, N]`` in ``x``'s dtype, rows in ``sort``'s expert order.
     """
     n, k = _check(x, sort, blocks, scales, gather_tokens)
+    check_scale_range(scales, fast_path(x))
     shape = problem_shape(sort, n, k, gather_tokens)
     if config is None:
         config = SPEC.launch_config("decode", shape, x.device)
@@ -192,10 +199,36 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
     return _launch(x, sort, blocks, scales, gather_tokens, config)
 
 
+_scales_checked: dict[int, tuple] = {}  # id(scales) -> (weakref to it, version, path) once its range was read
+
+
+def check_scale_range(scales: torch.Tensor, fast: bool) -> None:
+    """Raise ``ValueError`` naming ``scales`` if a byte exceeds the path's :data:`SCALE_MAX`. Reads the tensor
+    (one sync) once per tensor, in-place version and path; skipped inside a CUDA-graph capture."""
+    seen = _scales_checked.get(id(scales))
+    if seen is not None and seen[0]() is scales and seen[1:] == (scales._version, fast):
+        return
+    if scales.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    if scales.numel():
+        largest = int(scales.max())
+        if largest > SCALE_MAX[fast]:
+            raise ValueError(f"scales: bytes must be at most {SCALE_MAX[fast]} on this path (blocks up to "
+                             f"2^{SCALE_MAX[fast] - 127}), got {largest}")
+    if len(_scales_checked) > 4096:
+        _scales_checked.clear()
+    _scales_checked[id(scales)] = (weakref.ref(scales), scales._version, fast)
+
+
 @functools.lru_cache(maxsize=1024)
 def _validated(config: tuple, shape: tuple) -> dict:
     """An explicit config checked once per (config, shape): the decode path's host time is on the clock."""
     return SPEC.validate(dict(config), dict(shape))
+
+
+def fast_path(x: torch.Tensor) -> bool:
+    """bf16 activations on the GPU take the inline-PTX dequantization (scale bytes up to 192)."""
+    return x.device.type == "cuda" and x.dtype == torch.bfloat16
 
 
 def _launch(x, sort, blocks, scales, gather_tokens, config) -> torch.Tensor:
@@ -208,14 +241,14 @@ def _launch(x, sort, blocks, scales, gather_tokens, config) -> torch.Tensor:
     quarters = blocks.view(torch.int16).flatten(-2)  # [E, N, K/4]
     k_quarters = quarters.shape[-1]
     x_classes = x.view(x.shape[0], k_quarters, 4).transpose(1, 2).contiguous()  # [rows, 4, K/4]: k = 4q + c -> [c, q]
-    on_gpu = x.device.type == "cuda"
+    fast = fast_path(x)
     grid = (alignment.num_blocks, _cdiv(n, config["BLOCK_N"]), split)
     _fused_moe_kernel[grid](
         x_classes, sort.sorted_token, quarters, scales, y, alignment.padded_rows, alignment.block_expert,
         n, k_quarters,
         x_classes.stride(0), quarters.stride(0), quarters.stride(1), scales.stride(0), scales.stride(1), y.stride(0),
         GATHER=gather_tokens, ATOMIC=split > 1, EVEN_K=k_quarters % (split * config["BLOCK_K"] // 4) == 0,
-        FAST=on_gpu and x.dtype == torch.bfloat16, DOT_F32=not on_gpu and x.dtype == torch.bfloat16,
+        FAST=fast, DOT_F32=not fast and x.dtype == torch.bfloat16 and x.device.type != "cuda",
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], SPLIT_K=split,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
