@@ -146,11 +146,16 @@ class KernelSpec:
         """
         from .runtime import device_name
 
+        fast_key = (phase, tuple(shape.items()), device, _lookup_generation)  # as given: no work on a hit
+        hit = self._cache.get(fast_key)
+        if hit is not None:
+            return dict(hit)
         dev = device_name(device)
         key = self.shape_key(phase, shape)
         cache_key = (phase, tuple(sorted(shape.items())), dev, _lookup_generation)
         hit = self._cache.get(cache_key)
         if hit is not None:
+            self._cache[fast_key] = hit
             return dict(hit)
         config = None
         if _lookup is not None:
@@ -159,7 +164,7 @@ class KernelSpec:
                 config = dict(stored)
         if config is None:
             config = self.validate(dict(self.default(phase, shape)), shape)
-        self._cache[cache_key] = config
+        self._cache[cache_key] = self._cache[fast_key] = config
         return dict(config)
 
     def source_hash(self) -> str:

@@ -9,11 +9,26 @@ from dsa_triton.attention.topk_reference import check_topk, topk_indices_torch
 
 # Small tiles so that short rows still reach the two-pass route (group_min = 2 * k * GROUP).
 SMALL = {"SPLIT": 1, "TILE": 2048, "WARPS": 2, "GROUP": 8, "HIST_BITS": 10, "COLLECT_TILE": 1024,
-         "COLLECT_WARPS": 4, "CAP_K": 4, "SEL_BITS": 5, "SEL_TILE": 1024, "SEL_WARPS": 4}
+         "COLLECT_WARPS": 4, "CAP_K": 4, "SEL_BITS": 5, "SEL_TILE": 512, "SEL_WARPS": 4}
 
 
 def cfg(**changes):
     return {**SMALL, **changes}
+
+
+@pytest.fixture
+def candidate_counts(monkeypatch):
+    """After a call, ``read()`` gives each row's pass-2 candidate count (meaningful on two-pass rows only)."""
+    seen = {}
+    real = tk._workspace
+
+    def spy(T, split, NB, cap, device):
+        work, info_off, cand_off = real(T, split, NB, cap, device)
+        seen.update(info=work[info_off:cand_off].view(T, -1))
+        return work, info_off, cand_off
+
+    monkeypatch.setattr(tk, "_workspace", spy)
+    return lambda: seen["info"][:, tk._INFO_COUNT.value]
 
 
 def run_and_check(scores, k, lengths=None, config=SMALL, num_pages=None, check_values=True, **table):
@@ -55,11 +70,13 @@ def test_radix_digit_widths(sel_bits):
     run_and_check(scores, 50, config=cfg(SEL_BITS=sel_bits))
 
 
-def test_split_rows_over_programs():
-    g = torch.Generator().manual_seed(1)
-    lengths = torch.tensor([5000, 4097, 2048], dtype=torch.int32)
-    scores = nan_past_lengths(torch.randn(3, 5000, generator=g), lengths)
-    run_and_check(scores, 40, lengths, config=cfg(SPLIT=2, TILE=2048, COLLECT_TILE=1024))
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_rows_over_programs(split):
+    """Partial histograms of several programs per row; chunks ending inside a tile, or past the row."""
+    g = torch.Generator().manual_seed(split)
+    lengths = torch.tensor([9000, 5000, 4097, 2048], dtype=torch.int32)
+    scores = nan_past_lengths(torch.randn(4, 9000, generator=g), lengths)
+    run_and_check(scores, 40, lengths, config=cfg(SPLIT=split, TILE=2048, COLLECT_TILE=1024))
 
 
 @pytest.mark.parametrize("k", [1, 7, 300])
@@ -95,15 +112,61 @@ def test_inf_and_nan_inside_the_valid_range():
     assert set(range(30)) <= set(out[0].tolist())  # every finite score is taken
 
 
-def test_candidate_buffer_exactly_full_then_one_over():
-    """k = 8, CAP_K = 2: 16 scores in [8, 12) (one pass-1 bin) fill the buffer; 17 overflow to the row route."""
+def test_candidate_buffer_exactly_full_then_one_over(candidate_counts):
+    """k = 8, CAP_K = 2: 16 equal top scores fill the buffer exactly (select picks 8 of the ties there);
+    17 overflow it and the row route runs."""
     g = torch.Generator().manual_seed(9)
     L, k = 600, 8  # group_min = 2 * 8 * 8 = 128
     scores = torch.randn(2, L, generator=g).clamp(max=7.0)
     for row, high in ((0, 16), (1, 17)):
-        pos = torch.randperm(L, generator=g)[:high]
-        scores[row, pos] = 8.0 + 3.9 * torch.rand(high, generator=g)
+        scores[row, torch.randperm(L, generator=g)[:high]] = 8.0
     run_and_check(scores, k, config=cfg(CAP_K=2))
+    assert candidate_counts().tolist() == [16, 17]
+
+
+def test_bins_follow_the_scores_shift_and_scale(candidate_counts):
+    """Every row stays on the buffer route: shifted, tiny and uniform scores, and two outlying sample
+    pieces (negative among positive scores) that must not stretch the bins over the tiny magnitudes."""
+    g = torch.Generator().manual_seed(11)
+    L, k = 3000, 24  # cap = 96
+    positive = torch.randn(L, generator=g).abs() + 0.5
+    positive[0:16] -= 10  # sample pieces start at multiples of L // 32 = 93
+    positive[465:481] -= 10
+    scores = torch.stack([
+        torch.randn(L, generator=g) + 100,
+        torch.randn(L, generator=g) * 1e-3 - 50,
+        torch.randn(L, generator=g) * 1e-30,
+        torch.rand(L, generator=g),
+        positive,
+    ])
+    run_and_check(scores, k)
+    counts = candidate_counts()
+    assert ((counts >= k) & (counts <= 4 * k)).all(), counts.tolist()
+
+
+@pytest.mark.parametrize("k", [10, 60])
+def test_all_pairs_finish_with_ties(k, candidate_counts):
+    """Scores on a 1/64 grid (many ties). With 4 warps pass 3 ranks up to PAIR = 64 entries at once:
+    k = 10 leaves fewer candidates than that, k = 60 more (a digit and a compaction come first)."""
+    g = torch.Generator().manual_seed(k)
+    scores = (torch.randn(4, 2400, generator=g) * 64).round() / 64
+    run_and_check(scores, k)
+    counts = candidate_counts()
+    assert ((counts >= k) & (counts <= 64)).all() if k == 10 else ((counts > 64) & (counts <= 4 * k)).all(), counts
+
+
+def test_zero_signs_at_the_bound(candidate_counts):
+    """tau = +0.0 exactly (every sample piece peaks at +0.0: one-key bins) collects -0.0 too (float >=),
+    whose key lies below tau's; with 52 candidates all are ranked at once (PAIR = 64)."""
+    g = torch.Generator().manual_seed(12)
+    L, k = 3000, 24
+    scores = -torch.rand(2, L, generator=g) - 1
+    scores[:, torch.arange(32) * (L // 32)] = 0.0  # one +0.0 per sample piece, in distinct groups
+    outside = torch.tensor([p for p in range(L) if p % (L // 32) >= 16])
+    scores[:, outside[torch.randperm(len(outside), generator=g)[:20]]] = -0.0
+    out = run_and_check(scores, k, config=cfg(SEL_WARPS=8, SEL_TILE=1024))
+    assert candidate_counts().tolist() == [52, 52]
+    assert (scores.gather(1, out.long()).view(torch.int32) == 0).all()  # only +0.0 taken
 
 
 def test_unchecked_lengths_are_clamped():

@@ -8,18 +8,25 @@ A row of ``n`` selectable positions takes one of three routes, decided inside th
 - longer rows: two passes over the scores, then pass 3 over a few thousand candidates:
   1. *bound* (grid ``T x SPLIT``): each tile is ``GROUP`` x ``TILE / GROUP``; histogram the column
      maxima in ``2^HIST_BITS`` bins. The lower edge ``tau`` of the bin holding the k-th largest maximum
-     is a sure bound: at least k columns, hence k scores, are ``>= tau``; for smooth data only ~1.2-1.5 k
+     is a sure bound: at least k columns, hence k scores, are ``>= tau``; for smooth data only ~1.2 k
      are. The histogram sees 1/GROUP of the scores, which keeps this pass at memory speed. Bins are
      linear in the sort key over a window read off a fixed sample of the row, so they stay fine for any
      shift or scale of the scores (bins on the top key bits, i.e. the float exponent, would put the top
      of N(100, 1) or of U(0, 1) into one bin and overflow the buffer).
   2. *collect* (grid ``T x SPLIT``): append every score ``>= tau`` and its position to the row's candidate
-     buffer of ``CAP_K * k`` entries (one atomic per tile). Correctness never rests on the bound: pass 3
-     uses the buffer only when it holds at least k and at most ``CAP_K * k`` scores (then it holds the top
-     k), and otherwise goes over the row (ties, clustered values, NaN).
-  3. *select* (grid ``T``): radix select, ``SEL_BITS`` per digit; once the scores left on the threshold's
-     prefix fit the buffer they are compacted into it and the sweeps shrink. Then write the scores above
-     the k-th largest, enough ties to reach k (first found), the optional block-table translation, -1s.
+     buffer of ``CAP_K * k`` entries (one atomic per tile), and keep the largest. Correctness never
+     rests on the bound: pass 3 uses the buffer only when it holds at least k and at most ``CAP_K * k``
+     scores (then it holds the top k), and otherwise goes over the row (ties, clustered values, NaN).
+  3. *select* (grid ``T``): radix select, ``SEL_BITS`` per digit, from the top bit of the candidates'
+     span above ``tau`` (32 bits over a whole row). Once the scores left on the threshold's prefix fit
+     the buffer they are compacted into it (those above it are written out); once at most ``PAIR``
+     are left, each one's rank among them comes from all-pairs comparisons. Without either (ties),
+     a last sweep writes the scores above the k-th largest and enough equal ones to reach k. Then the
+     optional block-table translation and -1 padding.
+
+Workspace: one int32 allocation, no memset: pass-1 partial histograms ``[T, SPLIT, NB]`` (every bin
+written), per-row ``info[T, 8]`` (written by pass 1's first program of the row, see ``_INFO_*``), and
+the candidates ``[T, cap]`` int64, each ``position << 32 | fp32 bits``.
 """
 from __future__ import annotations
 
@@ -38,6 +45,10 @@ from .topk_reference import check_topk, topk_indices_torch
 MAX_K = 4096
 _INVALID = tl.constexpr(topk_reference.INVALID_KEY)
 _NEG_INF_KEY = tl.constexpr(topk_reference.NEG_INF_KEY)
+# info[t, :]: the pass-1 bin window (key_lo, shift), the candidate count, the largest candidate's key,
+# and ``tau``'s key minus one (every candidate's key is above it, -0.0 included when tau is +0.0)
+_INFO_KEY_LO, _INFO_SHIFT, _INFO_COUNT, _INFO_MAX, _INFO_BASE = (tl.constexpr(i) for i in range(5))
+_INFO_WORDS = tl.constexpr(8)
 
 
 @triton.jit
@@ -66,18 +77,27 @@ def _select_bin(hist, need, NB: tl.constexpr):
 
 
 @triton.jit
+def _bit_length(x):
+    """Bits needed for ``x >= 0`` (int64 scalar)."""
+    return tl.sum(((x >> tl.arange(0, 64).to(tl.int64)) > 0).to(tl.int32), 0)
+
+
+@triton.jit
 def _bin_window(row, n, HIST_BITS: tl.constexpr):
     """Pass 1's bins for a row: ``(key_lo, shift)`` (see :func:`_bin`), from a fixed sample of the row.
 
     The sample (32 pieces of 16 scores, evenly spread) is the same in every program of the row, so all
-    agree. ``key_lo`` is the smallest finite piece maximum; the bins cover twice the key span from there
-    to the largest finite sample. Without finite samples: the top ``HIST_BITS`` key bits.
+    agree. ``key_lo`` is the third smallest finite piece maximum (one or two outlying pieces, e.g. a
+    negative one among positive scores, would stretch the window over the tiny magnitudes); the bins
+    cover twice the key span from there to the largest finite sample. Without three finite pieces: the
+    top ``HIST_BITS`` key bits.
     """
     NB: tl.constexpr = 1 << HIST_BITS
     offs = tl.arange(0, 32)[:, None] * (n // 32) + tl.arange(0, 16)[None, :]
     x = tl.load(row + offs, mask=offs < n, other=float("-inf"))
     piece_max = tl.max(tl.where(tl.abs(x) < float("inf"), x, float("-inf")), axis=1)  # NaN, +-inf out
-    lo = tl.min(tl.where(piece_max > float("-inf"), piece_max, float("inf")), axis=0)
+    ascending = tl.sort(tl.where(piece_max > float("-inf"), piece_max, float("inf")))
+    lo = tl.sum(tl.where(tl.arange(0, 32) == 2, ascending, 0.0), 0)
     hi = tl.max(piece_max, axis=0)
     key_lo = _sort_key(lo.to(tl.int32, bitcast=True))
     span = 2 * (_sort_key(hi.to(tl.int32, bitcast=True)).to(tl.int64) - key_lo)
@@ -94,47 +114,37 @@ def _bin(key, key_lo, shift, NB: tl.constexpr):
 
 
 @triton.jit
-def _bound(hist, window, t, k, HIST_BITS: tl.constexpr):
-    """Lower edge ``tau`` of the bin holding the k-th largest group maximum of row t, as a float.
-
-    ``-inf`` for the bin below the window; NaN (collects nothing) when fewer than k groups were counted.
-    """
-    NB: tl.constexpr = 1 << HIST_BITS
-    d, _ = _select_bin(tl.load(hist + t * NB + tl.arange(0, NB)), k, NB)
-    key_lo = tl.load(window + 2 * t).to(tl.int64)
-    shift = tl.load(window + 2 * t + 1)
-    key = tl.where(d > 0, key_lo + ((d - 1).to(tl.int64) << shift), _NEG_INF_KEY).to(tl.int32)
-    tau = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the key map is its own inverse
-    return tl.where(d >= 0, tau, float("nan"))
-
-
-@triton.jit
 def _hist_of_group_max(x, key_lo, shift, NB: tl.constexpr, mask):
     """Histogram of the column maxima of an ``x[GROUP, COLS]`` tile (NaN-ignoring; all-NaN is -inf)."""
     key = _sort_key(tl.max(x, axis=0).to(tl.int32, bitcast=True))
     return tl.histogram(_bin(key, key_lo, shift, NB), NB, mask=mask)
 
 
-@triton.jit(do_not_specialize=["L", "group_min"])
-def _topk_bound_kernel(scores, stride_t, L, lengths, hist, window, chunk, group_min,
+@triton.jit(do_not_specialize=["L", "group_min", "info_off"])
+def _topk_bound_kernel(scores, stride_t, L, lengths, work, info_off, chunk, group_min,
                        HAS_LENGTHS: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr,
                        HIST_BITS: tl.constexpr):
-    """Pass 1, grid (T, SPLIT): ``hist[t]`` += histogram of the group maxima of the chunk; ``window[t]``.
+    """Pass 1, grid (T, SPLIT): the histogram of the group maxima of the chunk into its slot of the row's
+    partial histograms; the row's first program also writes its ``info`` (window, zero count).
 
     Group g of a tile is column g of ``GROUP`` x ``COLS`` scores: its max is a reduction inside one
     thread. Full tiles load without a mask (16-byte loads); the chunk's last, partial tile with one.
     """
     t = tl.program_id(0)
+    split = tl.program_id(1)
     n = _row_length(lengths, t, L, HAS_LENGTHS)
     if n >= group_min:
         NB: tl.constexpr = 1 << HIST_BITS
         STEP: tl.constexpr = GROUP * COLS
         row = scores + t.to(tl.int64) * stride_t
         key_lo, shift = _bin_window(row, n, HIST_BITS)
-        if tl.program_id(1) == 0:
-            tl.store(window + 2 * t, key_lo)
-            tl.store(window + 2 * t + 1, shift)
-        lo = tl.program_id(1) * chunk
+        if split == 0:
+            info = work + info_off + t * _INFO_WORDS
+            tl.store(info + _INFO_KEY_LO, key_lo)
+            tl.store(info + _INFO_SHIFT, shift)
+            tl.store(info + _INFO_COUNT, 0)
+            tl.store(info + _INFO_MAX, _INVALID)
+        lo = split * chunk
         hi = tl.minimum(lo + chunk, n)
         full_end = lo + tl.maximum(hi - lo, 0) // STEP * STEP
         cols = tl.arange(0, COLS)
@@ -145,67 +155,96 @@ def _topk_bound_kernel(scores, stride_t, L, lengths, hist, window, chunk, group_
         if full_end < hi:
             x = tl.load(row + full_end + tile, mask=full_end + tile < hi, other=float("-inf"))
             acc += _hist_of_group_max(x, key_lo, shift, NB, full_end + cols < hi)
-        tl.atomic_add(hist + t * NB + tl.arange(0, NB), acc, mask=acc > 0, sem="relaxed")
+        slot = t.to(tl.int64) * tl.num_programs(1) + split
+        tl.store(work + slot * NB + tl.arange(0, NB), acc)
 
 
 @triton.jit
-def _append(x, offs, tau, counter, out_val, out_idx, cap):
-    """Append the scores ``x >= tau`` of a ``[COLS, ROWS]`` tile and their positions to a row's candidates.
+def _bound(work, info, t, k, SPLIT: tl.constexpr, HIST_BITS: tl.constexpr):
+    """Lower edge ``tau`` of the bin holding the k-th largest group maximum of row t, as a float.
+
+    ``-inf`` for the bin below the window; NaN (collects nothing) when fewer than k groups were counted.
+    """
+    NB: tl.constexpr = 1 << HIST_BITS
+    parts = t.to(tl.int64) * SPLIT * NB + tl.arange(0, SPLIT)[:, None] * NB + tl.arange(0, NB)[None, :]
+    d, _ = _select_bin(tl.sum(tl.load(work + parts), axis=0), k, NB)
+    key_lo = tl.load(info + _INFO_KEY_LO).to(tl.int64)
+    shift = tl.load(info + _INFO_SHIFT)
+    key = tl.where(d > 0, key_lo + ((d - 1).to(tl.int64) << shift), _NEG_INF_KEY).to(tl.int32)
+    tau = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the key map is its own inverse
+    return tl.where(d >= 0, tau, float("nan"))
+
+
+@triton.jit
+def _append(x, offs, tau, counter, cand, cap, col_max):
+    """Append the scores ``x >= tau`` of a ``[COLS, ROWS]`` tile, packed with their positions, to a row's
+    candidates; returns ``col_max`` updated with the largest taken score per column.
 
     A column belongs to one thread: ranks come from an in-thread scan down the columns and one scan across
     them; one atomic per tile.
     """
-    take = (x >= tau).to(tl.int32)
-    col_total = tl.sum(take, axis=1)
+    take = x >= tau
+    counts = take.to(tl.int32)
+    col_total = tl.sum(counts, axis=1)
     base = tl.atomic_add(counter, tl.sum(col_total, axis=0), sem="relaxed")
-    pos = base + (tl.cumsum(col_total, axis=0) - col_total)[:, None] + tl.cumsum(take, axis=1) - 1
-    keep = (take > 0) & (pos < cap)
-    tl.store(out_val + pos, x, mask=keep)
-    tl.store(out_idx + pos, offs, mask=keep)
+    pos = base + (tl.cumsum(col_total, axis=0) - col_total)[:, None] + tl.cumsum(counts, axis=1) - 1
+    packed = (offs.to(tl.int64) << 32) | (x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+    tl.store(cand + pos, packed, mask=take & (pos < cap))
+    return tl.maximum(col_max, tl.max(tl.where(take, x, float("-inf")), axis=1))
 
 
-@triton.jit(do_not_specialize=["L", "k", "group_min", "cap"])
-def _topk_collect_kernel(scores, stride_t, L, lengths, hist, window, count, cand_val, cand_idx, k, chunk,
-                         group_min, cap, HAS_LENGTHS: tl.constexpr, TILE: tl.constexpr, WARPS: tl.constexpr,
-                         HIST_BITS: tl.constexpr):
-    """Pass 2, grid (T, SPLIT): append scores ``>= tau`` (value and position) to row t's candidates.
+@triton.jit(do_not_specialize=["L", "k", "group_min", "cap", "info_off", "cand_off"])
+def _topk_collect_kernel(scores, stride_t, L, lengths, work, info_off, cand_off, k, chunk, group_min, cap,
+                         HAS_LENGTHS: tl.constexpr, TILE: tl.constexpr, WARPS: tl.constexpr,
+                         SPLIT: tl.constexpr, HIST_BITS: tl.constexpr):
+    """Pass 2, grid (T, SPLIT): append scores ``>= tau`` to row t's candidates; the largest one's key.
 
     NaN scores are skipped: they rank as -inf, and a row whose top k needs them overflows to pass 3's
     route over the whole row. A tile is ``COLS = 32 * WARPS`` columns by ``TILE / COLS`` rows (score
     ``r * COLS + c`` at ``[c, r]``), a column per thread; scalar loads (declared non-contiguous) keep
-    loads, ranks and scattered stores in one layout. Full tiles load without a mask, the next one before this one's atomic returns.
+    loads, ranks and scattered stores in one layout. Full tiles load without a mask, the next one before
+    this one's atomic returns.
     """
     t = tl.program_id(0)
     n = _row_length(lengths, t, L, HAS_LENGTHS)
     if n >= group_min:
         COLS: tl.constexpr = 32 * WARPS
-        tau = _bound(hist, window, t, k, HIST_BITS)
+        info = work + info_off + t * _INFO_WORDS
+        tau = _bound(work, info, t, k, SPLIT, HIST_BITS)
+        if tl.program_id(1) == 0:
+            tl.store(info + _INFO_BASE, _sort_key(tau.to(tl.int32, bitcast=True)) - 1)
         row = scores + t.to(tl.int64) * stride_t
-        counter = count + t
-        out_val = cand_val + t.to(tl.int64) * cap
-        out_idx = cand_idx + t.to(tl.int64) * cap
+        cand = (work + cand_off).to(tl.pointer_type(tl.int64)) + t.to(tl.int64) * cap
         lo = tl.program_id(1) * chunk
         hi = tl.minimum(lo + chunk, n)
         full_end = lo + tl.maximum(hi - lo, 0) // TILE * TILE
         tile = tl.max_contiguous(tl.arange(0, COLS)[:, None] + tl.arange(0, TILE // COLS)[None, :] * COLS, [1, 1])
+        col_max = tl.full([COLS], float("-inf"), tl.float32)
         x = tl.load(row + lo + tile, mask=lo < full_end)
         for start in range(lo, full_end, TILE):
             x_next = tl.load(row + start + TILE + tile, mask=start + TILE < full_end)
-            _append(x, start + tile, tau, counter, out_val, out_idx, cap)
+            col_max = _append(x, start + tile, tau, info + _INFO_COUNT, cand, cap, col_max)
             x = x_next
         if full_end < hi:
             x = tl.load(row + full_end + tile, mask=full_end + tile < hi, other=float("nan"))
-            _append(x, full_end + tile, tau, counter, out_val, out_idx, cap)
+            col_max = _append(x, full_end + tile, tau, info + _INFO_COUNT, cand, cap, col_max)
+        top = tl.max(col_max, axis=0)
+        if top >= tau:
+            tl.atomic_max(info + _INFO_MAX, _sort_key(top.to(tl.int32, bitcast=True)), sem="relaxed")
 
 
 @triton.jit
-def _load_tile(src, src_idx, from_buf, start, n_src, TILE: tl.constexpr):
-    """Scores ``src[start : start + TILE]`` (< n_src), their sort keys and row positions."""
+def _load_source(row, buf, from_buf, start, n_src, base, TILE: tl.constexpr):
+    """Entries ``start .. start + TILE`` (< n_src) of the buffer or the row: packed candidates, their
+    keys relative to ``base`` (uint32 ``key - base``), the mask and the row positions."""
     offs = start + tl.arange(0, TILE)
     ok = offs < n_src
-    x = tl.load(src + offs, mask=ok, other=0.0)
-    idx = tl.load(src_idx + offs, mask=ok & from_buf, other=0)
-    return x, _sort_key(x.to(tl.int32, bitcast=True)), ok, tl.where(from_buf, idx, offs)
+    packed = tl.load(buf + offs, mask=ok & from_buf, other=0)
+    bits = tl.load(row + offs, mask=ok & (not from_buf), other=0.0).to(tl.int32, bitcast=True)
+    bits = tl.where(from_buf, packed.to(tl.int32), bits)
+    idx = tl.where(from_buf, (packed >> 32).to(tl.int32), offs)
+    packed = (idx.to(tl.int64) << 32) | (bits.to(tl.int64) & 0xFFFFFFFF)
+    return packed, _sort_key(bits).to(tl.uint32, bitcast=True) - base, ok, idx
 
 
 @triton.jit
@@ -217,144 +256,142 @@ def _write_indices(out_row, pos, idx, mask, table_row, page_size, HAS_TABLE: tl.
     tl.store(out_row + pos, idx, mask=mask)
 
 
-@triton.jit(do_not_specialize=["L", "k", "group_min", "cap", "page_size"])
-def _topk_select_kernel(scores, stride_t, L, lengths, count, cand_val, cand_idx, out, k, group_min, cap,
+@triton.jit(do_not_specialize=["L", "k", "group_min", "cap", "page_size", "info_off", "cand_off"])
+def _topk_select_kernel(scores, stride_t, L, lengths, work, info_off, cand_off, out, k, group_min, cap,
                         block_table, stride_bt, row_to_seq, page_size,
                         HAS_LENGTHS: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_ROW_TO_SEQ: tl.constexpr,
-                        SEL_BITS: tl.constexpr, TILE: tl.constexpr):
-    """Pass 3, grid (T,): the exact k-th largest key of row t by radix select, then ``out[t]``.
+                        SEL_BITS: tl.constexpr, TILE: tl.constexpr, PAIR: tl.constexpr):
+    """Pass 3, grid (T,): the k largest of row t's candidates or, on the other routes, of the row.
 
-    The source is row t's candidates or, on the other routes, the row itself. After a digit, when the
-    scores left on the threshold's prefix fit the candidate buffer and are at most half the source,
-    one sweep writes out those above the prefix and moves those on it to the buffer's front (in place
-    when the source is the buffer: every score moves to a lower slot of the tile already read).
+    Keys are taken relative to ``base`` (``u = key - base`` as uint32: every source key is above it);
+    ``thr`` collects the digits of the k-th largest ``u`` from bit ``hi`` down. After a digit, when the entries left on
+    ``thr``'s prefix fit the buffer and are at most half the source (or at most ``PAIR``), one sweep
+    writes out those above the prefix and moves those on it to the buffer's front (in place when the
+    source is the buffer: every entry moves to a lower slot of the tile already read).
     """
     t = tl.program_id(0)
     n = _row_length(lengths, t, L, HAS_LENGTHS)
-    c = tl.load(count + t)
+    info = work + info_off + t * _INFO_WORDS
+    c = tl.load(info + _INFO_COUNT)  # not written (garbage) when the row skipped passes 1-2: unused then
     from_buf = (n >= group_min) & (c >= k) & (c <= cap)
-    buf_val = cand_val + t.to(tl.int64) * cap
-    buf_idx = cand_idx + t.to(tl.int64) * cap
-    src = scores + t.to(tl.int64) * stride_t
-    n_src = n
+    buf = (work + cand_off).to(tl.pointer_type(tl.int64)) + t.to(tl.int64) * cap
+    row = scores + t.to(tl.int64) * stride_t
+    n_src = tl.where(from_buf, c, n)
+    base = tl.full([], -(2**31), tl.int32)
+    hi = tl.full([], 32, tl.int32)  # bits of u at and above hi are fixed in thr
     if from_buf:
-        src = buf_val
-        n_src = c
+        base = tl.load(info + _INFO_BASE)
+        hi = _bit_length(tl.load(info + _INFO_MAX).to(tl.int64) + 1 - base)  # +1: float max may pick -0.0
+    base = base.to(tl.uint32, bitcast=True)
     seq = t
     if HAS_ROW_TO_SEQ:
         seq = tl.load(row_to_seq + t)
     table_row = block_table + seq.to(tl.int64) * stride_bt
     out_row = out + t.to(tl.int64) * k
 
-    # thr: the k-th largest key; n_above: keys > thr; need: ties (key == thr) to take;
-    # written: keys > thr already written by a compaction sweep.
-    # Rows with n <= k take everything: thr stays below every key.
-    thr = tl.full([], _INVALID, tl.int32)
+    # n_above: entries whose u > thr on the fixed bits; need: how many on the prefix to take;
+    # written: entries above the prefix already written by a compaction sweep.
+    NB: tl.constexpr = 1 << SEL_BITS
+    thr = tl.full([], 0, tl.uint32)
     n_above = tl.full([], 0, tl.int32)
     need = tl.full([], 0, tl.int32) + k
     written = tl.full([], 0, tl.int32)
     if n > k:
-        NB: tl.constexpr = 1 << SEL_BITS
-        LEVELS: tl.constexpr = (32 + SEL_BITS - 1) // SEL_BITS
-        thr = tl.full([], 0, tl.int32)
-        for level in tl.static_range(LEVELS):
-            HI_BIT = 32 - level * SEL_BITS  # bits at and above HI_BIT are already fixed in thr
-            SHIFT = HI_BIT - SEL_BITS
-            if SHIFT < 0:
-                SHIFT = 0
+        while (hi > 0) & (n_src > PAIR):
+            shift = tl.maximum(hi - SEL_BITS, 0)
             hist = tl.zeros([NB], tl.int32)
             for start in range(0, n_src, TILE):
-                _, key, ok, _ = _load_tile(src, buf_idx, from_buf, start, n_src, TILE)
-                digit = (key >> SHIFT) & ((1 << (HI_BIT - SHIFT)) - 1)
-                if level == 0:
-                    digit = digit ^ (1 << (31 - SHIFT))  # flip the sign bit: digits in key order
-                else:
-                    ok = ok & ((key >> HI_BIT) == (thr >> HI_BIT))
-                hist += tl.histogram(digit, NB, mask=ok)
+                _, u, ok, _ = _load_source(row, buf, from_buf, start, n_src, base, TILE)
+                ok = ok & ((u >> (hi - 1) >> 1) == (thr >> (hi - 1) >> 1))  # two steps: hi may be 32
+                hist += tl.histogram(((u >> shift) & ((1 << (hi - shift)) - 1)).to(tl.int32), NB, mask=ok)
             d, above = _select_bin(hist, need, NB)
             on_prefix = tl.sum(tl.where(tl.arange(0, NB) == d, hist, 0), 0)
             n_above += above
             need -= above
-            if level == 0:
-                d = d ^ (1 << (31 - SHIFT))
-            thr = thr | (d << SHIFT)
-            if level < LEVELS - 1:
-                if (on_prefix <= cap) & (2 * on_prefix <= n_src):
-                    kept = tl.full([], 0, tl.int32)
-                    for start in range(0, n_src, TILE):
-                        x, key, ok, idx = _load_tile(src, buf_idx, from_buf, start, n_src, TILE)
-                        up = ok & ((key >> SHIFT) > (thr >> SHIFT))
-                        keep = ok & ((key >> SHIFT) == (thr >> SHIFT))
-                        rank = tl.cumsum(up.to(tl.int32) + keep.to(tl.int32) * 65536, 0)
-                        _write_indices(out_row, written + (rank & 0xFFFF) - 1, idx, up, table_row, page_size,
-                                       HAS_TABLE)
-                        slot = kept + (rank >> 16) - 1
-                        tl.store(buf_val + slot, x, mask=keep)
-                        tl.store(buf_idx + slot, idx, mask=keep)
-                        total = tl.sum(up.to(tl.int32) + keep.to(tl.int32) * 65536, 0)
-                        written += total & 0xFFFF
-                        kept += total >> 16
-                    tl.debug_barrier()  # the moved scores are read back by other threads
-                    src = buf_val
-                    from_buf = tl.full([], 1, tl.int1)
-                    n_src = kept
-
-    done_ties = tl.full([], 0, tl.int32)
-    for start in range(0, n_src, TILE):
-        _, key, ok, idx = _load_tile(src, buf_idx, from_buf, start, n_src, TILE)
-        above = ok & (key > thr)
-        tie = ok & (key == thr)
-        packed = above.to(tl.int32) + tie.to(tl.int32) * 65536  # two running ranks in one scan
-        rank = tl.cumsum(packed, 0)
-        tie_rank = done_ties + (rank >> 16) - 1
-        take = above | (tie & (tie_rank < need))
-        pos = tl.where(above, written + (rank & 0xFFFF) - 1, n_above + tie_rank)
-        _write_indices(out_row, pos, idx, take, table_row, page_size, HAS_TABLE)
-        total = tl.sum(packed, 0)
-        written += total & 0xFFFF
-        done_ties += total >> 16
+            thr = thr | (d.to(tl.uint32) << shift)
+            hi = shift
+            if (on_prefix <= cap) & ((2 * on_prefix <= n_src) | (on_prefix <= PAIR)):
+                kept = tl.full([], 0, tl.int32)
+                for start in range(0, n_src, TILE):
+                    packed, u, ok, idx = _load_source(row, buf, from_buf, start, n_src, base, TILE)
+                    up = ok & ((u >> hi) > (thr >> hi))
+                    keep = ok & ((u >> hi) == (thr >> hi))
+                    ranks = tl.cumsum(up.to(tl.int32) + keep.to(tl.int32) * 65536, 0)
+                    _write_indices(out_row, written + (ranks & 0xFFFF) - 1, idx, up, table_row, page_size,
+                                   HAS_TABLE)
+                    tl.store(buf + kept + (ranks >> 16) - 1, packed, mask=keep)
+                    total = tl.sum(up.to(tl.int32) + keep.to(tl.int32) * 65536, 0)
+                    written += total & 0xFFFF
+                    kept += total >> 16
+                tl.debug_barrier()  # the moved entries are read back by other threads
+                from_buf = tl.full([], 1, tl.int1)
+                n_src = kept
+    if (n > k) & (n_src <= PAIR):
+        # the entries left are those on thr's prefix: rank each among them (equal keys by slot)
+        _, u, ok, idx = _load_source(row, buf, from_buf, 0, n_src, base, PAIR)
+        key = tl.where(ok, (u ^ 0x80000000).to(tl.int32, bitcast=True), -(2**31))  # same order, signed
+        slot = tl.arange(0, PAIR)
+        beaten = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (slot[None, :] < slot[:, None]))
+        rank = tl.sum(beaten.to(tl.int32), axis=1)
+        _write_indices(out_row, n_above + rank, idx, ok & (rank < need), table_row, page_size, HAS_TABLE)
+    else:  # also rows with n <= k: every entry counts as above
+        done_ties = tl.full([], 0, tl.int32)
+        for start in range(0, n_src, TILE):
+            _, u, ok, idx = _load_source(row, buf, from_buf, start, n_src, base, TILE)
+            above = ok & ((u > thr) | (n <= k))
+            tie = ok & (u == thr)
+            packed = above.to(tl.int32) + tie.to(tl.int32) * 65536  # two running ranks in one scan
+            ranks = tl.cumsum(packed, 0)
+            tie_rank = done_ties + (ranks >> 16) - 1
+            take = above | (tie & (tie_rank < need))
+            pos = tl.where(above, written + (ranks & 0xFFFF) - 1, n_above + tie_rank)
+            _write_indices(out_row, pos, idx, take, table_row, page_size, HAS_TABLE)
+            total = tl.sum(packed, 0)
+            written += total & 0xFFFF
+            done_ties += total >> 16
     for start in range(tl.minimum(n, k), k, TILE):
         offs = start + tl.arange(0, TILE)
         tl.store(out_row + offs, tl.full([TILE], -1, tl.int32), mask=offs < k)
 
 
 # -- host side -------------------------------------------------------------------------------------
-def _workspace(T: int, NB: int, cap: int, device: torch.device):
-    """Pass-1/2 state, zeroed with one memset: ``hist[T * NB]``, ``count[T]``, ``window[T * 2]`` int32; and
-    the candidates ``cand_val[T, cap]`` fp32, ``cand_idx[T, cap]`` int32 (one allocation)."""
-    zeroed = torch.zeros(T * (NB + 3), dtype=torch.int32, device=device)
-    cand = torch.empty(2, T, cap, dtype=torch.int32, device=device)
-    return zeroed[: T * NB], zeroed[T * NB: T * (NB + 1)], zeroed[T * (NB + 1):], cand[0].view(torch.float32), cand[1]
+def _workspace(T: int, split: int, NB: int, cap: int, device: torch.device):
+    """``(work, info_off, cand_off)``: one int32 buffer holding the partial histograms, ``info`` from word
+    ``info_off`` and the int64 candidates from word ``cand_off`` (even: 8-byte aligned)."""
+    info_off = T * split * NB
+    cand_off = info_off + T * _INFO_WORDS.value
+    return torch.empty(cand_off + 2 * T * cap, dtype=torch.int32, device=device), info_off, cand_off
 
 
 def _launch(scores, k, lengths, block_table, page_size, row_to_seq, config, out) -> torch.Tensor:
     T, L = scores.shape
     if T == 0:
         return out
+    split = config["SPLIT"]
     cap = min(config["CAP_K"] * k, L)  # candidates per row (also the select pass's compaction space)
     group_min = 2 * k * config["GROUP"]
-    hist, count, window, cand_val, cand_idx = _workspace(T, 1 << config["HIST_BITS"], cap, scores.device)
+    work, info_off, cand_off = _workspace(T, split, 1 << config["HIST_BITS"], cap, scores.device)
     dummy = out  # stands in for absent optional tensors (never read)
     lengths_arg = dummy if lengths is None else lengths
     if L >= group_min:  # some row may take the two-pass route
         step = max(config["TILE"], config["COLLECT_TILE"])
-        chunk = triton.cdiv(triton.cdiv(L, config["SPLIT"]), step) * step
-        grid = (T, config["SPLIT"])
-        _topk_bound_kernel[grid](scores, scores.stride(0), L, lengths_arg, hist, window, chunk, group_min,
+        chunk = triton.cdiv(triton.cdiv(L, split), step) * step
+        grid = (T, split)
+        _topk_bound_kernel[grid](scores, scores.stride(0), L, lengths_arg, work, info_off, chunk, group_min,
                                  HAS_LENGTHS=lengths is not None, GROUP=config["GROUP"],
                                  COLS=config["TILE"] // config["GROUP"], HIST_BITS=config["HIST_BITS"],
                                  num_warps=config["WARPS"])
-        _topk_collect_kernel[grid](scores, scores.stride(0), L, lengths_arg, hist, window, count, cand_val,
-                                   cand_idx, k, chunk, group_min, cap, HAS_LENGTHS=lengths is not None,
-                                   TILE=config["COLLECT_TILE"], WARPS=config["COLLECT_WARPS"],
-                                   HIST_BITS=config["HIST_BITS"],
+        _topk_collect_kernel[grid](scores, scores.stride(0), L, lengths_arg, work, info_off, cand_off, k, chunk,
+                                   group_min, cap, HAS_LENGTHS=lengths is not None, TILE=config["COLLECT_TILE"],
+                                   WARPS=config["COLLECT_WARPS"], SPLIT=split, HIST_BITS=config["HIST_BITS"],
                                    num_warps=config["COLLECT_WARPS"])
     _topk_select_kernel[(T,)](
-        scores, scores.stride(0), L, lengths_arg, count, cand_val, cand_idx, out, k, group_min, cap,
+        scores, scores.stride(0), L, lengths_arg, work, info_off, cand_off, out, k, group_min, cap,
         dummy if block_table is None else block_table, 0 if block_table is None else block_table.stride(0),
         dummy if row_to_seq is None else row_to_seq, page_size or 1,
         HAS_LENGTHS=lengths is not None, HAS_TABLE=block_table is not None, HAS_ROW_TO_SEQ=row_to_seq is not None,
-        SEL_BITS=config["SEL_BITS"], TILE=config["SEL_TILE"], num_warps=config["SEL_WARPS"])
+        SEL_BITS=config["SEL_BITS"], TILE=config["SEL_TILE"], PAIR=max(64, 8 * config["SEL_WARPS"]),
+        num_warps=config["SEL_WARPS"])
     return out
 
 
@@ -484,7 +521,7 @@ SPACE = {
     "COLLECT_WARPS": (2, 4, 8),
     "CAP_K": (2, 4, 8),  # candidate buffer per row, in multiples of k
     "SEL_BITS": (4, 5, 6, 8),  # radix digit of pass 3
-    "SEL_TILE": (1024, 2048, 4096, 8192),
+    "SEL_TILE": (512, 1024, 2048, 4096, 8192),  # pass 3 (ranks the last max(64, 8 * SEL_WARPS) at once)
     "SEL_WARPS": (2, 4, 8, 16),
 }
 
@@ -496,21 +533,24 @@ def _constraint(config, shape):
         return "SPLIT leaves programs without a full tile"
     if config["COLLECT_TILE"] < 128 * config["COLLECT_WARPS"]:
         return "COLLECT_TILE must be >= 128 * COLLECT_WARPS (4 rows of one score per thread)"
+    if not 128 <= config["SEL_TILE"] // config["SEL_WARPS"] <= 512:
+        return "SEL_TILE must be 4 to 16 scores per thread (more spills registers, fewer wastes the sweeps)"
     return None
 
 
 def _default(phase, shape):
-    """About 4 programs per SM in passes 1-2 (smaller tiles when there are few scores), 8 scores per thread in pass 3."""
+    """Passes 1-2: a program per SM or more, smaller tiles when there are few scores (H200 sweep
+    2026-11-30: [64, 131072] best at SPLIT 4). Pass 3: with few rows, wide programs (an SM per row);
+    with many, small ones (~100 registers: several per SM hide the latency of its short sweeps)."""
     T, L = shape["T"], shape["L"]
     tile, group, warps = (8192, 16, 4) if T * L >= 4 * _SMS * 8192 else (2048, 8, 2)
     split = 1
-    while T * split < 4 * _SMS and (split * 2) * tile <= L:
+    while T * split < _SMS and (split * 2) * tile <= L and split * 2 <= max(SPACE["SPLIT"]):
         split *= 2
-    few_rows = T <= 2 * _SMS  # then pass 3 has an SM per row: wide programs, fewer digit sweeps
+    few_rows = T <= 2 * _SMS
     return {"SPLIT": split, "TILE": tile, "WARPS": warps, "GROUP": group, "HIST_BITS": 8,
             "COLLECT_TILE": min(4096, tile), "COLLECT_WARPS": 4, "CAP_K": 4,
-            "SEL_BITS": 8 if few_rows else 5, "SEL_TILE": 4096 if few_rows else 1024,
-            "SEL_WARPS": 16 if few_rows else 4}
+            "SEL_BITS": 8, "SEL_TILE": 2048 if few_rows else 512, "SEL_WARPS": 16 if few_rows else 4}
 
 
 def _causal_lengths(T, L):
