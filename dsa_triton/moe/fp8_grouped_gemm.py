@@ -131,8 +131,10 @@ def _grouped_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, tiles_ptr, n_mtile
 def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, tiles_ptr, experts_ptr, n_mtiles,
                        N, K, KB, stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_re, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-                       EVEN_K: tl.constexpr, PTX: tl.constexpr):
-    """``acc[BLOCK_N, BLOCK_M]`` = weights (converted in registers: the MMA's register operand) x tokens^T."""
+                       W_SMEM: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr):
+    """``acc[BLOCK_N, BLOCK_M]`` = weights (converted in registers: the MMA's register operand) x tokens^T, or with
+    ``W_SMEM`` ``acc[BLOCK_M, BLOCK_N]`` = tokens x weights^T (the converted tile stored to shared memory as the
+    second operand: sm_90 SASS then issues a k-step's four wgmma back to back instead of waiting after each)."""
     slot, row0, row_end, nt = _tile(tiles_ptr, n_mtiles, N, BLOCK_N, GROUP_M)
     expert = tl.load(experts_ptr + slot).to(tl.int64)
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -144,7 +146,10 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
     scale_rows = scales_ptr + expert * stride_se + cols_in[:, None] * stride_sn
     x_rows = x_ptr + rows_in[:, None] * stride_xm
     j, b, kk = tl.arange(0, 32), tl.arange(0, 4), tl.arange(0, 128)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if W_SMEM:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for g in range(0, tl.cdiv(KB, 4)):  # one 128-k group (four 32-blocks) per step
         if EVEN_K:
             codes = tl.load(code_rows + g * 32 + j[None, :])
@@ -156,9 +161,15 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
             xt = tl.load(x_rows + g * 128 + kk[None, :], mask=(g * 128 + kk < K)[None, :], other=0.0)
         d = tl.minimum(ref[:, None] - s.to(tl.int32), 11)  # the clamp only touches padding blocks (codes 0)
         w8 = words_to_fp8(e4m3_words(codes.to(tl.int32), d, PTX), PTX)
-        acc = tl.dot(w8, tl.trans(xt), acc)
+        if W_SMEM:
+            acc = tl.dot(xt, tl.trans(w8), acc)
+        else:
+            acc = tl.dot(w8, tl.trans(xt), acc)
     sx = tl.load(sx_ptr + rows_in)
-    out = tl.trans(acc * reference_scale(ref)[:, None] * sx[None, :])
+    if W_SMEM:
+        out = acc * sx[:, None] * reference_scale(ref)[None, :]
+    else:
+        out = tl.trans(acc * reference_scale(ref)[:, None] * sx[None, :])
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
@@ -247,7 +258,7 @@ def launch_fused(xq, sx, blocks, scales, ref, y, plan: StagePlan, config) -> Non
         xq, sx, codes, scales, ref, y, plan.tiles, plan.experts, n_mtiles, n, k, kb,
         xq.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), ref.stride(0),
         y.stride(0),
-        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"],
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"], W_SMEM=config["W_SMEM"],
         EVEN_K=k == 32 * kb and kb % 4 == 0, PTX=xq.device.type == "cuda" and torch.version.hip is None,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
@@ -405,6 +416,7 @@ SPACE = {
     "num_stages": (2, 3, 4, 5),
     "EXPERTS_PER_STAGE": (1, 2, 4, 8, 16, 32),  # workspace route
     "IN_REGISTERS": (0, 1),  # 1: the registers route (experts it cannot take still go through the workspace)
+    "W_SMEM": (0, 1),  # registers route: converted weights as the shared-memory MMA operand (not yet measured)
 }
 WORKSPACE_LIMIT = 4 * 2**30  # bytes of two stages of FP8 experts
 
@@ -413,6 +425,8 @@ def _constraint(config, shape) -> str | None:
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     if config["IN_REGISTERS"] and bk != 128:
         return "the registers route steps through K by 128-k groups (BLOCK_K=128)"
+    if config["W_SMEM"] and not config["IN_REGISTERS"]:
+        return "W_SMEM is a choice of the registers route"
     if config["num_stages"] * (bm + bn) * bk > 200 * 1024:
         return "x and w tiles of all pipeline stages exceed 200 KB of shared memory"
     if bm * bn > 128 * 32 * config["num_warps"]:
@@ -432,9 +446,9 @@ def _default(phase, shape):
     (by 10-60 % over 8-warp and 256-wide tiles); the down GEMM (short K) at T = 16384 preferred 128 x 256, 8 warps."""
     if shape["M"] * shape["N"] * shape["K"] < 2**24:  # interpreter-sized: few programs, still two stages
         return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
-                "EXPERTS_PER_STAGE": 2, "IN_REGISTERS": 1}
+                "EXPERTS_PER_STAGE": 2, "IN_REGISTERS": 1, "W_SMEM": 0}
     config = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
-              "EXPERTS_PER_STAGE": min(8, bucket(shape["E"])), "IN_REGISTERS": 1}
+              "EXPERTS_PER_STAGE": min(8, bucket(shape["E"])), "IN_REGISTERS": 1, "W_SMEM": 0}
     if shape["M"] / max(1, shape["E"]) > 256 and shape["K"] <= 4096:
         config.update(BLOCK_M=128, BLOCK_N=256, num_warps=8)
     return config
