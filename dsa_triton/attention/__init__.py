@@ -5,3 +5,4 @@ from . import block_scores_report  # noqa: F401  (registers the report block_sco
 from .sparse_attention import sparse_attention_decode, sparse_attention_prefill  # noqa: F401
 from . import sparse_attention_spec  # noqa: F401  (registers the kernels and the latency report)
 from .topk import topk_indices  # noqa: F401
+from . import topk_report  # noqa: F401  (registers the report topk_speed)

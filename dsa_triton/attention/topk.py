@@ -539,9 +539,10 @@ def _constraint(config, shape):
 
 
 def _default(phase, shape):
-    """Passes 1-2: a program per SM or more, smaller tiles when there are few scores (H200 sweep
-    2026-11-30: [64, 131072] best at SPLIT 4). Pass 3: with few rows, wide programs (an SM per row);
-    with many, small ones (~100 registers: several per SM hide the latency of its short sweeps)."""
+    """From the H200 sweep of 2026-11-30 (CUDA-graph times, one-factor changes then merged):
+    passes 1-2 with about a program per SM (smaller tiles when there are few scores); with few rows,
+    wider collect programs and pass-3 programs of 8 warps; with many rows, 2048-score collect tiles and
+    pass-3 programs of 4 warps and ~100 registers (several per SM hide the latency of short sweeps)."""
     T, L = shape["T"], shape["L"]
     tile, group, warps = (8192, 16, 4) if T * L >= 4 * _SMS * 8192 else (2048, 8, 2)
     split = 1
@@ -549,8 +550,9 @@ def _default(phase, shape):
         split *= 2
     few_rows = T <= 2 * _SMS
     return {"SPLIT": split, "TILE": tile, "WARPS": warps, "GROUP": group, "HIST_BITS": 8,
-            "COLLECT_TILE": min(4096, tile), "COLLECT_WARPS": 4, "CAP_K": 4,
-            "SEL_BITS": 8, "SEL_TILE": 2048 if few_rows else 512, "SEL_WARPS": 16 if few_rows else 4}
+            "COLLECT_TILE": min(4096 if few_rows else 2048, tile), "COLLECT_WARPS": 8 if few_rows else 4,
+            "CAP_K": 4, "SEL_BITS": 8 if few_rows else 6, "SEL_TILE": 1024 if few_rows else 512,
+            "SEL_WARPS": 8 if few_rows else 4}
 
 
 def _causal_lengths(T, L):
