@@ -80,6 +80,15 @@ def test_converts_into_given_out_tensors():
     assert torch.equal(dequantize_fp8(w, s), mxfp4_dequantize_torch(blocks, scales, torch.float64))
 
 
+@pytest.mark.parametrize("shape", [(0, 4, 2), (3, 0, 2), (2, 4, 0)])
+def test_empty_weights_convert_to_empty_outputs(shape):
+    blocks, scales = torch.zeros(*shape, 16, dtype=torch.uint8), torch.zeros(shape, dtype=torch.uint8)
+    w, scale, n_unfit = dt.mxfp4_to_fp8(blocks, scales)
+    k = shape[-1] * 32
+    assert w.shape == (*shape[:-1], k) and w.dtype == torch.float8_e4m3fn
+    assert scale.shape == (*shape[:-1], -(-k // GROUP)) and n_unfit == 0
+
+
 def test_bad_arguments_raise_before_launch():
     blocks, scales = random_mxfp4((4,), 64, "cpu", seed=1)
     bad = scales.clone()

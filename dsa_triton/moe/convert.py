@@ -20,6 +20,7 @@ row's reference exponent and the experts whose every block is within reach of it
 """
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 
@@ -237,7 +238,8 @@ def mxfp4_to_fp8(blocks: torch.Tensor, scales: torch.Tensor,
     device = check_kernel_device(f"{name}_blocks", blocks)
     lead, n, kb = tuple(blocks.shape[:-3]), blocks.shape[-3], blocks.shape[-2]
     k, ng = kb * BLOCK, n_groups(kb * BLOCK)
-    blocks3, scales3 = blocks.reshape(-1, n, kb, 16), scales.reshape(-1, n, kb)
+    experts = math.prod(lead)  # not -1: reshape cannot infer it when a dimension is 0
+    blocks3, scales3 = blocks.reshape(experts, n, kb, 16), scales.reshape(experts, n, kb)
     check_experts_layout(name, blocks3, scales3)
     if out is None:
         w = torch.empty(*lead, n, k, dtype=torch.float8_e4m3fn, device=device)
@@ -251,9 +253,11 @@ def mxfp4_to_fp8(blocks: torch.Tensor, scales: torch.Tensor,
         if w.data_ptr() % 4 or any(st % 4 for st in w.stride()[:-1]):
             raise ValueError(f"out[0]: must be 4-byte aligned with strides in multiples of 4, got {w.stride()}")
     try:
-        w3, s3 = w.view(-1, n, k), s.view(-1, n, ng)
+        w3, s3 = w.view(experts, n, k), s.view(experts, n, ng)
     except RuntimeError:
         raise ValueError(f"out: must be viewable as [E, N, K] / [E, N, G], got strides {w.stride()}, {s.stride()}") from None
+    if w.numel() == 0:
+        return w, s, 0
     config = config or CONVERT.launch_config("prefill", {"G": blocks3.shape[0], "N": n, "K": k}, device)
     return w, s, int(convert_all(blocks3, scales3, w3, s3, config).item())
 
