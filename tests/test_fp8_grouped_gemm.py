@@ -170,10 +170,26 @@ def test_unfit_blocks_are_counted_in_the_given_workspace():
     assert workspace._free_run(workspace.slots) == 0  # the lease was released
 
 
+@pytest.mark.parametrize("counts", [[0], [3], [2, 0, 5], [0, 0, 0]])
+def test_default_config_serves_few_rows_and_one_expert(counts):
+    # the default tile must respect the constraint's BLOCK_M <= max(16, bucket(M)) and stage <= bucket(E)
+    x, offsets, blocks, scales = problem(counts, 24, 64, seed=len(counts) + sum(counts))
+    for shape in ({"M": sum(counts), "E": len(counts), "N": 24, "K": 64},
+                  {"M": 20, "E": 1, "N": 4096, "K": 7168}, {"M": 0, "E": 256, "N": 4096, "K": 7168}):
+        spec = registry.get("moe_workspace_gemm")
+        assert spec.is_valid(spec.default("prefill", shape), shape), shape
+    with poisoned_allocations():
+        y = fp8_grouped_gemm(x, offsets, blocks, scales)
+    if sum(counts):
+        check_against_reference(y, x, offsets, blocks, scales)
+    assert y.shape == (sum(counts), 24)
+
+
 @pytest.mark.parametrize("change, match", [
     (lambda a: {**a, "x": a["x"].float()}, "x_sorted: dtype"),
     (lambda a: {**a, "x": a["x"][:, :60]}, "x_sorted: K = 60"),
     (lambda a: {**a, "offsets": a["offsets"][:-1]}, "expert_offsets: dimension 0"),
+    (lambda a: {**a, "offsets": a["offsets"].to("meta")}, "expert_offsets: expected a tensor on cpu"),
     (lambda a: {**a, "offsets": torch.tensor([0, 9, 4, 20], dtype=torch.int32)}, "expert_offsets: must be non-decreasing"),
     (lambda a: {**a, "offsets": torch.tensor([0, 9, 14, 21], dtype=torch.int32)}, r"within \[0, 20\]"),
     (lambda a: {**a, "scales": a["scales"][:2]}, "scales: dimension 0"),

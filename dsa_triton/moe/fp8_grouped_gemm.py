@@ -321,7 +321,7 @@ def _check(x_sorted, expert_offsets, blocks, scales, workspace, unfit_counter) -
     check_experts_layout("experts", blocks, scales)
     if not 32 * (kb - 1) < x_sorted.shape[1] <= 32 * kb:
         raise ValueError(f"x_sorted: K = {x_sorted.shape[1]} does not match the weights' K/32 = {kb} blocks")
-    check_tensor("expert_offsets", expert_offsets, dtype=(torch.int32, torch.int64), shape=(e + 1,))
+    check_tensor("expert_offsets", expert_offsets, dtype=(torch.int32, torch.int64), shape=(e + 1,), device=device)
     if workspace is not None and (not isinstance(workspace, FP8Workspace) or workspace.device != device):
         raise ValueError(f"workspace: expected an FP8Workspace on {device}")
     if unfit_counter is not None:
@@ -444,11 +444,12 @@ def _default(phase, shape):
     """Measured on the H200 (2026-11-30, results/h200/moe-prefill-sweep-nvidia-h200-20261130-0542.json): the
     registers route with 64 x 128 tiles and 4 warps won at T = 4096 (both GEMMs) and for gate_up at T = 16384
     (by 10-60 % over 8-warp and 256-wide tiles); the down GEMM (short K) at T = 16384 preferred 128 x 256, 8 warps."""
+    rows_tile = max(16, bucket(shape["M"]))  # the constraint's bound on BLOCK_M (few routed rows)
     if shape["M"] * shape["N"] * shape["K"] < 2**24:  # interpreter-sized: few programs, still two stages
-        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
-                "EXPERTS_PER_STAGE": 2, "IN_REGISTERS": 1, "W_SMEM": 0}
-    config = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
-              "EXPERTS_PER_STAGE": min(8, bucket(shape["E"])), "IN_REGISTERS": 1, "W_SMEM": 0}
+        return {"BLOCK_M": min(32, rows_tile), "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
+                "num_stages": 2, "EXPERTS_PER_STAGE": min(2, bucket(shape["E"])), "IN_REGISTERS": 1, "W_SMEM": 0}
+    config = {"BLOCK_M": min(64, rows_tile), "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4,
+              "num_stages": 3, "EXPERTS_PER_STAGE": min(8, bucket(shape["E"])), "IN_REGISTERS": 1, "W_SMEM": 0}
     if shape["M"] / max(1, shape["E"]) > 256 and shape["K"] <= 4096:
         config.update(BLOCK_M=128, BLOCK_N=256, num_warps=8)
     return config
