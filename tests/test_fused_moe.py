@@ -145,8 +145,9 @@ def test_default_config_and_registry_entry():
     assert registry.get("moe_fused_gemm") is SPEC
     gpu = SPEC.bench_shapes("decode", True)
     assert {(s["N"], s["K"]) for s in gpu} == {(4096, 7168), (7168, 2048)} and {s["T"] for s in gpu} == {1, 8, 32, 128}
-    for s in gpu:  # the defaults are valid configs (registration checks it too)
-        SPEC.validate(dict(SPEC.default("decode", s)), s)
+    for s in gpu:  # the defaults are valid configs (registration checks it too), at any token count
+        for tokens in (s["T"], 0, 300, 5000, 70000):  # many rows per expert: 64-row blocks
+            SPEC.validate(dict(SPEC.default("decode", {**s, "T": tokens})), {**s, "T": tokens})
 
 
 def test_constraints_reject_bad_tiles():

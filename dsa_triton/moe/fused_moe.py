@@ -304,6 +304,8 @@ def _default(phase, shape):
     block_m = 8 if per_expert <= 8 else 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     blocks = expected_active_experts(shape) * math.ceil(per_expert / block_m)
     block_n, block_k = min(64, max(16, bucket(shape["N"]))), min(512, max(64, bucket(shape["K"])))
+    if block_m == 64:  # 3 stages of 64 x 512 x tiles exceed the shared memory
+        block_k = min(block_k, 256)
     programs = blocks * _cdiv(shape["N"], block_n)
     split = 1
     while programs * split < GPU_SMS and 2 * split <= min(8, _cdiv(shape["K"], block_k)):
