@@ -139,3 +139,7 @@ def test_bad_inputs():
                       torch.tensor([[0, 5, 1, 12]], dtype=torch.int32))
     with pytest.raises(ValueError, match="n:"):
         PageAllocator(2).allocate(3)
+    with pytest.raises(ValueError, match="n: must be an integer >= 0"):
+        PageAllocator(2).allocate(-1)  # was: silently handed out pages
+    with pytest.raises(ValueError, match="seq_id"):
+        cache.slots(2, torch.tensor([0]))  # was: an IndexError from the host bookkeeping

@@ -243,6 +243,9 @@ class PageAllocator:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
+        """Take ``n`` (>= 0) free pages off the list; returns their ids."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"n: must be an integer >= 0, got {n!r}")
         if n > len(self._free):
             raise ValueError(f"n: {n} pages requested, {len(self._free)} free")
         pages = self._free[len(self._free) - n:][::-1]
@@ -250,6 +253,7 @@ class PageAllocator:
         return pages
 
     def free(self, pages: Sequence[int]) -> None:
+        """Return ``pages`` to the free list (the next ``allocate`` hands them out first)."""
         self._free.extend(reversed(list(pages)))
 
 
@@ -390,6 +394,8 @@ class PagedCache:
 
     def slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
         """Physical slots (int64) of logical ``positions`` of one sequence: ``table[i // P] * P + i % P``."""
+        if not 0 <= seq_id < self.max_seqs:
+            raise ValueError(f"seq_id: must be in [0, {self.max_seqs}), got {seq_id}")
         P = self.page_size
         positions = positions.to(self.device, torch.int64)
         if bool(((positions < 0) | (positions >= self._lens[seq_id])).any()):
