@@ -33,7 +33,8 @@ def assert_matches_oracle(args, kwargs, **extra):
         y = dt.moe_forward(*args, **kwargs, **extra)
     ref = moe_forward_torch(*args, **kwargs)
     assert y.dtype == torch.float16 and y.shape == args[0].shape and torch.isfinite(y).all()
-    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    # fused path, fp16 activations: errors up to 8e-4 of the largest output (was 2e-2, room for a lost expert)
+    torch.testing.assert_close(y.float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("tokens, experts, hidden, inter, routing, shared", [
