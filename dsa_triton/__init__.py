@@ -9,28 +9,26 @@ from .registry import ConfigError
 
 import tuning_db  # noqa: E402,F401  (installs the tuning database as the registry's config lookup)
 
-__all__ = ["registry", "ConfigError"]
-
+# attention: paged caches, indexer scoring (token and block level), top-k, sparse attention
 from .attention.cache import PageAllocator, PagedCache, append_tokens, fp8_quantize_rows  # noqa: E402
-
-__all__ += ["PageAllocator", "PagedCache", "append_tokens", "fp8_quantize_rows"]
-
 from .attention.indexer import indexer_logits  # noqa: E402
 from .attention.block_scores import (block_indexer_logits, block_scores, select_pages,  # noqa: E402
                                      selected_page_logits)
 from .attention import block_scores_report  # noqa: E402,F401  (registers the report block_scores_recall)
-
-__all__ += ["indexer_logits", "block_scores", "select_pages", "selected_page_logits", "block_indexer_logits"]
-
 from .attention.sparse_attention import sparse_attention_decode, sparse_attention_prefill  # noqa: E402
 from .attention.topk import topk_indices  # noqa: E402
 
-__all__ += ["sparse_attention_decode", "sparse_attention_prefill", "topk_indices"]
+# moe: MXFP4 format and conversion, workspace, routing, grouped GEMMs, the layer
+from .moe import (FP8Workspace, RoutingConfig, deepseek_topk, fp8_grouped_gemm, fused_moe_gemm,  # noqa: E402
+                  moe_forward, mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8, route, softmax_topk)
 
-from .moe import FP8Workspace, fp8_grouped_gemm, mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8  # noqa: E402
-
-__all__ += ["mxfp4_quantize", "mxfp4_dequantize", "mxfp4_to_fp8", "FP8Workspace", "fp8_grouped_gemm"]
-
-from .moe import RoutingConfig, deepseek_topk, fused_moe_gemm, moe_forward, route, softmax_topk  # noqa: E402
-
-__all__ += ["moe_forward", "RoutingConfig", "deepseek_topk", "softmax_topk", "route", "fused_moe_gemm"]
+__all__ = [
+    "registry", "ConfigError",
+    # attention
+    "PageAllocator", "PagedCache", "append_tokens", "fp8_quantize_rows",
+    "indexer_logits", "block_scores", "select_pages", "selected_page_logits", "block_indexer_logits",
+    "sparse_attention_decode", "sparse_attention_prefill", "topk_indices",
+    # moe
+    "mxfp4_quantize", "mxfp4_dequantize", "mxfp4_to_fp8", "FP8Workspace", "fp8_grouped_gemm",
+    "RoutingConfig", "deepseek_topk", "softmax_topk", "route", "fused_moe_gemm", "moe_forward",
+]
