@@ -22,7 +22,8 @@ from ..checks import check_positive
 from ..registry import Cost, KernelSpec
 from . import block_scores_reference
 from .block_scores_reference import gather_selected_torch, page_bounds_torch, page_summaries_torch
-from .cache import PAGE_SIZES, cdiv
+from ..hostmath import cdiv
+from .cache import PAGE_SIZES
 from .indexer import (BOUND, SELECTED, compare_logits, indexer_logits, launch_logits,
                       logits_shape, random_paged_keys, random_queries, tile_error)
 from .indexer_checks import (QueryRows, check_block_table, check_pages, check_paged_keys, check_queries,

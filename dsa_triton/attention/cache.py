@@ -27,22 +27,13 @@ import triton.language as tl
 
 from .. import registry
 from ..checks import check_kernel_device, check_positive, check_tensor
+from ..hostmath import cdiv, next_pow2
 from ..registry import Cost, KernelSpec
 from . import cache_reference
 from .cache_reference import append_torch, fp8_quantize_rows
 
 PAGE_SIZES = (16, 32, 64, 128)
 SUMMARY_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def cdiv(a: int, b: int) -> int:
-    """Host-side ceil(a / b) (``triton.cdiv`` is a constexpr function: microseconds a call on the host)."""
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    """Host-side smallest power of two >= n (n >= 1), like ``triton.next_power_of_2``."""
-    return 1 << (max(n, 1) - 1).bit_length()
 
 
 @triton.jit

@@ -32,7 +32,7 @@ from .. import registry
 from ..registry import Cost, KernelSpec
 from ..runtime import interpreting
 from . import indexer_reference
-from .cache import cdiv, next_pow2
+from ..hostmath import cdiv, next_pow2
 from .cache_reference import fp8_quantize_rows
 from .indexer_checks import QueryRows, check_contiguous_keys, check_paged_keys, check_queries, output_columns
 from .indexer_reference import indexer_logits_torch

@@ -19,7 +19,7 @@ from ..checks import check_kernel_device, check_positive, check_tensor
 from ..registry import Cost, KernelSpec
 from . import block_scores_reference
 from .block_scores_reference import select_pages_torch
-from .cache import next_pow2
+from ..hostmath import next_pow2
 
 _NEG_INF_KEY = tl.constexpr(0x7FFFFF)  # key of -inf (and of NaN)
 

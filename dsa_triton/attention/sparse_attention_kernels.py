@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..hostmath import cdiv, next_pow2
+
 LOG2E = 1.4426950408889634
 COMBINE_ELEMENTS = 4096  # fp32 partials one combine program loads at once (32 registers a thread at 4 warps)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -145,19 +147,9 @@ def _combine_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, D_V: tl.conste
         tl.store(lse_ptr + row, tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), float("-inf")))
 
 
-def cdiv(a: int, b: int) -> int:
-    """Host-side ceil division (``triton.cdiv`` is a constexpr function, ~10x slower to call from Python)."""
-    return -(-a // b)
-
-
-def pow2(n: int) -> int:
-    """Host-side next power of two (>= 1), like ``triton.next_power_of_2`` without its call overhead."""
-    return 1 << max(0, n - 1).bit_length()
-
-
 def head_blocks(d: int, d_v: int) -> tuple[int, int]:
     """Padded widths of the value part and the rope part of a ``d``-wide row (each at least 16, for ``tl.dot``)."""
-    return max(16, pow2(d_v)), max(16, pow2(d - d_v))
+    return max(16, next_pow2(d_v)), max(16, next_pow2(d - d_v))
 
 
 def logical_to_slots(indices: torch.Tensor, block_table: torch.Tensor, bt_div: int, page_size: int,
@@ -167,7 +159,7 @@ def logical_to_slots(indices: torch.Tensor, block_table: torch.Tensor, bt_div: i
     R, k = indices.shape
     slots = alloc((R, k), dtype=torch.int32, device=indices.device)
     if slots.numel():
-        block = min(1024, pow2(k))
+        block = min(1024, next_pow2(k))
         _logical_to_slots[(R, cdiv(k, block))](
             indices, block_table, slots, k, block_table.shape[1], num_pages, bt_div, indices.stride(0),
             block_table.stride(0), PAGE_SIZE=page_size, BLOCK=block, num_warps=4)
@@ -203,7 +195,7 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     if num_splits > 1:
-        block_s = pow2(num_splits)
+        block_s = next_pow2(num_splits)
         block_c = min(block_dv, max(16, COMBINE_ELEMENTS // block_s))
         _combine_splits[(R * M, cdiv(d_v, block_c))](part_out, part_lse, out, lse, D_V=d_v, NUM_SPLITS=num_splits,
                                                      BLOCK_S=block_s, BLOCK_C=block_c, num_warps=4)

@@ -20,7 +20,8 @@ from .. import registry
 from ..harness import Ceilings, floor_us, rotation, time_rotating, time_us
 from ..registry import Cost, KernelSpec
 from . import sparse_attention, sparse_attention_kernels, sparse_attention_reference
-from .sparse_attention_kernels import cdiv, head_blocks, pow2
+from ..hostmath import cdiv, next_pow2
+from .sparse_attention_kernels import head_blocks
 from .sparse_attention_reference import (gather_einsum, slots_from_indices, sparse_attention_decode_torch,
                                          sparse_attention_prefill_torch)
 
@@ -47,9 +48,9 @@ def _constraint(phase: str):
         R, M = _rows(phase, shape)
         k, bh, bn, warps = shape["k"], config["BLOCK_H"], config["BLOCK_N"], config["num_warps"]
         bdv, bdr = head_blocks(shape["D"], shape["Dv"])
-        if bh > max(16, pow2(M)):
+        if bh > max(16, next_pow2(M)):
             return f"BLOCK_H={bh} is wider than the {M} query rows"
-        if bn > max(16, pow2(k)):
+        if bn > max(16, next_pow2(k)):
             return f"BLOCK_N={bn} is longer than k={k}"
         if config["num_splits"] > cdiv(k, bn):
             return f"num_splits={config['num_splits']} exceeds the {cdiv(k, bn)} tiles of k"
@@ -78,7 +79,7 @@ def _default(phase: str):
     def default(_phase, shape) -> dict:
         R, M = _rows(phase, shape)
         k, sms = shape["k"], _sm_count()
-        top = min(WGMMA_ROWS, max(16, pow2(M)))
+        top = min(WGMMA_ROWS, max(16, next_pow2(M)))
         fitting = []  # per head tile (widest first): its first valid (warps, token tile)
         for bh in (64, 32, 16):
             candidates = ({"BLOCK_N": bn, "BLOCK_H": bh, "num_splits": 1, "num_warps": w, "num_stages": 2}

@@ -20,7 +20,7 @@ from ..registry import Cost
 from .block_scores import block_scores, selected_page_logits
 from .block_scores_reference import gather_selected_torch, page_bounds_torch
 from .block_scores_report import graph_us
-from .cache import cdiv
+from ..hostmath import cdiv
 from .indexer import compare_logits
 from .indexer_reference import indexer_logits_torch
 from .page_select import select_pages

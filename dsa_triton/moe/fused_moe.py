@@ -39,6 +39,7 @@ import triton.language as tl
 
 from .. import registry
 from ..checks import check_kernel_device, check_tensor
+from ..hostmath import cdiv
 from ..registry import Cost, bucket
 from .fused_moe_reference import fused_moe_gemm_torch
 from .mxfp4 import mxfp4_dequantize, random_mxfp4
@@ -46,11 +47,6 @@ from . import permute
 from .permute import ExpertSort, sort_by_expert
 
 GPU_SMS = 132  # H200: the default config splits K until the grid has a program per SM
-
-
-def _cdiv(a: int, b: int) -> int:
-    """Host-side ceil division (``triton.cdiv`` is a constexpr function: slow to call on the host)."""
-    return -(-a // b)
 
 
 FAST_SHIFT = tl.constexpr(64)  # bf16 path: weights computed as W * 2^-64 (in bf16 range), the fp32 sums scaled back
@@ -242,7 +238,7 @@ def _launch(x, sort, blocks, scales, gather_tokens, config) -> torch.Tensor:
     k_quarters = quarters.shape[-1]
     x_classes = x.view(x.shape[0], k_quarters, 4).transpose(1, 2).contiguous()  # [rows, 4, K/4]: k = 4q + c -> [c, q]
     fast = fast_path(x)
-    grid = (alignment.num_blocks, _cdiv(n, config["BLOCK_N"]), split)
+    grid = (alignment.num_blocks, cdiv(n, config["BLOCK_N"]), split)
     _fused_moe_kernel[grid](
         x_classes, sort.sorted_token, quarters, scales, y, alignment.padded_rows, alignment.block_expert,
         n, k_quarters,
@@ -272,7 +268,7 @@ def _constraint(config, shape) -> str | None:
         return "BLOCK_M exceeds the routed rows"
     if bn > max(16, bucket(shape["N"])) or bk > max(64, bucket(shape["K"])):
         return "BLOCK_N or BLOCK_K exceeds the matrix"
-    if config["SPLIT_K"] > _cdiv(shape["K"], bk):
+    if config["SPLIT_K"] > cdiv(shape["K"], bk):
         return "SPLIT_K leaves a split without a K tile"
     if config["num_stages"] * (2 * bk * bm + bn * bk // 2 + bn * bk // 32) > 200 * 1024:
         return "pipelined x, weight and scale tiles exceed 200 KB of shared memory"
@@ -306,9 +302,9 @@ def _default(phase, shape):
     block_n, block_k = min(64, max(16, bucket(shape["N"]))), min(512, max(64, bucket(shape["K"])))
     if block_m == 64:  # 3 stages of 64 x 512 x tiles exceed the shared memory
         block_k = min(block_k, 256)
-    programs = blocks * _cdiv(shape["N"], block_n)
+    programs = blocks * cdiv(shape["N"], block_n)
     split = 1
-    while programs * split < GPU_SMS and 2 * split <= min(8, _cdiv(shape["K"], block_k)):
+    while programs * split < GPU_SMS and 2 * split <= min(8, cdiv(shape["K"], block_k)):
         split *= 2
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
             "num_warps": 4, "num_stages": 3}
