@@ -1,0 +1,122 @@
+"""Paged caches of every layer: which pages a sequence owns, and where one step's tokens go.
+
+Every layer holds the same tokens at the same positions, so one page allocator (``dt.PageAllocator``) and one
+block table serve all layers, and a step's write plan is computed once and used by every layer. Each layer's
+storage is a ``dt.PagedCache`` (latent rows ``kv[num_pages, P, kv_lora + rope]``, FP8 indexer keys, key scales and
+page summaries); its own one-row block table is not used. A sequence gets the pages for its prompt plus its
+token budget when it is admitted (no preemption, no allocation mid-decode) and gives them back when it finishes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import dsa_triton as dt
+
+from .config import ModelConfig
+
+
+@dataclass
+class PagedBatch:
+    """One forward step: ``B`` sequences with ``T`` new tokens packed by sequence (device tensors).
+
+    positions ``[T]`` int64; limits ``[T]`` int32 = position + 1 (causal: token t sees positions < limit);
+    cu_seqlens ``[B + 1]`` int32; row_to_seq ``[T]`` int32 (row of ``block_table``); block_table
+    ``[B, max_pages]`` int32 and seq_lens ``[B]`` int32 after this step's append; last_rows ``[B]`` int64;
+    the write plan as ``dt.append_tokens`` work items ``items[n, 4]`` int32 and, for the reference, per-token
+    ``slots[T]``, touched ``pages[n]`` and their ``fill[n]`` (int64).
+    """
+    seq_ids: list[int]
+    positions: torch.Tensor
+    limits: torch.Tensor
+    cu_seqlens: torch.Tensor
+    row_to_seq: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    last_rows: torch.Tensor
+    items: torch.Tensor
+    slots: torch.Tensor
+    pages: torch.Tensor
+    fill: torch.Tensor
+    num_cols: int
+    max_q: int
+
+    @property
+    def decode(self) -> bool:
+        """One new token per sequence: the decode kernels."""
+        return self.max_q == 1
+
+
+class CacheManager:
+    """Pages and storage for up to ``max_seqs`` sequences of at most ``max_seq_len`` tokens, in ``num_pages``
+    pages of ``page_size`` tokens per layer. ``poison=True`` fills unwritten slots with NaN (tests)."""
+
+    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, max_seqs: int, max_seq_len: int,
+                 dtype: torch.dtype, device, poison: bool = False):
+        self.page_size, self.device = page_size, torch.device(device)
+        self.max_pages = -(-max_seq_len // page_size)
+        self.allocator = dt.PageAllocator(num_pages)
+        self.layers = [dt.PagedCache(num_pages, page_size, 1, 1, config.latent_dim, config.index_head_dim, dtype,
+                                     device, poison=poison) for _ in range(config.num_hidden_layers)]
+        self.block_table = torch.full((max_seqs, self.max_pages), -1, dtype=torch.int32, device=device)
+        self._pages: dict[int, list[int]] = {}
+        self._lens = [0] * max_seqs
+        self._free_ids = list(range(max_seqs - 1, -1, -1))
+
+    def can_allocate(self, n_tokens: int) -> bool:
+        pages = -(-n_tokens // self.page_size)
+        return bool(self._free_ids) and pages <= min(self.allocator.num_free, self.max_pages)
+
+    def allocate(self, n_tokens: int) -> int:
+        """Reserve pages for ``n_tokens`` tokens of a new sequence; returns its id (a row of the block table)."""
+        if not self.can_allocate(n_tokens):
+            raise ValueError(f"n_tokens: {n_tokens} tokens do not fit (free pages {self.allocator.num_free}, "
+                             f"free sequence ids {len(self._free_ids)}, at most {self.max_pages} pages a sequence)")
+        seq = self._free_ids.pop()
+        pages = self.allocator.allocate(-(-n_tokens // self.page_size))
+        self._pages[seq], self._lens[seq] = pages, 0
+        self.block_table[seq, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        return seq
+
+    def free(self, seq: int) -> None:
+        """Give sequence ``seq``'s pages and id back."""
+        self.allocator.free(self._pages.pop(seq))
+        self.block_table[seq] = -1
+        self._free_ids.append(seq)
+
+    def length(self, seq: int) -> int:
+        return self._lens[seq]
+
+    def prepare(self, chunks: list[tuple[int, int]]) -> PagedBatch:
+        """Place ``count`` new tokens after each sequence's cached ones, for ``(seq, count)`` in ``chunks``."""
+        P = self.page_size
+        positions, items, slots, row = [], [], [], 0
+        for seq, count in chunks:
+            start, end = self._lens[seq], self._lens[seq] + count
+            if end > len(self._pages[seq]) * P:
+                raise ValueError(f"chunks: sequence {seq} would exceed its {len(self._pages[seq])} reserved pages")
+            positions += range(start, end)
+            slots += [self._pages[seq][i // P] * P + i % P for i in range(start, end)]
+            pos = start
+            while pos < end:
+                n = min(end - pos, P - pos % P)
+                items.append((row, n, self._pages[seq][pos // P], pos % P))
+                row, pos = row + n, pos + n
+            self._lens[seq] = end
+        counts = [n for _, n in chunks]
+        seq_ids = [s for s, _ in chunks]
+        cu = [0]
+        for n in counts:
+            cu.append(cu[-1] + n)
+        as_tensor = lambda v, dtype: torch.tensor(v, dtype=dtype).to(self.device)  # noqa: E731
+        positions_t = as_tensor(positions, torch.int64)
+        items_t = as_tensor(items, torch.int32).view(-1, 4)
+        return PagedBatch(
+            seq_ids=seq_ids, positions=positions_t, limits=(positions_t + 1).int(), cu_seqlens=as_tensor(cu, torch.int32),
+            row_to_seq=as_tensor([b for b, n in enumerate(counts) for _ in range(n)], torch.int32),
+            block_table=self.block_table[as_tensor(seq_ids, torch.int64)],
+            seq_lens=as_tensor([self._lens[s] for s in seq_ids], torch.int32),
+            last_rows=as_tensor(cu[1:], torch.int64) - 1, items=items_t, slots=as_tensor(slots, torch.int64),
+            pages=items_t[:, 2].long(), fill=(items_t[:, 3] + items_t[:, 1]).long(),
+            num_cols=max(self._lens[s] for s in seq_ids), max_q=max(counts))

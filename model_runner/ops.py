@@ -1,0 +1,81 @@
+"""The DSA / MoE ops the model calls, in two interchangeable backends with the same methods:
+
+- :class:`KernelOps`: the dsa_triton ops (Triton kernels; the interpreter on a CPU);
+- :class:`ReferenceOps`: the pure-PyTorch ``*_torch`` references beside those kernels (outputs cast to the
+  activation dtype, as the kernels return them).
+
+Shapes: ``q8[T, IH, ID]`` e4m3 indexer queries with ``w[T, IH]`` fp32 head weights; ``scores[T, L]`` fp32;
+``slots[T, k]`` int32 physical cache rows (-1 unused); attention ``q[T, H, kv_lora + rope]`` -> ``[T, H, kv_lora]``.
+"""
+from __future__ import annotations
+
+import torch
+
+import dsa_triton as dt
+from dsa_triton.attention.cache_reference import append_torch
+from dsa_triton.attention.indexer_reference import indexer_logits_torch
+from dsa_triton.attention.sparse_attention_reference import (sparse_attention_decode_torch,
+                                                             sparse_attention_prefill_torch)
+from dsa_triton.attention.topk_reference import topk_indices_torch
+from dsa_triton.moe.layer_reference import moe_forward_torch
+
+from .cache_manager import PagedBatch
+
+
+class KernelOps:
+    name = "kernel"
+
+    @staticmethod
+    def append(cache: dt.PagedCache, kv: torch.Tensor, index_k: torch.Tensor, batch: PagedBatch) -> None:
+        dt.append_tokens(cache.kv, cache.ik, cache.ik_scale, cache.summaries, kv, index_k, batch.items)
+
+    @staticmethod
+    def indexer_logits(q8, w, cache: dt.PagedCache, batch: PagedBatch) -> torch.Tensor:
+        return dt.indexer_logits(q8, w, cache.ik, cache.ik_scale, batch.limits, cu_seqlens_q=batch.cu_seqlens,
+                                 block_table=batch.block_table, seq_lens=batch.seq_lens, num_cols=batch.num_cols,
+                                 max_q=batch.max_q)
+
+    @staticmethod
+    def topk(scores, k: int, page_size: int, batch: PagedBatch) -> torch.Tensor:
+        return dt.topk_indices(scores, k, batch.limits, block_table=batch.block_table, page_size=page_size,
+                               row_to_seq=batch.row_to_seq)
+
+    @staticmethod
+    def attention(q, kv_cache, slots, sm_scale: float, d_v: int, decode: bool) -> torch.Tensor:
+        op = dt.sparse_attention_decode if decode else dt.sparse_attention_prefill
+        return op(q, kv_cache, slots, sm_scale, d_v)[0]
+
+    @staticmethod
+    def moe(x, *args, **kwargs) -> torch.Tensor:
+        return dt.moe_forward(x, *args, **kwargs)
+
+
+class ReferenceOps:
+    name = "reference"
+
+    @staticmethod
+    def append(cache: dt.PagedCache, kv: torch.Tensor, index_k: torch.Tensor, batch: PagedBatch) -> None:
+        append_torch(cache.kv, cache.ik, cache.ik_scale, cache.summaries, kv, index_k, batch.slots, batch.pages,
+                     batch.fill)
+
+    @staticmethod
+    def indexer_logits(q8, w, cache: dt.PagedCache, batch: PagedBatch) -> torch.Tensor:
+        return indexer_logits_torch(q8, w, cache.ik, cache.ik_scale, batch.limits, batch.num_cols,
+                                    cu_seqlens_q=batch.cu_seqlens, block_table=batch.block_table)
+
+    @staticmethod
+    def topk(scores, k: int, page_size: int, batch: PagedBatch) -> torch.Tensor:
+        return topk_indices_torch(scores, k, batch.limits, block_table=batch.block_table, page_size=page_size,
+                                  row_to_seq=batch.row_to_seq)
+
+    @staticmethod
+    def attention(q, kv_cache, slots, sm_scale: float, d_v: int, decode: bool) -> torch.Tensor:
+        op = sparse_attention_decode_torch if decode else sparse_attention_prefill_torch
+        return op(q, kv_cache, slots, sm_scale, d_v)[0].to(q.dtype)
+
+    @staticmethod
+    def moe(x, *args, **kwargs) -> torch.Tensor:
+        return moe_forward_torch(x, *args, **kwargs).to(x.dtype)
+
+
+BACKENDS = {"kernel": KernelOps, "reference": ReferenceOps}
