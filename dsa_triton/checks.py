@@ -5,6 +5,7 @@ from typing import Iterable
 
 import torch
 
+from . import registry
 from .runtime import interpreting
 
 
@@ -60,3 +61,38 @@ def check_positive(name: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name}: must be a positive integer, got {value!r}")
     return value
+
+
+def tensor_key(*tensors: torch.Tensor | None) -> tuple:
+    """What the host-side checks look at in each tensor: ``(dtype, shape, strides, device)``, ``None`` for
+    ``None``. Raises ``AttributeError`` for other objects (callers then take the checked path, which names
+    the argument)."""
+    return tuple([None if t is None else (t.dtype, t.shape, t.stride(), t.device) for t in tensors])
+
+
+class PlanCache:
+    """An op's launch plans (checked metadata, configs, grids) by a key that covers everything its
+    host-side checks read: :func:`tensor_key` of its tensors plus its sizes and config. A hit skips the
+    checks, a miss runs them. Emptied when the registry's config lookup changes and when full."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._plans: dict = {}
+        self._generation = -1
+
+    def get(self, key):
+        if self._generation != registry._lookup_generation:
+            self._plans.clear()
+            self._generation = registry._lookup_generation
+        return self._plans.get(key)
+
+    def put(self, key, plan):
+        if len(self._plans) >= self.size:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+
+def config_key(config: dict | None) -> tuple | None:
+    """A hashable form of an explicit launch config (``None`` stays ``None``)."""
+    return None if config is None else tuple(config.items())

@@ -298,3 +298,24 @@ def test_unused_table_entries_are_not_checked():
     lengths = torch.tensor([64, 30], dtype=torch.int32)
     scores = nan_past_lengths(torch.randn(2, 64, generator=g), lengths)
     run_and_check(scores, 8, lengths, block_table=table, page_size=16)
+
+
+def test_cached_plan_still_checks_scalars_and_follows_the_config_lookup(monkeypatch):
+    """A call whose tensors match an earlier, valid call's still rejects bad scalars (``4.0`` and ``True``
+    hash like ``4`` and ``1``), and a new config lookup reaches the next call."""
+    s = torch.randn(3, 100)
+    table = torch.arange(3 * 7, dtype=torch.int32).view(3, 7)
+    run_and_check(s, 4, config=None, block_table=table, page_size=16)
+    for name, call in (("k", lambda: dt.topk_indices(s, 4.0, block_table=table, page_size=16)),
+                       ("page_size", lambda: dt.topk_indices(s, 4, block_table=table, page_size=16.0)),
+                       ("k", lambda: dt.topk_indices(s, True))):
+        with pytest.raises(ValueError, match=name):
+            call()
+    seen = []
+    previous = dt.registry._lookup
+    try:
+        dt.registry.set_config_lookup(lambda kernel, key, shape, dev: seen.append(kernel))
+        run_and_check(s, 4, config=None, block_table=table, page_size=16)
+    finally:
+        dt.registry.set_config_lookup(previous)
+    assert "topk_indices" in seen

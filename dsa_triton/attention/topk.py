@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from ..checks import check_kernel_device, check_positive, check_tensor
+from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor, config_key, tensor_key
+from ..hostmath import cdiv
 from ..registry import Cost
 from . import topk_reference
 from .topk_reference import check_topk, topk_indices_torch
@@ -363,35 +364,45 @@ def _workspace(T: int, split: int, NB: int, cap: int, device: torch.device):
     return torch.empty(cand_off + 2 * T * cap, dtype=torch.int32, device=device), info_off, cand_off
 
 
-def _launch(scores, k, lengths, block_table, page_size, row_to_seq, config, out) -> torch.Tensor:
-    T, L = scores.shape
+class _Plan:
+    """The host side of a call, fixed by the arguments' metadata, ``k`` and the config: the three
+    kernels' grids and constexprs, and the workspace sizes."""
+
+    def __init__(self, T: int, L: int, k: int, has_lengths: bool, has_table: bool, has_row_to_seq: bool,
+                 config: dict) -> None:
+        self.T, self.L, self.k = T, L, k
+        self.split, self.NB = config["SPLIT"], 1 << config["HIST_BITS"]
+        self.cap = min(config["CAP_K"] * k, L)  # candidates per row (also the select pass's compaction space)
+        self.group_min = 2 * k * config["GROUP"]
+        self.two_pass = L >= self.group_min  # some row may take the two-pass route
+        step = max(config["TILE"], config["COLLECT_TILE"])
+        self.chunk = cdiv(cdiv(L, self.split), step) * step
+        self.bound_meta = dict(HAS_LENGTHS=has_lengths, GROUP=config["GROUP"], COLS=config["TILE"] // config["GROUP"],
+                               HIST_BITS=config["HIST_BITS"], num_warps=config["WARPS"])
+        self.collect_meta = dict(HAS_LENGTHS=has_lengths, TILE=config["COLLECT_TILE"], WARPS=config["COLLECT_WARPS"],
+                                 SPLIT=self.split, HIST_BITS=config["HIST_BITS"], num_warps=config["COLLECT_WARPS"])
+        self.select_meta = dict(HAS_LENGTHS=has_lengths, HAS_TABLE=has_table, HAS_ROW_TO_SEQ=has_row_to_seq,
+                                SEL_BITS=config["SEL_BITS"], TILE=config["SEL_TILE"],
+                                PAIR=max(64, 8 * config["SEL_WARPS"]), num_warps=config["SEL_WARPS"])
+
+
+def _launch(plan: _Plan, scores, lengths, block_table, page_size, row_to_seq, out) -> torch.Tensor:
+    T, L, k = plan.T, plan.L, plan.k
     if T == 0:
         return out
-    split = config["SPLIT"]
-    cap = min(config["CAP_K"] * k, L)  # candidates per row (also the select pass's compaction space)
-    group_min = 2 * k * config["GROUP"]
-    work, info_off, cand_off = _workspace(T, split, 1 << config["HIST_BITS"], cap, scores.device)
+    work, info_off, cand_off = _workspace(T, plan.split, plan.NB, plan.cap, scores.device)
     dummy = out  # stands in for absent optional tensors (never read)
     lengths_arg = dummy if lengths is None else lengths
-    if L >= group_min:  # some row may take the two-pass route
-        step = max(config["TILE"], config["COLLECT_TILE"])
-        chunk = triton.cdiv(triton.cdiv(L, split), step) * step
-        grid = (T, split)
-        _topk_bound_kernel[grid](scores, scores.stride(0), L, lengths_arg, work, info_off, chunk, group_min,
-                                 HAS_LENGTHS=lengths is not None, GROUP=config["GROUP"],
-                                 COLS=config["TILE"] // config["GROUP"], HIST_BITS=config["HIST_BITS"],
-                                 num_warps=config["WARPS"])
-        _topk_collect_kernel[grid](scores, scores.stride(0), L, lengths_arg, work, info_off, cand_off, k, chunk,
-                                   group_min, cap, HAS_LENGTHS=lengths is not None, TILE=config["COLLECT_TILE"],
-                                   WARPS=config["COLLECT_WARPS"], SPLIT=split, HIST_BITS=config["HIST_BITS"],
-                                   num_warps=config["COLLECT_WARPS"])
+    if plan.two_pass:
+        grid = (T, plan.split)
+        _topk_bound_kernel[grid](scores, scores.stride(0), L, lengths_arg, work, info_off, plan.chunk, plan.group_min,
+                                 **plan.bound_meta)
+        _topk_collect_kernel[grid](scores, scores.stride(0), L, lengths_arg, work, info_off, cand_off, k, plan.chunk,
+                                   plan.group_min, plan.cap, **plan.collect_meta)
     _topk_select_kernel[(T,)](
-        scores, scores.stride(0), L, lengths_arg, work, info_off, cand_off, out, k, group_min, cap,
+        scores, scores.stride(0), L, lengths_arg, work, info_off, cand_off, out, k, plan.group_min, plan.cap,
         dummy if block_table is None else block_table, 0 if block_table is None else block_table.stride(0),
-        dummy if row_to_seq is None else row_to_seq, page_size or 1,
-        HAS_LENGTHS=lengths is not None, HAS_TABLE=block_table is not None, HAS_ROW_TO_SEQ=row_to_seq is not None,
-        SEL_BITS=config["SEL_BITS"], TILE=config["SEL_TILE"], PAIR=max(64, 8 * config["SEL_WARPS"]),
-        num_warps=config["SEL_WARPS"])
+        dummy if row_to_seq is None else row_to_seq, page_size or 1, **plan.select_meta)
     return out
 
 
@@ -492,6 +503,33 @@ def topk_indices(
         a sorted top-k; among equal scores any may be taken. ``-inf`` inside the valid range is a
         valid, lowest score (taken only when fewer than k larger ones exist); NaN ranks as ``-inf``.
     """
+    try:
+        key = (tensor_key(scores, lengths, block_table, row_to_seq, out), k, page_size, num_pages, config_key(config))
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, unhashable config: the checks below name the argument
+        key, plan = None, None
+    if plan is None or not _valid_scalars(k, page_size, num_pages):
+        plan = _checked_plan(scores, k, lengths, block_table, page_size, row_to_seq, num_pages, out, config)
+        if key is not None:
+            _PLANS.put(key, plan)
+    T, L = plan.T, plan.L
+    capturing = scores.is_cuda and torch.cuda.is_current_stream_capturing()
+    if check_values and not capturing and T > 0:
+        _check_values(T, L, lengths, block_table, page_size, row_to_seq, num_pages)
+    if out is None:
+        out = torch.empty(T, k, dtype=torch.int32, device=scores.device)
+    return _launch(plan, scores, lengths, block_table, page_size, row_to_seq, out)
+
+
+_PLANS = PlanCache()
+
+
+def _valid_scalars(k, page_size, num_pages) -> bool:
+    """Integers where the key holds them (``2048.0`` or ``True`` hash like ``2048`` or ``1``)."""
+    return all(v is None or type(v) is int for v in (k, page_size, num_pages))
+
+
+def _checked_plan(scores, k, lengths, block_table, page_size, row_to_seq, num_pages, out, config) -> _Plan:
     _check_arguments(scores, k, lengths, block_table, page_size, row_to_seq, num_pages, out)
     T, L = scores.shape
     shape = {"T": T, "L": L, "k": k}
@@ -499,12 +537,7 @@ def topk_indices(
         config = SPEC.launch_config(PHASE, shape, scores.device)
     else:
         SPEC.validate(config, shape)
-    capturing = scores.is_cuda and torch.cuda.is_current_stream_capturing()
-    if check_values and not capturing and T > 0:
-        _check_values(T, L, lengths, block_table, page_size, row_to_seq, num_pages)
-    if out is None:
-        out = torch.empty(T, k, dtype=torch.int32, device=scores.device)
-    return _launch(scores, k, lengths, block_table, page_size, row_to_seq, config, out)
+    return _Plan(T, L, k, lengths is not None, block_table is not None, row_to_seq is not None, config)
 
 
 # -- registry entry ------------------------------------------------------------------------------
@@ -569,7 +602,7 @@ def _make_inputs(phase, shape, device, seed):
     scores.masked_fill_(torch.arange(L, device=device)[None, :] >= lengths[:, None], float("-inf"))
     page_size = 64
     seqs = max(1, min(T, 64))
-    max_pages = triton.cdiv(L, page_size)
+    max_pages = cdiv(L, page_size)
     pages = torch.randperm(seqs * max_pages, generator=g, device=device).to(torch.int32)
     row_to_seq = (torch.arange(T, device=device) * seqs // max(T, 1)).to(torch.int32)
     return {"scores": scores, "k": k, "lengths": lengths, "block_table": pages.view(seqs, max_pages),
