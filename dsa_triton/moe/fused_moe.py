@@ -173,7 +173,8 @@ def _check(x, sort, blocks, scales, gather_tokens) -> tuple[int, int]:
 
 
 def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scales: torch.Tensor, *,
-                   gather_tokens: bool = True, config: dict | None = None) -> torch.Tensor:
+                   gather_tokens: bool = True, config: dict | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Grouped GEMM of routed rows with per-expert MXFP4 weights, dequantized in registers.
 
     - ``x``: fp16/bf16 ``[T, K]`` when ``gather_tokens`` (sorted row r reads token ``sort.sorted_token[r]``:
@@ -181,18 +182,23 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
     - ``sort``: :func:`.permute.sort_by_expert` of the routing;
     - ``blocks`` uint8 ``[E, N, K/32, 16]`` (rows contiguous), ``scales`` uint8 ``[E, N, K/32]``, bytes at most
       :data:`SCALE_MAX` (192 for bf16 on the GPU, else 240);
-    - ``config``: a ``moe_fused_gemm`` launch config; None reads the tuning database for this shape.
+    - ``config``: a ``moe_fused_gemm`` launch config; None reads the tuning database for this shape;
+    - ``out_dtype``: ``x``'s dtype (None) or ``torch.float32`` (the fp32 sums unrounded, no conversion op).
 
-    Returns ``y_sorted [M, N]`` in ``x``'s dtype, rows in ``sort``'s expert order.
+    Returns ``y_sorted [M, N]`` in ``out_dtype``, rows in ``sort``'s expert order. No host sync after the first
+    call per scales tensor (its range check), so a warmed-up call can be captured in a CUDA graph.
     """
     n, k = _check(x, sort, blocks, scales, gather_tokens)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"out_dtype: expected None, {x.dtype} or torch.float32, got {out_dtype}")
     check_scale_range(scales, fast_path(x))
     shape = problem_shape(sort, n, k, gather_tokens)
     if config is None:
         config = SPEC.launch_config("decode", shape, x.device)
     else:
         config = _validated(tuple(sorted(config.items())), tuple(sorted(shape.items())))
-    return _launch(x, sort, blocks, scales, gather_tokens, config)
+    return _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype)
 
 
 _scales_checked: dict[int, tuple] = {}  # id(scales) -> (weakref to it, version, path) once its range was read
@@ -227,12 +233,12 @@ def fast_path(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and x.dtype == torch.bfloat16
 
 
-def _launch(x, sort, blocks, scales, gather_tokens, config) -> torch.Tensor:
+def _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype) -> torch.Tensor:
     m, n, split = sort.num_rows, blocks.shape[1], config["SPLIT_K"]
     y = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1
-         else torch.empty(m, n, dtype=x.dtype, device=x.device))
+         else torch.empty(m, n, dtype=out_dtype, device=x.device))
     if m == 0:
-        return y.to(x.dtype)
+        return y.to(out_dtype)
     alignment = sort.aligned(config["BLOCK_M"])
     quarters = blocks.view(torch.int16).flatten(-2)  # [E, N, K/4]
     k_quarters = quarters.shape[-1]
@@ -248,7 +254,7 @@ def _launch(x, sort, blocks, scales, gather_tokens, config) -> torch.Tensor:
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], SPLIT_K=split,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
-    return y.to(x.dtype) if split > 1 else y
+    return y.to(out_dtype)
 
 
 # -- registry entry --------------------------------------------------------------------------------

@@ -32,10 +32,10 @@ DECODE_MAX_TOKENS = 256  # moe_forward's phase when none is given: decode up to 
 CROSSOVER_ROWS = 128  # default: the workspace path from this many routed rows per expert (until tuned)
 
 
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    """``h[M, 2I]`` (gate | up) -> ``silu(gate) * up`` ``[M, I]`` in ``h``'s dtype, computed in fp32."""
-    gate, up = h.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(h.dtype)
+def swiglu(h: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``h[M, 2I]`` (gate | up) -> ``silu(gate) * up`` ``[M, I]`` in ``dtype`` (None: ``h``'s), computed in fp32."""
+    gate, up = h.to(torch.float32).chunk(2, dim=-1)
+    return F.silu(gate).mul_(up).to(h.dtype if dtype is None else dtype)
 
 
 def shared_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -105,16 +105,15 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
     logits = F.linear(x.float(), router_weight.float())
     weights, ids = route(logits, routing, router_bias)
     sort = sort_by_expert(ids, weights, experts, check_ids=False)
-    if config["path"] == "fused":
-        h = fused_moe_gemm(x, sort, gate_up_blocks, gate_up_scales, gather_tokens=True)
-        y = fused_moe_gemm(swiglu(h), sort, down_blocks, down_scales, gather_tokens=False)
+    if config["path"] == "fused":  # fp32 GEMM outputs: no conversion op before swiglu and the combine
+        h = fused_moe_gemm(x, sort, gate_up_blocks, gate_up_scales, gather_tokens=True, out_dtype=torch.float32)
+        y = fused_moe_gemm(swiglu(h, x.dtype), sort, down_blocks, down_scales, gather_tokens=False,
+                           out_dtype=torch.float32)
     else:
-        h = fp8_grouped_gemm(x[sort.sorted_token.long()], sort.expert_offsets, gate_up_blocks, gate_up_scales)
+        h = fp8_grouped_gemm(x[sort.sorted_token], sort.expert_offsets, gate_up_blocks, gate_up_scales)
         y = fp8_grouped_gemm(swiglu(h), sort.expert_offsets, down_blocks, down_scales)
-    out = combine_rows(y, sort)
-    if shared_gate_up is not None:
-        out += shared_expert(x, shared_gate_up, shared_down).float()
-    return out.to(x.dtype)
+    shared = None if shared_gate_up is None else shared_expert(x, shared_gate_up, shared_down)
+    return combine_rows(y, sort, add=shared).to(x.dtype)
 
 
 # -- registry entry: which path per shape ------------------------------------------------------------
@@ -184,8 +183,7 @@ def bf16_layer(inputs) -> torch.Tensor:
     for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         if b > a:
             y[a:b] = swiglu(rows[a:b] @ w1[e].t()) @ w2[e].t()
-    out = combine_rows(y, sort) + shared_expert(x, inputs["shared_gate_up"], inputs["shared_down"]).float()
-    return out.to(x.dtype)
+    return combine_rows(y, sort, add=shared_expert(x, inputs["shared_gate_up"], inputs["shared_down"])).to(x.dtype)
 
 
 def _cost(phase, shape) -> Cost:

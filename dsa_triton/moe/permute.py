@@ -5,7 +5,9 @@ Token ``t``'s ``j``-th choice is the routed *slot* ``t * top_k + j``; there are 
 layout every grouped GEMM reads (rows of expert ``e`` are ``expert_offsets[e] : expert_offsets[e + 1]``).
 :meth:`ExpertSort.aligned` pads each expert's rows to a multiple of ``BLOCK_M`` so a kernel block never
 mixes experts (the idea of vLLM's ``moe_align_block_size``). Everything is torch ops on the device with
-sizes known on the host (upper bounds where the true size depends on the routing): no host sync.
+sizes known on the host (upper bounds where the true size depends on the routing): no host sync, so the decode
+path can be captured in a CUDA graph. The index ranges they use are cached per (length, dtype, device) (never
+while a capture is running: a capture does not execute the kernel that fills them).
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ class ExpertSort:
     - ``expert_offsets [E + 1]`` int32: CSR offsets into the sorted rows;
     - ``sorted_slot [M]`` int32: the slot of each sorted row; ``sorted_token [M]``: its token (slot // top_k);
     - ``sorted_expert [M]`` int32: its expert; ``sorted_weight [M]`` fp32: its combine weight;
-    - ``slot_row [M]`` int32: the inverse permutation, the sorted row of each slot.
+    - ``slot_row [M]`` int32: the inverse permutation, the sorted row of each slot;
+    - ``slot_weight [M]`` fp32: the combine weight of each slot (the routing weights, flattened).
     """
 
     num_experts: int
@@ -52,6 +55,7 @@ class ExpertSort:
     sorted_expert: torch.Tensor
     sorted_weight: torch.Tensor
     slot_row: torch.Tensor
+    slot_weight: torch.Tensor
     _aligned: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -85,16 +89,32 @@ def sort_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor | None, nu
         low, high = int(topk_ids.min()), int(topk_ids.max())
         if low < 0 or high >= num_experts:
             raise ValueError(f"topk_ids: expert ids must be in [0, {num_experts}), got values in [{low}, {high}]")
-    device = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
-    sorted_expert, sorted_slot = torch.sort(flat, stable=True)
-    offsets = torch.searchsorted(sorted_expert, torch.arange(num_experts + 1, device=device))
-    slot_row = torch.empty_like(sorted_slot).scatter_(0, sorted_slot, torch.arange(flat.numel(), device=device))
-    weights = (torch.ones(flat.numel(), device=device) if topk_weights is None
-               else topk_weights.reshape(-1).float()[sorted_slot])
-    return ExpertSort(num_experts, top_k, offsets.to(torch.int32), sorted_slot.to(torch.int32),
-                      (sorted_slot // top_k).to(torch.int32), sorted_expert.to(torch.int32), weights,
-                      slot_row.to(torch.int32))
+    device, rows = topk_ids.device, topk_ids.numel()
+    sorted_expert, sorted_slot = torch.sort(topk_ids.reshape(-1), stable=True)
+    sorted_expert = sorted_expert.to(torch.int32)
+    offsets = torch.searchsorted(sorted_expert, index_range(num_experts + 1, torch.int32, device), out_int32=True)
+    slot = sorted_slot.to(torch.int32)
+    slot_row = torch.empty_like(slot).scatter_(0, sorted_slot, index_range(rows, torch.int32, device))
+    slot_weight = (torch.ones(rows, device=device) if topk_weights is None
+                   else topk_weights.reshape(-1).to(torch.float32))
+    return ExpertSort(num_experts, top_k, offsets, slot, slot // top_k, sorted_expert, slot_weight[sorted_slot],
+                      slot_row, slot_weight)
+
+
+_ranges: dict[tuple, torch.Tensor] = {}
+
+
+def index_range(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` in ``dtype`` on ``device``, made once and shared (read-only: never write to it)."""
+    key = (n, dtype, device)
+    found = _ranges.get(key)
+    if found is None:
+        found = torch.arange(n, dtype=dtype, device=device)
+        if not (found.is_cuda and torch.cuda.is_current_stream_capturing()):
+            if len(_ranges) > 1024:
+                _ranges.clear()
+            _ranges[key] = found
+    return found
 
 
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -104,26 +124,28 @@ def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
 
 
 def align_blocks(sort: ExpertSort, block_m: int) -> BlockAlignment:
-    """Pad every expert's rows of ``sort`` to a multiple of ``block_m``: see :class:`BlockAlignment`."""
+    """Pad every expert's rows of ``sort`` to a multiple of ``block_m``: see :class:`BlockAlignment`.
+
+    Sorted row ``r`` of expert ``e`` moves to ``r + shift[e]``, ``shift`` being the padding of the experts
+    before ``e``; the experts are scattered beside the rows, so a block's expert is that of its first row."""
     check_positive("block_m", block_m)
     device = sort.expert_offsets.device
-    offsets = sort.expert_offsets.long()
-    padded_counts = (offsets[1:] - offsets[:-1] + block_m - 1) // block_m * block_m
-    padded_offsets = torch.cat([offsets.new_zeros(1), padded_counts.cumsum(0)])
+    padding = torch.diff(sort.expert_offsets).neg_().remainder_(block_m)  # [E]: rows to add after each expert
+    shift = padding.cumsum(0).sub_(padding)  # int64
+    position = shift[sort.sorted_expert].add_(index_range(sort.num_rows, torch.int64, device))
     size = max_padded_rows(sort.num_rows, sort.num_experts, block_m)
-    rows = torch.arange(sort.num_rows, device=device)
-    expert = sort.sorted_expert.long()
-    position = padded_offsets[expert] + rows - offsets[expert]
-    padded_rows = torch.full((size,), -1, dtype=torch.int64, device=device).scatter_(0, position, rows)
-    starts = torch.arange(0, size, block_m, device=device)
-    block_expert = torch.searchsorted(padded_offsets, starts, right=True) - 1
-    block_expert = torch.where(starts < padded_offsets[-1], block_expert, -1)
-    return BlockAlignment(block_m, padded_rows.to(torch.int32), block_expert.to(torch.int32))
+    padded = torch.full((2, size), -1, dtype=torch.int32, device=device)  # [sorted row | expert] per position
+    padded[0].scatter_(0, position, index_range(sort.num_rows, torch.int32, device))
+    padded[1].scatter_(0, position, sort.sorted_expert)
+    return BlockAlignment(block_m, padded[0], padded[1, ::block_m].contiguous())
 
 
-def combine_rows(y_sorted: torch.Tensor, sort: ExpertSort) -> torch.Tensor:
-    """Weighted sum of each token's expert rows: ``y_sorted[M, N]`` (sorted order) -> ``[T, N]`` fp32."""
-    slot_row = sort.slot_row.long()
-    tokens = sort.num_rows // sort.top_k
-    per_slot = y_sorted[slot_row].float().view(tokens, sort.top_k, y_sorted.shape[1])
-    return (per_slot * sort.sorted_weight[slot_row].view(tokens, sort.top_k, 1)).sum(dim=1)
+def combine_rows(y_sorted: torch.Tensor, sort: ExpertSort, add: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted sum of each token's expert rows: ``y_sorted[M, N]`` (sorted order) -> ``[T, N]`` fp32, plus
+    ``add [T, N]`` (e.g. the shared expert's output) when given. One batched matmul over the top_k rows."""
+    tokens, n = sort.num_rows // sort.top_k, y_sorted.shape[1]
+    per_slot = y_sorted[sort.slot_row].to(torch.float32).view(tokens, sort.top_k, n)
+    weights = sort.slot_weight.view(tokens, 1, sort.top_k)
+    if add is None:
+        return torch.bmm(weights, per_slot).view(tokens, n)
+    return torch.baddbmm(add.to(torch.float32).view(tokens, 1, n), weights, per_slot).view(tokens, n)
