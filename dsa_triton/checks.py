@@ -93,6 +93,12 @@ class PlanCache:
         return plan
 
 
+def exact_ints(*values) -> bool:
+    """True when each value is ``None`` or an ``int`` proper: a plan key may hold only those (``4.0`` and
+    ``True`` hash and compare like ``4`` and ``1``, so they would hit a plan without being checked)."""
+    return all(v is None or type(v) is int for v in values)
+
+
 def config_key(config: dict | None) -> tuple | None:
     """A hashable form of an explicit launch config (``None`` stays ``None``)."""
     return None if config is None else tuple(config.items())

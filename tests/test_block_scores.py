@@ -1,4 +1,6 @@
 """Block-level indexer scoring (Triton interpreter): page bounds, page selection, logits inside pages."""
+import sys
+
 import pytest
 import torch
 
@@ -167,3 +169,33 @@ def test_page_select_ties_and_nan():
         dt.select_pages(bounds, 0)
     with pytest.raises(ValueError, match="^bounds: dtype"):
         dt.select_pages(bounds.double(), 2)
+
+
+def test_cached_plan_of_the_fast_path(monkeypatch):
+    """The graph-safe call (value checks off, sizes given) caches its checked plan: a second call hits it and
+    gives the same answer into fresh (poisoned) outputs; bad scalars or other tensor metadata still raise."""
+    cache, q, w, limits, cu = problem(16, seed=5)
+    args = (q, w, cache.ik, cache.ik_scale, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens, limits)
+    checked = dt.block_indexer_logits(*args, 3, cu_seqlens_q=cu, return_bounds=True)
+    path = sys.modules["dsa_triton.attention.block_scores"]
+    real, plans = path._checked_path_plan, []
+    monkeypatch.setattr(path, "_checked_path_plan", lambda *a: plans.append(a) or real(*a))
+    for _ in range(2):
+        with poisoned_allocations():
+            fast = dt.block_indexer_logits(*args, 3, cu_seqlens_q=cu, max_len=70, max_q=3, check_values=False,
+                                           return_bounds=True)
+        assert all(torch.equal(a, b) for a, b in zip(fast, checked))
+    assert len(plans) <= 1, "the second call did not hit the cached plan"
+    fast = dict(cu_seqlens_q=cu, check_values=False)
+    for name, call in (("max_q", lambda: dt.block_indexer_logits(*args, 3, max_len=70, max_q=3.0, **fast)),
+                       ("max_len", lambda: dt.block_indexer_logits(*args, 3, max_len=70.0, max_q=3, **fast)),
+                       ("n_select", lambda: dt.block_indexer_logits(*args, True, max_len=70, max_q=3, **fast)),
+                       ("q", lambda: dt.block_indexer_logits(q.view(torch.uint8), *args[1:], 3, max_len=70, max_q=3,
+                                                            **fast))):
+        with pytest.raises(ValueError, match=f"^{name}"):
+            call()
+    one = (q[:2], w[:2], *args[2:7], cache.seq_lens[:1], limits[:2])  # one sequence, no cu: the plan keeps its cu
+    for _ in range(2):
+        got = dt.block_indexer_logits(*one, 3, max_len=70, max_q=2, check_values=False)
+        ref = dt.block_indexer_logits(*one, 3)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])

@@ -18,18 +18,18 @@ import torch
 import triton
 
 from .. import registry
-from ..checks import check_positive
+from ..checks import PlanCache, check_positive, config_key, exact_ints, tensor_key
 from ..registry import Cost, KernelSpec
 from . import block_scores_reference
 from .block_scores_reference import gather_selected_torch, page_bounds_torch, page_summaries_torch
 from ..hostmath import cdiv
 from .cache import PAGE_SIZES
-from .indexer import (BOUND, SELECTED, compare_logits, indexer_logits, launch_logits,
+from .indexer import (BOUND, SELECTED, LogitsLaunch, compare_logits, indexer_logits,
                       logits_shape, random_paged_keys, random_queries, tile_error)
 from .indexer_checks import (QueryRows, check_block_table, check_pages, check_paged_keys, check_queries,
                              check_summaries, output_columns)
 from .indexer_reference import indexer_logits_torch
-from .page_select import select_pages
+from .page_select import SelectLaunch, select_pages  # noqa: F401  (select_pages: the path's step 2)
 
 
 def _bound_config(config: dict) -> dict:
@@ -50,20 +50,29 @@ def _path_config(config: dict | None, rows: QueryRows, block_table: torch.Tensor
     return SPEC.validate(config, shape)
 
 
-def _launch_bounds(rows: QueryRows, q, weights, pmax, pmin, block_table, limits, P: int, n_pages: int,
-                   config: dict) -> torch.Tensor:
-    out = torch.empty(rows.T, n_pages, dtype=torch.float32, device=rows.device)
-    return launch_logits(BOUND, q, weights, pmax, None, out, limits, rows.cu, rows.max_q, config=_bound_config(config),
-                         page_size=P, block_table=block_table, k2=pmin)
+def _bound_launch(rows: QueryRows, q, weights, pmax, block_table, P: int, n_pages: int, config: dict) -> LogitsLaunch:
+    strides = (q.stride(0), q.stride(1), weights.stride(0), pmax.stride(0), block_table.stride(0), n_pages, 0)
+    return LogitsLaunch(BOUND, rows.T, rows.H, rows.DK, rows.B, rows.max_q, n_pages, strides, _bound_config(config),
+                        P, paged=True)
 
 
-def _launch_selected(rows: QueryRows, q, weights, k, k_scale, block_table, limits, pages,
-                     config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _selected_launch(rows: QueryRows, q, weights, k, block_table, n_select: int, config: dict) -> LogitsLaunch:
     P = k.shape[1]
-    out = torch.empty(rows.T, pages.shape[1] * P, dtype=torch.float32, device=rows.device)
-    positions = torch.empty(rows.T, pages.shape[1] * P, dtype=torch.int32, device=rows.device)
-    launch_logits(SELECTED, q, weights, k, k_scale, out, limits, rows.cu, rows.max_q, config=_selected_config(config),
-                  page_size=P, block_table=block_table, pages=pages, positions=positions)
+    strides = (q.stride(0), q.stride(1), weights.stride(0), k.stride(1), block_table.stride(0), n_select * P,
+               n_select)
+    return LogitsLaunch(SELECTED, rows.T, rows.H, rows.DK, rows.B, rows.max_q, n_select * P, strides,
+                        _selected_config(config), P, paged=True)
+
+
+def _bounds(launch: LogitsLaunch, cu, q, weights, pmax, pmin, block_table, limits) -> torch.Tensor:
+    out = torch.empty(launch.shape, dtype=torch.float32, device=q.device)
+    return launch(q, weights, pmax, pmin, cu, out, cu, limits, cu, block_table, cu, cu)
+
+
+def _selected(launch: LogitsLaunch, cu, q, weights, k, k_scale, block_table, limits, pages):
+    out = torch.empty(launch.shape, dtype=torch.float32, device=q.device)
+    positions = torch.empty(launch.shape, dtype=torch.int32, device=q.device)
+    launch(q, weights, k, k, k_scale, out, positions, limits, cu, block_table, cu, pages)
     return out, positions
 
 
@@ -108,8 +117,8 @@ def block_scores(
     check_block_table(rows, block_table, seq_lens, limits, pmax.shape[0], P)
     rows.finish(limits, need_max_limit=num_cols is None)
     n_pages = output_columns(num_cols, cdiv(rows.max_limit, P))
-    return _launch_bounds(rows, q, weights, pmax, pmin, block_table, limits, P, n_pages,
-                          _path_config(config, rows, block_table, P))
+    launch = _bound_launch(rows, q, weights, pmax, block_table, P, n_pages, _path_config(config, rows, block_table, P))
+    return _bounds(launch, rows.cu, q, weights, pmax, pmin, block_table, limits)
 
 
 def selected_page_logits(
@@ -138,8 +147,8 @@ def selected_page_logits(
     P = check_paged_keys(rows, k, k_scale, block_table, seq_lens, limits)
     check_pages(rows, pages, seq_lens, P)
     rows.finish(limits, need_max_limit=False)
-    return _launch_selected(rows, q, weights, k, k_scale, block_table, limits, pages,
-                            _path_config(config, rows, block_table, P))
+    launch = _selected_launch(rows, q, weights, k, block_table, pages.shape[1], _path_config(config, rows, block_table, P))
+    return _selected(launch, rows.cu, q, weights, k, k_scale, block_table, limits, pages)
 
 
 def block_indexer_logits(
@@ -169,22 +178,50 @@ def block_indexer_logits(
     ``limits``). Everything is checked once, up front (one device-to-host transfer); with
     ``check_values=False``, ``max_len`` and ``max_q`` given, none (CUDA-graph safe). Three launches.
     """
+    check_positive("n_select", n_select)
+    if max_len is not None:
+        check_positive("max_len", max_len)
+    key = plan = None
+    if not check_values and max_len is not None and (cu_seqlens_q is None or max_q is not None) and exact_ints(max_q):
+        try:  # the plan needs no device value: cache it (max_len only sizes the bounds, by pages)
+            key = (tensor_key(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens, limits, cu_seqlens_q),
+                   max_q, cdiv(max_len, k.shape[1]), n_select, config_key(config))
+            plan = _PLANS.get(key)
+        except (AttributeError, TypeError, IndexError, ZeroDivisionError):  # checked below, which names the argument
+            key = None
+    if plan is None:
+        plan = _checked_path_plan(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens, limits, n_select,
+                                  cu_seqlens_q, max_len, max_q, check_values, config)
+        if key is not None:
+            _PLANS.put(key, plan)
+    bound_launch, select_launch, selected_launch, cu = plan
+    cu = cu if cu_seqlens_q is None else cu_seqlens_q.contiguous()
+    bounds = _bounds(bound_launch, cu, q, weights, pmax, pmin, block_table, limits)
+    pages = select_launch(bounds)
+    logits, positions = _selected(selected_launch, cu, q, weights, k, k_scale, block_table, limits, pages)
+    return (logits, positions, bounds) if return_bounds else (logits, positions)
+
+
+_PLANS = PlanCache()
+
+
+def _checked_path_plan(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens, limits, n_select, cu_seqlens_q,
+                       max_len, max_q, check_values, config) -> tuple:
+    """Every check of :func:`block_indexer_logits` (the value checks in one transfer), then its three
+    launches and the ``cu`` it made when ``cu_seqlens_q`` is None."""
     rows = check_queries(q, weights, limits, cu_seqlens_q, max_q, check_values)
     P = check_paged_keys(rows, k, k_scale, block_table, seq_lens, limits)
     check_summaries(rows, pmax, pmin)
     if pmax.shape[0] != k.shape[0]:
         raise ValueError(f"pmax: {pmax.shape[0]} pages, but k has {k.shape[0]}")
-    check_positive("n_select", n_select)
     if max_len is not None:
-        check_positive("max_len", max_len)
         rows.checks.fail_if(lambda: limits > max_len, "max_len: below a row's limit")
     rows.finish(limits, need_max_limit=max_len is None)
     n_pages = cdiv(rows.max_limit if max_len is None else max_len, P)
     config = _path_config(config, rows, block_table, P)
-    bounds = _launch_bounds(rows, q, weights, pmax, pmin, block_table, limits, P, n_pages, config)
-    pages = select_pages(bounds, n_select)
-    logits, positions = _launch_selected(rows, q, weights, k, k_scale, block_table, limits, pages, config)
-    return (logits, positions, bounds) if return_bounds else (logits, positions)
+    return (_bound_launch(rows, q, weights, pmax, block_table, P, n_pages, config),
+            SelectLaunch(rows.T, n_pages, n_select, n_pages, rows.device),
+            _selected_launch(rows, q, weights, k, block_table, n_select, config), rows.cu)
 
 
 # -- registry entry: the block-level path, timed against the token-level path ---------------------

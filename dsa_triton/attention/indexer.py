@@ -174,6 +174,36 @@ def _logits_kernel(
                      mask=row_ok[None, :] & (cols < c_end)[:, None])
 
 
+class LogitsLaunch:
+    """One :func:`_logits_kernel` launch but its tensors: grid, sizes, strides and constexprs, worked out
+    once (ops keep it in their launch plans). ``strides``: q's rows and heads, weights' rows, k's rows,
+    the block table's rows, out's rows, pages' rows (0 for an absent tensor)."""
+
+    def __init__(self, mode: int, T: int, H: int, DK: int, G: int, max_rows: int, n_cols: int,
+                 strides: tuple[int, ...], config: dict, page_size: int = 1, paged: bool = False) -> None:
+        block_m, chunk = config["BLOCK_M"], config["CHUNK"]
+        self.shape = (T, n_cols)  # of out (and positions)
+        self.grid = None if G == 0 or T * n_cols == 0 else (G, cdiv(max_rows, block_m), cdiv(n_cols, chunk))
+        if self.grid is not None and (self.grid[1] > 65535 or self.grid[2] > 65535):
+            raise ValueError(f"max_q, num_cols: {max_rows} rows of a sequence / {n_cols} columns exceed one launch "
+                             f"(65535 row blocks of {block_m}, chunks of {chunk}); split the call")
+        self.args = (H, n_cols, *strides)
+        self.meta = dict(
+            MODE=mode, PAGED=paged, P=page_size, DK=DK, HP=next_pow2(max(H, 16)), DKP=next_pow2(max(DK, 16)),
+            BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], CHUNK=chunk,
+            NPG=chunk if mode == BOUND else max(chunk // page_size, 1) if paged else 1,
+            BOUND_DTYPE=tl.float32 if interpreting() else tl.bfloat16,
+            num_warps=config["num_warps"], num_stages=config["num_stages"])
+
+    def __call__(self, q, w, k, k2, k_scale, out, positions, limits, cu, block_table, key_starts,
+                 pages) -> torch.Tensor:
+        """Launch on checked tensors; absent ones are passed as any tensor (``cu``), never read."""
+        if self.grid is not None:
+            _logits_kernel[self.grid](q, w, k, k2, k_scale, out, positions, limits, cu, block_table, key_starts, pages,
+                                      *self.args, **self.meta)
+        return out
+
+
 def launch_logits(mode: int, q, w, k, k_scale, out, limits, cu, max_rows: int, *, config: dict,
                   page_size: int = 1, block_table=None, key_starts=None, pages=None, k2=None,
                   positions=None) -> torch.Tensor:
@@ -183,35 +213,15 @@ def launch_logits(mode: int, q, w, k, k_scale, out, limits, cu, max_rows: int, *
     ``k`` is ``[rows, DK]``-addressable with row stride ``k.stride(-2)`` (``pmax`` in BOUND mode,
     ``k2`` = ``pmin`` with the same strides). SELECTED mode also writes ``positions`` (like ``out``).
     """
-    G = cu.shape[0] - 1
-    n_cols = out.shape[1]
-    if G == 0 or out.numel() == 0:
-        return out
-    H, DK = q.shape[1], q.shape[2]
-    block_m = config["BLOCK_M"]
-    grid = (G, cdiv(max_rows, block_m), cdiv(n_cols, config["CHUNK"]))
-    if grid[1] > 65535 or grid[2] > 65535:
-        raise ValueError(f"max_q, num_cols: {max_rows} rows of a sequence / {n_cols} columns exceed one launch "
-                         f"(65535 row blocks of {block_m}, chunks of {config['CHUNK']}); split the call")
-    dummy = cu
-    _logits_kernel[grid](
-        q, w, k, k2 if k2 is not None else k, k_scale if k_scale is not None else dummy, out,
-        positions if positions is not None else dummy, limits, cu,
-        block_table if block_table is not None else dummy,
-        key_starts if key_starts is not None else dummy,
-        pages if pages is not None else dummy,
-        H, n_cols,
-        q.stride(0), q.stride(1), w.stride(0), k.stride(-2),
-        block_table.stride(0) if block_table is not None else 0, out.stride(0),
-        pages.stride(0) if pages is not None else 0,
-        MODE=mode, PAGED=block_table is not None, P=page_size, DK=DK,
-        HP=next_pow2(max(H, 16)), DKP=next_pow2(max(DK, 16)),
-        BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], CHUNK=config["CHUNK"],
-        NPG=config["CHUNK"] if mode == BOUND else max(config["CHUNK"] // page_size, 1) if block_table is not None else 1,
-        BOUND_DTYPE=tl.float32 if interpreting() else tl.bfloat16,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )
-    return out
+    strides = (q.stride(0), q.stride(1), w.stride(0), k.stride(-2),
+               block_table.stride(0) if block_table is not None else 0, out.stride(0),
+               pages.stride(0) if pages is not None else 0)
+    launch = LogitsLaunch(mode, out.shape[0], q.shape[1], q.shape[2], cu.shape[0] - 1, max_rows, out.shape[1],
+                          strides, config, page_size, block_table is not None)
+    some = cu
+    return launch(q, w, k, k if k2 is None else k2, some if k_scale is None else k_scale, out,
+                  some if positions is None else positions, limits, cu, some if block_table is None else block_table,
+                  some if key_starts is None else key_starts, some if pages is None else pages)
 
 
 def logits_shape(rows: QueryRows, L: int, P: int) -> tuple[str, dict[str, int]]:

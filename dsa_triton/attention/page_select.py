@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from ..checks import check_kernel_device, check_positive, check_tensor
+from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor, config_key, tensor_key
 from ..registry import Cost, KernelSpec
 from . import block_scores_reference
 from .block_scores_reference import select_pages_torch
@@ -73,6 +73,28 @@ def _select_pages_kernel(bounds_ptr, out_ptr, n, n_select, stride_b, stride_o, T
         tl.store(out_row + slots, tl.full([TILE], -1, tl.int32), mask=(slots >= kk) & (slots < n_select))
 
 
+class SelectLaunch:
+    """One :func:`_select_pages_kernel` launch but its tensors (``pages`` is a fresh ``[T, n_select]``)."""
+
+    def __init__(self, T: int, n_pages: int, n_select: int, bounds_stride: int, device: torch.device,
+                 config: dict | None = None) -> None:
+        shape = {"T": T, "N": n_pages, "SEL": n_select}
+        config = SPEC.launch_config("decode", shape, device) if config is None else SPEC.validate(config, shape)
+        self.shape = (T, n_select)
+        self.grid = (T,) if T else None
+        self.args = (n_pages, n_select, bounds_stride, n_select)
+        self.meta = dict(TILE=config["TILE"], num_warps=config["num_warps"])
+
+    def __call__(self, bounds: torch.Tensor) -> torch.Tensor:
+        pages = torch.empty(self.shape, dtype=torch.int32, device=bounds.device)
+        if self.grid is not None:
+            _select_pages_kernel[self.grid](bounds, pages, *self.args, **self.meta)
+        return pages
+
+
+_PLANS = PlanCache()
+
+
 def select_pages(bounds: torch.Tensor, n_select: int, *, config: dict | None = None) -> torch.Tensor:
     """The ``n_select`` logical pages with the highest bounds per row: ``[T, n_select]`` int32 in
     ascending order, -1 after the last valid page (bounds of ``-inf`` are never taken; among equal
@@ -81,17 +103,19 @@ def select_pages(bounds: torch.Tensor, n_select: int, *, config: dict | None = N
     ``bounds``: ``[T, n_pages]`` fp32 (e.g. from :func:`~dsa_triton.block_scores`), last dim contiguous.
     ``config``: ``{"TILE", "num_warps"}`` (default: the tuning database / the registry default).
     """
-    check_tensor("bounds", bounds, dtype=torch.float32, ndim=2)
-    device = check_kernel_device("bounds", bounds)
     check_positive("n_select", n_select)
-    T, n_pages = bounds.shape
-    shape = {"T": T, "N": n_pages, "SEL": n_select}
-    config = SPEC.launch_config("decode", shape, device) if config is None else SPEC.validate(config, shape)
-    pages = torch.empty(T, n_select, dtype=torch.int32, device=device)
-    if T:
-        _select_pages_kernel[(T,)](bounds, pages, n_pages, n_select, bounds.stride(0), pages.stride(0),
-                                   TILE=config["TILE"], num_warps=config["num_warps"])
-    return pages
+    try:
+        key = (tensor_key(bounds), n_select, config_key(config))
+        launch = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not a tensor, unhashable config: checked below
+        key, launch = None, None
+    if launch is None:
+        check_tensor("bounds", bounds, dtype=torch.float32, ndim=2)
+        device = check_kernel_device("bounds", bounds)
+        launch = SelectLaunch(*bounds.shape, n_select, bounds.stride(0), device, config)
+        if key is not None:
+            _PLANS.put(key, launch)
+    return launch(bounds)
 
 
 # -- registry entry -------------------------------------------------------------------------------

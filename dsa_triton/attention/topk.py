@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor, config_key, tensor_key
+from ..checks import (PlanCache, check_kernel_device, check_positive, check_tensor, config_key, exact_ints,
+                      tensor_key)
 from ..hostmath import cdiv
 from ..registry import Cost
 from . import topk_reference
@@ -508,7 +509,7 @@ def topk_indices(
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors, unhashable config: the checks below name the argument
         key, plan = None, None
-    if plan is None or not _valid_scalars(k, page_size, num_pages):
+    if plan is None or not exact_ints(k, page_size, num_pages):
         plan = _checked_plan(scores, k, lengths, block_table, page_size, row_to_seq, num_pages, out, config)
         if key is not None:
             _PLANS.put(key, plan)
@@ -522,11 +523,6 @@ def topk_indices(
 
 
 _PLANS = PlanCache()
-
-
-def _valid_scalars(k, page_size, num_pages) -> bool:
-    """Integers where the key holds them (``2048.0`` or ``True`` hash like ``2048`` or ``1``)."""
-    return all(v is None or type(v) is int for v in (k, page_size, num_pages))
 
 
 def _checked_plan(scores, k, lengths, block_table, page_size, row_to_seq, num_pages, out, config) -> _Plan:
