@@ -91,10 +91,10 @@ class ModelConfig:
 
 def tiny_config(**overrides) -> ModelConfig:
     """A tiny model that runs in the Triton interpreter: 3 layers (1 dense), 4 heads, 6 experts top-2,
-    indexer 2 heads x 32 with top-k 8 (so a prompt of more than 8 tokens really drops some)."""
+    indexer 8 heads x 32 with top-k 8 (so a prompt of more than 8 tokens really drops some)."""
     values = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=96,
                   num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
                   v_head_dim=16, n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2,
                   moe_intermediate_size=32, n_group=3, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-                  index_n_heads=2, index_head_dim=32, index_topk=8, rms_norm_eps=1e-6, rope_theta=10000.0)
+                  index_n_heads=8, index_head_dim=32, index_topk=8, rms_norm_eps=1e-6, rope_theta=10000.0)
     return ModelConfig(**{**values, **overrides})

@@ -1,0 +1,212 @@
+"""The model runner on a tiny random DeepSeek-V3.2-style model (CPU, Triton interpreter, fp16 activations).
+
+Kernel mode vs reference mode: every op of a kernel-mode generation is also run through its reference on the
+same inputs (append exact, indexer logits, top-k score sets, attention and MoE close), and the two modes
+generate the same greedy tokens end to end. (End to end, a 1-ulp fp16 difference can move an FP8 indexer key
+across a rounding edge and swap a near-tied top-k entry, after which the two trajectories legitimately
+differ: the checkpoint seed below gives a trajectory without such a swap; the per-op check is the strict one.)
+"""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from dsa_triton.moe.mxfp4_reference import mxfp4_quantize_torch
+from model_runner import (CacheManager, ModelConfig, SamplingParams, build_engine, load_checkpoint,
+                          save_random_checkpoint, tiny_config)
+from model_runner.loader import random_tensors
+from model_runner.ops import KernelOps, ReferenceOps
+
+CONFIG = tiny_config()
+PROMPTS = [list(range(1, 20)), [5, 4, 3], list(range(30, 60, 2)), [7] * 11]  # 19, 3, 15, 11 tokens; top-k 8
+SEED = 2
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ckpt")
+    save_random_checkpoint(CONFIG, folder, mxfp4=True, shards=2, seed=SEED)
+    return folder
+
+
+def engine(folder, mode="kernel", **kwargs):
+    kwargs = {"num_pages": 24, "page_size": 16, "max_seqs": 4, "max_seq_len": 64, "max_num_batched_tokens": 16,
+              "poison": True, **kwargs}
+    return build_engine(CONFIG, folder, mode=mode, dtype=torch.float16, device="cpu", **kwargs)
+
+
+def record_logits(eng):
+    """Wrap ``eng.model.forward`` to keep every step's logits."""
+    logs, forward = [], eng.model.forward
+    eng.model.forward = lambda *args: logs.append(forward(*args)) or logs[-1]
+    return logs
+
+
+class CheckedOps:
+    """Kernel ops whose results are checked against the references on the same inputs (returns the kernels')."""
+    name, counts = "checked", {}
+
+    @classmethod
+    def _seen(cls, op):
+        cls.counts[op] = cls.counts.get(op, 0) + 1
+
+    @classmethod
+    def append(cls, cache, kv, index_k, batch):
+        before = [t.clone() for t in (cache.kv, cache.ik, cache.ik_scale, cache.summaries)]
+        KernelOps.append(cache, kv, index_k, batch)
+        ref = type("Storage", (), dict(zip(("kv", "ik", "ik_scale", "summaries"), before)))
+        ReferenceOps.append(ref, kv, index_k, batch)
+        for a, b in zip((cache.kv, cache.ik, cache.ik_scale, cache.summaries), before):
+            assert torch.equal(a.float().nan_to_num(7.0), b.float().nan_to_num(7.0))
+        cls._seen("append")
+
+    @classmethod
+    def indexer_logits(cls, q8, w, cache, batch):
+        out = KernelOps.indexer_logits(q8, w, cache, batch)
+        torch.testing.assert_close(out, ReferenceOps.indexer_logits(q8, w, cache, batch), rtol=1e-5, atol=1e-5)
+        cls._seen("indexer_logits")
+        return out
+
+    @classmethod
+    def topk(cls, scores, k, page_size, batch):
+        slots = KernelOps.topk(scores, k, page_size, batch)
+        ref = ReferenceOps.topk(scores, k, page_size, batch)
+        got, want = (_slot_scores(scores, batch, s, page_size).sort(1).values for s in (slots, ref))
+        assert torch.equal(got, want)  # the same multiset of scores (ties may pick either position)
+        if scores.shape[1] > k:
+            cls._seen("topk dropping tokens")
+        return slots
+
+    @classmethod
+    def attention(cls, q, kv_cache, slots, sm_scale, d_v, decode):
+        out = KernelOps.attention(q, kv_cache, slots, sm_scale, d_v, decode)
+        ref = ReferenceOps.attention(q, kv_cache, slots, sm_scale, d_v, decode)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=3e-3, atol=3e-3)
+        cls._seen("decode attention" if decode else "prefill attention")
+        return out
+
+    @classmethod
+    def moe(cls, x, *args, **kwargs):
+        out = KernelOps.moe(x, *args, **kwargs)
+        ref = ReferenceOps.moe(x, *args, **kwargs).float()
+        torch.testing.assert_close(out.float(), ref, rtol=3e-3, atol=3e-3 * ref.abs().max().item())
+        cls._seen("moe")
+        return out
+
+
+def _slot_scores(scores, batch, slots, page_size):
+    """Score of each chosen physical slot ``slots[T, k]`` (-inf for -1), through the row's block table."""
+    table = batch.block_table[batch.row_to_seq.long()].long()  # [T, max_pages]
+    slots = slots.long()
+    page_column = (table[:, :, None] == (slots // page_size)[:, None, :]).long().argmax(1)  # [T, k]
+    chosen = scores.gather(1, (page_column * page_size + slots % page_size).clamp(max=scores.shape[1] - 1))
+    return chosen.where(slots >= 0, float("-inf"))
+
+
+def test_config_parsing(tmp_path):
+    hf = {**dataclasses.asdict(CONFIG), "model_type": "deepseek_v32", "scoring_func": "sigmoid",
+          "rope_scaling": {"type": "yarn", "factor": 40}}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert ModelConfig.from_json(tmp_path / "config.json") == CONFIG
+    assert CONFIG.latent_dim == 48 and CONFIG.qk_head_dim == 32 and not CONFIG.is_moe_layer(0)
+    with pytest.raises(ValueError, match="index_topk"):
+        ModelConfig.from_dict({k: v for k, v in hf.items() if k != "index_topk"})
+    with pytest.raises(ValueError, match="hidden_size"):
+        tiny_config(hidden_size=-1)
+
+
+@pytest.mark.parametrize("mxfp4", [True, False])
+def test_checkpoint_round_trip(tmp_path, mxfp4):
+    save_random_checkpoint(CONFIG, tmp_path, mxfp4=mxfp4, shards=3, seed=5)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 3
+    weights = load_checkpoint(tmp_path, ModelConfig.from_json(tmp_path / "config.json"), torch.float16, "cpu")
+    saved = random_tensors(CONFIG, mxfp4=False, seed=5)  # the same random draw, experts unquantized
+    assert torch.equal(weights["model.layers.0.self_attn.kv_b_proj.weight"],
+                       saved["model.layers.0.self_attn.kv_b_proj.weight"].half())
+    assert weights["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    p = "model.layers.2.mlp.experts."
+    gate_up = torch.stack([torch.cat([saved[f"{p}{e}.gate_proj.weight"], saved[f"{p}{e}.up_proj.weight"]])
+                           for e in range(CONFIG.n_routed_experts)])
+    blocks, scales = mxfp4_quantize_torch(gate_up.float())  # bf16 experts are quantized at load, bit-identically
+    assert torch.equal(weights[p + "gate_up_blocks"], blocks) and torch.equal(weights[p + "gate_up_scales"], scales)
+    assert weights[p + "down_blocks"].shape == (6, 64, 1, 16)
+
+
+def test_checkpoint_rejects_bad_experts(tmp_path):
+    from safetensors.torch import load_file, save_file
+    save_random_checkpoint(CONFIG, tmp_path, mxfp4=True, shards=2, seed=1)
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    shard = tmp_path / json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(shard)
+    good = tensors[name].clone()
+    tensors[name][3, 5, 0] = 0xFF
+    save_file(tensors, shard)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.down_proj_scales: block \(3, 5, 0\)"):
+        load_checkpoint(tmp_path, CONFIG, torch.float16, "cpu")
+    tensors[name] = good[:, :-1].contiguous()
+    save_file(tensors, shard)
+    with pytest.raises(ValueError, match=f"tensor {name} has shape"):
+        load_checkpoint(tmp_path, CONFIG, torch.float16, "cpu")
+
+
+def test_kernel_mode_matches_reference_mode(checkpoint):
+    """A batch of prompts (19, 3, 15 and 11 tokens; top-k 8), chunked prefill (16 tokens a step) and decode."""
+    params = SamplingParams(max_new_tokens=5)
+    kernel = engine(checkpoint)
+    kernel.model.ops = CheckedOps
+    kernel_logits = record_logits(kernel)
+    kernel_out = kernel.generate(PROMPTS, params, progress=False)
+    assert {"append", "indexer_logits", "topk dropping tokens", "prefill attention", "decode attention",
+            "moe"} <= set(CheckedOps.counts)
+    reference = engine(checkpoint, mode="reference")
+    reference_logits = record_logits(reference)
+    assert reference.generate(PROMPTS, params, progress=False) == kernel_out
+    assert [k for k, _ in kernel.steps] == ["prefill"] * 3 + ["decode"] * 4
+    for a, b in zip(kernel_logits, reference_logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=3e-2)
+
+
+def test_chunked_prefill_equals_one_shot(checkpoint):
+    prompts, params = PROMPTS[:1] + PROMPTS[2:3], SamplingParams(max_new_tokens=3)
+    chunked, one_shot = engine(checkpoint, max_num_batched_tokens=5), engine(checkpoint, max_num_batched_tokens=64)
+    logs_chunked, logs_one_shot = record_logits(chunked), record_logits(one_shot)
+    assert chunked.generate(prompts, params, progress=False) == one_shot.generate(prompts, params, progress=False)
+    assert len(chunked.steps) == 7 + 2 and len(one_shot.steps) == 1 + 2
+    # the first tokens: prompt 0 completes in chunked step 4, prompt 1 in step 7 (5 tokens a step)
+    torch.testing.assert_close(logs_chunked[3][0], logs_one_shot[0][0], rtol=0, atol=1e-2)
+    torch.testing.assert_close(logs_chunked[6][0], logs_one_shot[0][1], rtol=0, atol=1e-2)
+
+
+def test_finished_sequences_free_their_pages(checkpoint):
+    eng = engine(checkpoint, mode="reference", max_num_batched_tokens=64)
+    probe = eng.generate([PROMPTS[1]], SamplingParams(max_new_tokens=4), progress=False)[0]
+    eos = probe[1]  # greedy: the second token of prompt 1 ends it early
+    params = [SamplingParams(max_new_tokens=2), SamplingParams(max_new_tokens=4, eos_token_id=eos),
+              SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9)]
+    total = eng.cache.allocator.num_free
+    for prompt, p in zip(PROMPTS, params):
+        eng.add(prompt, p)
+    free, finished = [], []
+    while eng.waiting or eng.running:
+        finished += [len(s.output) for s in eng.step()]
+        free.append(eng.cache.allocator.num_free)
+    assert finished == [2, 2, 6, 6]  # the eos sequence stops at its eos token
+    reserved = [-(-(len(prompt) + p.max_new_tokens) // 16) for prompt, p in zip(PROMPTS, params)]
+    assert free[0] == total - sum(reserved)  # one prefill step admits all four
+    assert sorted(set(free)) == sorted({total - sum(reserved), total - reserved[2] - reserved[3], total})
+    assert free[-1] == total and not eng.cache._pages
+
+
+def test_seeded_sampling_repeats(checkpoint):
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, top_p=0.8)
+    runs = [engine(checkpoint, mode="reference", seed=s).generate(PROMPTS[:2], params, progress=False)
+            for s in (3, 3, 4)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_cli_runs_tiny_random_model(capsys):
+    from model_runner.__main__ import main
+    assert main(["--prompts", "1,2,3", "--max-new-tokens", "2", "--mode", "reference"]) == 0
+    assert capsys.readouterr().out.startswith("1,2,3 -> ")
