@@ -197,12 +197,15 @@ def test_bad_inputs():
         ("indices", dict(indices=idx[None])),
         ("d_v", dict(d_v=D + 1)),
         ("d_v", dict(d_v=0)),
+        ("d_v", dict(d_v=float(DV))),  # hashes like DV: must not hit the plan of the valid call below
         ("sm_scale", dict(sm_scale=float("nan"))),
+        ("sm_scale", dict(sm_scale=True)),
         ("sm_scale", dict(sm_scale="0.1")),
         ("block_table", dict(block_table=table.float())),
         ("block_table", dict(block_table=table[:1])),
         ("BLOCK_H", dict(config={**CFG, "BLOCK_H": 48})),
     ]
+    dt.sparse_attention_decode(**ok)  # valid: its checked plan is cached, and must not serve the calls below
     for name, change in cases:
         args = {**ok, **change}
         with pytest.raises(ValueError, match=name):

@@ -20,11 +20,12 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
 from .. import registry
-from ..checks import check_kernel_device, check_positive, check_tensor
+from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor, config_key, exact_ints, tensor_key
 from .sparse_attention_kernels import logical_to_slots, sparse_attention_fwd
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -33,9 +34,9 @@ DECODE = "sparse_attention_decode"
 PREFILL = "sparse_attention_prefill"
 
 
-def _check_common(q: torch.Tensor, kv_cache: torch.Tensor, sm_scale: float, d_v: int,
-                  block_table: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    """Checks shared by both ops; returns the flat cache ``[num_slots, D]`` and the page size (1 without pages)."""
+def _check_common(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int,
+                  block_table: torch.Tensor | None) -> int:
+    """Checks shared by both ops; returns the page size (1 without pages)."""
     device = check_kernel_device("q", q)
     D = q.shape[-1]
     check_tensor("kv_cache", kv_cache, dtype=q.dtype, device=device)
@@ -49,14 +50,11 @@ def _check_common(q: torch.Tensor, kv_cache: torch.Tensor, sm_scale: float, d_v:
         raise ValueError(f"kv_cache: at most 2**31 - 1 rows (slots are int32), got {kv_cache.shape[:-1].numel()}")
     if isinstance(d_v, bool) or not isinstance(d_v, int) or not 0 < d_v <= D:
         raise ValueError(f"d_v: must be an integer in [1, {D}] (D = q.shape[-1]), got {d_v!r}")
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real) or not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale: must be a finite real number, got {sm_scale!r}")
     if block_table is not None:
         check_tensor("block_table", block_table, dtype=INDEX_DTYPES, ndim=2, device=device)
         if kv_cache.dim() != 3:
             raise ValueError("kv_cache: a block_table needs the paged form [num_pages, P, D] (for the page size)")
-    page_size = kv_cache.shape[1] if kv_cache.dim() == 3 else 1
-    return (kv_cache.flatten(0, 1) if kv_cache.dim() == 3 else kv_cache), page_size
+    return kv_cache.shape[1] if kv_cache.dim() == 3 else 1
 
 
 def _check_index_range(indices: torch.Tensor, block_table: torch.Tensor | None, bt_div: int, num_slots: int,
@@ -84,19 +82,50 @@ def _validated(kernel: str, config: tuple, shape: tuple) -> dict:
     return registry.get(kernel).validate(dict(config), dict(shape))
 
 
-def _attend(kernel: str, shape: dict[str, int], q4: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
-            block_table: torch.Tensor | None, bt_div: int, page_size: int, d_v: int, sm_scale: float,
-            config: dict | None, check_indices: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_config(kernel: str, shape: dict[str, int], device: torch.device, config: dict | None) -> dict:
     if config is None:
         spec = registry.get(kernel)
-        config = spec.launch_config(spec.phases[0], shape, q4.device)
-    else:
-        config = _validated(kernel, tuple(config.items()), tuple(shape.items()))
+        return spec.launch_config(spec.phases[0], shape, device)
+    return _validated(kernel, tuple(config.items()), tuple(shape.items()))
+
+
+def _attend(plan: "_Plan", q4: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, block_table: torch.Tensor | None,
+            sm_scale: float, check_indices: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if check_indices and idx.numel():
-        _check_index_range(idx, block_table, bt_div, kv.shape[0], page_size)
+        _check_index_range(idx, block_table, plan.bt_div, kv.shape[0], plan.page_size)
     if block_table is not None:
-        idx = logical_to_slots(idx, block_table, bt_div, page_size, kv.shape[0] // page_size)
-    return sparse_attention_fwd(q4, kv, idx, d_v, float(sm_scale), config)
+        idx = logical_to_slots(idx, block_table, plan.bt_div, plan.page_size, kv.shape[0] // plan.page_size)
+    out, lse = sparse_attention_fwd(q4, kv, idx, plan.d_v, float(sm_scale), plan.config)
+    return (out, lse) if plan.out_shape is None else (out.view(plan.out_shape), lse.view(plan.out_shape[:-1]))
+
+
+class _Plan(NamedTuple):
+    """What an op's checks and its launch config work out from the arguments' metadata."""
+
+    config: dict
+    d_v: int
+    bt_div: int  # index row r reads block-table row r // bt_div
+    page_size: int
+    per_token: bool  # decode with [B, S, k] indices: run as B * S one-token sequences
+    out_shape: tuple[int, ...] | None  # the view the op returns (lse: all but the last dim); None: as launched
+
+
+_PLANS = PlanCache()
+
+
+def _plan_key(q, kv_cache, indices, block_table, d_v, config, op: str):
+    """The cache key of a call, or None when its arguments cannot be cached (the checks then name them)."""
+    if not exact_ints(d_v):
+        return None
+    try:
+        return tensor_key(q, kv_cache, indices, block_table), d_v, config_key(config), op
+    except (AttributeError, TypeError):
+        return None
+
+
+def _check_sm_scale(sm_scale) -> None:
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real) or not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale: must be a finite real number, got {sm_scale!r}")
 
 
 def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
@@ -119,12 +148,28 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
     Returns:
         ``out`` ``[B, (S,) Hq, d_v]`` in q's dtype and ``lse`` ``[B, (S,) Hq]`` fp32 (natural log).
     """
+    _check_sm_scale(sm_scale)
+    key = _plan_key(q, kv_cache, indices, block_table, d_v, config, DECODE)
+    plan = None if key is None else _PLANS.get(key)
+    if plan is None:
+        plan = _checked_decode_plan(q, kv_cache, indices, block_table, d_v, config)
+        if key is not None:
+            _PLANS.put(key, plan)
+    kv = kv_cache.flatten(0, 1) if kv_cache.dim() == 3 else kv_cache
+    if plan.per_token:
+        B, S = indices.shape[:2]
+        q4, idx = q.reshape(B * S, 1, *q.shape[2:]), indices.reshape(B * S, -1)
+    else:
+        q4, idx = (q if q.dim() == 4 else q[:, None]), indices
+    return _attend(plan, q4, kv, idx, block_table, sm_scale, check_indices)
+
+
+def _checked_decode_plan(q, kv_cache, indices, block_table, d_v, config) -> _Plan:
     check_tensor("q", q, dtype=DTYPES)
     if q.dim() not in (3, 4):
         raise ValueError(f"q: expected [B, Hq, D] or [B, S, Hq, D], got shape {tuple(q.shape)}")
-    q4 = q if q.dim() == 4 else q[:, None]
-    B, S, H, D = q4.shape
-    kv, page_size = _check_common(q, kv_cache, sm_scale, d_v, block_table)
+    B, S, H, D = q.shape if q.dim() == 4 else (q.shape[0], 1, *q.shape[1:])
+    page_size = _check_common(q, kv_cache, d_v, block_table)
     check_tensor("indices", indices, dtype=INDEX_DTYPES, device=q.device)
     per_token = indices.dim() == 3
     if indices.dim() not in (2, 3) or indices.shape[:-1] != ((B, S) if per_token else (B,)):
@@ -133,15 +178,10 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
     check_positive("indices.shape[-1] (k)", indices.shape[-1])
     if block_table is not None and block_table.shape[0] != B:
         raise ValueError(f"block_table: expected {B} rows (one per sequence), got shape {tuple(block_table.shape)}")
-    if per_token:
-        q4, idx, bt_div, rows, tile = q4.reshape(B * S, 1, H, D), indices.reshape(B * S, -1), S, B * S, 1
-    else:
-        idx, bt_div, rows, tile = indices, 1, B, S
-    shape = {"B": rows, "S": tile, "H": H, "D": D, "Dv": d_v, "k": idx.shape[1]}
-    out, lse = _attend(DECODE, shape, q4, kv, idx, block_table, bt_div, page_size, d_v, sm_scale, config,
-                       check_indices)
-    out, lse = out.view(B, S, H, d_v), lse.view(B, S, H)
-    return (out[:, 0], lse[:, 0]) if q.dim() == 3 else (out, lse)
+    rows, tile, bt_div = (B * S, 1, S) if per_token else (B, S, 1)
+    shape = {"B": rows, "S": tile, "H": H, "D": D, "Dv": d_v, "k": indices.shape[-1]}
+    out_shape = (B, S, H, d_v) if per_token else (B, H, d_v) if q.dim() == 3 else None
+    return _Plan(_launch_config(DECODE, shape, q.device, config), d_v, bt_div, page_size, per_token, out_shape)
 
 
 def sparse_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
@@ -161,18 +201,28 @@ def sparse_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: t
     Returns:
         ``out`` ``[T, Hq, d_v]`` in q's dtype and ``lse`` ``[T, Hq]`` fp32 (natural log).
     """
+    _check_sm_scale(sm_scale)
+    key = _plan_key(q, kv_cache, indices, block_table, d_v, config, PREFILL)
+    plan = None if key is None else _PLANS.get(key)
+    if plan is None:
+        plan = _checked_prefill_plan(q, kv_cache, indices, block_table, d_v, config)
+        if key is not None:
+            _PLANS.put(key, plan)
+    kv = kv_cache.flatten(0, 1) if kv_cache.dim() == 3 else kv_cache
+    if block_table is not None:
+        block_table = block_table.expand(q.shape[0], -1)
+    return _attend(plan, q[:, None], kv, indices, block_table, sm_scale, check_indices)
+
+
+def _checked_prefill_plan(q, kv_cache, indices, block_table, d_v, config) -> _Plan:
     check_tensor("q", q, dtype=DTYPES, ndim=3)
     T, H, D = q.shape
-    kv, page_size = _check_common(q, kv_cache, sm_scale, d_v, block_table)
+    page_size = _check_common(q, kv_cache, d_v, block_table)
     check_tensor("indices", indices, dtype=INDEX_DTYPES, ndim=2, device=q.device)
     if indices.shape[0] != T:
         raise ValueError(f"indices: expected [T, k] = [{T}, k], got shape {tuple(indices.shape)}")
     check_positive("indices.shape[1] (k)", indices.shape[1])
-    if block_table is not None:
-        if block_table.shape[0] not in (1, T):
-            raise ValueError(f"block_table: expected 1 or {T} rows (T), got shape {tuple(block_table.shape)}")
-        block_table = block_table.expand(T, -1)
+    if block_table is not None and block_table.shape[0] not in (1, T):
+        raise ValueError(f"block_table: expected 1 or {T} rows (T), got shape {tuple(block_table.shape)}")
     shape = {"T": T, "H": H, "D": D, "Dv": d_v, "k": indices.shape[1]}
-    out, lse = _attend(PREFILL, shape, q[:, None], kv, indices, block_table, 1, page_size, d_v, sm_scale, config,
-                       check_indices)
-    return out.view(T, H, d_v), lse.view(T, H)
+    return _Plan(_launch_config(PREFILL, shape, q.device, config), d_v, 1, page_size, False, (T, H, d_v))
