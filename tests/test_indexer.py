@@ -141,3 +141,30 @@ def test_bad_inputs():
     k8, scale = cache.ik.view(-1, 32)[16:40], cache.ik_scale.view(-1)[16:40]
     with pytest.raises(ValueError, match="^limits: key_starts"):
         dt.indexer_logits(q, w, k8, scale, limits, cu_seqlens_q=cu, key_starts=torch.tensor([0, 22], dtype=torch.int32))
+
+
+def test_cached_plan_of_the_fast_path():
+    """Value checks off with the sizes given: the checked plan is cached; repeated calls give the checked
+    answer into fresh (poisoned) outputs, with the key_starts / cu it made or the caller's new ones, and
+    bad scalars or other metadata still raise."""
+    g = torch.Generator().manual_seed(4)
+    k8, scale = fp8_quantize_rows(torch.randn(60, 32, generator=g))
+    limits, cu = decode_rows([30, 30], [2, 1])
+    q, w = random_queries(3, 8, 32, g)
+    starts = torch.tensor([0, 30], dtype=torch.int32)
+    fast = dict(num_cols=30, max_q=2, check_values=False)
+    for kw in (dict(cu_seqlens_q=cu, key_starts=starts), dict(cu_seqlens_q=cu)):
+        ref = dt.indexer_logits(q, w, k8, scale, limits, **kw)
+        for _ in range(2):
+            with poisoned_allocations():
+                assert torch.equal(dt.indexer_logits(q, w, k8, scale, limits, **kw, **fast), ref)
+    other = torch.tensor([30, 0], dtype=torch.int32)  # same metadata, other values: the call's own tensor is used
+    ref = dt.indexer_logits(q, w, k8, scale, limits, cu_seqlens_q=cu, key_starts=other)
+    assert torch.equal(dt.indexer_logits(q, w, k8, scale, limits, cu_seqlens_q=cu, key_starts=other, **fast), ref)
+    one = dict(num_cols=30, check_values=False)  # one sequence, no cu
+    assert torch.equal(dt.indexer_logits(q[:2], w[:2], k8, scale, limits[:2], **one),
+                       dt.indexer_logits(q[:2], w[:2], k8, scale, limits[:2], num_cols=30))
+    for name, bad in (("num_cols", dict(num_cols=30.0)), ("max_q", dict(max_q=2.0)), ("q", dict(q=q.view(torch.uint8)))):
+        args = {"q": q, **fast, **bad}
+        with pytest.raises(ValueError, match=f"^{name}"):
+            dt.indexer_logits(args.pop("q"), w, k8, scale, limits, cu_seqlens_q=cu, **args)

@@ -221,7 +221,8 @@ def _checked_path_plan(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens
     config = _path_config(config, rows, block_table, P)
     return (_bound_launch(rows, q, weights, pmax, block_table, P, n_pages, config),
             SelectLaunch(rows.T, n_pages, n_select, n_pages, rows.device),
-            _selected_launch(rows, q, weights, k, block_table, n_select, config), rows.cu)
+            _selected_launch(rows, q, weights, k, block_table, n_select, config),
+            rows.cu if cu_seqlens_q is None else None)  # no caller's tensor
 
 
 # -- registry entry: the block-level path, timed against the token-level path ---------------------

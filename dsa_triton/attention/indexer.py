@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .. import registry
 from ..registry import Cost, KernelSpec
+from ..checks import PlanCache, config_key, exact_ints, tensor_key
 from ..runtime import interpreting
 from . import indexer_reference
 from ..hostmath import cdiv, next_pow2
@@ -266,6 +267,36 @@ def indexer_logits(
             the device (CUDA-graph safe). Shapes, dtypes and devices are always checked.
         config: launch parameters (default: the tuning database / the registry default).
     """
+    key = plan = None
+    if not check_values and exact_ints(num_cols, max_q) and num_cols is not None and (
+            cu_seqlens_q is None or max_q is not None):
+        try:  # the plan needs no device value: cache it
+            key = (tensor_key(q, weights, k, k_scale, limits, cu_seqlens_q, block_table, seq_lens, key_starts),
+                   num_cols, max_q, config_key(config))
+            plan = _PLANS.get(key)
+        except (AttributeError, TypeError):  # checked below, which names the argument
+            key = None
+    if plan is None:
+        plan = _checked_plan(q, weights, k, k_scale, limits, cu_seqlens_q, block_table, seq_lens, key_starts, num_cols,
+                             max_q, check_values, config)
+        if key is not None:
+            _PLANS.put(key, plan)
+    launch, cu, starts = plan
+    cu = cu if cu_seqlens_q is None else cu_seqlens_q.contiguous()
+    starts = starts if key_starts is None else key_starts.contiguous()
+    out = torch.empty(launch.shape, dtype=torch.float32, device=q.device)
+    return launch(q, weights, k, k, k_scale, out, cu, limits, cu, cu if block_table is None else block_table,
+                  cu if starts is None else starts, cu)
+
+
+_PLANS = PlanCache()
+
+
+def _checked_plan(q, weights, k, k_scale, limits, cu_seqlens_q, block_table, seq_lens, key_starts, num_cols, max_q,
+                  check_values, config) -> tuple:
+    """Every check of :func:`indexer_logits` (the value checks in one transfer); returns its launch and the
+    ``cu`` / ``key_starts`` it made for absent ones."""
+    key_starts_given = key_starts
     rows = check_queries(q, weights, limits, cu_seqlens_q, max_q, check_values)
     if block_table is not None:
         if key_starts is not None:
@@ -283,9 +314,12 @@ def indexer_logits(
         config = SPEC.launch_config(phase, shape, rows.device)
     else:
         SPEC.validate(config, shape)
-    out = torch.empty(rows.T, L, dtype=torch.float32, device=rows.device)
-    return launch_logits(DENSE, q, weights, k, k_scale, out, limits, rows.cu, rows.max_q, config=config,
-                         page_size=max(P, 1), block_table=block_table, key_starts=key_starts)
+    strides = (q.stride(0), q.stride(1), weights.stride(0), k.stride(-2),
+               block_table.stride(0) if block_table is not None else 0, L, 0)
+    launch = LogitsLaunch(DENSE, rows.T, rows.H, rows.DK, rows.B, rows.max_q, L, strides, config, max(P, 1),
+                          paged=block_table is not None)
+    made_starts = block_table is None and key_starts_given is None
+    return launch, rows.cu if cu_seqlens_q is None else None, key_starts if made_starts else None  # no caller's tensor
 
 
 # -- registry entry -------------------------------------------------------------------------------
