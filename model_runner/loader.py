@@ -110,25 +110,31 @@ def _take(tensors: dict, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return t
 
 
-def _experts(config: ModelConfig, layer: int, tensors: dict, device) -> dict[str, torch.Tensor]:
-    """One MoE layer's experts as MXFP4 (``gate_up_blocks`` ... ``down_scales``): validated or quantized at load."""
-    out = {}
-    stacked = mxfp4_shapes(config, layer)
-    if next(iter(stacked)) in tensors:
-        names = list(stacked)
-        for proj, blocks, scales in (("gate_up", names[0], names[1]), ("down", names[2], names[3])):
-            b, s = _take(tensors, blocks, stacked[blocks]), _take(tensors, scales, stacked[scales])
-            validate_mxfp4(blocks[: -len("_blocks")], b, s)  # a 0xFF scale names the tensor
-            out[proj + "_blocks"], out[proj + "_scales"] = b.to(device), s.to(device)
-        return out
+def stack_experts(config: ModelConfig, layer: int, get) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's bf16 experts stacked: ``gate_up [E, 2I, D]`` (gate rows, then up rows), ``down [E, D, I]``;
+    ``get(name)`` returns the tensor of a checkpoint name."""
     p = f"model.layers.{layer}.mlp.experts."
-    shapes = bf16_expert_shapes(config, layer)
-    w = lambda e, proj: _take(tensors, f"{p}{e}.{proj}_proj.weight", shapes[f"{p}{e}.{proj}_proj.weight"])  # noqa: E731
     experts = range(config.n_routed_experts)
-    gate_up = torch.stack([torch.cat([w(e, "gate"), w(e, "up")]) for e in experts])
-    down = torch.stack([w(e, "down") for e in experts])
-    out["gate_up_blocks"], out["gate_up_scales"] = dt.mxfp4_quantize(gate_up.to(device))
-    out["down_blocks"], out["down_scales"] = dt.mxfp4_quantize(down.to(device))
+    gate_up = torch.stack([torch.cat([get(f"{p}{e}.gate_proj.weight"), get(f"{p}{e}.up_proj.weight")])
+                           for e in experts])
+    return gate_up, torch.stack([get(f"{p}{e}.down_proj.weight") for e in experts])
+
+
+def _experts(config: ModelConfig, layer: int, tensors: dict, device) -> dict[str, torch.Tensor]:
+    """One MoE layer's experts as MXFP4 (``gate_up_blocks`` ... ``down_scales``): validated, or quantized at load."""
+    stacked = mxfp4_shapes(config, layer)
+    out = {}
+    if not any(name in tensors for name in stacked):
+        shapes = bf16_expert_shapes(config, layer)
+        for proj, w in zip(("gate_up", "down"), stack_experts(config, layer, lambda n: _take(tensors, n, shapes[n]))):
+            out[proj + "_blocks"], out[proj + "_scales"] = dt.mxfp4_quantize(w.to(device))
+        return out
+    for proj in ("gate_up", "down"):
+        name = f"model.layers.{layer}.mlp.experts.{proj}_proj"
+        blocks = _take(tensors, name + "_blocks", stacked[name + "_blocks"])
+        scales = _take(tensors, name + "_scales", stacked[name + "_scales"])
+        validate_mxfp4(name, blocks, scales)  # a 0xFF scale names the tensor and the block
+        out[proj + "_blocks"], out[proj + "_scales"] = blocks.to(device), scales.to(device)
     return out
 
 
@@ -165,13 +171,9 @@ def random_tensors(config: ModelConfig, mxfp4: bool, seed: int) -> dict[str, tor
         tensors[name] = t.to(torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16)
     if mxfp4:
         for i in range(config.first_k_dense_replace, config.num_hidden_layers):
-            p = f"model.layers.{i}.mlp.experts."
-            experts = range(config.n_routed_experts)
-            pop = lambda e, proj: tensors.pop(f"{p}{e}.{proj}_proj.weight")  # noqa: E731
-            gate_up = torch.stack([torch.cat([pop(e, "gate"), pop(e, "up")]) for e in experts])
-            down = torch.stack([pop(e, "down") for e in experts])
-            for proj, w in (("gate_up", gate_up), ("down", down)):
-                tensors[f"{p}{proj}_proj_blocks"], tensors[f"{p}{proj}_proj_scales"] = mxfp4_quantize_torch(w.float())
+            for proj, w in zip(("gate_up", "down"), stack_experts(config, i, tensors.pop)):
+                p = f"model.layers.{i}.mlp.experts.{proj}_proj"
+                tensors[p + "_blocks"], tensors[p + "_scales"] = mxfp4_quantize_torch(w.float())
     return tensors
 
 
