@@ -18,7 +18,7 @@ import torch
 import triton
 
 from .. import registry
-from ..checks import PlanCache, check_positive, config_key, exact_ints, tensor_key
+from ..checks import PlanCache, check_positive
 from ..registry import Cost, KernelSpec
 from . import block_scores_reference
 from .block_scores_reference import gather_selected_torch, page_bounds_torch, page_summaries_torch
@@ -182,18 +182,14 @@ def block_indexer_logits(
     if max_len is not None:
         check_positive("max_len", max_len)
     key = plan = None
-    if not check_values and max_len is not None and (cu_seqlens_q is None or max_q is not None) and exact_ints(max_q):
-        try:  # the plan needs no device value: cache it (max_len only sizes the bounds, by pages)
-            key = (tensor_key(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens, limits, cu_seqlens_q),
-                   max_q, cdiv(max_len, k.shape[1]), n_select, config_key(config))
-            plan = _PLANS.get(key)
-        except (AttributeError, TypeError, IndexError, ZeroDivisionError):  # checked below, which names the argument
-            key = None
+    if not check_values and max_len is not None and (cu_seqlens_q is None or max_q is not None) and (
+            isinstance(k, torch.Tensor) and k.dim() == 3 and k.shape[1] > 0):  # no device value: cache the plan
+        pages_of_len = cdiv(max_len, k.shape[1])  # all the path takes from max_len
+        key, plan = _PLANS.find((q, weights, k, k_scale, pmax, pmin, block_table, seq_lens, limits, cu_seqlens_q),
+                                (max_q, pages_of_len, n_select), config)
     if plan is None:
-        plan = _checked_path_plan(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens, limits, n_select,
-                                  cu_seqlens_q, max_len, max_q, check_values, config)
-        if key is not None:
-            _PLANS.put(key, plan)
+        plan = _PLANS.put(key, _checked_path_plan(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens, limits,
+                                                  n_select, cu_seqlens_q, max_len, max_q, check_values, config))
     bound_launch, select_launch, selected_launch, cu = plan
     cu = cu if cu_seqlens_q is None else cu_seqlens_q.contiguous()
     bounds = _bounds(bound_launch, cu, q, weights, pmax, pmin, block_table, limits)

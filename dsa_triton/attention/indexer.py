@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .. import registry
 from ..registry import Cost, KernelSpec
-from ..checks import PlanCache, config_key, exact_ints, tensor_key
+from ..checks import PlanCache
 from ..runtime import interpreting
 from . import indexer_reference
 from ..hostmath import cdiv, next_pow2
@@ -268,19 +268,12 @@ def indexer_logits(
         config: launch parameters (default: the tuning database / the registry default).
     """
     key = plan = None
-    if not check_values and exact_ints(num_cols, max_q) and num_cols is not None and (
-            cu_seqlens_q is None or max_q is not None):
-        try:  # the plan needs no device value: cache it
-            key = (tensor_key(q, weights, k, k_scale, limits, cu_seqlens_q, block_table, seq_lens, key_starts),
-                   num_cols, max_q, config_key(config))
-            plan = _PLANS.get(key)
-        except (AttributeError, TypeError):  # checked below, which names the argument
-            key = None
+    if not check_values and num_cols is not None and (cu_seqlens_q is None or max_q is not None):  # no device value
+        key, plan = _PLANS.find((q, weights, k, k_scale, limits, cu_seqlens_q, block_table, seq_lens, key_starts),
+                                (num_cols, max_q), config)
     if plan is None:
-        plan = _checked_plan(q, weights, k, k_scale, limits, cu_seqlens_q, block_table, seq_lens, key_starts, num_cols,
-                             max_q, check_values, config)
-        if key is not None:
-            _PLANS.put(key, plan)
+        plan = _PLANS.put(key, _checked_plan(q, weights, k, k_scale, limits, cu_seqlens_q, block_table, seq_lens,
+                                             key_starts, num_cols, max_q, check_values, config))
     launch, cu, starts = plan
     cu = cu if cu_seqlens_q is None else cu_seqlens_q.contiguous()
     starts = starts if key_starts is None else key_starts.contiguous()

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor, config_key, tensor_key
+from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor
 from ..registry import Cost, KernelSpec
 from . import block_scores_reference
 from .block_scores_reference import select_pages_torch
@@ -104,17 +104,11 @@ def select_pages(bounds: torch.Tensor, n_select: int, *, config: dict | None = N
     ``config``: ``{"TILE", "num_warps"}`` (default: the tuning database / the registry default).
     """
     check_positive("n_select", n_select)
-    try:
-        key = (tensor_key(bounds), n_select, config_key(config))
-        launch = _PLANS.get(key)
-    except (AttributeError, TypeError):  # not a tensor, unhashable config: checked below
-        key, launch = None, None
+    key, launch = _PLANS.find((bounds,), (n_select,), config)
     if launch is None:
         check_tensor("bounds", bounds, dtype=torch.float32, ndim=2)
         device = check_kernel_device("bounds", bounds)
-        launch = SelectLaunch(*bounds.shape, n_select, bounds.stride(0), device, config)
-        if key is not None:
-            _PLANS.put(key, launch)
+        launch = _PLANS.put(key, SelectLaunch(*bounds.shape, n_select, bounds.stride(0), device, config))
     return launch(bounds)
 
 

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from .. import registry
-from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor, config_key, exact_ints, tensor_key
+from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor
 from .sparse_attention_kernels import logical_to_slots, sparse_attention_fwd
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -110,17 +110,7 @@ class _Plan(NamedTuple):
     out_shape: tuple[int, ...] | None  # the view the op returns (lse: all but the last dim); None: as launched
 
 
-_PLANS = PlanCache()
-
-
-def _plan_key(q, kv_cache, indices, block_table, d_v, config, op: str):
-    """The cache key of a call, or None when its arguments cannot be cached (the checks then name them)."""
-    if not exact_ints(d_v):
-        return None
-    try:
-        return tensor_key(q, kv_cache, indices, block_table), d_v, config_key(config), op
-    except (AttributeError, TypeError):
-        return None
+_DECODE_PLANS, _PREFILL_PLANS = PlanCache(), PlanCache()
 
 
 def _check_sm_scale(sm_scale) -> None:
@@ -149,12 +139,9 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
         ``out`` ``[B, (S,) Hq, d_v]`` in q's dtype and ``lse`` ``[B, (S,) Hq]`` fp32 (natural log).
     """
     _check_sm_scale(sm_scale)
-    key = _plan_key(q, kv_cache, indices, block_table, d_v, config, DECODE)
-    plan = None if key is None else _PLANS.get(key)
+    key, plan = _DECODE_PLANS.find((q, kv_cache, indices, block_table), (d_v,), config)
     if plan is None:
-        plan = _checked_decode_plan(q, kv_cache, indices, block_table, d_v, config)
-        if key is not None:
-            _PLANS.put(key, plan)
+        plan = _DECODE_PLANS.put(key, _checked_decode_plan(q, kv_cache, indices, block_table, d_v, config))
     kv = kv_cache.flatten(0, 1) if kv_cache.dim() == 3 else kv_cache
     if plan.per_token:
         B, S = indices.shape[:2]
@@ -202,12 +189,9 @@ def sparse_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: t
         ``out`` ``[T, Hq, d_v]`` in q's dtype and ``lse`` ``[T, Hq]`` fp32 (natural log).
     """
     _check_sm_scale(sm_scale)
-    key = _plan_key(q, kv_cache, indices, block_table, d_v, config, PREFILL)
-    plan = None if key is None else _PLANS.get(key)
+    key, plan = _PREFILL_PLANS.find((q, kv_cache, indices, block_table), (d_v,), config)
     if plan is None:
-        plan = _checked_prefill_plan(q, kv_cache, indices, block_table, d_v, config)
-        if key is not None:
-            _PLANS.put(key, plan)
+        plan = _PREFILL_PLANS.put(key, _checked_prefill_plan(q, kv_cache, indices, block_table, d_v, config))
     kv = kv_cache.flatten(0, 1) if kv_cache.dim() == 3 else kv_cache
     if block_table is not None:
         block_table = block_table.expand(q.shape[0], -1)

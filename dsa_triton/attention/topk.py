@@ -37,8 +37,7 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from ..checks import (PlanCache, check_kernel_device, check_positive, check_tensor, config_key, exact_ints,
-                      tensor_key)
+from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor
 from ..hostmath import cdiv
 from ..registry import Cost
 from . import topk_reference
@@ -504,15 +503,10 @@ def topk_indices(
         a sorted top-k; among equal scores any may be taken. ``-inf`` inside the valid range is a
         valid, lowest score (taken only when fewer than k larger ones exist); NaN ranks as ``-inf``.
     """
-    try:
-        key = (tensor_key(scores, lengths, block_table, row_to_seq, out), k, page_size, num_pages, config_key(config))
-        plan = _PLANS.get(key)
-    except (AttributeError, TypeError):  # not tensors, unhashable config: the checks below name the argument
-        key, plan = None, None
-    if plan is None or not exact_ints(k, page_size, num_pages):
-        plan = _checked_plan(scores, k, lengths, block_table, page_size, row_to_seq, num_pages, out, config)
-        if key is not None:
-            _PLANS.put(key, plan)
+    key, plan = _PLANS.find((scores, lengths, block_table, row_to_seq, out), (k, page_size, num_pages), config)
+    if plan is None:
+        plan = _PLANS.put(key, _checked_plan(scores, k, lengths, block_table, page_size, row_to_seq, num_pages, out,
+                                             config))
     T, L = plan.T, plan.L
     capturing = scores.is_cuda and torch.cuda.is_current_stream_capturing()
     if check_values and not capturing and T > 0:
