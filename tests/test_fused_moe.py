@@ -168,7 +168,12 @@ def test_fused_gemm_bad_inputs_raise_naming_the_argument():
     sort = sort_by_expert(ids, weights, 5)
     blocks, scales = experts_mxfp4(5, 16, 64, seed=0)
     x = torch.randn(2, 64).half()
+    good = cfg(16, 16, 64)
+    fused_moe_gemm(x, sort, blocks, scales, config=good)  # a good call first: its checks are cached, bad calls still raise
+    misaligned = torch.empty(blocks.numel() + 2, dtype=torch.uint8)[2:].view(blocks.shape).copy_(blocks)
     cases = [
+        (lambda: fused_moe_gemm(x, sort, misaligned, scales, config=good), "blocks"),  # same metadata, off by 2 bytes
+        (lambda: fused_moe_gemm(x, sort, blocks, scales, config=good, out_dtype=torch.int32), "out_dtype"),
         (lambda: fused_moe_gemm(x.float(), sort, blocks, scales), "x"),
         (lambda: fused_moe_gemm(x[:, :32], sort, blocks, scales), "x"),
         (lambda: fused_moe_gemm(x, sort, blocks, scales, gather_tokens=False), "x"),

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from ..checks import check_kernel_device, check_tensor
+from ..checks import check_kernel_device, check_tensor, tensor_key
 from ..hostmath import cdiv
 from ..registry import Cost, bucket
 from .fused_moe_reference import fused_moe_gemm_torch
@@ -188,17 +188,38 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
     Returns ``y_sorted [M, N]`` in ``out_dtype``, rows in ``sort``'s expert order. No host sync after the first
     call per scales tensor (its range check), so a warmed-up call can be captured in a CUDA graph.
     """
-    n, k = _check(x, sort, blocks, scales, gather_tokens)
+    try:  # the checks read only metadata: run once per (tensor metadata, sort sizes, gather)
+        key = (tensor_key(x, blocks, scales, sort.expert_offsets), sort.num_experts, sort.num_rows, sort.top_k,
+               bool(gather_tokens))
+        sizes = _CHECKED.get(key) if isinstance(sort, ExpertSort) else None
+    except (AttributeError, TypeError):  # not tensors or not a sort: the checks name the argument
+        key, sizes = None, None
+    if sizes is None:
+        sizes = _check(x, sort, blocks, scales, gather_tokens)
+        if key is not None:
+            _CHECKED.clear() if len(_CHECKED) > 1024 else None
+            _CHECKED[key] = sizes
+    if blocks.data_ptr() % 4:
+        raise ValueError("blocks: the data must be 4-byte aligned (read as int16 pairs)")
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if out_dtype not in (x.dtype, torch.float32):
+    if out_dtype is not x.dtype and out_dtype is not torch.float32:
         raise ValueError(f"out_dtype: expected None, {x.dtype} or torch.float32, got {out_dtype}")
     check_scale_range(scales, fast_path(x))
-    shape = problem_shape(sort, n, k, gather_tokens)
+    shape = problem_shape(sort, *sizes, gather_tokens)
     if config is None:
         config = SPEC.launch_config("decode", shape, x.device)
     else:
         config = _validated(tuple(sorted(config.items())), tuple(sorted(shape.items())))
     return _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype)
+
+
+_CHECKED: dict[tuple, tuple[int, int]] = {}  # _check's (N, K) by tensor metadata, sort sizes and gather
+
+
+@functools.lru_cache(maxsize=1024)
+def _validated(config: tuple, shape: tuple) -> dict:
+    """An explicit config checked once per (config, shape): the decode path's host time is on the clock."""
+    return SPEC.validate(dict(config), dict(shape))
 
 
 _scales_checked: dict[int, tuple] = {}  # id(scales) -> (weakref to it, version, path) once its range was read
@@ -220,12 +241,6 @@ def check_scale_range(scales: torch.Tensor, fast: bool) -> None:
     if len(_scales_checked) > 4096:
         _scales_checked.clear()
     _scales_checked[id(scales)] = (weakref.ref(scales), scales._version, fast)
-
-
-@functools.lru_cache(maxsize=1024)
-def _validated(config: tuple, shape: tuple) -> dict:
-    """An explicit config checked once per (config, shape): the decode path's host time is on the clock."""
-    return SPEC.validate(dict(config), dict(shape))
 
 
 def fast_path(x: torch.Tensor) -> bool:
