@@ -199,3 +199,26 @@ def test_cached_plan_of_the_fast_path(monkeypatch):
         got = dt.block_indexer_logits(*one, 3, max_len=70, max_q=2, check_values=False)
         ref = dt.block_indexer_logits(*one, 3)
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+def test_cached_plans_of_the_step_ops():
+    """block_scores and selected_page_logits with value checks off and sizes given: repeated calls (cached
+    plans) give the checked answers; float sizes still raise."""
+    cache, q, w, limits, cu = problem(16, seed=6)
+    base = (q, w, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens, limits, 16)
+    fast = dict(cu_seqlens_q=cu, max_q=3, check_values=False)
+    bounds = dt.block_scores(*base, cu_seqlens_q=cu, num_cols=5)
+    pages = dt.select_pages(bounds, 2)
+    sel = (q, w, cache.ik, cache.ik_scale, cache.block_table, cache.seq_lens, limits, pages)
+    logits, pos = dt.selected_page_logits(*sel, cu_seqlens_q=cu)
+    for _ in range(2):
+        with poisoned_allocations():
+            assert torch.equal(dt.block_scores(*base, num_cols=5, **fast), bounds)
+            got = dt.selected_page_logits(*sel, **fast)
+        assert torch.equal(got[0], logits) and torch.equal(got[1], pos)
+    with pytest.raises(ValueError, match="^page_size"):
+        dt.block_scores(*base[:7], 16.0, num_cols=5, **fast)
+    with pytest.raises(ValueError, match="^num_cols"):
+        dt.block_scores(*base, num_cols=5.0, **fast)
+    with pytest.raises(ValueError, match="^max_q"):
+        dt.selected_page_logits(*sel, cu_seqlens_q=cu, max_q=3.0, check_values=False)

@@ -76,8 +76,20 @@ def _selected(launch: LogitsLaunch, cu, q, weights, k, k_scale, block_table, lim
     return out, positions
 
 
+def _made_cu(rows: QueryRows, cu_seqlens_q) -> torch.Tensor | None:
+    """The ``cu`` a plan keeps: the one the checks made for ``cu_seqlens_q=None`` (never a caller's tensor)."""
+    return rows.cu if cu_seqlens_q is None else None
+
+
+def _cu(made: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None) -> torch.Tensor:
+    return made if cu_seqlens_q is None else cu_seqlens_q.contiguous()
+
+
+_BOUND_PLANS, _SELECTED_PLANS, _PLANS = PlanCache(), PlanCache(), PlanCache()
+
+
 def _check_page_size(page_size) -> int:
-    if page_size not in PAGE_SIZES or isinstance(page_size, bool):
+    if type(page_size) is not int or page_size not in PAGE_SIZES:  # 16.0 == 16 would reach the launch
         raise ValueError(f"page_size: must be one of {PAGE_SIZES}, got {page_size!r}")
     return page_size
 
@@ -111,14 +123,21 @@ def block_scores(
     On the GPU the summaries enter bf16 tensor-core dots; dequantized FP8 keys are exact in bf16, so
     the bound stays a bound up to fp32 rounding of the sums.
     """
-    rows = check_queries(q, weights, limits, cu_seqlens_q, max_q, check_values)
-    check_summaries(rows, pmax, pmin)
-    P = _check_page_size(page_size)
-    check_block_table(rows, block_table, seq_lens, limits, pmax.shape[0], P)
-    rows.finish(limits, need_max_limit=num_cols is None)
-    n_pages = output_columns(num_cols, cdiv(rows.max_limit, P))
-    launch = _bound_launch(rows, q, weights, pmax, block_table, P, n_pages, _path_config(config, rows, block_table, P))
-    return _bounds(launch, rows.cu, q, weights, pmax, pmin, block_table, limits)
+    key = plan = None
+    if not check_values and num_cols is not None and (cu_seqlens_q is None or max_q is not None):  # no device value
+        key, plan = _BOUND_PLANS.find((q, weights, pmax, pmin, block_table, seq_lens, limits, cu_seqlens_q),
+                                      (num_cols, max_q, page_size), config)
+    if plan is None:
+        rows = check_queries(q, weights, limits, cu_seqlens_q, max_q, check_values)
+        check_summaries(rows, pmax, pmin)
+        P = _check_page_size(page_size)
+        check_block_table(rows, block_table, seq_lens, limits, pmax.shape[0], P)
+        rows.finish(limits, need_max_limit=num_cols is None)
+        n_pages = output_columns(num_cols, cdiv(rows.max_limit, P))
+        config = _path_config(config, rows, block_table, P)
+        plan = _BOUND_PLANS.put(key, (_bound_launch(rows, q, weights, pmax, block_table, P, n_pages, config),
+                                      _made_cu(rows, cu_seqlens_q)))
+    return _bounds(plan[0], _cu(plan[1], cu_seqlens_q), q, weights, pmax, pmin, block_table, limits)
 
 
 def selected_page_logits(
@@ -143,12 +162,19 @@ def selected_page_logits(
     k ``[num_pages, P, DK]`` e4m3, k_scale ``[num_pages, P]`` fp32, pages ``[T, n_sel]`` int32 logical
     page indices (-1 = none, e.g. from :func:`select_pages`); the rest as in :func:`block_scores`.
     """
-    rows = check_queries(q, weights, limits, cu_seqlens_q, max_q, check_values)
-    P = check_paged_keys(rows, k, k_scale, block_table, seq_lens, limits)
-    check_pages(rows, pages, seq_lens, P)
-    rows.finish(limits, need_max_limit=False)
-    launch = _selected_launch(rows, q, weights, k, block_table, pages.shape[1], _path_config(config, rows, block_table, P))
-    return _selected(launch, rows.cu, q, weights, k, k_scale, block_table, limits, pages)
+    key = plan = None
+    if not check_values and (cu_seqlens_q is None or max_q is not None):  # no device value
+        key, plan = _SELECTED_PLANS.find((q, weights, k, k_scale, block_table, seq_lens, limits, pages, cu_seqlens_q),
+                                         (max_q,), config)
+    if plan is None:
+        rows = check_queries(q, weights, limits, cu_seqlens_q, max_q, check_values)
+        P = check_paged_keys(rows, k, k_scale, block_table, seq_lens, limits)
+        check_pages(rows, pages, seq_lens, P)
+        rows.finish(limits, need_max_limit=False)
+        config = _path_config(config, rows, block_table, P)
+        plan = _SELECTED_PLANS.put(key, (_selected_launch(rows, q, weights, k, block_table, pages.shape[1], config),
+                                         _made_cu(rows, cu_seqlens_q)))
+    return _selected(plan[0], _cu(plan[1], cu_seqlens_q), q, weights, k, k_scale, block_table, limits, pages)
 
 
 def block_indexer_logits(
@@ -191,14 +217,11 @@ def block_indexer_logits(
         plan = _PLANS.put(key, _checked_path_plan(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens, limits,
                                                   n_select, cu_seqlens_q, max_len, max_q, check_values, config))
     bound_launch, select_launch, selected_launch, cu = plan
-    cu = cu if cu_seqlens_q is None else cu_seqlens_q.contiguous()
+    cu = _cu(cu, cu_seqlens_q)
     bounds = _bounds(bound_launch, cu, q, weights, pmax, pmin, block_table, limits)
     pages = select_launch(bounds)
     logits, positions = _selected(selected_launch, cu, q, weights, k, k_scale, block_table, limits, pages)
     return (logits, positions, bounds) if return_bounds else (logits, positions)
-
-
-_PLANS = PlanCache()
 
 
 def _checked_path_plan(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens, limits, n_select, cu_seqlens_q,
@@ -217,8 +240,7 @@ def _checked_path_plan(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens
     config = _path_config(config, rows, block_table, P)
     return (_bound_launch(rows, q, weights, pmax, block_table, P, n_pages, config),
             SelectLaunch(rows.T, n_pages, n_select, n_pages, rows.device),
-            _selected_launch(rows, q, weights, k, block_table, n_select, config),
-            rows.cu if cu_seqlens_q is None else None)  # no caller's tensor
+            _selected_launch(rows, q, weights, k, block_table, n_select, config), _made_cu(rows, cu_seqlens_q))
 
 
 # -- registry entry: the block-level path, timed against the token-level path ---------------------
