@@ -55,6 +55,10 @@ class ModelConfig:
                 raise ValueError(f"{f.name}: must be an integer >= 0, got {value!r}")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             raise ValueError(f"first_k_dense_replace: must be in [0, num_hidden_layers = {self.num_hidden_layers}]")
+        for name in ("hidden_size", "moe_intermediate_size"):
+            if getattr(self, name) % 32:
+                raise ValueError(f"{name}: must be a multiple of 32 (the K of an MXFP4 expert GEMM), "
+                                 f"got {getattr(self, name)}")
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > self.index_head_dim:
             raise ValueError(f"qk_rope_head_dim: must be even and at most index_head_dim, got {self.qk_rope_head_dim}")
 

@@ -58,7 +58,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.
             tokens.append(int(row.argmax()))
             continue
         probs, order = torch.softmax(row / p.temperature, dim=-1).sort(descending=True)
-        probs[(probs.cumsum(0) - probs) >= p.top_p] = 0  # keep the smallest prefix reaching top_p
+        if p.top_p < 1:
+            probs[(probs.cumsum(0) - probs) >= p.top_p] = 0  # keep the smallest prefix reaching top_p
         pick = torch.multinomial(probs.cpu(), 1, generator=generator)
         tokens.append(int(order[pick.to(order.device)]))
     return tokens

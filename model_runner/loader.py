@@ -85,23 +85,27 @@ def bf16_expert_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, 
     return shapes
 
 
-def _read_shards(folder: Path) -> dict[str, torch.Tensor]:
-    index_path = folder / INDEX_FILE
-    if not index_path.exists():
-        raise ValueError(f"checkpoint: {index_path} not found")
-    weight_map = json.loads(index_path.read_text())["weight_map"]
-    tensors = {}
-    for shard in sorted(set(weight_map.values())):
-        with safe_open(str(folder / shard), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    missing = sorted(set(weight_map) - set(tensors))
-    if missing:
-        raise ValueError(f"checkpoint: {missing[0]} is in the weight_map but in none of its shards")
-    return tensors
+class Shards:
+    """A checkpoint's tensors by name, read on demand from the shard the index's ``weight_map`` names."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        index_path = self.folder / INDEX_FILE
+        if not index_path.exists():
+            raise ValueError(f"checkpoint: {index_path} not found")
+        self.weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.folder / self.weight_map[name]), framework="pt") as f:
+            if name not in f.keys():
+                raise ValueError(f"checkpoint: tensor {name} is in the weight_map but not in {self.weight_map[name]}")
+            return f.get_tensor(name)
 
 
-def _take(tensors: dict, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _take(tensors: Shards, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     if name not in tensors:
         raise ValueError(f"checkpoint: tensor {name} is missing")
     t = tensors[name]
@@ -120,7 +124,7 @@ def stack_experts(config: ModelConfig, layer: int, get) -> tuple[torch.Tensor, t
     return gate_up, torch.stack([get(f"{p}{e}.down_proj.weight") for e in experts])
 
 
-def _experts(config: ModelConfig, layer: int, tensors: dict, device) -> dict[str, torch.Tensor]:
+def _experts(config: ModelConfig, layer: int, tensors: Shards, device) -> dict[str, torch.Tensor]:
     """One MoE layer's experts as MXFP4 (``gate_up_blocks`` ... ``down_scales``): validated, or quantized at load."""
     stacked = mxfp4_shapes(config, layer)
     out = {}
@@ -141,7 +145,7 @@ def _experts(config: ModelConfig, layer: int, tensors: dict, device) -> dict[str
 def load_checkpoint(folder: str | Path, config: ModelConfig, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
     """Read a checkpoint folder; returns name -> tensor on ``device``: dense tensors in ``dtype`` (routers fp32),
     and per MoE layer ``model.layers.{i}.mlp.experts.{gate_up,down}_{blocks,scales}`` MXFP4."""
-    tensors = _read_shards(Path(folder))
+    tensors = Shards(folder)
     weights = {}
     for name, shape in dense_shapes(config).items():
         t = _take(tensors, name, shape)
@@ -162,7 +166,7 @@ def random_tensors(config: ModelConfig, mxfp4: bool, seed: int) -> dict[str, tor
     tensors = {}
     for name, shape in shapes.items():
         t = torch.randn(shape, generator=g)
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        if name.endswith("norm.weight"):
             t = 1 + 0.1 * t
         elif name.endswith("bias"):
             t = 0.1 * t

@@ -15,6 +15,7 @@ import torch
 from dsa_triton.moe.mxfp4_reference import mxfp4_quantize_torch
 from model_runner import (CacheManager, ModelConfig, SamplingParams, build_engine, load_checkpoint,
                           save_random_checkpoint, tiny_config)
+from model_runner.engine import sample
 from model_runner.loader import random_tensors
 from model_runner.ops import KernelOps, ReferenceOps
 
@@ -112,8 +113,9 @@ def test_config_parsing(tmp_path):
     assert CONFIG.latent_dim == 48 and CONFIG.qk_head_dim == 32 and not CONFIG.is_moe_layer(0)
     with pytest.raises(ValueError, match="index_topk"):
         ModelConfig.from_dict({k: v for k, v in hf.items() if k != "index_topk"})
-    with pytest.raises(ValueError, match="hidden_size"):
-        tiny_config(hidden_size=-1)
+    for bad in ({"hidden_size": -1}, {"moe_intermediate_size": 48}, {"first_k_dense_replace": 4}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            tiny_config(**bad)
 
 
 @pytest.mark.parametrize("mxfp4", [True, False])
@@ -204,6 +206,18 @@ def test_seeded_sampling_repeats(checkpoint):
     runs = [engine(checkpoint, mode="reference", seed=s).generate(PROMPTS[:2], params, progress=False)
             for s in (3, 3, 4)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_sample_greedy_and_top_p():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g) * 3
+    best = logits.argmax(1).tolist()
+    assert sample(logits, [SamplingParams(temperature=0.0)] * 3, g) == best
+    assert sample(logits, [SamplingParams(temperature=1.0, top_p=1e-6)] * 3, g) == best
+    probs, order = logits[0].softmax(0).sort(descending=True)
+    nucleus = set(order[: int((probs.cumsum(0) < 0.7).sum()) + 1].tolist())
+    drawn = {t for _ in range(200) for t in sample(logits[:1], [SamplingParams(temperature=1.0, top_p=0.7)], g)}
+    assert drawn <= nucleus and len(drawn) > 1
 
 
 def test_cli_runs_tiny_random_model(capsys):
