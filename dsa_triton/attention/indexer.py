@@ -205,26 +205,6 @@ class LogitsLaunch:
         return out
 
 
-def launch_logits(mode: int, q, w, k, k_scale, out, limits, cu, max_rows: int, *, config: dict,
-                  page_size: int = 1, block_table=None, key_starts=None, pages=None, k2=None,
-                  positions=None) -> torch.Tensor:
-    """Launch :func:`_logits_kernel` (no argument checks: callers validate). ``out[T, n_cols]`` fp32.
-
-    ``cu[B + 1]`` int32 rows of each sequence; ``max_rows`` the most rows of one sequence.
-    ``k`` is ``[rows, DK]``-addressable with row stride ``k.stride(-2)`` (``pmax`` in BOUND mode,
-    ``k2`` = ``pmin`` with the same strides). SELECTED mode also writes ``positions`` (like ``out``).
-    """
-    strides = (q.stride(0), q.stride(1), w.stride(0), k.stride(-2),
-               block_table.stride(0) if block_table is not None else 0, out.stride(0),
-               pages.stride(0) if pages is not None else 0)
-    launch = LogitsLaunch(mode, out.shape[0], q.shape[1], q.shape[2], cu.shape[0] - 1, max_rows, out.shape[1],
-                          strides, config, page_size, block_table is not None)
-    some = cu
-    return launch(q, w, k, k if k2 is None else k2, some if k_scale is None else k_scale, out,
-                  some if positions is None else positions, limits, cu, some if block_table is None else block_table,
-                  some if key_starts is None else key_starts, some if pages is None else pages)
-
-
 def logits_shape(rows: QueryRows, L: int, P: int) -> tuple[str, dict[str, int]]:
     """Phase and registry shape of a call: decode when every sequence has at most 4 query rows."""
     phase = "decode" if rows.max_q <= MAX_DECODE_ROWS else "prefill"
