@@ -148,4 +148,4 @@ def test_decode_path_runs_no_syncing_op_and_two_launches(monkeypatch, routing, s
     assert y.shape == x.shape
     assert not {op: n for op, n in steady.ops.items() if op in SYNCING_OPS}
     assert len(launches) == 2  # gate_up and down, nothing else launched through Triton
-    assert sum(steady.ops.values()) <= 85  # 82 (DeepSeek routing, shared expert) on 2026-11-30; was 103
+    assert sum(steady.ops.values()) <= 85  # 81 (DeepSeek routing, shared expert) on 2026-11-30; was 103

@@ -93,7 +93,7 @@ def _fused_moe_kernel(
     GATHER: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    expert = tl.load(block_expert_ptr + tl.program_id(0))
+    expert = tl.load(block_expert_ptr + tl.program_id(0) * BLOCK_M)  # a strided view: each block's first position
     if expert < 0:
         return
     Q: tl.constexpr = BLOCK_K // 4  # quarters (int16) per row of a K tile

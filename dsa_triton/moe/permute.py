@@ -24,7 +24,8 @@ class BlockAlignment:
 
     - ``padded_rows [P]`` int32: the sorted row at each padded position, -1 for padding;
     - ``block_expert [P / block_m]`` int32: the expert of each block of ``block_m`` padded rows, -1 for the
-      blocks past the last used one (a kernel launched over all blocks returns at once there).
+      blocks past the last used one (a kernel launched over all blocks returns at once there); a view with
+      stride ``block_m`` into the expert of every padded position (kernels read element ``b * block_m``).
     """
 
     block_m: int
@@ -137,7 +138,7 @@ def align_blocks(sort: ExpertSort, block_m: int) -> BlockAlignment:
     padded = torch.full((2, size), -1, dtype=torch.int32, device=device)  # [sorted row | expert] per position
     padded[0].scatter_(0, position, index_range(sort.num_rows, torch.int32, device))
     padded[1].scatter_(0, position, sort.sorted_expert)
-    return BlockAlignment(block_m, padded[0], padded[1, ::block_m].contiguous())
+    return BlockAlignment(block_m, padded[0], padded[1, ::block_m])
 
 
 def combine_rows(y_sorted: torch.Tensor, sort: ExpertSort, add: torch.Tensor | None = None) -> torch.Tensor:
