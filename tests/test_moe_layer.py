@@ -1,14 +1,11 @@
 """The MoE layer (interpreter): moe_forward against the all-fp32 oracle, path choice, argument checks, and the
 decode path's host work (no syncing op, two launches)."""
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import dsa_triton as dt
 from dsa_triton.moe import fused_moe
-from dsa_triton.moe.layer import PATH, compare_layer, swiglu
+from dsa_triton.moe.layer import PATH, AtenOpCounter, compare_layer, swiglu
 from dsa_triton.moe.layer_reference import moe_forward_torch
 from dsa_triton.moe.mxfp4_reference import mxfp4_quantize_torch
 from dsa_triton.moe.routing import RoutingConfig
@@ -105,24 +102,6 @@ def test_zero_tokens_give_an_empty_output():
     assert y.shape == (0, 64) and y.dtype == torch.float16
 
 
-class _OpCounter(TorchDispatchMode):
-    """Counts the aten ops run inside the block, by overload packet name."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
-# ops that read device memory on the host (a sync on CUDA) or give data-dependent shapes (not capturable)
-SYNCING_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique", "_unique2",
-               "unique_dim", "unique_consecutive", "repeat_interleave", "bincount", "equal", "is_nonzero",
-               "allclose", "histc", "masked_scatter"}
-
-
 @pytest.mark.parametrize("routing, shared", [(DEEPSEEK, True), (SOFTMAX, False)])
 def test_decode_path_runs_no_syncing_op_and_two_launches(monkeypatch, routing, shared):
     """After the first call (which reads each scales tensor's range once), a fused-path decode call has no
@@ -136,16 +115,16 @@ def test_decode_path_runs_no_syncing_op_and_two_launches(monkeypatch, routing, s
 
     monkeypatch.setattr(fused_moe, "_fused_moe_kernel", StubKernel())
     args, kwargs = layer(1, 6, 64, 32, routing, shared, seed=5)
-    first = _OpCounter()
+    first = AtenOpCounter()
     with first:
         dt.moe_forward(*args, **kwargs)
     assert first.ops["_local_scalar_dense"] == 2  # the two scales tensors' range, read once each
     launches.clear()
     x = torch.randn_like(args[0])  # a new activation, same weights: nothing to re-check on the device
-    steady = _OpCounter()
+    steady = AtenOpCounter()
     with steady:
         y = dt.moe_forward(x, *args[1:], **kwargs)
     assert y.shape == x.shape
-    assert not {op: n for op, n in steady.ops.items() if op in SYNCING_OPS}
+    assert not steady.syncing()
     assert len(launches) == 2  # gate_up and down, nothing else launched through Triton
     assert sum(steady.ops.values()) <= 85  # 81 (DeepSeek routing, shared expert) on 2026-11-30; was 103
