@@ -4,7 +4,8 @@ Kernel mode vs reference mode: every op of a kernel-mode generation is also run 
 same inputs (append exact, indexer logits, top-k score sets, attention and MoE close), and the two modes
 generate the same greedy tokens end to end. (End to end, a 1-ulp fp16 difference can move an FP8 indexer key
 across a rounding edge and swap a near-tied top-k entry, after which the two trajectories legitimately
-differ: the checkpoint seed below gives a trajectory without such a swap; the per-op check is the strict one.)
+differ: the checkpoint seed below gives a trajectory without such a swap (7 of seeds 0-9 do); the per-op check
+is the strict one, and after a kernel change that moves roundings, pick another seed only if it passes.)
 """
 import dataclasses
 import json
