@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-pages", type=int, default=64)
     ap.add_argument("--max-seq-len", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=256, help="max tokens per prefill step")
+    ap.add_argument("--skip-checks", action="store_true", help="no per-op value checks (host syncs) in kernel mode")
     args = ap.parse_args(argv)
 
     device = default_device()
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint = tmp
         engine = build_engine(config, checkpoint, mode=args.mode, dtype=dtype, device=device,
                               num_pages=args.num_pages, page_size=args.page_size, max_seqs=len(args.prompts),
-                              max_seq_len=args.max_seq_len, max_num_batched_tokens=args.chunk, seed=args.seed)
+                              max_seq_len=args.max_seq_len, max_num_batched_tokens=args.chunk, seed=args.seed,
+                              check_values=not args.skip_checks)
         prompts = [[int(t) for t in p.split(",")] for p in args.prompts]
         params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.eos)
         for prompt, out in zip(prompts, engine.generate(prompts, params)):

@@ -23,27 +23,29 @@ from .cache_manager import PagedBatch
 
 
 class KernelOps:
+    """``check_values=False`` skips the ops' value checks (lengths, block-table entries, index ranges: a host sync
+    per call); the runner builds those inputs itself, so on a GPU they are known good."""
     name = "kernel"
+
+    def __init__(self, check_values: bool = True):
+        self.check_values = check_values
 
     @staticmethod
     def append(cache: dt.PagedCache, kv: torch.Tensor, index_k: torch.Tensor, batch: PagedBatch) -> None:
         dt.append_tokens(cache.kv, cache.ik, cache.ik_scale, cache.summaries, kv, index_k, batch.items)
 
-    @staticmethod
-    def indexer_logits(q8, w, cache: dt.PagedCache, batch: PagedBatch) -> torch.Tensor:
+    def indexer_logits(self, q8, w, cache: dt.PagedCache, batch: PagedBatch) -> torch.Tensor:
         return dt.indexer_logits(q8, w, cache.ik, cache.ik_scale, batch.limits, cu_seqlens_q=batch.cu_seqlens,
                                  block_table=batch.block_table, seq_lens=batch.seq_lens, num_cols=batch.num_cols,
-                                 max_q=batch.max_q)
+                                 max_q=batch.max_q, check_values=self.check_values)
 
-    @staticmethod
-    def topk(scores, k: int, page_size: int, batch: PagedBatch) -> torch.Tensor:
+    def topk(self, scores, k: int, page_size: int, batch: PagedBatch) -> torch.Tensor:
         return dt.topk_indices(scores, k, batch.limits, block_table=batch.block_table, page_size=page_size,
-                               row_to_seq=batch.row_to_seq)
+                               row_to_seq=batch.row_to_seq, check_values=self.check_values)
 
-    @staticmethod
-    def attention(q, kv_cache, slots, sm_scale: float, d_v: int, decode: bool) -> torch.Tensor:
+    def attention(self, q, kv_cache, slots, sm_scale: float, d_v: int, decode: bool) -> torch.Tensor:
         op = dt.sparse_attention_decode if decode else dt.sparse_attention_prefill
-        return op(q, kv_cache, slots, sm_scale, d_v)[0]
+        return op(q, kv_cache, slots, sm_scale, d_v, check_indices=self.check_values)[0]
 
     @staticmethod
     def moe(x, *args, **kwargs) -> torch.Tensor:
@@ -77,5 +79,3 @@ class ReferenceOps:
     def moe(x, *args, **kwargs) -> torch.Tensor:
         return moe_forward_torch(x, *args, **kwargs).to(x.dtype)
 
-
-BACKENDS = {"kernel": KernelOps, "reference": ReferenceOps}
