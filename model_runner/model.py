@@ -12,7 +12,8 @@ One layer, for the ``T`` new tokens of a step (:class:`.cache_manager.PagedBatch
     x -> RMSNorm -> dense SwiGLU MLP (first layers) or the MoE layer (DeepSeek routing + shared expert)
 
 Prefill attends causally within the top-k (all of the prefix while it is shorter than ``index_topk``).
-The indexer's Hadamard rotation is left out (a fixed orthogonal map of q and k; it changes FP8 rounding only).
+The indexer's Hadamard rotation is left out (a fixed orthogonal map of q and k; it changes FP8 rounding only);
+the latent cache holds activation-dtype rows (no FP8 latent cache); the indexer is token level (not the block path).
 MLA RoPE is interleaved (DeepSeek's reference code), the indexer's NeoX (FACTS.md).
 """
 from __future__ import annotations
