@@ -45,7 +45,8 @@ class ExpertSort:
     - ``sorted_slot [M]`` int32: the slot of each sorted row; ``sorted_token [M]``: its token (slot // top_k);
     - ``sorted_expert [M]`` int32: its expert; ``sorted_weight [M]`` fp32: its combine weight;
     - ``slot_row [M]`` int32: the inverse permutation, the sorted row of each slot;
-    - ``slot_weight [M]`` fp32: the combine weight of each slot (the routing weights, flattened).
+    - ``slot_weight [M]`` fp32: the combine weight of each slot (the routing weights, flattened: a view of
+      ``topk_weights`` when those are contiguous fp32).
     """
 
     num_experts: int
