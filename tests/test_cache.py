@@ -143,3 +143,23 @@ def test_bad_inputs():
         PageAllocator(2).allocate(-1)  # was: silently handed out pages
     with pytest.raises(ValueError, match="seq_id"):
         cache.slots(2, torch.tensor([0]))  # was: an IndexError from the host bookkeeping
+
+
+def test_append_tokens_value_checks_with_a_cached_plan():
+    """Items are range-checked on every call (one transfer), also once the tensors' metadata has a cached plan;
+    ``check_values=False`` skips only those checks: valid items write the same bytes as the checked call."""
+    cache = PagedCache(4, 16, 2, 3, kv_dim=8, index_dim=16, dtype=torch.float16, device="cpu")
+    kv, ix = torch.randn(5, 8).half(), torch.randn(5, 16)
+    ok = torch.tensor([[0, 3, 2, 0], [3, 2, 1, 4]], dtype=torch.int32)
+    append_tokens(cache.kv, cache.ik, cache.ik_scale, cache.summaries, kv, ix, ok)
+    for name, bad in (("items: token ranges", [[0, 3, 2, 0], [3, 3, 1, 4]]),
+                      ("items: pages", [[0, 3, 2, 0], [3, 2, 4, 4]]),
+                      ("items: slots", [[0, 3, 2, 14], [3, 2, 1, 4]]),
+                      ("items: each page", [[0, 3, 2, 0], [3, 2, 2, 4]])):
+        with pytest.raises(ValueError, match=name):
+            append_tokens(cache.kv, cache.ik, cache.ik_scale, cache.summaries, kv, ix,
+                          torch.tensor(bad, dtype=torch.int32))
+    fast = PagedCache(4, 16, 2, 3, kv_dim=8, index_dim=16, dtype=torch.float16, device="cpu")
+    append_tokens(fast.kv, fast.ik, fast.ik_scale, fast.summaries, kv, ix, ok, check_values=False)
+    for name in ("kv", "ik", "ik_scale", "summaries"):
+        assert torch.equal(getattr(fast, name).view(torch.uint8), getattr(cache, name).view(torch.uint8))

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from ..checks import check_kernel_device, check_positive, check_tensor
+from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor
 from ..hostmath import cdiv, next_pow2
 from ..registry import Cost, KernelSpec
 from . import cache_reference
@@ -182,6 +182,7 @@ def append_tokens(
     items: torch.Tensor,
     *,
     config: dict | None = None,
+    check_values: bool = True,
 ) -> None:
     """Write new tokens into the paged caches in place (the functional form of :meth:`PagedCache.append`).
 
@@ -189,30 +190,51 @@ def append_tokens(
     ik_scale ``[num_pages, P]`` fp32, summaries ``[num_pages, 2, DK]`` bf16 or fp32, index_k ``[N, DK]`` float.
     ``items[n, 4]`` int32: (first row of kv/index_k, token count, physical page, first slot in the page);
     an item may not cross a page and pages must be distinct across items. Either the latent or the
-    index part may be ``None`` (both its cache and its new tokens).
+    index part may be ``None`` (both its cache and its new tokens). ``check_values``: check the items'
+    ranges and distinct pages on the device (one transfer); ``False`` (CUDA graphs, hot loops with items
+    built by a trusted planner) skips them. Shapes, dtypes and devices are always checked (once per
+    tensor metadata and config).
     """
+    key, plan = _APPEND_PLANS.find((kv_cache, ik, ik_scale, summaries, kv, index_k, items), (), config)
+    if plan is None:
+        plan = _APPEND_PLANS.put(key, _checked_append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items,
+                                                           config))
+    P, n, num_pages, config = plan
+    if check_values and items.shape[0]:
+        _check_items(items, n, num_pages, P)
+    _launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config)
+
+
+_APPEND_PLANS = PlanCache()
+
+
+def _checked_append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config) -> tuple:
+    """The metadata checks of :func:`append_tokens`; returns ``(P, N, num_pages, config)``."""
     P, n, device = _check_cache_tensors(kv_cache, ik, ik_scale, summaries, kv, index_k)
     check_tensor("items", items, dtype=torch.int32, shape=(None, 4), device=device)
     if not items.is_contiguous():
         raise ValueError(f"items: must be contiguous, got strides {items.stride()}")
     num_pages = (kv_cache if kv is not None else ik).shape[0]
-    if items.shape[0]:
-        src, count, page, first = items.long().unbind(1)
-        if bool((src < 0).any() or (count < 0).any() or (src + count > n).any()):
-            raise ValueError(f"items: token ranges must lie in [0, {n})")
-        if bool((page < 0).any() or (page >= num_pages).any()):
-            raise ValueError(f"items: pages must lie in [0, {num_pages})")
-        if bool((first < 0).any() or (first + count > P).any()):
-            raise ValueError(f"items: slots must stay inside a page of {P}")
-        if page.unique().numel() != page.numel():
-            raise ValueError("items: each page may appear in one item only")
     phase = "decode" if items.shape[0] == n else "prefill"
     shape = _append_shape(kv_cache, ik, n, items.shape[0])
     if config is None:
         config = SPEC.launch_config(phase, shape, device)
     else:
         SPEC.validate(config, shape)
-    _launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config)
+    return P, n, num_pages, config
+
+
+def _check_items(items: torch.Tensor, n: int, num_pages: int, P: int) -> None:
+    """Token ranges in ``[0, n)``, pages in ``[0, num_pages)``, slots inside a page, distinct pages: one transfer."""
+    src, count, page, first = items.long().unbind(1)
+    pages = page.sort().values
+    bad = torch.stack([((src < 0) | (count < 0) | (src + count > n)).any(), ((page < 0) | (page >= num_pages)).any(),
+                       ((first < 0) | (first + count > P)).any(), (pages[1:] == pages[:-1]).any()]).tolist()
+    messages = (f"items: token ranges must lie in [0, {n})", f"items: pages must lie in [0, {num_pages})",
+                f"items: slots must stay inside a page of {P}", "items: each page may appear in one item only")
+    for failed, message in zip(bad, messages):
+        if failed:
+            raise ValueError(message)
 
 
 def _append_shape(kv_cache, ik, n_tokens: int, n_items: int) -> dict[str, int]:

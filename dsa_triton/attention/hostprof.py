@@ -46,7 +46,8 @@ def stubbed_launches(counter: list[int], device: torch.device) -> Iterator[None]
 
 def cases(device: torch.device) -> Iterator[tuple[str, Callable[[], object]]]:
     """(name, call) of each op at decode shapes: B=64 sequences of L=131072 tokens in 64-token pages, 64 x 128
-    indexer heads, 64 pages selected; top-2048 of [T, 131072]; sparse decode with 128 heads of 576 / 512."""
+    indexer heads, 64 pages selected; top-2048 of [T, 131072]; sparse decode with 128 heads of 576 / 512; a
+    decode step's append of 64 tokens."""
     B, L, P, H, DK, SEL = 64, 131072, 64, 64, 128, 64
     e = dict(device=device)
     num_pages = B * (L // P) + 1
@@ -72,6 +73,14 @@ def cases(device: torch.device) -> Iterator[tuple[str, Callable[[], object]]]:
         yield f"topk_indices T={T}", (lambda args=args, bt=table[:T]: dt.topk_indices(
             *args, block_table=bt, page_size=P, check_values=False))
     kv = torch.empty(8192, P, 576, dtype=torch.bfloat16, **e)
+    ik, ik_scale = torch.empty(8192, P, DK, dtype=torch.float8_e4m3fn, **e), torch.empty(8192, P, **e)
+    cache = (kv, ik, ik_scale, torch.empty(8192, 2, DK, dtype=torch.bfloat16, **e))
+    new = (torch.empty(B, 576, dtype=torch.bfloat16, **e), torch.empty(B, DK, dtype=torch.bfloat16, **e))
+    items = torch.stack([torch.arange(B), torch.ones(B, dtype=torch.long), torch.arange(B) * 7, torch.arange(B) % P],
+                        1).int().to(device)  # decode: one token per sequence, each on its own page
+    for check in (True, False):
+        yield f"append_tokens B={B} check_values={check}", (lambda check=check: dt.append_tokens(
+            *cache, *new, items, **({} if check else {"check_values": False})))
     for b in (1, 8):
         qd = torch.empty(b, 128, 576, dtype=torch.bfloat16, **e)
         idx = torch.zeros(b, 2048, dtype=torch.int32, **e)
