@@ -104,16 +104,18 @@ def sort_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor | None, nu
 
 
 _ranges: dict[tuple, torch.Tensor] = {}
+CACHED_RANGE_MAX = 4096  # decode sizes: larger ranges are made per call (their op is amortized, their memory is not)
 
 
 def index_range(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``arange(n)`` in ``dtype`` on ``device``, made once and shared (read-only: never write to it)."""
+    """``arange(n)`` in ``dtype`` on ``device``; up to :data:`CACHED_RANGE_MAX` made once and shared (read-only:
+    never write to it)."""
     key = (n, dtype, device)
     found = _ranges.get(key)
     if found is None:
         found = torch.arange(n, dtype=dtype, device=device)
-        if not (found.is_cuda and torch.cuda.is_current_stream_capturing()):
-            if len(_ranges) > 1024:
+        if n <= CACHED_RANGE_MAX and not (found.is_cuda and torch.cuda.is_current_stream_capturing()):
+            if len(_ranges) > 256:
                 _ranges.clear()
             _ranges[key] = found
     return found
