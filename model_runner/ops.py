@@ -30,9 +30,9 @@ class KernelOps:
     def __init__(self, check_values: bool = True):
         self.check_values = check_values
 
-    @staticmethod
-    def append(cache: dt.PagedCache, kv: torch.Tensor, index_k: torch.Tensor, batch: PagedBatch) -> None:
-        dt.append_tokens(cache.kv, cache.ik, cache.ik_scale, cache.summaries, kv, index_k, batch.items)
+    def append(self, cache: dt.PagedCache, kv: torch.Tensor, index_k: torch.Tensor, batch: PagedBatch) -> None:
+        dt.append_tokens(cache.kv, cache.ik, cache.ik_scale, cache.summaries, kv, index_k, batch.items,
+                         check_values=self.check_values)
 
     def indexer_logits(self, q8, w, cache: dt.PagedCache, batch: PagedBatch) -> torch.Tensor:
         return dt.indexer_logits(q8, w, cache.ik, cache.ik_scale, batch.limits, cu_seqlens_q=batch.cu_seqlens,
