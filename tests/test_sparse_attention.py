@@ -13,16 +13,17 @@ from dsa_triton.attention.cache import PagedCache
 from dsa_triton.attention.sparse_attention_reference import (slots_from_indices, sparse_attention_decode_torch,
                                                              sparse_attention_prefill_torch)
 
+from .poison import poisoned_allocations
+
 D, DV = 80, 64  # 64 value dims + 16 rope dims: the DSA split (512 + 64) in small
 NAN = float("nan")
 CFG = {"BLOCK_N": 16, "BLOCK_H": 16, "num_splits": 1, "num_warps": 4, "num_stages": 2}
 
 
 @pytest.fixture(autouse=True)
-def poisoned_buffers(monkeypatch):
-    def alloc(shape, dtype, device):
-        return torch.full(shape, NAN if dtype.is_floating_point else -2, dtype=dtype, device=device)
-    monkeypatch.setattr(sparse_attention_kernels, "alloc", alloc)
+def poisoned_buffers():
+    with poisoned_allocations():
+        yield
 
 
 def paged_cache(seqs: int, L: int, P: int, g: torch.Generator):
