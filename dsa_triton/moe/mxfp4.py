@@ -202,38 +202,40 @@ def _bench_shapes(phase, gpu):
     return [{"N": 8192, "K": 7168}, {"N": 7168, "K": 2048}] if gpu else [{"N": 24, "K": 96}]
 
 
-QUANTIZE = registry.register(registry.KernelSpec(
-    name="mxfp4_quantize",
-    phases=("load",),
-    space=_SPACE,
-    default=_default,
-    fixed_dims=("K",),
-    bucketed_dims=("N",),
+def _register(name: str, make_inputs, run, reference, reference_name: str) -> registry.KernelSpec:
+    """The two load-time kernels share space, defaults, shapes, exact comparison and cost (both move 2.53 bytes
+    per weight: bf16 one way, 4.25-bit MXFP4 the other); the float64 oracle is also the baseline."""
+    return registry.register(registry.KernelSpec(
+        name=name,
+        phases=("load",),
+        space=_SPACE,
+        default=_default,
+        fixed_dims=("K",),
+        bucketed_dims=("N",),
+        make_inputs=make_inputs,
+        run=run,
+        reference=reference,
+        compare=_compare_exact,
+        cost=lambda phase, shape: Cost(bytes=shape["N"] * shape["K"] * (2 + 0.5 + 1 / BLOCK)),
+        bench_shapes=_bench_shapes,
+        baseline=reference,
+        baseline_name=f"{reference_name} (float64 torch ops)",
+        source_modules=(sys.modules[__name__], mxfp4_reference),
+    ))
+
+
+QUANTIZE = _register(
+    "mxfp4_quantize",
     make_inputs=lambda phase, shape, device, seed: {"w": random_weights(shape["N"], shape["K"], device, seed)},
     run=lambda inputs, config: quantize_launch(inputs["w"], config),  # the op adds a finiteness scan (a sync)
     reference=lambda inputs: mxfp4_quantize_torch(inputs["w"]),
-    compare=_compare_exact,
-    cost=lambda phase, shape: Cost(bytes=shape["N"] * shape["K"] * (2 + 0.5 + 1 / BLOCK)),
-    bench_shapes=_bench_shapes,
-    baseline=lambda inputs: mxfp4_quantize_torch(inputs["w"]),
-    baseline_name="mxfp4_quantize_torch (float64 torch ops)",
-    source_modules=(sys.modules[__name__], mxfp4_reference),
-))
+    reference_name="mxfp4_quantize_torch",
+)
 
-DEQUANTIZE = registry.register(registry.KernelSpec(
-    name="mxfp4_dequantize",
-    phases=("load",),
-    space=_SPACE,
-    default=_default,
-    fixed_dims=("K",),
-    bucketed_dims=("N",),
+DEQUANTIZE = _register(
+    "mxfp4_dequantize",
     make_inputs=lambda phase, shape, device, seed: dict(zip(("blocks", "scales"), random_mxfp4((shape["N"],), shape["K"], device, seed, spread=40))),
     run=lambda inputs, config: dequantize_launch(inputs["blocks"], inputs["scales"], torch.bfloat16, config),
     reference=lambda inputs: mxfp4_dequantize_torch(inputs["blocks"], inputs["scales"], torch.bfloat16),
-    compare=_compare_exact,
-    cost=lambda phase, shape: Cost(bytes=shape["N"] * shape["K"] * (0.5 + 1 / BLOCK + 2)),
-    bench_shapes=_bench_shapes,
-    baseline=lambda inputs: mxfp4_dequantize_torch(inputs["blocks"], inputs["scales"], torch.bfloat16),
-    baseline_name="mxfp4_dequantize_torch (float64 torch ops)",
-    source_modules=(sys.modules[__name__], mxfp4_reference),
-))
+    reference_name="mxfp4_dequantize_torch",
+)
