@@ -4,6 +4,7 @@
 - :func:`rotation`: enough input sets that one pass over them exceeds the L2 (60 MB on an H200);
 - :func:`time_us`: warm-up, then ``triton.testing.do_bench`` median over the rotated sets
   (wall-clock median on the CPU interpreter, where only relative numbers mean anything);
+- :func:`graph_time_us` / :func:`graph_us`: the same over CUDA-graph replays (GPU time without host launch cost);
 - :func:`floor_us` / :func:`measurement`: the floor from a :class:`~dsa_triton.registry.Cost`, and a
   row with the ratio to a baseline timed in the same run and the fraction of the floor.
 """
@@ -73,6 +74,34 @@ def time_rotating(call: Callable[[T], Any], sets: Sequence[T], device: torch.dev
     """Median microseconds of ``call(s)``, cycling through ``sets`` so no call finds its inputs in L2."""
     cycle = itertools.cycle(sets)
     return time_us(lambda: call(next(cycle)), device, **kw)
+
+
+def graph_time_us(call: Callable[[T], Any], sets: Sequence[T], device: torch.device | str) -> float:
+    """Median microseconds of ``call(s)`` replayed from CUDA graphs, one captured per set, replays cycled.
+
+    Each set is run once on a side stream first (compiles kernels, fills host caches) so the capture records
+    only launches. NaN off the GPU. A capture failure (an op that syncs) raises ``RuntimeError``.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return float("nan")
+    graphs = []
+    for s in sets:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            call(s)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call(s)
+        graphs.append(graph)
+    return time_rotating(lambda g: g.replay(), graphs, device)
+
+
+def graph_us(fn: Callable[[], Any], device: torch.device | str) -> float:
+    """Median microseconds of ``fn()`` replayed from one CUDA graph (see :func:`graph_time_us`)."""
+    return graph_time_us(lambda _: fn(), [None], device)
 
 
 def floor_us(cost: Cost, ceilings: Ceilings) -> tuple[float, str]:

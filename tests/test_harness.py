@@ -86,3 +86,10 @@ def test_bench_reports_a_wrong_kernel(tmp_path):
         assert all(r["check"] == "mismatch" for r in rows)
     finally:
         registry.unregister("toy_wrong")
+
+
+def test_graph_timing_is_nan_off_the_gpu():
+    calls = []
+    assert math.isnan(harness.graph_time_us(calls.append, [1, 2], "cpu"))
+    assert math.isnan(harness.graph_us(lambda: calls.append(0), "cpu"))
+    assert calls == [], "nothing is captured or run without a GPU"

@@ -11,7 +11,7 @@ import torch
 import triton
 
 from .. import registry
-from ..harness import time_us
+from ..harness import graph_us, time_us
 from .block_scores import block_indexer_logits, block_scores, selected_page_logits
 from .cache import PagedCache
 from .cache_reference import fp8_quantize_rows
@@ -46,19 +46,6 @@ def local_keys_problem(B: int, L: int, P: int, H: int, DK: int, hot_pages: int, 
 def _topk_positions(logits: torch.Tensor, positions: torch.Tensor | None, k: int) -> torch.Tensor:
     idx = logits.topk(k, dim=1).indices
     return idx if positions is None else positions.gather(1, idx).long()
-
-
-def graph_us(fn, device) -> float:
-    """Median time of ``fn`` captured once in a CUDA graph and replayed (no host overhead)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()  # compiles and warms up outside the capture
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_us(graph.replay, device)
 
 
 def _paths(prob: dict, L: int):

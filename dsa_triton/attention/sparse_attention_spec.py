@@ -17,7 +17,7 @@ import sys
 import torch
 
 from .. import registry
-from ..harness import Ceilings, floor_us, rotation, time_rotating, time_us
+from ..harness import Ceilings, floor_us, graph_us, rotation, time_rotating
 from ..registry import Cost, KernelSpec
 from . import sparse_attention, sparse_attention_kernels, sparse_attention_reference
 from ..hostmath import cdiv, next_pow2
@@ -213,22 +213,6 @@ PREFILL_SPEC = _spec("prefill", sparse_attention.sparse_attention_prefill, spars
                      _prefill_shapes, ("H", "D", "Dv", "k"), ("T",))
 
 
-def _graph_us(fn, device, calls: int) -> float:
-    """Microseconds per call of ``fn`` (which makes ``calls`` op calls) replayed as one CUDA graph: the kernels'
-    time without the host's launch overhead. NaN off the GPU."""
-    if torch.device(device).type != "cuda":
-        return float("nan")
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()  # compiles and caches every launch config before the capture
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_us(graph.replay, device) / calls
-
-
 def decode_latency_report(device, ceilings: Ceilings | None) -> list[dict]:
     """Small-batch decode (B = 1, 8) against the byte floor (bytes / copy rate): eager calls (host overhead
     included) and the same calls replayed from a CUDA graph (kernels only), over input sets larger than L2."""
@@ -243,7 +227,7 @@ def decode_latency_report(device, ceilings: Ceilings | None) -> list[dict]:
         row = {"shape": ",".join(f"{k}={v}" for k, v in shape.items()), "config": str(config),
                "bytes_MB": cost.bytes / 1e6,
                "eager_us": time_rotating(lambda s: DECODE_SPEC.run(s, config), sets, device),
-               "graph_us": _graph_us(lambda: [DECODE_SPEC.run(s, config) for s in sets], device, len(sets))}
+               "graph_us": graph_us(lambda: [DECODE_SPEC.run(s, config) for s in sets], device) / len(sets)}
         if ceilings is not None:
             byte_floor = cost.bytes / (ceilings.copy_tbps * 1e12) * 1e6
             floor, bound = floor_us(cost, ceilings)

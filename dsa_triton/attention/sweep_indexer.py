@@ -15,11 +15,10 @@ import time
 import torch
 
 from .. import registry
-from ..harness import floor_us, measure_ceilings, time_us
+from ..harness import floor_us, graph_us, measure_ceilings, time_us
 from ..registry import Cost
 from .block_scores import block_scores, selected_page_logits
 from .block_scores_reference import gather_selected_torch, page_bounds_torch
-from .block_scores_report import graph_us
 from ..hostmath import cdiv
 from .indexer import compare_logits
 from .indexer_reference import indexer_logits_torch

@@ -13,8 +13,7 @@ import json
 import torch
 
 from .. import registry
-from ..harness import floor_us, rotation, time_rotating
-from ..moe.decode_report import graph_replay_us
+from ..harness import floor_us, graph_time_us, rotation, time_rotating
 from .topk import PHASE, SPEC, topk_indices
 
 ACCEPTANCE = {64: (2.0, 5.0), 4096: (1.5, 4.0)}  # rows T: (minimum, goal) speedup over torch.topk
@@ -44,8 +43,8 @@ def topk_speed_report(device, ceilings) -> list[dict]:
                "eager_us": time_rotating(ours, sets, device), "torch_eager_us": time_rotating(SPEC.baseline, sets, device)}
         row["eager_speedup"] = row["torch_eager_us"] / row["eager_us"]
         if device.type == "cuda":
-            row["graph_us"] = graph_replay_us(ours, sets, device)
-            row["torch_graph_us"] = graph_replay_us(SPEC.baseline, sets, device)
+            row["graph_us"] = graph_time_us(ours, sets, device)
+            row["torch_graph_us"] = graph_time_us(SPEC.baseline, sets, device)
             row["graph_speedup"] = row["torch_graph_us"] / row["graph_us"]
             if ceilings is not None:
                 row["graph_of_floor"] = floor_us(cost, ceilings)[0] / row["graph_us"]

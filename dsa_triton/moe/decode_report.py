@@ -14,22 +14,10 @@ import json
 import torch
 
 from .. import registry
-from ..harness import rotation, time_rotating
+from ..harness import graph_time_us, rotation, time_rotating
 from .fused_moe import SPEC
 
 MIN_COPY_FRACTION, GOAL_COPY_FRACTION, MIN_SPEEDUP = 0.5, 0.75, 2.0
-
-
-def graph_replay_us(call, sets, device) -> float:
-    """Median microseconds of ``call(s)`` captured once per input set into a CUDA graph, replays cycled."""
-    graphs = []
-    for s in sets:
-        call(s)  # compiles and fills host caches outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call(s)
-        graphs.append(graph)
-    return time_rotating(lambda g: g.replay(), graphs, device)
 
 
 def verdict(fraction: float, speedup: float) -> str:
@@ -58,8 +46,8 @@ def moe_decode_report(device, ceilings) -> list[dict]:
             fraction = mxfp4_bytes / (fused_us * 1e-6) / (ceilings.copy_tbps * 1e12)
             row.update(copy_fraction=fraction, verdict=verdict(fraction, row["speedup_vs_bf16"]))
             try:
-                fused_graph_us = graph_replay_us(lambda s: SPEC.run(s, config), sets, device)
-                bf16_graph_us = graph_replay_us(SPEC.baseline, sets, device)
+                fused_graph_us = graph_time_us(lambda s: SPEC.run(s, config), sets, device)
+                bf16_graph_us = graph_time_us(SPEC.baseline, sets, device)
             except RuntimeError as exc:  # a capture failure must not hide the eager figures
                 row["graph_error"] = repr(exc)[:200]
             else:

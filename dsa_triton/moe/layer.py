@@ -24,12 +24,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import registry
 from ..checks import check_kernel_device, check_tensor, tensor_key
-from ..harness import rotation, time_rotating
+from ..harness import graph_time_us, rotation, time_rotating
 from ..registry import Cost
 from . import fused_moe, permute
 from .fp8_grouped_gemm import fp8_grouped_gemm
 from .fused_moe import ExpertWeights, expected_active_experts, fused_moe_gemm
-from .decode_report import graph_replay_us
 from .layer_reference import moe_forward_torch
 from .permute import combine_rows, sort_by_expert
 from .routing import RoutingConfig, check_grouping, route
@@ -325,7 +324,7 @@ def moe_layer_decode_report(device, ceilings) -> list[dict]:
         if device.type == "cuda":
             row.update(_device_profile(call, sets[0]))
             try:
-                row["graph_us"] = graph_replay_us(call, sets, device)
+                row["graph_us"] = graph_time_us(call, sets, device)
             except RuntimeError as exc:  # a capture failure must not hide the eager figures
                 row["graph_error"] = repr(exc)[:200]
         rows.append(row)
