@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .. import registry
 from ..checks import check_kernel_device, check_tensor
+from ..hostmath import cdiv
 from ..registry import Cost
 from . import convert_reference
 from .convert_reference import BLOCKS_PER_GROUP, GROUP, mxfp4_to_fp8_torch, n_groups
@@ -181,7 +182,7 @@ def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torc
     if count == 0 or n == 0:
         return
     groups = config["GROUPS"]
-    grid = (count, triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(kb, groups * BLOCKS_PER_GROUP))
+    grid = (count, cdiv(n, config["BLOCK_N"]), cdiv(kb, groups * BLOCKS_PER_GROUP))
     codes, words = blocks.view(torch.int16), w_out.view(torch.int32)  # [E, N, K/32, 8], [G, N, K/4]
     _convert_kernel[grid](
         codes, scales, expert_ids, words, s_out, unfit if unfit is not None else expert_ids, n, kb, s_out.shape[2],

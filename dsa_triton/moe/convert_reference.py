@@ -9,10 +9,9 @@ the round trip), never hidden.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
+from ..hostmath import cdiv
 from .mxfp4_reference import BLOCK, exp2_exact, mxfp4_dequantize_torch, validate_mxfp4
 
 GROUP = 128  # k elements per fp32 scale of the FP8 weights
@@ -22,7 +21,7 @@ E2M1_HEADROOM = 6  # binades between the group's top block scale and the referen
 
 def n_groups(k: int) -> int:
     """Scale columns for ``k`` elements: ``ceil(k / 128)``."""
-    return math.ceil(k / GROUP)
+    return cdiv(k, GROUP)
 
 
 def group_reference_exponent(scales: torch.Tensor) -> torch.Tensor:

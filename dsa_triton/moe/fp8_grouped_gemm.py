@@ -40,11 +40,11 @@ import triton.language as tl
 
 from .. import registry
 from ..checks import check_kernel_device, check_tensor
+from ..hostmath import cdiv
 from ..registry import Cost, bucket
 from . import fp8_grouped_gemm_reference, prefill_baselines
 from .convert import (CONVERT, check_experts_layout, convert_experts, e4m3_words, reference_scale,
                       row_references, words_to_fp8)
-from .convert_reference import n_groups
 from .fp8_grouped_gemm_reference import fp8_grouped_gemm_torch
 from .fused_moe import ExpertWeights, compare_rows
 from .mxfp4 import widen_to_fp32
@@ -185,7 +185,7 @@ def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
         block_m, block_k = QUANTIZE_ROWS_BLOCK
-        _quantize_rows_kernel[(triton.cdiv(m, block_m),)](x, q, s, m, k, x.stride(0), q.stride(0),
+        _quantize_rows_kernel[(cdiv(m, block_m),)](x, q, s, m, k, x.stride(0), q.stride(0),
                                                           BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
     return q, s
 
@@ -236,7 +236,7 @@ def launch_gemm(xq, sx, w_half, s_half, y, tiles, config) -> None:
     n, k = y.shape[1], xq.shape[1]
     if n_mtiles == 0:
         return
-    grid = (n_mtiles * triton.cdiv(n, config["BLOCK_N"]),)
+    grid = (n_mtiles * cdiv(n, config["BLOCK_N"]),)
     _grouped_gemm_kernel[grid](
         xq, sx, w_half, s_half, y, tiles, n_mtiles, n, k,
         xq.stride(0), w_half.stride(0), w_half.stride(1), s_half.stride(0), s_half.stride(1), s_half.stride(2),
@@ -253,7 +253,7 @@ def launch_fused(xq, sx, blocks, scales, ref, y, plan: StagePlan, config) -> Non
     if n_mtiles == 0:
         return
     codes = blocks.view(torch.int16)  # [E, N, K/32, 8]: four codes per element
-    grid = (n_mtiles * triton.cdiv(n, config["BLOCK_N"]),)
+    grid = (n_mtiles * cdiv(n, config["BLOCK_N"]),)
     _fused_gemm_kernel[grid](
         xq, sx, codes, scales, ref, y, plan.tiles, plan.experts, n_mtiles, n, k, kb,
         xq.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), ref.stride(0),

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .. import registry
 from ..checks import check_kernel_device, check_tensor
+from ..hostmath import cdiv
 from ..registry import Cost
 from . import mxfp4_reference
 from .mxfp4_reference import BLOCK, mxfp4_dequantize_torch, mxfp4_quantize_torch, validate_mxfp4
@@ -118,7 +119,7 @@ def quantize_launch(w: torch.Tensor, config: dict) -> tuple[torch.Tensor, torch.
     scales = torch.empty(blocks.shape[:-1], dtype=torch.uint8, device=w.device)
     n_blocks = scales.numel()
     if n_blocks:
-        grid = (triton.cdiv(n_blocks, config["BLOCK_B"]),)
+        grid = (cdiv(n_blocks, config["BLOCK_B"]),)
         _quantize_kernel[grid](w, blocks, scales, n_blocks, BLOCK_B=config["BLOCK_B"], num_warps=config["num_warps"])
     return blocks, scales
 
@@ -144,7 +145,7 @@ def dequantize_launch(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * BLOCK, dtype=dtype, device=blocks.device)
     n_blocks = scales.numel()
     if n_blocks:
-        grid = (triton.cdiv(n_blocks, config["BLOCK_B"]),)
+        grid = (cdiv(n_blocks, config["BLOCK_B"]),)
         _dequantize_kernel[grid](blocks, scales, out, n_blocks, BLOCK_B=config["BLOCK_B"], num_warps=config["num_warps"])
     return out
 

@@ -17,14 +17,11 @@ from typing import Iterable, Iterator
 
 import torch
 
+from ..hostmath import cdiv
 from .convert_reference import n_groups
 from .mxfp4_reference import BLOCK
 
 ALIGN = 256  # slot starts aligned to 256 bytes (16-byte vector loads, TMA-friendly)
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 @dataclass(frozen=True)
@@ -57,8 +54,8 @@ class FP8Workspace:
             raise ValueError(f"FP8Workspace: needs slots > 0 and positive shapes, got {slots}, {self.shapes}")
         self.slots = slots
         self.device = torch.device(device)
-        self.slot_elems = _round_up(max(n * k for n, k in self.shapes), ALIGN)
-        self.slot_scales = _round_up(max(n * n_groups(k) for n, k in self.shapes), ALIGN // 4)
+        self.slot_elems = cdiv(max(n * k for n, k in self.shapes), ALIGN) * ALIGN
+        self.slot_scales = cdiv(max(n * n_groups(k) for n, k in self.shapes), ALIGN // 4) * (ALIGN // 4)
         self.weights = torch.empty(slots, self.slot_elems, dtype=torch.float8_e4m3fn, device=self.device)
         self.scales = torch.empty(slots, self.slot_scales, dtype=torch.float32, device=self.device)
         self._busy = [False] * slots
