@@ -41,7 +41,7 @@ from ..checks import PlanCache, check_kernel_device, check_positive, check_tenso
 from ..hostmath import cdiv
 from ..registry import Cost
 from . import topk_reference
-from .topk_reference import check_topk, topk_indices_torch
+from .topk_reference import check_topk, pages_in_use, topk_indices_torch
 
 MAX_K = 4096
 _INVALID = tl.constexpr(topk_reference.INVALID_KEY)
@@ -446,7 +446,7 @@ def _check_values(T, L, lengths, block_table, page_size, row_to_seq, num_pages):
         names.append(f"lengths: every entry must lie in [0, {L}]")
         flags.append(((lengths < 0) | (lengths > L)).any())
     if block_table is not None:
-        B, max_pages = block_table.shape
+        B = block_table.shape[0]
         dev = block_table.device
         seq = torch.arange(T, device=dev)
         if row_to_seq is not None:
@@ -454,9 +454,7 @@ def _check_values(T, L, lengths, block_table, page_size, row_to_seq, num_pages):
             flags.append(((row_to_seq < 0) | (row_to_seq >= B)).any())
             seq = row_to_seq.long().clamp(0, B - 1)
         row_len = torch.full((T,), L, device=dev) if lengths is None else lengths.long().clamp(0, L)
-        pages = torch.zeros(B, dtype=torch.int64, device=dev)
-        pages.scatter_reduce_(0, seq, (row_len + page_size - 1) // page_size, reduce="amax")
-        in_use = torch.arange(max_pages, device=dev)[None, :] < pages[:, None]
+        in_use = pages_in_use(block_table, seq, row_len, page_size)
         limit = min(num_pages or 2**31, 2**31 // page_size)
         names.append(f"block_table: entries of the pages in use must lie in [0, {limit})")
         flags.append((in_use & ((block_table < 0) | (block_table >= limit))).any())

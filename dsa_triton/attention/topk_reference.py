@@ -71,15 +71,21 @@ def topk_indices_torch(
     return idx
 
 
+def pages_in_use(block_table: torch.Tensor, seq: torch.Tensor, row_len: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``[B, max_pages]`` bool: page j of sequence b is in use when a row t of b (``seq[t] == b``, int64) has
+    ``row_len[t] > j * page_size``."""
+    B, max_pages = block_table.shape
+    pages = torch.zeros(B, dtype=torch.int64, device=block_table.device)
+    pages.scatter_reduce_(0, seq, (row_len + page_size - 1) // page_size, reduce="amax")
+    return torch.arange(max_pages, device=block_table.device)[None, :] < pages[:, None]
+
+
 def to_logical(idx: torch.Tensor, block_table: torch.Tensor, page_size: int, row_to_seq: torch.Tensor | None,
                lengths: torch.Tensor) -> torch.Tensor:
     """Invert :func:`to_physical` over each sequence's pages in use; a slot outside them maps to -2."""
-    T = idx.shape[0]
-    B, max_pages = block_table.shape
-    seq = row_sequences(T, row_to_seq, idx.device)
-    pages_used = torch.zeros(B, dtype=torch.int64, device=idx.device)
-    pages_used.scatter_reduce_(0, seq, (lengths + page_size - 1) // page_size, reduce="amax")
-    used = torch.arange(max_pages, device=idx.device)[None, :] < pages_used[:, None]
+    B = block_table.shape[0]
+    seq = row_sequences(idx.shape[0], row_to_seq, idx.device)
+    used = pages_in_use(block_table, seq, lengths, page_size)
     table = block_table.to(torch.int64)
     n_phys = int(table[used].max().item()) + 1 if bool(used.any()) else 1
     inverse = torch.full((B, n_phys), -1, dtype=torch.int64, device=idx.device)
