@@ -92,9 +92,9 @@ class PlanCache:
             return None, None
         try:
             key = (tensor_key(*tensors), ints, None if config is None else tuple(config.items()))
-            if self._generation != registry._lookup_generation:
+            if self._generation != registry.lookup_generation():
                 self._plans.clear()
-                self._generation = registry._lookup_generation
+                self._generation = registry.lookup_generation()
             return key, self._plans.get(key)
         except (AttributeError, TypeError):
             return None, None

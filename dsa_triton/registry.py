@@ -141,30 +141,24 @@ class KernelSpec:
     def launch_config(self, phase: str, shape: Shape, device: torch.device | str | None = None) -> Config:
         """The config an op launches with: the tuning database's record for this shape, else the default.
 
-        Host-side and cached per (phase, shape key, device), so it is cheap on every call and never
-        launches anything (safe inside CUDA-graph capture).
+        Host-side and cached per (phase, shape, device) as given and the lookup installed, so it is cheap on
+        every call and never launches anything (safe inside CUDA-graph capture).
         """
+        key = (phase, tuple(shape.items()), device, _lookup_generation)  # as given: a hit does no other work
+        hit = self._cache.get(key)
+        if hit is not None:
+            return dict(hit)
         from .runtime import device_name
 
-        fast_key = (phase, tuple(shape.items()), device, _lookup_generation)  # as given: no work on a hit
-        hit = self._cache.get(fast_key)
-        if hit is not None:
-            return dict(hit)
         dev = device_name(device)
-        key = self.shape_key(phase, shape)
-        cache_key = (phase, tuple(sorted(shape.items())), dev, _lookup_generation)
-        hit = self._cache.get(cache_key)
-        if hit is not None:
-            self._cache[fast_key] = hit
-            return dict(hit)
         config = None
         if _lookup is not None:
-            stored = _lookup(self.name, key, dict(shape), dev)
+            stored = _lookup(self.name, self.shape_key(phase, shape), dict(shape), dev)
             if stored is not None and self.is_valid(stored, shape):
                 config = dict(stored)
         if config is None:
             config = self.validate(dict(self.default(phase, shape)), shape)
-        self._cache[cache_key] = self._cache[fast_key] = config
+        self._cache[key] = config
         return dict(config)
 
     def source_hash(self) -> str:
@@ -227,6 +221,11 @@ def get(name: str) -> KernelSpec:
 def kernels() -> list[KernelSpec]:
     """Every registered kernel, by name."""
     return [_KERNELS[n] for n in sorted(_KERNELS)]
+
+
+def lookup_generation() -> int:
+    """Bumped by every :func:`set_config_lookup`: caches of launch decisions key on it."""
+    return _lookup_generation
 
 
 def set_config_lookup(fn: Callable[[str, ShapeKey, dict[str, int], str], Config | None] | None) -> None:
