@@ -28,7 +28,6 @@ run on mma.sync m16n8k16, 16 and more on wgmma where the tile allows).
 """
 from __future__ import annotations
 
-import functools
 import math
 import sys
 import weakref
@@ -38,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from ..checks import check_kernel_device, check_tensor, tensor_key
+from ..checks import PlanCache, check_kernel_device, check_tensor
 from ..hostmath import cdiv
 from ..registry import Cost, bucket
 from .fused_moe_reference import fused_moe_gemm_torch
@@ -159,9 +158,8 @@ def _check(x, sort, blocks, scales, gather_tokens) -> tuple[int, int]:
     num_experts, n, groups, width = blocks.shape
     if width != 16 or num_experts != sort.num_experts:
         raise ValueError(f"blocks: expected shape [E = {sort.num_experts}, N, K/32, 16], got {tuple(blocks.shape)}")
-    if blocks.stride(-2) != 16 or blocks.data_ptr() % 4:
-        raise ValueError(f"blocks: each row's K/32 x 16 bytes must be contiguous and 4-byte aligned, "
-                         f"got strides {blocks.stride()}")
+    if blocks.stride(-2) != 16:  # (the 4-byte alignment is checked on every call)
+        raise ValueError(f"blocks: each row's K/32 x 16 bytes must be contiguous, got strides {blocks.stride()}")
     device = check_kernel_device("blocks", blocks)
     check_tensor("scales", scales, dtype=torch.uint8, shape=(num_experts, n, groups), device=device)
     k = 32 * groups
@@ -188,38 +186,25 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
     Returns ``y_sorted [M, N]`` in ``out_dtype``, rows in ``sort``'s expert order. No host sync after the first
     call per scales tensor (its range check), so a warmed-up call can be captured in a CUDA graph.
     """
-    try:  # the checks read only metadata: run once per (tensor metadata, sort sizes, gather)
-        key = (tensor_key(x, blocks, scales, sort.expert_offsets), sort.num_experts, sort.num_rows, sort.top_k,
-               bool(gather_tokens))
-        sizes = _CHECKED.get(key) if isinstance(sort, ExpertSort) else None
-    except (AttributeError, TypeError):  # not tensors or not a sort: the checks name the argument
-        key, sizes = None, None
-    if sizes is None:
-        sizes = _check(x, sort, blocks, scales, gather_tokens)
-        if key is not None:
-            _CHECKED.clear() if len(_CHECKED) > 1024 else None
-            _CHECKED[key] = sizes
-    if blocks.data_ptr() % 4:
+    if isinstance(sort, ExpertSort):  # checks and config once per (tensor metadata, sort sizes, gather, config)
+        key, plan = _PLANS.find((x, blocks, scales, sort.expert_offsets),
+                                (sort.num_experts, sort.num_rows, sort.top_k, int(bool(gather_tokens))), config)
+    else:  # not a sort: the checks name it
+        key, plan = None, None
+    if plan is None:
+        shape = problem_shape(sort, *_check(x, sort, blocks, scales, gather_tokens), gather_tokens)
+        plan = _PLANS.put(key, SPEC.launch_config("decode", shape, x.device) if config is None
+                          else SPEC.validate(dict(config), shape))
+    if blocks.data_ptr() % 4:  # not in the plan's key
         raise ValueError("blocks: the data must be 4-byte aligned (read as int16 pairs)")
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype is not x.dtype and out_dtype is not torch.float32:
         raise ValueError(f"out_dtype: expected None, {x.dtype} or torch.float32, got {out_dtype}")
     check_scale_range(scales, fast_path(x))
-    shape = problem_shape(sort, *sizes, gather_tokens)
-    if config is None:
-        config = SPEC.launch_config("decode", shape, x.device)
-    else:
-        config = _validated(tuple(sorted(config.items())), tuple(sorted(shape.items())))
-    return _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype)
+    return _launch(x, sort, blocks, scales, gather_tokens, plan, out_dtype)
 
 
-_CHECKED: dict[tuple, tuple[int, int]] = {}  # _check's (N, K) by tensor metadata, sort sizes and gather
-
-
-@functools.lru_cache(maxsize=1024)
-def _validated(config: tuple, shape: tuple) -> dict:
-    """An explicit config checked once per (config, shape): the decode path's host time is on the clock."""
-    return SPEC.validate(dict(config), dict(shape))
+_PLANS = PlanCache(1024)  # the launch config by tensor metadata, sort sizes, gather and the caller's config
 
 
 _scales_checked: dict[int, tuple] = {}  # id(scales) -> (weakref to it, version, path) once its range was read
