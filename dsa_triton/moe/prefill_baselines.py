@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from .fp8_grouped_gemm_reference import E4M3_MAX
 from .mxfp4 import mxfp4_dequantize
 
 Spans = list[tuple[int, int, int]]
-E4M3_MAX = 448.0
 
 
 def active_spans(expert_offsets: torch.Tensor) -> Spans:
