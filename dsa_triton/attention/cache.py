@@ -243,6 +243,18 @@ def _append_shape(kv_cache, ik, n_tokens: int, n_items: int) -> dict[str, int]:
             "DK": ik.shape[-1] if ik is not None else 0, "N": n_tokens, "B": n_items}
 
 
+def page_items(row: int, start: int, n: int, pages: Sequence[int], P: int) -> list[tuple[int, int, int, int]]:
+    """The work items of appending source rows ``row .. row + n`` at logical positions ``start .. start + n`` of a
+    sequence whose logical page ``j`` is physical page ``pages[j]``: one ``(row, count, page, first slot)`` per
+    touched page."""
+    items, pos, end = [], start, start + n
+    while pos < end:
+        count = min(end - pos, P - pos % P)
+        items.append((row, count, pages[pos // P], pos % P))
+        row, pos = row + count, pos + count
+    return items
+
+
 class PageAllocator:
     """A free list of physical pages: ``allocate(n)`` hands out pages, ``free(pages)`` takes them back."""
 
@@ -361,7 +373,7 @@ class PagedCache:
         P = self.page_size
         if any(self._lens[s] + n > self.max_pages_per_seq * P for s, n in zip(seq_ids, lens)):
             raise ValueError(f"lens: a sequence would exceed max_pages_per_seq * page_size = {self.max_pages_per_seq * P}")
-        new_pages = {s: -(-(self._lens[s] + n) // P) - len(self._pages[s]) for s, n in zip(seq_ids, lens)}
+        new_pages = {s: cdiv(self._lens[s] + n, P) - len(self._pages[s]) for s, n in zip(seq_ids, lens)}
         if sum(new_pages.values()) > self.allocator.num_free:
             raise ValueError(f"lens: needs {sum(new_pages.values())} new pages, {self.allocator.num_free} free")
         _, n_rows, _ = _check_cache_tensors(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k)
@@ -375,12 +387,9 @@ class PagedCache:
             fresh = self.allocator.allocate(new_pages[s])
             table_updates += [(s, len(self._pages[s]) + j, p) for j, p in enumerate(fresh)]
             self._pages[s] += fresh
-            pos, end = self._lens[s], self._lens[s] + n
-            while pos < end:
-                count = min(end - pos, P - pos % P)
-                items.append((row, count, self._pages[s][pos // P], pos % P))
-                row, pos = row + count, pos + count
-            self._lens[s] = end
+            items += page_items(row, self._lens[s], n, self._pages[s], P)
+            row += n
+            self._lens[s] += n
         # one host-to-device copy: work items, new block-table entries, new lengths
         flat = [x for item in items for x in item] + [x for u in table_updates for x in u]
         flat += [x for s in seq_ids for x in (s, self._lens[s])]
@@ -433,7 +442,7 @@ def _make_inputs(phase: str, shape, device, seed: int) -> dict:
     randn = lambda *size, dtype=torch.float32: torch.randn(*size, generator=g, device=device, dtype=dtype)  # noqa: E731
     B, N, P, D, DK, ctx = (shape[k] for k in ("B", "N", "P", "D", "DK", "ctx"))
     per_seq = N // B
-    pages_per_seq = -(-(ctx + per_seq) // P)
+    pages_per_seq = cdiv(ctx + per_seq, P)
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float16
     cache = PagedCache(B * pages_per_seq + 1, P, B, pages_per_seq, D, DK, dtype, device, poison=True)
     # the existing context is written by the reference, so the inputs never depend on the kernel
@@ -443,13 +452,7 @@ def _make_inputs(phase: str, shape, device, seed: int) -> dict:
     old_fill = (ctx - torch.arange(pages_per_seq, device=device) * P).clamp(0, P).repeat(B)
     append_torch(cache.kv, cache.ik, cache.ik_scale, cache.summaries, randn(B * ctx, D, dtype=dtype),
                  randn(B * ctx, DK), old_slots, perm.reshape(-1)[old_fill > 0], old_fill[old_fill > 0])
-    items, perm = [], perm.tolist()
-    for b in range(B):
-        pos, end, row = ctx, ctx + per_seq, b * per_seq
-        while pos < end:
-            count = min(end - pos, P - pos % P)
-            items.append((row, count, perm[b][pos // P], pos % P))
-            row, pos = row + count, pos + count
+    items = [item for b, pages in enumerate(perm.tolist()) for item in page_items(b * per_seq, ctx, per_seq, pages, P)]
     return {
         "kv_cache": cache.kv, "ik": cache.ik, "ik_scale": cache.ik_scale, "summaries": cache.summaries,
         "kv": randn(N, D, dtype=dtype),
@@ -481,7 +484,7 @@ def _compare(out, ref) -> str | None:
 
 def _cost(phase: str, shape) -> Cost:
     N, D, DK, B = shape["N"], shape["D"], shape["DK"], shape["B"]
-    pages = B * -(-(N // B) // shape["P"]) if phase == "prefill" else B
+    pages = B * cdiv(N // B, shape["P"]) if phase == "prefill" else B
     kv_bytes = 2 * N * D * 2
     index_bytes = N * DK * 2 + N * (DK + 4) + pages * 2 * DK * 2 * 2  # bf16 summaries, read and written
     return Cost(bytes=kv_bytes + index_bytes)
