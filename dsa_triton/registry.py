@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
+from .hostmath import next_pow2
+
 Config = dict[str, Any]
 Shape = Mapping[str, int]
 Inputs = dict[str, Any]
@@ -39,7 +41,7 @@ def bucket(n: int) -> int:
     """Round a count up to a power of two (0 stays 0): 1->1, 3->4, 4096->4096, 4097->8192."""
     if n < 0:
         raise ValueError(f"bucket: count must be >= 0, got {n}")
-    return 0 if n == 0 else 1 << (n - 1).bit_length()
+    return 0 if n == 0 else next_pow2(n)
 
 
 @dataclass(frozen=True, order=True)
