@@ -17,7 +17,6 @@ Launch configs come from the tuning database through the registry (kernels ``spa
 """
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from typing import NamedTuple
@@ -76,17 +75,12 @@ def _check_index_range(indices: torch.Tensor, block_table: torch.Tensor | None, 
         raise ValueError(f"block_table: an entry used by indices is outside [0, {num_slots // page_size}) (num_pages)")
 
 
-@functools.lru_cache(maxsize=1024)
-def _validated(kernel: str, config: tuple, shape: tuple) -> dict:
-    """An explicit config checked against the kernel's space once per (config, shape)."""
-    return registry.get(kernel).validate(dict(config), dict(shape))
-
-
 def _launch_config(kernel: str, shape: dict[str, int], device: torch.device, config: dict | None) -> dict:
+    """The registry's config, or a validated copy of an explicit one (once per plan: plans are keyed by config)."""
+    spec = registry.get(kernel)
     if config is None:
-        spec = registry.get(kernel)
         return spec.launch_config(spec.phases[0], shape, device)
-    return _validated(kernel, tuple(config.items()), tuple(shape.items()))
+    return spec.validate(dict(config), shape)
 
 
 def _attend(plan: "_Plan", q4: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, block_table: torch.Tensor | None,
