@@ -338,7 +338,7 @@ def _host_offsets(expert_offsets: torch.Tensor, rows: int) -> list[int]:
 
 def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, blocks: torch.Tensor,
                      scales: torch.Tensor, *, config: dict | None = None, workspace: FP8Workspace | None = None,
-                     overlap: bool = True, unfit_counter: torch.Tensor | None = None) -> torch.Tensor:
+                     unfit_counter: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped GEMM of expert-sorted rows with MXFP4 weights on FP8 tensor cores (module docstring: the routes).
 
     - ``x_sorted`` bf16/fp16 ``[M, K]`` (rows contiguous), rows of expert ``e`` at
@@ -347,7 +347,7 @@ def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, block
       :func:`validate_mxfp4`); ``K_w`` is ``K`` rounded up to 32 (the padding columns are ignored);
     - ``config``: a ``moe_workspace_gemm`` config (None: the tuning database's for this shape);
     - ``workspace``: default the device's :func:`shared_workspace` (leased only when an expert takes the
-      workspace route); ``overlap``: its conversions on a side stream;
+      workspace route, whose conversions run on a side stream);
     - ``unfit_counter`` int32 ``[1]``: if given, the number of unfit blocks (see :mod:`.convert_reference`) is
       added to it, no sync (the registers route only takes experts that have none).
 
@@ -363,7 +363,7 @@ def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, block
     y[: offsets[0]].zero_()
     y[offsets[-1]:].zero_()
     with prefill_call(x_sorted, offsets, blocks, scales, y, config, workspace, unfit_counter) as run:
-        run(overlap=overlap)
+        run()
     return y
 
 
