@@ -19,7 +19,7 @@ import torch
 from .. import registry
 from ..harness import Ceilings, floor_us, graph_us, rotation, time_rotating
 from ..registry import Cost, KernelSpec
-from . import sparse_attention, sparse_attention_kernels, sparse_attention_reference
+from . import sparse_attention, sparse_attention_kernels
 from ..hostmath import cdiv, next_pow2
 from .sparse_attention_kernels import head_blocks
 from .sparse_attention_reference import (gather_einsum, slots_from_indices, sparse_attention_decode_torch,
