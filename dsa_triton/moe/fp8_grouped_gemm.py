@@ -443,7 +443,7 @@ def _constraint(config, shape) -> str | None:
 def _default(phase, shape):
     """Measured on the H200 (2026-11-30, results/h200/moe-prefill-sweep-nvidia-h200-20261130-0542.json): the
     registers route with 64 x 128 tiles and 4 warps won at T = 4096 (both GEMMs) and for gate_up at T = 16384
-    (by 10-60 % over 8-warp and 256-wide tiles); the down GEMM (short K) at T = 16384 preferred 128 x 256, 8 warps."""
+    (by 7-109 % over 8-warp and 256-wide tiles); the down GEMM (short K) at T = 16384 preferred 128 x 256, 8 warps."""
     rows_tile = max(16, bucket(shape["M"]))  # the constraint's bound on BLOCK_M (few routed rows)
     if shape["M"] * shape["N"] * shape["K"] < 2**24:  # interpreter-sized: few programs, still two stages
         return {"BLOCK_M": min(32, rows_tile), "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
