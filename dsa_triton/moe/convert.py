@@ -3,9 +3,7 @@
 Semantics and oracle: :mod:`.convert_reference`. One program converts ``BLOCK_N`` rows x ``GROUPS``
 128-k groups of one expert: it reads the groups' E8M0 scales, takes ``ref = max - 6`` per group and
 ``d`` = binades of each block below its group's top, and writes the group scale ``2^(ref - 127)``. Values are
-``e2m1 * 2^(6 - d)`` in e4m3:
-
-Values are e4m3 bytes from the code bits by byte permutes, four per 16 bits of codes (:func:`permute_codes`:
+``e2m1 * 2^(6 - d)`` in e4m3, made from the code bits by byte permutes, four per 16 bits of codes (:func:`permute_codes`:
 PTX ``prmt`` against each block's 8-byte table of its E2M1 magnitudes), about 1.5 integer operations per value,
 so the kernel stays bound by memory. The tables: where every ``d <= 11`` in the tile (every value a normal e4m3
 number, every block fits) a closed form (:func:`fast_tables`); otherwise each magnitude is cast to e4m3 once per
