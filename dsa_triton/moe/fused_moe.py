@@ -51,14 +51,15 @@ GPU_SMS = 132  # H200: the default config splits K until the grid has a program 
 FAST_SHIFT = tl.constexpr(64)  # bf16 path: weights computed as W * 2^-64 (in bf16 range), the fp32 sums scaled back
 SCALE_MAX = {True: 192, False: 240}  # largest scale byte of the bf16 GPU path (FAST) and of the other path
 
-# Nibble c of both halves of a 32-bit register (two int16 quarters) -> a bf16x2 pair ``code * 2^-126``: the
-# magnitude bits go to bits 6..8 (exponent low bits + mantissa top bit) of each half, the sign to bit 15.
-_E2M1_BF16X2_0 = tl.constexpr("{.reg .b32 t; and.b32 t, $1, 0x000F000F; mul.lo.u32 t, t, 0x1040; and.b32 $0, t, 0x81C081C0;}")
-_E2M1_BF16X2_1 = tl.constexpr("{.reg .b32 t; and.b32 t, $1, 0x00F000F0; mul.lo.u32 t, t, 0x104; and.b32 $0, t, 0x81C081C0;}")
-_E2M1_BF16X2_2 = tl.constexpr("{.reg .b32 t; shr.b32 t, $1, 2; and.b32 t, t, 0x03C003C0; mul.lo.u32 t, t, 0x41; "
-                              "and.b32 $0, t, 0x81C081C0;}")
-_E2M1_BF16X2_3 = tl.constexpr("{.reg .b32 t, u; shr.b32 t, $1, 6; and.b32 t, t, 0x01C001C0; and.b32 u, $1, 0x80008000; "
-                              "or.b32 $0, t, u;}")
+# Nibble c (the tuple's index) of both halves of a 32-bit register (two int16 quarters) -> a bf16x2 pair
+# ``code * 2^-126``: the magnitude bits go to bits 6..8 (exponent low bits + mantissa top bit) of each half,
+# the sign to bit 15.
+_E2M1_BF16X2 = tl.constexpr((
+    "{.reg .b32 t; and.b32 t, $1, 0x000F000F; mul.lo.u32 t, t, 0x1040; and.b32 $0, t, 0x81C081C0;}",
+    "{.reg .b32 t; and.b32 t, $1, 0x00F000F0; mul.lo.u32 t, t, 0x104; and.b32 $0, t, 0x81C081C0;}",
+    "{.reg .b32 t; shr.b32 t, $1, 2; and.b32 t, t, 0x03C003C0; mul.lo.u32 t, t, 0x41; and.b32 $0, t, 0x81C081C0;}",
+    "{.reg .b32 t, u; shr.b32 t, $1, 6; and.b32 t, t, 0x01C001C0; and.b32 u, $1, 0x80008000; or.b32 $0, t, u;}",
+))
 
 
 @triton.jit
@@ -66,14 +67,8 @@ def _class_weights(quarters, scales, c: tl.constexpr, dtype: tl.constexpr, FAST:
     """Weights of class ``c`` (k = 4q + c) of int16 ``quarters[BLOCK_N, Q]`` with their E8M0 ``scales`` (uint8,
     same shape), in ``dtype``: times 2^-64 on the FAST path (bf16, inline PTX), exact otherwise."""
     if FAST:
-        if c == 0:
-            code = tl.inline_asm_elementwise(_E2M1_BF16X2_0, "=r,r", [quarters], dtype=tl.bfloat16, is_pure=True, pack=2)
-        elif c == 1:
-            code = tl.inline_asm_elementwise(_E2M1_BF16X2_1, "=r,r", [quarters], dtype=tl.bfloat16, is_pure=True, pack=2)
-        elif c == 2:
-            code = tl.inline_asm_elementwise(_E2M1_BF16X2_2, "=r,r", [quarters], dtype=tl.bfloat16, is_pure=True, pack=2)
-        else:
-            code = tl.inline_asm_elementwise(_E2M1_BF16X2_3, "=r,r", [quarters], dtype=tl.bfloat16, is_pure=True, pack=2)
+        code = tl.inline_asm_elementwise(_E2M1_BF16X2[c], "=r,r", [quarters], dtype=tl.bfloat16, is_pure=True,
+                                         pack=2)
         factor = ((scales.to(tl.int16) + (126 - FAST_SHIFT)) << 7).to(tl.bfloat16, bitcast=True)  # 2^(s-1-64)
         w = code * factor
     else:
