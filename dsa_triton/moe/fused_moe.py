@@ -290,11 +290,12 @@ def _default(phase, shape):
     """8-row blocks (mma.sync m16n8k16) while experts average up to 8 rows, 64 x 512 weight tiles, 4 warps,
     3 stages; K split only when the grid would leave SMs idle.
 
-    H200 sweep (2026-11-30, 24 configs, E=256 top-8): 8 x 64 x 512 / 4 warps / 3 stages was the fastest or
-    within 1.3% of it for gate_up and down at T = 8, 32, 128 (74-83% of copy bandwidth on the MXFP4 bytes);
-    16-row blocks (wgmma, serialized by ptxas since the A registers are rewritten between wgmmas) were 11-25%
-    slower, 64 x 128 and 128 x 128 tiles 37-77% slower, split-K 2 slower everywhere. At T = 1 every config
-    timed 120-150 us, the host's launch path rather than the kernel. Blocks above 8 rows are not measured.
+    H200 sweep (results/h200/sweep-moe-fused-gemm-20261130.json, E=256 top-8, 24 configs at T >= 8, 22 at
+    T = 1): 8 x 64 x 512 / 4 warps / 3 stages was the fastest or within 1.3% of it for gate_up and down at
+    T = 8, 32, 128 (74-83% of copy bandwidth on the MXFP4 bytes); the best 16-row blocks (wgmma, serialized by
+    ptxas since the A registers are rewritten between wgmmas) were 12-25% slower, 8-row 64 x 128 and 128 x 128
+    tiles 31-77% slower, split-K 2 slower everywhere. At T = 1 every config timed 119-180 us, the host's launch
+    path rather than the kernel. 32-row blocks: 2 configs, 39-94% slower; 64-row blocks not measured.
     """
     routed = shape["T"] * shape["top_k"]
     per_expert = routed / max(expected_active_experts(shape), 1.0)
