@@ -10,13 +10,13 @@ import dsa_triton as dt
 from dsa_triton import registry
 from dsa_triton.attention import sparse_attention_kernels
 from dsa_triton.attention.cache import PagedCache
+from dsa_triton.attention.sparse_attention_spec import random_paged_cache
 from dsa_triton.attention.sparse_attention_reference import (slots_from_indices, sparse_attention_decode_torch,
                                                              sparse_attention_prefill_torch)
 
 from .poison import poisoned_allocations
 
 D, DV = 80, 64  # 64 value dims + 16 rope dims: the DSA split (512 + 64) in small
-NAN = float("nan")
 CFG = {"BLOCK_N": 16, "BLOCK_H": 16, "num_splits": 1, "num_warps": 4, "num_stages": 2}
 
 
@@ -27,15 +27,8 @@ def poisoned_buffers():
 
 
 def paged_cache(seqs: int, L: int, P: int, g: torch.Generator):
-    """``kv[pages, P, D]`` fp16 holding ``seqs`` sequences of ``L`` tokens on shuffled pages (page 0 spare), the
-    rest NaN; ``block_table[seqs, pages]`` int32."""
-    pages = -(-L // P)
-    kv = torch.full((seqs * pages + 1, P, D), NAN, dtype=torch.float16)
-    table = (torch.randperm(seqs * pages, generator=g) + 1).view(seqs, pages).to(torch.int32)
-    pos = torch.arange(L)
-    live = (table.long()[:, pos // P] * P + pos % P).flatten()
-    kv.view(-1, D)[live] = torch.randn(live.numel(), D, generator=g).half()
-    return kv, table
+    """fp16 ``kv[pages, P, D]``, NaN outside the ``seqs`` sequences of ``L`` tokens, and their block table."""
+    return random_paged_cache(seqs, L, P, D, torch.float16, g)
 
 
 def pick(rows: int, L: int, k: int, valid: list[int], g: torch.Generator) -> torch.Tensor:

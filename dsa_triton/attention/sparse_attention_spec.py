@@ -95,6 +95,18 @@ def _default(phase: str):
     return default
 
 
+def random_paged_cache(seqs: int, L: int, P: int, D: int, dtype: torch.dtype, g: torch.Generator):
+    """``kv[seqs * pages + 1, P, D]`` on ``g``'s device holding ``seqs`` sequences of ``L`` random rows on shuffled
+    pages (page 0 spare), every other slot NaN; ``block_table[seqs, pages]`` int32."""
+    pages = cdiv(L, P)
+    kv = torch.full((seqs * pages + 1, P, D), float("nan"), dtype=dtype, device=g.device)
+    table = (torch.randperm(seqs * pages, generator=g, device=g.device) + 1).view(seqs, pages).to(torch.int32)
+    positions = torch.arange(L, device=g.device)
+    live = (table.long()[:, positions // P] * P + positions % P).flatten()
+    kv.view(-1, D)[live] = torch.randn(live.numel(), D, generator=g, device=g.device).to(dtype)
+    return kv, table
+
+
 def _make_inputs(phase: str):
     def make_inputs(_phase, shape, device, seed: int) -> dict:
         """Random q and cache rows, generated on ``device``; unused slots (and a spare page 0) NaN. On the CPU some
@@ -106,13 +118,7 @@ def _make_inputs(phase: str):
         R, M = _rows(phase, shape)
         k, D, P = shape["k"], shape["D"], shape.get("P", 64)
         L = shape.get("L", 2 * k)
-        seqs = R if phase == "decode" else 1
-        pages = cdiv(L, P)
-        kv = torch.full(((seqs * pages + 1), P, D), float("nan"), dtype=dtype, device=device)
-        table = (torch.randperm(seqs * pages, generator=g, device=device) + 1).view(seqs, pages).to(torch.int32)
-        positions = torch.arange(L, device=device)
-        live = (table.long()[:, positions // P] * P + positions % P).flatten()
-        kv.view(-1, D)[live] = randn(live.numel(), D)
+        kv, table = random_paged_cache(R if phase == "decode" else 1, L, P, D, dtype, g)
         logical = torch.rand(R, L, generator=g, device=device).argsort(dim=1)[:, :k]
         if device.type != "cuda":
             valid = (k * ((torch.arange(R) + 1) % 3)) // 2  # k/2, k, 0, ...
