@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import registry
-from ..checks import check_kernel_device, check_tensor, tensor_key
+from ..checks import PlanCache, check_kernel_device, check_tensor
 from ..harness import graph_time_us, rotation, time_rotating
 from ..registry import Cost
 from . import fused_moe, permute
@@ -31,7 +31,7 @@ from .fp8_grouped_gemm import fp8_grouped_gemm
 from .fused_moe import ExpertWeights, expected_active_experts, fused_moe_gemm
 from .layer_reference import moe_forward_torch
 from .permute import combine_rows, sort_by_expert
-from .routing import RoutingConfig, check_grouping, route
+from .routing import MODES, RoutingConfig, check_grouping, route
 
 DECODE_MAX_TOKENS = 256  # moe_forward's phase when none is given: decode up to this many tokens
 CROSSOVER_ROWS = 128  # default: the workspace path from this many routed rows per expert (until tuned)
@@ -105,18 +105,15 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
     in a CUDA graph. It runs 2 Triton launches and about 50 non-view torch ops (router, routing, sort, block
     alignment, swiglu, shared expert, combine). The workspace path reads the expert offsets on the host (one sync).
     """
-    try:  # the checks read only metadata: run once per (tensor metadata, routing)
-        key = (tensor_key(x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
-                          shared_gate_up, shared_down), routing)
-        sizes = _CHECKED.get(key) if type(routing) is RoutingConfig else None
-    except (AttributeError, TypeError):  # not tensors: the checks name the argument
+    if type(routing) is RoutingConfig:  # the checks read only metadata and these routing fields: run once
+        key, sizes = _PLANS.find((x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_blocks,
+                                  down_scales, shared_gate_up, shared_down),
+                                 (MODES.index(routing.mode), routing.top_k, routing.n_group, routing.topk_group))
+    else:  # not a RoutingConfig: the checks name it
         key, sizes = None, None
     if sizes is None:
-        sizes = _check(x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
-                       routing, shared_gate_up, shared_down)
-        if key is not None and type(routing) is RoutingConfig:
-            _CHECKED.clear() if len(_CHECKED) > 1024 else None
-            _CHECKED[key] = sizes
+        sizes = _PLANS.put(key, _check(x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_blocks,
+                                       down_scales, routing, shared_gate_up, shared_down))
     experts, hidden, inter = sizes
     tokens = x.shape[0]
     phase = phase or ("decode" if tokens <= DECODE_MAX_TOKENS else "prefill")
@@ -137,7 +134,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
     return combine_rows(y, sort, add=shared).to(x.dtype)
 
 
-_CHECKED: dict[tuple, tuple[int, int, int]] = {}  # _check's (E, H, I) by tensor metadata and routing
+_PLANS = PlanCache(1024)  # _check's (E, H, I) by tensor metadata and the routing fields it reads
 
 
 # -- registry entry: which path per shape ------------------------------------------------------------
