@@ -15,12 +15,11 @@ from __future__ import annotations
 import sys
 
 import torch
-import triton
 
 from .. import registry
 from ..checks import PlanCache, check_positive
 from ..registry import Cost, KernelSpec
-from . import block_scores_reference
+from . import block_scores_reference, indexer, page_select
 from .block_scores_reference import gather_selected_torch, page_bounds_torch, page_summaries_torch
 from ..hostmath import cdiv
 from .cache import PAGE_SIZES
@@ -279,7 +278,7 @@ def _reference(inputs: dict):
     L = int(inputs["limits"].max())
     P = inputs["k"].shape[1]
     bounds = page_bounds_torch(q, w, inputs["pmax"], inputs["pmin"], inputs["block_table"], inputs["limits"],
-                               P, triton.cdiv(L, P), inputs["cu_seqlens_q"])
+                               P, cdiv(L, P), inputs["cu_seqlens_q"])
     dense = indexer_logits_torch(q, w, inputs["k"], inputs["k_scale"], inputs["limits"], L,
                                  cu_seqlens_q=inputs["cu_seqlens_q"], block_table=inputs["block_table"])
     return bounds, dense, inputs["n_select"], P, inputs["limits"]
@@ -311,7 +310,7 @@ def _compare(out, ref) -> str | None:
 
 def _cost(phase: str, shape) -> Cost:
     B, Q, L, P, H, DK, SEL = (shape[n] for n in ("B", "Q", "L", "P", "H", "DK", "SEL"))
-    T, n_pages = B * Q, -(-L // P)
+    T, n_pages = B * Q, cdiv(L, P)
     summary_bytes = B * n_pages * 2 * DK * 2  # bf16
     selected_key_bytes = T * min(SEL, n_pages) * P * (DK + 4)
     out_bytes = T * n_pages * 4 + T * SEL * P * 8
@@ -359,5 +358,5 @@ SPEC = registry.register(KernelSpec(
     constraint=_constraint,
     baseline=_token_level,
     baseline_name="token-level indexer_logits (dense [T, L])",
-    source_modules=(block_scores_reference, sys.modules[__name__]),
+    source_modules=(block_scores_reference, indexer, page_select, sys.modules[__name__]),  # its kernels' modules too
 ))

@@ -320,7 +320,7 @@ def random_paged_keys(B: int, L: int, P: int, DK: int, g: torch.Generator, spare
     """A poisoned FP8 K cache ``(k, k_scale, block_table, seq_lens)`` holding ``L`` random keys for each
     of ``B`` sequences on shuffled pages (every slot no sequence owns is NaN)."""
     device = g.device
-    pages_per_seq = -(-L // P)
+    pages_per_seq = cdiv(L, P)
     num_pages = B * pages_per_seq + spare_pages
     k8, scale = random_fp8_rows(num_pages * P, DK, g)
     k, k_scale = k8.view(num_pages, P, DK), scale.view(num_pages, P)
@@ -403,7 +403,7 @@ def _default(phase: str, shape) -> dict:
     """H200 sweep, 2026-11-30: decode Q=1 256-key tiles x 8 warps 294 us (0.91 of the byte floor; 128 x 4
     warps within 3%), Q=2 2 rows x 64 keys 405 us; prefill 2 rows x 64 keys 1111 us (0.67 of fp8)."""
     if phase == "decode":
-        block_m = triton.next_power_of_2(max(shape["Q"], 1))
+        block_m = next_pow2(shape["Q"])
         block_n, warps = {1: (256, 8), 2: (64, 4)}.get(block_m, (64, 8))
         return {"BLOCK_M": block_m, "BLOCK_N": block_n, "CHUNK": 4096, "num_warps": warps, "num_stages": 3}
     return {"BLOCK_M": 2, "BLOCK_N": 64, "CHUNK": 16384, "num_warps": 4, "num_stages": 3}
