@@ -506,8 +506,7 @@ def topk_indices(
         plan = _PLANS.put(key, _checked_plan(scores, k, lengths, block_table, page_size, row_to_seq, num_pages, out,
                                              config))
     T, L = plan.T, plan.L
-    capturing = scores.is_cuda and torch.cuda.is_current_stream_capturing()
-    if check_values and not capturing and T > 0:
+    if check_values and T > 0 and not (scores.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_values(T, L, lengths, block_table, page_size, row_to_seq, num_pages)
     if out is None:
         out = torch.empty(T, k, dtype=torch.int32, device=scores.device)
