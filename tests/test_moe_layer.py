@@ -5,7 +5,8 @@ import torch
 
 import dsa_triton as dt
 from dsa_triton.moe import fused_moe
-from dsa_triton.moe.layer import PATH, AtenOpCounter, compare_layer, swiglu
+from dsa_triton.moe.decode_report import AtenOpCounter
+from dsa_triton.moe.layer import PATH, compare_layer, swiglu
 from dsa_triton.moe.layer_reference import moe_forward_torch
 from dsa_triton.moe.mxfp4_reference import mxfp4_quantize_torch
 from dsa_triton.moe.routing import RoutingConfig

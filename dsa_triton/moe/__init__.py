@@ -5,7 +5,7 @@ from .routing import RoutingConfig, deepseek_topk, route, softmax_topk
 from .permute import ExpertSort, sort_by_expert
 from .fused_moe import fused_moe_gemm
 from .layer import moe_forward
-from . import decode_report  # noqa: F401  (registers the moe_decode report)
+from . import decode_report  # noqa: F401  (registers the moe_decode and moe_layer_decode reports)
 from .workspace import FP8Workspace, shared_workspace
 from .fp8_grouped_gemm import fp8_grouped_gemm
 from . import prefill_report  # noqa: F401  (registers the moe_prefill report)

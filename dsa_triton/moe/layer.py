@@ -13,18 +13,13 @@ FP8 GEMM with e4m3 activations: large batches; it reads the expert offsets on th
 """
 from __future__ import annotations
 
-import collections
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import registry
 from ..checks import PlanCache, check_kernel_device, check_tensor
-from ..harness import graph_time_us, rotation, time_rotating
 from ..registry import Cost
 from . import fused_moe, permute
 from .fp8_grouped_gemm import fp8_grouped_gemm
@@ -243,90 +238,3 @@ PATH = registry.register(registry.KernelSpec(
     baseline_name="torch layer, cuBLAS bf16 mm per active expert (pre-dequantized)",
     source_modules=(sys.modules[__name__], fused_moe, permute),
 ))
-
-
-# -- report: where the eager decode layer's time goes ----------------------------------------------
-# aten ops that read device memory on the host (a sync on CUDA) or give data-dependent shapes (not capturable)
-SYNCING_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique", "_unique2",
-                         "unique_dim", "unique_consecutive", "repeat_interleave", "bincount", "equal", "is_nonzero",
-                         "allclose", "histc", "masked_scatter"})
-
-
-class AtenOpCounter(TorchDispatchMode):
-    """Counts the aten ops run inside ``with AtenOpCounter() as c:`` by name (``c.ops``); ``c.syncing()``: those
-    in :data:`SYNCING_OPS`."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-    def syncing(self) -> dict[str, int]:
-        return {op: n for op, n in self.ops.items() if op in SYNCING_OPS}
-
-
-def _host_issue_us(call, sets, device) -> float:
-    """Median host microseconds to issue one call, the GPU not waited for between the calls of a batch
-    (a hidden sync shows up as device time here). A few calls only in the interpreter."""
-    batches, per_batch = (20, 4) if device.type == "cuda" else (3, 1)
-    samples = []
-    for i in range(batches):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(per_batch):
-            call(sets[i % len(sets)])
-        samples.append((time.perf_counter() - start) / per_batch * 1e6)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return statistics.median(samples)
-
-
-def _device_profile(call, inputs, calls: int = 5, top: int = 5) -> dict:
-    """torch.profiler over ``calls`` calls: summed kernel time per call, kernels per call, the longest ones."""
-    from torch.profiler import ProfilerActivity, profile
-
-    call(inputs)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call(inputs)
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if str(e.device_type).endswith("CUDA") and e.self_device_time_total > 0]
-    longest = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
-    return {"device_us": sum(e.self_device_time_total for e in kernels) / calls,
-            "kernels_per_call": sum(e.count for e in kernels) / calls,
-            "longest_kernels_us": "; ".join(f"{e.key[:48]} {e.self_device_time_total / calls:.1f}" for e in longest)}
-
-
-def moe_layer_decode_report(device, ceilings) -> list[dict]:
-    """Report ``moe_layer_decode``: per ``moe_path`` decode bench shape (GPU: DeepSeek-V3.2, T = 1 and 64), the
-    eager median, the host time to issue one call, the aten ops and syncing ops of one call and, on CUDA, the
-    summed kernel time of one call (torch.profiler), its longest kernels and the CUDA-graph replay median (the
-    capture itself shows the path has no sync). Eager well above both host and device time means a stall."""
-    device = torch.device(device)
-    rows = []
-    for shape in PATH.bench_shapes("decode", ceilings is not None):
-        config = PATH.launch_config("decode", shape, device)
-        sets = rotation(lambda i: _make_inputs("decode", shape, device, i), _cost("decode", shape).bytes, device)
-        call = lambda s: _run(s, config)  # noqa: E731
-        row = {"T": shape["T"], "path": config["path"], "eager_us": time_rotating(call, sets, device),
-               "host_issue_us": _host_issue_us(call, sets, device)}
-        with AtenOpCounter() as counter:
-            call(sets[0])
-        row.update(aten_ops=sum(counter.ops.values()), syncing_ops=str(counter.syncing() or "none"))
-        if device.type == "cuda":
-            row.update(_device_profile(call, sets[0]))
-            try:
-                row["graph_us"] = graph_time_us(call, sets, device)
-            except RuntimeError as exc:  # a capture failure must not hide the eager figures
-                row["graph_error"] = repr(exc)[:200]
-        rows.append(row)
-        del sets
-    return rows
-
-
-registry.register_report("moe_layer_decode", moe_layer_decode_report)
