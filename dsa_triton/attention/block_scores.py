@@ -26,7 +26,7 @@ from .cache import PAGE_SIZES
 from .indexer import (BOUND, SELECTED, LogitsLaunch, compare_logits, indexer_logits,
                       logits_shape, random_paged_keys, random_queries, tile_error)
 from .indexer_checks import (QueryRows, check_block_table, check_pages, check_paged_keys, check_queries,
-                             check_summaries, output_columns)
+                             check_summaries, check_size)
 from .indexer_reference import indexer_logits_torch
 from .page_select import SelectLaunch, select_pages  # noqa: F401  (select_pages: the path's step 2)
 
@@ -132,7 +132,7 @@ def block_scores(
         P = _check_page_size(page_size)
         check_block_table(rows, block_table, seq_lens, limits, pmax.shape[0], P)
         rows.finish(limits, need_max_limit=num_cols is None)
-        n_pages = output_columns(num_cols, cdiv(rows.max_limit, P))
+        n_pages = check_size("num_cols", num_cols, cdiv(rows.max_limit, P))
         config = _path_config(config, rows, block_table, P)
         plan = _BOUND_PLANS.put(key, (_bound_launch(rows, q, weights, pmax, block_table, P, n_pages, config),
                                       _made_cu(rows, cu_seqlens_q)))

@@ -35,7 +35,7 @@ from ..runtime import interpreting
 from . import indexer_reference
 from ..hostmath import cdiv, next_pow2
 from .cache_reference import fp8_quantize_rows
-from .indexer_checks import QueryRows, check_contiguous_keys, check_paged_keys, check_queries, output_columns
+from .indexer_checks import QueryRows, check_contiguous_keys, check_paged_keys, check_queries, check_size
 from .indexer_reference import indexer_logits_torch
 
 DENSE, SELECTED, BOUND = 0, 1, 2
@@ -281,7 +281,7 @@ def _checked_plan(q, weights, k, k_scale, limits, cu_seqlens_q, block_table, seq
         key_starts = check_contiguous_keys(rows, k, k_scale, key_starts, limits)
         P = 0
     rows.finish(limits, need_max_limit=num_cols is None)
-    L = output_columns(num_cols, rows.max_limit)
+    L = check_size("num_cols", num_cols, rows.max_limit)
     phase, shape = logits_shape(rows, L, P)
     if config is None:
         config = SPEC.launch_config(phase, shape, rows.device)

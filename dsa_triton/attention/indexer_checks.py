@@ -7,7 +7,7 @@ at all when the caller also gives the host-side sizes (``max_q``, ``num_cols`` /
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
@@ -101,8 +101,7 @@ def check_queries(q, weights, limits, cu_seqlens_q, max_q: int | None = None, ch
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, ndim=1, device=device)
     if cu_seqlens_q.shape[0] < 2:
         raise ValueError(f"cu_seqlens_q: needs B + 1 >= 2 entries, got {cu_seqlens_q.shape[0]}")
-    if max_q is not None and (not isinstance(max_q, int) or max_q < 0):
-        raise ValueError(f"max_q: must be an integer >= 0, got {max_q!r}")
+    check_size("max_q", max_q)
     cu = cu_seqlens_q.contiguous()
     rows = QueryRows(device, T, H, DK, cu, DeviceChecks(check_values), T if one_sequence else max_q)
     rows.checks.fail_if(lambda: (cu[0] != 0) | (cu[-1] != T) | (cu[1:] < cu[:-1]).any(),
@@ -204,9 +203,10 @@ def check_pages(rows: QueryRows, pages, seq_lens, P: int) -> None:
                         "pages: entries must be -1 or pages inside the row's sequence")
 
 
-def output_columns(num_cols, default: int, name: str = "num_cols") -> int:
-    if num_cols is None:
+def check_size(name: str, value, default: int | None = None) -> int | None:
+    """An optional size: ``default`` for ``None``, else an ``int`` >= 0 (not a bool)."""
+    if value is None:
         return default
-    if not isinstance(num_cols, int) or isinstance(num_cols, bool) or num_cols < 0:
-        raise ValueError(f"{name}: must be an integer >= 0, got {num_cols!r}")
-    return num_cols
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
+    return value
