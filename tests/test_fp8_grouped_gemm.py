@@ -1,6 +1,7 @@
 """Prefill grouped GEMM (interpreter, fp16 activations) against the reference, both routes (weights converted in
 registers, or through the workspace): activation quantization bit for bit, grouped products with odd expert
 counts, empty experts, K and N off 128, experts split between the routes; the registers route compiles for sm_90."""
+import json
 import os
 import subprocess
 import sys
@@ -220,3 +221,18 @@ def test_registry_entry_checks_out_and_catches_a_wrong_result():
     assert spec.is_valid(spec.default("prefill", big), big)
     assert "accumulator" in spec.constraint({**CONFIG, "BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 4}, big)
     assert "expert count" in spec.constraint({**CONFIG, "EXPERTS_PER_STAGE": 16}, shape)
+
+
+def test_prefill_report_runs_both_routes_on_the_cpu(monkeypatch):
+    """The moe_prefill report's CPU rows: every path runs and agrees with the bf16 baseline, with a W_SMEM=1
+    registers config as the launch config (the report's workspace-route config must drop it)."""
+    spec = registry.get("moe_workspace_gemm")
+    default = spec.launch_config
+    monkeypatch.setattr(spec, "launch_config", lambda *a, **k: {**default(*a, **k), "W_SMEM": 1})
+    rows = registry.reports()["moe_prefill"](torch.device("cpu"), None)
+    assert [r["gemm"] for r in rows] == ["gate_up", "down"]
+    for r in rows:
+        assert "error" not in r and r["rel_err"] < 0.05, r
+        assert json.loads(r["config"])["W_SMEM"] == 1
+        times = [r[k] for k in ("ours_us", "registers_us", "workspace_us", "convert_us", "gemm_us", "pipelined_us")]
+        assert all(t > 0 for t in times), times  # NaN (a path that raised) fails too
