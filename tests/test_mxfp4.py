@@ -68,7 +68,7 @@ def test_round_trip_error_is_within_the_format():
     assert bool((err <= amax / 4 + 1e-45).all())  # half of the widest step (4 -> 6) at scale amax / 4..8
 
 
-def test_zero_scale_rejected_naming_tensor_and_block():
+def test_nan_scale_rejected_naming_tensor_and_block():
     blocks = torch.randint(0, 256, (3, 4, 2, 16), dtype=torch.uint8)
     scales = torch.full((3, 4, 2), 120, dtype=torch.uint8)
     scales[2, 1, 1] = 0xFF
