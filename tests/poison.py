@@ -14,7 +14,7 @@ import torch
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill ``t`` in place with NaN (floating) or -2 (integer, wrapping for unsigned) and return it."""
     if t.dtype.is_floating_point:
-        if t.element_size() == 1:  # float8: fill the bytes (0x7F is NaN in e4m3fn, 0x7F..0xFF NaN-ish in e5m2)
+        if t.element_size() == 1:  # float8: fill the bytes (0x7F is NaN in e4m3fn and in e5m2)
             t.view(torch.uint8).fill_(0x7F)
         else:
             t.fill_(float("nan"))
