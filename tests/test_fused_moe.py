@@ -34,7 +34,7 @@ def test_sort_by_expert_matches_a_direct_construction():
     assert sort.sorted_slot.tolist() == slots
     assert sort.sorted_token.tolist() == [s // 3 for s in slots]
     assert sort.sorted_expert.tolist() == [int(ids.view(-1)[s]) for s in slots]
-    assert torch.equal(sort.sorted_weight, weights.view(-1)[slots])
+    assert torch.equal(sort.slot_weight, weights.view(-1))
     counts = torch.bincount(ids.view(-1).long(), minlength=7)
     assert sort.expert_offsets.tolist() == [0] + counts.cumsum(0).tolist()
     assert torch.equal(sort.sorted_slot[sort.slot_row.long()], torch.arange(18, dtype=torch.int32))

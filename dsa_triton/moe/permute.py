@@ -43,7 +43,7 @@ class ExpertSort:
 
     - ``expert_offsets [E + 1]`` int32: CSR offsets into the sorted rows;
     - ``sorted_slot [M]`` int32: the slot of each sorted row; ``sorted_token [M]``: its token (slot // top_k);
-    - ``sorted_expert [M]`` int32: its expert; ``sorted_weight [M]`` fp32: its combine weight;
+    - ``sorted_expert [M]`` int32: its expert;
     - ``slot_row [M]`` int32: the inverse permutation, the sorted row of each slot;
     - ``slot_weight [M]`` fp32: the combine weight of each slot (the routing weights, flattened: a view of
       ``topk_weights`` when those are contiguous fp32).
@@ -55,7 +55,6 @@ class ExpertSort:
     sorted_slot: torch.Tensor
     sorted_token: torch.Tensor
     sorted_expert: torch.Tensor
-    sorted_weight: torch.Tensor
     slot_row: torch.Tensor
     slot_weight: torch.Tensor
     _aligned: dict = field(default_factory=dict, repr=False, compare=False)
@@ -99,8 +98,7 @@ def sort_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor | None, nu
     slot_row = torch.empty_like(slot).scatter_(0, sorted_slot, index_range(rows, torch.int32, device))
     slot_weight = (torch.ones(rows, device=device) if topk_weights is None
                    else topk_weights.reshape(-1).to(torch.float32))
-    return ExpertSort(num_experts, top_k, offsets, slot, slot // top_k, sorted_expert, slot_weight[sorted_slot],
-                      slot_row, slot_weight)
+    return ExpertSort(num_experts, top_k, offsets, slot, slot // top_k, sorted_expert, slot_row, slot_weight)
 
 
 _ranges: dict[tuple, torch.Tensor] = {}
