@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checks import check_positive, check_tensor
+from ..hostmath import cdiv
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def index_range(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
     """Host-side bound on the padded rows: at most ``min(E, M)`` experts get rows, each wastes < ``block_m``."""
     bound = num_rows + min(num_experts, num_rows) * (block_m - 1)
-    return -(-bound // block_m) * block_m
+    return cdiv(bound, block_m) * block_m
 
 
 def align_blocks(sort: ExpertSort, block_m: int) -> BlockAlignment:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import check_tensor
+from ..checks import check_positive, check_tensor
 
 MODES = ("deepseek", "softmax")
 
@@ -45,9 +45,7 @@ class RoutingConfig:
         if self.mode not in MODES:
             raise ValueError(f"routing.mode: must be one of {MODES}, got {self.mode!r}")
         for name in ("top_k", "n_group", "topk_group"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"routing.{name}: must be a positive integer, got {value!r}")
+            check_positive(f"routing.{name}", getattr(self, name))
 
 
 def _check_logits(logits: torch.Tensor, top_k: int) -> int:
