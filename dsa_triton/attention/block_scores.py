@@ -23,8 +23,8 @@ from . import block_scores_reference, indexer, page_select
 from .block_scores_reference import gather_selected_torch, page_bounds_torch, page_summaries_torch
 from ..hostmath import cdiv
 from .cache import PAGE_SIZES
-from .indexer import (BOUND, SELECTED, LogitsLaunch, compare_logits, indexer_logits,
-                      logits_shape, random_paged_keys, random_queries, tile_error)
+from .indexer import (BOUND, SELECTED, LogitsLaunch, call_cu, compare_logits, indexer_logits, logits_shape, made_cu,
+                      random_paged_keys, random_queries, tile_error)
 from .indexer_checks import (QueryRows, check_block_table, check_pages, check_paged_keys, check_queries,
                              check_summaries, check_size)
 from .indexer_reference import indexer_logits_torch
@@ -73,15 +73,6 @@ def _selected(launch: LogitsLaunch, cu, q, weights, k, k_scale, block_table, lim
     positions = torch.empty(launch.shape, dtype=torch.int32, device=q.device)
     launch(q, weights, k, k, k_scale, out, positions, limits, cu, block_table, cu, pages)
     return out, positions
-
-
-def _made_cu(rows: QueryRows, cu_seqlens_q) -> torch.Tensor | None:
-    """The ``cu`` a plan keeps: the one the checks made for ``cu_seqlens_q=None`` (never a caller's tensor)."""
-    return rows.cu if cu_seqlens_q is None else None
-
-
-def _cu(made: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None) -> torch.Tensor:
-    return made if cu_seqlens_q is None else cu_seqlens_q.contiguous()
 
 
 _BOUND_PLANS, _SELECTED_PLANS, _PLANS = PlanCache(), PlanCache(), PlanCache()
@@ -135,8 +126,8 @@ def block_scores(
         n_pages = check_size("num_cols", num_cols, cdiv(rows.max_limit, P))
         config = _path_config(config, rows, block_table, P)
         plan = _BOUND_PLANS.put(key, (_bound_launch(rows, q, weights, pmax, block_table, P, n_pages, config),
-                                      _made_cu(rows, cu_seqlens_q)))
-    return _bounds(plan[0], _cu(plan[1], cu_seqlens_q), q, weights, pmax, pmin, block_table, limits)
+                                      made_cu(rows, cu_seqlens_q)))
+    return _bounds(plan[0], call_cu(plan[1], cu_seqlens_q), q, weights, pmax, pmin, block_table, limits)
 
 
 def selected_page_logits(
@@ -172,8 +163,8 @@ def selected_page_logits(
         rows.finish(limits, need_max_limit=False)
         config = _path_config(config, rows, block_table, P)
         plan = _SELECTED_PLANS.put(key, (_selected_launch(rows, q, weights, k, block_table, pages.shape[1], config),
-                                         _made_cu(rows, cu_seqlens_q)))
-    return _selected(plan[0], _cu(plan[1], cu_seqlens_q), q, weights, k, k_scale, block_table, limits, pages)
+                                         made_cu(rows, cu_seqlens_q)))
+    return _selected(plan[0], call_cu(plan[1], cu_seqlens_q), q, weights, k, k_scale, block_table, limits, pages)
 
 
 def block_indexer_logits(
@@ -216,7 +207,7 @@ def block_indexer_logits(
         plan = _PLANS.put(key, _checked_path_plan(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens, limits,
                                                   n_select, cu_seqlens_q, max_len, max_q, check_values, config))
     bound_launch, select_launch, selected_launch, cu = plan
-    cu = _cu(cu, cu_seqlens_q)
+    cu = call_cu(cu, cu_seqlens_q)
     bounds = _bounds(bound_launch, cu, q, weights, pmax, pmin, block_table, limits)
     pages = select_launch(bounds)
     logits, positions = _selected(selected_launch, cu, q, weights, k, k_scale, block_table, limits, pages)
@@ -239,7 +230,7 @@ def _checked_path_plan(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens
     config = _path_config(config, rows, block_table, P)
     return (_bound_launch(rows, q, weights, pmax, block_table, P, n_pages, config),
             SelectLaunch(rows.T, n_pages, n_select, n_pages, rows.device),
-            _selected_launch(rows, q, weights, k, block_table, n_select, config), _made_cu(rows, cu_seqlens_q))
+            _selected_launch(rows, q, weights, k, block_table, n_select, config), made_cu(rows, cu_seqlens_q))
 
 
 # -- registry entry: the block-level path, timed against the token-level path ---------------------

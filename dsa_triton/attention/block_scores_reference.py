@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache_reference import dequantize_rows
+from .cache_reference import dequantize_rows, page_extremes
 from .indexer_reference import exact_fp8_matmul
 
 
@@ -25,11 +25,10 @@ def page_summaries_torch(k: torch.Tensor, k_scale: torch.Tensor, block_table: to
     fill[block_table.long()[per_page > 0]] = per_page[per_page > 0]
     out = torch.full((num_pages, 2, DK), float("nan"), device=k.device)
     for c in range(0, num_pages, chunk):
-        keys = dequantize_rows(k[c:c + chunk], k_scale[c:c + chunk])  # [n, P, DK]
-        used = (torch.arange(P, device=k.device) < fill[c:c + chunk, None])[..., None]
+        pmax, pmin = page_extremes(dequantize_rows(k[c:c + chunk], k_scale[c:c + chunk]), fill[c:c + chunk])
         page_used = fill[c:c + chunk, None] > 0
-        out[c:c + chunk, 0] = keys.where(used, float("-inf")).amax(1).where(page_used, float("nan"))
-        out[c:c + chunk, 1] = keys.where(used, float("inf")).amin(1).where(page_used, float("nan"))
+        out[c:c + chunk, 0] = pmax.where(page_used, float("nan"))
+        out[c:c + chunk, 1] = pmin.where(page_used, float("nan"))
     return out
 
 

@@ -56,7 +56,13 @@ def append_torch(
     x8, scale = fp8_quantize_rows(index_k)
     ik.view(-1, ik.shape[-1]).view(torch.uint8)[slots] = x8.view(torch.uint8)
     ik_scale.view(-1)[slots] = scale
-    keys = dequantize_rows(fp8_rows(ik, pages), ik_scale[pages])  # [n, P, DK]
-    used = (torch.arange(ik.shape[1], device=ik.device) < fill[:, None])[..., None]
-    summaries[pages, 0] = keys.where(used, float("-inf")).amax(dim=1).to(summaries.dtype)  # exact in bf16
-    summaries[pages, 1] = keys.where(used, float("inf")).amin(dim=1).to(summaries.dtype)
+    pmax, pmin = page_extremes(dequantize_rows(fp8_rows(ik, pages), ik_scale[pages]), fill)
+    summaries[pages, 0] = pmax.to(summaries.dtype)  # exact in bf16
+    summaries[pages, 1] = pmin.to(summaries.dtype)
+
+
+def page_extremes(keys: torch.Tensor, fill: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise (max, min) ``[n, DK]`` over the first ``fill[i]`` of page ``i``'s keys ``keys[n, P, DK]``
+    (``-inf`` / ``inf`` for an empty page)."""
+    used = (torch.arange(keys.shape[1], device=keys.device) < fill[:, None])[..., None]
+    return keys.where(used, float("-inf")).amax(dim=1), keys.where(used, float("inf")).amin(dim=1)

@@ -255,7 +255,7 @@ def indexer_logits(
         plan = _PLANS.put(key, _checked_plan(q, weights, k, k_scale, limits, cu_seqlens_q, block_table, seq_lens,
                                              key_starts, num_cols, max_q, check_values, config))
     launch, cu, starts = plan
-    cu = cu if cu_seqlens_q is None else cu_seqlens_q.contiguous()
+    cu = call_cu(cu, cu_seqlens_q)
     starts = starts if key_starts is None else key_starts.contiguous()
     out = torch.empty(launch.shape, dtype=torch.float32, device=q.device)
     return launch(q, weights, k, k, k_scale, out, cu, limits, cu, cu if block_table is None else block_table,
@@ -292,7 +292,17 @@ def _checked_plan(q, weights, k, k_scale, limits, cu_seqlens_q, block_table, seq
     launch = LogitsLaunch(DENSE, rows.T, rows.H, rows.DK, rows.B, rows.max_q, L, strides, config, max(P, 1),
                           paged=block_table is not None)
     made_starts = block_table is None and key_starts_given is None
-    return launch, rows.cu if cu_seqlens_q is None else None, key_starts if made_starts else None  # no caller's tensor
+    return launch, made_cu(rows, cu_seqlens_q), key_starts if made_starts else None  # no caller's tensor
+
+
+def made_cu(rows: QueryRows, cu_seqlens_q) -> torch.Tensor | None:
+    """The ``cu`` a plan keeps: the one the checks made for ``cu_seqlens_q=None`` (never a caller's tensor)."""
+    return rows.cu if cu_seqlens_q is None else None
+
+
+def call_cu(made: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None) -> torch.Tensor:
+    """The ``cu`` a call launches with: the plan's, or the caller's ``cu_seqlens_q``."""
+    return made if cu_seqlens_q is None else cu_seqlens_q.contiguous()
 
 
 # -- registry entry -------------------------------------------------------------------------------
