@@ -400,10 +400,8 @@ class PagedCache:
         self.block_table[upd[:, 0], upd[:, 1]] = upd[:, 2].int()
         new_lens = meta[n_items + n_upd:].view(-1, 2)
         self.seq_lens[new_lens[:, 0].long()] = new_lens[:, 1]
-        phase = "decode" if len(items) == n_rows else "prefill"
-        shape = _append_shape(self.kv, self.ik, n_rows, len(items))
-        config = config or SPEC.launch_config(phase, shape, self.device)
-        _launch_append(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k, items_t, config)
+        append_tokens(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k, items_t, config=config,
+                      check_values=False)  # the items come from this cache's own bookkeeping
 
     def release(self, seq_id: int) -> None:
         """Free sequence ``seq_id``'s pages and set its length to 0."""
