@@ -155,10 +155,9 @@ def _check_cache_tensors(kv_cache, ik, ik_scale, summaries, kv, index_k) -> tupl
         if P is not None and (P2 != P or num_pages != kv_cache.shape[0]):
             raise ValueError(f"ik: shape {tuple(ik.shape)} does not match kv_cache {tuple(kv_cache.shape)} in pages")
         P = P2
-        for name, t, shape, dtypes in (("ik", ik, None, None), ("ik_scale", ik_scale, (num_pages, P), torch.float32),
-                                       ("summaries", summaries, (num_pages, 2, DK), SUMMARY_DTYPES)):
-            if shape is not None:
-                check_tensor(name, t, dtype=dtypes, shape=shape, device=device)
+        check_tensor("ik_scale", ik_scale, dtype=torch.float32, shape=(num_pages, P), device=device)
+        check_tensor("summaries", summaries, dtype=SUMMARY_DTYPES, shape=(num_pages, 2, DK), device=device)
+        for name, t in (("ik", ik), ("ik_scale", ik_scale), ("summaries", summaries)):
             if not t.is_contiguous():
                 raise ValueError(f"{name}: must be contiguous, got strides {t.stride()}")
         check_tensor("index_k", index_k, dtype=(torch.float32, torch.bfloat16, torch.float16),
