@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 import dsa_triton as dt
+from dsa_triton.hostmath import cdiv
 
 from .config import ModelConfig
 
@@ -55,7 +56,7 @@ class CacheManager:
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, max_seqs: int, max_seq_len: int,
                  dtype: torch.dtype, device, poison: bool = False):
         self.page_size, self.device = page_size, torch.device(device)
-        self.max_pages = -(-max_seq_len // page_size)
+        self.max_pages = cdiv(max_seq_len, page_size)
         self.allocator = dt.PageAllocator(num_pages)
         self.layers = [dt.PagedCache(num_pages, page_size, 1, 1, config.latent_dim, config.index_head_dim, dtype,
                                      device, poison=poison) for _ in range(config.num_hidden_layers)]
@@ -65,8 +66,7 @@ class CacheManager:
         self._free_ids = list(range(max_seqs - 1, -1, -1))
 
     def can_allocate(self, n_tokens: int) -> bool:
-        pages = -(-n_tokens // self.page_size)
-        return bool(self._free_ids) and pages <= min(self.allocator.num_free, self.max_pages)
+        return bool(self._free_ids) and cdiv(n_tokens, self.page_size) <= min(self.allocator.num_free, self.max_pages)
 
     def allocate(self, n_tokens: int) -> int:
         """Reserve pages for ``n_tokens`` tokens of a new sequence; returns its id (a row of the block table)."""
@@ -74,7 +74,7 @@ class CacheManager:
             raise ValueError(f"n_tokens: {n_tokens} tokens do not fit (free pages {self.allocator.num_free}, "
                              f"free sequence ids {len(self._free_ids)}, at most {self.max_pages} pages a sequence)")
         seq = self._free_ids.pop()
-        pages = self.allocator.allocate(-(-n_tokens // self.page_size))
+        pages = self.allocator.allocate(cdiv(n_tokens, self.page_size))
         self._pages[seq], self._lens[seq] = pages, 0
         self.block_table[seq, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
         return seq
