@@ -5,7 +5,7 @@ inside selected pages) and its realistic DeepSeek-V3.2 shape: every listed confi
 the reference on the same inputs and timed (``do_bench`` median; the short block-path stages replayed
 from a CUDA graph, so the host's Python does not hide their time), fastest first, with the fraction of
 the floor. ``--budget S`` stops starting new configs after S seconds (compiles dominate);
-``--only a,b`` runs some stages. :func:`sweep` returns the rows (``best`` picks the fastest passing).
+``--only a,b`` runs some stages. :func:`sweep` returns the rows.
 """
 from __future__ import annotations
 
@@ -131,12 +131,6 @@ def sweep(name: str, ceilings, budget_s: float) -> list[dict]:
     del inputs
     torch.cuda.empty_cache()
     return rows
-
-
-def best(rows: list[dict]) -> dict | None:
-    """The fastest config that matched the reference."""
-    ok = [r for r in rows if r.get("check") == "ok" and isinstance(r.get("config"), dict)]
-    return min(ok, key=lambda r: r["us"])["config"] if ok else None
 
 
 def main(argv=None) -> int:
