@@ -13,12 +13,13 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from . import registry
 from .harness import Ceilings, Measurement, measure_ceilings, measurement, rotation, time_rotating
-from .runtime import default_device, device_name, environment
+from .runtime import default_device, environment
 
 
 def shape_text(shape: dict[str, int]) -> str:
@@ -67,6 +68,31 @@ def dict_table(items: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def write_results(out: str | Path, stem: str, sections: dict[str, list[dict[str, Any]]], *, note: str = "",
+                  lead: str = "", data: dict[str, Any] | None = None) -> Path:
+    """Write ``<out>/<stem>-<device>-<UTC date>.json`` and ``.md``, stamped with the environment; returns the .md.
+
+    JSON: ``date``, ``environment``, ``note``, ``data``'s items and one list of rows per section. Markdown: a
+    title, the environment, ``note``, ``lead`` (a ready table) and one :func:`dict_table` per section.
+    """
+    env = environment()
+    stamp = dt.datetime.now(dt.timezone.utc)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}-{env['device']}-{stamp:%Y%m%d-%H%M%S}"
+    payload = {"date": stamp.isoformat(timespec="seconds"), "environment": env, "note": note, **(data or {}),
+               **sections}
+    path.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    text = [f"# {stem} on {env['device']}, {payload['date']}", "", " ".join(f"{k}={v}" for k, v in env.items())]
+    for part in (note, lead):
+        if part:
+            text += ["", part]
+    for name, rows in sections.items():
+        text += ["", f"## {name}", "", dict_table(rows) if rows else "(nothing)"]
+    path.with_suffix(".md").write_text("\n".join(text) + "\n")
+    return path.with_suffix(".md")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dsa_triton.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", default="", help="comma-separated kernel names (default: all registered)")
@@ -78,7 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     device = default_device()
-    env = environment()
     ceilings = None
     if device.type == "cuda" and not args.no_ceilings:
         ceilings = measure_ceilings(device)
@@ -105,24 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    stamp = dt.datetime.now(dt.timezone.utc)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench-{env['device']}-{stamp:%Y%m%d-%H%M}"
-    payload = {"date": stamp.isoformat(timespec="seconds"), "environment": env,
-               "ceilings": None if ceilings is None else ceilings.__dict__, "rows": [r.as_dict() for r in rows], "reports": report_rows}
-    (out / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
-    text = [f"# bench on {env['device']}, {payload['date']}", "",
-            " ".join(f"{k}={v}" for k, v in env.items()), ""]
-    if ceilings is not None:
-        text += [f"ceilings: copy {ceilings.copy_tbps:.2f} TB/s, bf16 matmul {ceilings.bf16_tflops:.0f} TFLOP/s, "
-                 f"fp8 matmul {ceilings.fp8_tflops:.0f} TFLOP/s", ""]
-    text.append(table(rows))
-    for name, items in report_rows.items():
-        text += ["", f"## {name}", "", dict_table(items)]
-    (out / f"{stem}.md").write_text("\n".join(text) + "\n")
-    print("\n".join(text))
-    print(f"\nwrote {out / stem}.json and .md")
+    note = "" if ceilings is None else (
+        f"ceilings: copy {ceilings.copy_tbps:.2f} TB/s, bf16 matmul {ceilings.bf16_tflops:.0f} TFLOP/s, "
+        f"fp8 matmul {ceilings.fp8_tflops:.0f} TFLOP/s")
+    path = write_results(args.out, "bench", report_rows, note=note, lead=table(rows),
+                         data={"ceilings": None if ceilings is None else ceilings.__dict__,
+                               "rows": [r.as_dict() for r in rows]})
+    print(path.read_text())
+    print(f"wrote {path} and .json")
     failed = any(r.check != "ok" for r in rows) or any("error" in row for v in report_rows.values() for row in v)
     return 1 if failed else 0
 

@@ -167,10 +167,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from dsa_triton.bench import dict_table
+    from dsa_triton.bench import dict_table, write_results
 
     from .bench_db import bench
-    from .report import write_results
 
     device, db = _setup(args)
     rows = bench(db, device, _names(args.kernels))
@@ -188,10 +187,9 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from dsa_triton.bench import dict_table
+    from dsa_triton.bench import dict_table, write_results
 
     from .compare import compare_kernel
-    from .report import write_results
 
     device, _ = _setup(args)
     jobs = build_jobs(args, device)
