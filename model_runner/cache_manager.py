@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 import dsa_triton as dt
+from dsa_triton.attention.cache import page_items
 from dsa_triton.hostmath import cdiv
 
 from .config import ModelConfig
@@ -98,11 +99,8 @@ class CacheManager:
                 raise ValueError(f"chunks: sequence {seq} would exceed its {len(self._pages[seq])} reserved pages")
             positions += range(start, end)
             slots += [self._pages[seq][i // P] * P + i % P for i in range(start, end)]
-            pos = start
-            while pos < end:
-                n = min(end - pos, P - pos % P)
-                items.append((row, n, self._pages[seq][pos // P], pos % P))
-                row, pos = row + n, pos + n
+            items += page_items(row, start, count, self._pages[seq], P)
+            row += count
             self._lens[seq] = end
         counts = [n for _, n in chunks]
         seq_ids = [s for s, _ in chunks]
