@@ -293,6 +293,9 @@ def test_model_shapes_prefill_chunks_and_expert_gemms():
     got = sh.model_shapes(gemm, "prefill", V32, chunks=(4096,))
     assert got == [{"E": 256, "top_k": 8, "N": 4096, "K": 7168, "gather": 1, "T": 4096},
                    {"E": 256, "top_k": 8, "N": 7168, "K": 2048, "gather": 0, "T": 4096}]
+    grouped = shaped("moe_workspace_gemm", ("E", "N", "K"), ("M",), phases=("prefill",))
+    assert [(s["M"], s["N"]) for s in sh.model_shapes(grouped, "prefill", V32, chunks=(512, 4096))] == [
+        (4096, 4096), (32768, 4096), (4096, 7168), (32768, 7168)]  # M: routed rows, 8 per token
     weights = shaped("mxfp4_convert", ("K",), ("N",), phases=("load",))
     assert [(s["N"], s["K"]) for s in sh.model_shapes(weights, "load", V32)] == [(4096, 7168), (7168, 2048)]
     decode = sh.model_shapes(gemm, "decode", V32, batches=(1, 128))

@@ -21,7 +21,8 @@ Fixed dims (any of the names on a row): ::
 
 Expert weights (kernels named *mxfp4*, *moe*, *gemm*, *expert*): ``N``, ``K`` and ``gather``, fixed or
 bucketed, take both GEMMs: gate_up (N = 2 x moe_intermediate_size, K = hidden_size, gather = 1) and down
-(N = hidden_size, K = moe_intermediate_size, gather = 0).
+(N = hidden_size, K = moe_intermediate_size, gather = 0). Their ``M`` counts routed rows: the tokens times
+num_experts_per_tok (a grouped GEMM over T tokens routed top-8 has M = 8 T rows).
 
 Bucketed dims: batch names (B, batch, num_seqs, seqs) take the decode batch sizes (1 in prefill); token names
 (T, M, Q, N, tokens, num_tokens, rows) the prefill chunk sizes in prefill, and in decode the batch sizes
@@ -51,6 +52,7 @@ BATCH_NAMES = ("B", "batch", "num_seqs", "seqs")
 TOKEN_NAMES = ("T", "M", "Q", "N", "tokens", "num_tokens", "rows")
 CONTEXT_NAMES = ("L", "context", "ctx", "seq_len", "kv_len", "keys")
 WEIGHT_KERNELS = ("mxfp4", "moe", "gemm", "expert")
+ROUTED_ROWS = "M"  # in a weight kernel: tokens x experts per token
 
 Quantity = Callable[[dict[str, Any]], int]
 FIXED: dict[str, Quantity] = {}
@@ -166,9 +168,12 @@ def model_shapes(spec: KernelSpec, phase: str, config: dict[str, Any], overrides
     """Every shape of ``phase`` the model needs from this kernel; ``notes`` gets the dims taken from bench shapes."""
     overrides = overrides or {}
     key_dims = (*spec.fixed_dims, *spec.bucketed_dims)
+    routed = any(w in spec.name for w in WEIGHT_KERNELS) and ROUTED_ROWS in key_dims
     shapes, borrowed = [], set()
     for fixed in derived_dims(spec, config):
         for counts in counted_dims(spec, phase, set(fixed), batches, contexts, chunks):
+            if routed and ROUTED_ROWS in counts:
+                counts[ROUTED_ROWS] *= _value(spec, ROUTED_ROWS, FIXED["top_k"], config)
             derived = {**fixed, **counts, **overrides}
             bench = closest_bench(spec, phase, derived)
             borrowed |= {d for d in key_dims if d not in derived}
