@@ -150,7 +150,7 @@ def test_page_select_registry_entry(tile):
     """Rows longer than a tile, n_select above the row length and above a tile, a row with no valid page;
     outputs poisoned (-2) so a slot the kernel skips shows."""
     spec = registry.get("page_select")
-    for shape in spec.bench_shapes("decode", False) + [{"T": 2, "N": 300, "SEL": 150}, {"T": 2, "N": 40, "SEL": 50}]:
+    for shape in spec.bench_shapes("decode", False) + [{"T": 2, "pages": 300, "SEL": 150}, {"T": 2, "pages": 40, "SEL": 50}]:
         inputs = spec.make_inputs("decode", shape, torch.device("cpu"), tile)
         with poisoned_allocations():
             out = spec.run(inputs, {"TILE": tile, "num_warps": 4})

@@ -28,7 +28,8 @@ Bucketed dims: batch names (B, batch, num_seqs, seqs) take the decode batch size
 (T, M, Q, N, tokens, num_tokens, rows) the prefill chunk sizes in prefill, and in decode the batch sizes
 (tied to the batch dim when the kernel's bench shapes tie them; otherwise, beside a batch dim, they count
 queries per sequence, see below); context names (L, context, ctx, seq_len, kv_len, keys) the context lengths
-(at least the chunk in prefill). A phase that is neither decode nor prefill (``any``) gets both.
+(at least the chunk in prefill); page-count names (pages, n_pages, num_pages) the context lengths over
+the page size. A phase that is neither decode nor prefill (``any``) gets both.
 
 Any other dimension (and any the kernel's shape carries outside its key) takes its value from the kernel's
 GPU bench shape (its realistic DeepSeek-V3.2 shape) that agrees most with the derived dims; those are
@@ -51,6 +52,7 @@ DEFAULT_PAGE = 64
 BATCH_NAMES = ("B", "batch", "num_seqs", "seqs")
 TOKEN_NAMES = ("T", "M", "Q", "N", "tokens", "num_tokens", "rows")
 CONTEXT_NAMES = ("L", "context", "ctx", "seq_len", "kv_len", "keys")
+PAGE_NAMES = ("pages", "n_pages", "num_pages")  # context / page size
 WEIGHT_KERNELS = ("mxfp4", "moe", "gemm", "expert")
 ROUTED_ROWS = "M"  # in a weight kernel: tokens x experts per token
 
@@ -134,7 +136,7 @@ def counted_dims(spec: KernelSpec, phase: str, skip: set[str], batches: tuple[in
     a phase that is neither decode nor prefill (``any``) gets the combinations of both."""
     roles: dict[str, list[str]] = {"batch": [], "tokens": [], "context": []}
     for dim in (d for d in spec.bucketed_dims if d not in skip):
-        for role, names in (("batch", BATCH_NAMES), ("tokens", TOKEN_NAMES), ("context", CONTEXT_NAMES)):
+        for role, names in (("batch", BATCH_NAMES), ("tokens", TOKEN_NAMES), ("context", CONTEXT_NAMES + PAGE_NAMES)):
             if dim in names:
                 roles[role].append(dim)
     batch_dims, context_dims = roles["batch"], roles["context"]
@@ -172,6 +174,9 @@ def model_shapes(spec: KernelSpec, phase: str, config: dict[str, Any], overrides
     shapes, borrowed = [], set()
     for fixed in derived_dims(spec, config):
         for counts in counted_dims(spec, phase, set(fixed), batches, contexts, chunks):
+            for dim in PAGE_NAMES:
+                if dim in counts:
+                    counts[dim] = -(-counts[dim] // _value(spec, dim, FIXED["page_size"], config))
             if routed and ROUTED_ROWS in counts:
                 counts[ROUTED_ROWS] *= _value(spec, ROUTED_ROWS, FIXED["top_k"], config)
             derived = {**fixed, **counts, **overrides}

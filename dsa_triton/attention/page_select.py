@@ -78,7 +78,7 @@ class SelectLaunch:
 
     def __init__(self, T: int, n_pages: int, n_select: int, bounds_stride: int, device: torch.device,
                  config: dict | None = None) -> None:
-        shape = {"T": T, "N": n_pages, "SEL": n_select}
+        shape = {"T": T, "pages": n_pages, "SEL": n_select}
         config = SPEC.launch_config("decode", shape, device) if config is None else SPEC.validate(config, shape)
         self.shape = (T, n_select)
         self.grid = (T,) if T else None
@@ -118,7 +118,7 @@ def _make_inputs(phase: str, shape, device, seed: int) -> dict:
     """Random bounds with a ``-inf`` tail of random length per row (pages past the row's limit); one
     row without any valid page."""
     g = torch.Generator(device=device).manual_seed(seed)
-    T, N = shape["T"], shape["N"]
+    T, N = shape["T"], shape["pages"]
     bounds = torch.randn(T, N, generator=g, device=device)
     valid = torch.randint(0, N + 1, (T, 1), generator=g, device=device)
     valid[0] = N
@@ -145,7 +145,7 @@ def _compare(out, ref) -> str | None:
 
 
 def _default(phase: str, shape) -> dict:
-    return {"TILE": min(2048, max(128, next_pow2(shape["N"]))), "num_warps": 4}
+    return {"TILE": min(2048, max(128, next_pow2(shape["pages"]))), "num_warps": 4}
 
 
 SPEC = registry.register(KernelSpec(
@@ -154,14 +154,14 @@ SPEC = registry.register(KernelSpec(
     space={"TILE": (128, 256, 512, 1024, 2048, 4096), "num_warps": (1, 2, 4, 8)},
     default=_default,
     fixed_dims=(),
-    bucketed_dims=("T", "N", "SEL"),
+    bucketed_dims=("T", "pages", "SEL"),
     make_inputs=_make_inputs,
     run=lambda inputs, config: (select_pages(inputs["bounds"], inputs["n_select"], config=config), inputs["bounds"]),
     reference=lambda inputs: (select_pages_torch(inputs["bounds"], inputs["n_select"]), inputs["bounds"]),
     compare=_compare,
-    cost=lambda phase, shape: Cost(bytes=shape["T"] * (shape["N"] + shape["SEL"]) * 4),
-    bench_shapes=lambda phase, gpu: ([{"T": 64, "N": 2048, "SEL": 64}, {"T": 128, "N": 2048, "SEL": 256}] if gpu
-                                     else [{"T": 5, "N": 300, "SEL": 7}]),
+    cost=lambda phase, shape: Cost(bytes=shape["T"] * (shape["pages"] + shape["SEL"]) * 4),
+    bench_shapes=lambda phase, gpu: ([{"T": 64, "pages": 2048, "SEL": 64}, {"T": 128, "pages": 2048, "SEL": 256}] if gpu
+                                     else [{"T": 5, "pages": 300, "SEL": 7}]),
     baseline=lambda inputs: select_pages_torch(inputs["bounds"], inputs["n_select"]),
     baseline_name="torch.topk + sort + -1 padding",
     source_modules=(block_scores_reference, sys.modules[__name__]),

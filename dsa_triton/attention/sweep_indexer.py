@@ -62,7 +62,7 @@ STAGES = {
     "selected": ("indexer_block_path", "decode", {**DECODE, "SEL": 64}, [
         _selected(64, 512, 4, 3), _selected(64, 256, 4, 3), _selected(64, 512, 4, 2), _selected(128, 512, 4, 3),
         _selected(64, 1024, 4, 3), _selected(32, 256, 4, 3)]),
-    "page_select": ("page_select", "decode", {"T": 64, "N": 2048, "SEL": 64}, [
+    "page_select": ("page_select", "decode", {"T": 64, "pages": 2048, "SEL": 64}, [
         {"TILE": 2048, "num_warps": 4}, {"TILE": 2048, "num_warps": 8}, {"TILE": 1024, "num_warps": 4},
         {"TILE": 2048, "num_warps": 2}]),
 }
