@@ -250,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--seed", type=int, default=0, help="sampler seed")
     tune.add_argument("--list", action="store_true", help="only list the jobs")
     tune.add_argument("--gpus", type=int, default=1,
-                      help="run N processes, one per visible GPU, each on its shard of the jobs (one database)")
+                      help="run N processes, one per visible GPU, each on its shard of the jobs (one database); "
+                           "on a 2-GPU H200 host they slowed each other's compute-bound kernels (tuning_db/README.md)")
     tune.set_defaults(func=cmd_tune)
 
     show = sub.add_parser("show", help="table of stored records")
