@@ -7,8 +7,9 @@ import dsa_triton as dt
 from dsa_triton.attention import topk as tk
 from dsa_triton.attention.topk_reference import check_topk, topk_indices_torch
 
-# Small tiles so that short rows still reach the two-pass route (group_min = 2 * k * GROUP).
-SMALL = {"SPLIT": 1, "TILE": 2048, "WARPS": 2, "GROUP": 8, "HIST_BITS": 10, "COLLECT_TILE": 1024,
+# Small tiles so that short rows still reach the two-pass route (group_min = 2 * k * GROUP); rows shorter
+# than group_min take pass 3 alone (ROUTE_MIN 64), except in the tests of the score-histogram route.
+SMALL = {"SPLIT": 1, "TILE": 2048, "WARPS": 2, "GROUP": 8, "ROUTE_MIN": 64, "HIST_BITS": 10, "COLLECT_TILE": 1024,
          "COLLECT_WARPS": 4, "CAP_K": 4, "SEL_BITS": 5, "SEL_TILE": 512, "SEL_WARPS": 4}
 
 
@@ -60,6 +61,24 @@ def test_every_route_of_a_row():
     scores = nan_past_lengths(torch.randn(len(lengths), L, generator=g), lengths)
     out = run_and_check(scores, k, lengths)
     assert (out[0] == -1).all() and (out[1, 1:] == -1).all() and int(out[1, 0]) == 0
+
+
+@pytest.mark.parametrize("route_min", [2, 4])
+def test_mid_length_rows_histogram_every_score(route_min, candidate_counts):
+    """Rows from ROUTE_MIN * k to 2 k GROUP long take passes 1-2 with a histogram of every score: their
+    candidates hold the top k and little more; shorter rows still take pass 3 alone. Ties overflow the
+    buffer and go over the row."""
+    g = torch.Generator().manual_seed(route_min)
+    k, L = 24, 3000  # route_min = 48 or 96, group_min = 384
+    lengths = torch.tensor([0, 24, 47, 48, 96, 200, 383, 384, 1500, 3000, 300, 383], dtype=torch.int32)
+    scores = nan_past_lengths(torch.randn(len(lengths), L, generator=g), lengths)
+    scores[-2, :300] = 1.0  # all tied: overflows the candidate buffer
+    scores[-1, :383:3] = float("nan")  # NaN scores count as -inf
+    run_and_check(scores, k, lengths, config=cfg(ROUTE_MIN=route_min, HIST_BITS=8))
+    counts = candidate_counts()
+    mid = [i for i, n in enumerate(lengths.tolist()[:-2]) if route_min * k <= n]
+    assert all(k <= int(counts[i]) <= 4 * k for i in mid), counts[mid]
+    assert int(counts[-2]) > 4 * k  # the tied row overflowed, yet its answer above is exact
 
 
 @pytest.mark.parametrize("sel_bits", [4, 5, 6, 8])

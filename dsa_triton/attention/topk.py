@@ -4,12 +4,15 @@ Scores become int32 *sort keys* (integer order = float order, NaN -> -inf; see `
 A row of ``n`` selectable positions takes one of three routes, decided inside the kernels (no host sync):
 
 - ``n <= k``: every position is taken.
-- ``k < n < 2 * k * GROUP`` (short rows): pass 3 alone, over the row.
+- ``k < n < min(ROUTE_MIN * k, 2 * k * GROUP)`` (short rows): pass 3 alone, over the row (one program per row).
 - longer rows: two passes over the scores, then pass 3 over a few thousand candidates:
   1. *bound* (grid ``T x SPLIT``): each tile is ``GROUP`` x ``TILE / GROUP``; histogram the column
      maxima in ``2^HIST_BITS`` bins. The lower edge ``tau`` of the bin holding the k-th largest maximum
      is a sure bound: at least k columns, hence k scores, are ``>= tau``; for smooth data only ~1.2 k
-     are. The histogram sees 1/GROUP of the scores, which keeps this pass at memory speed. Bins are
+     are. The histogram sees 1/GROUP of the scores, which keeps this pass at memory speed. Rows with
+     fewer than ``2 * k`` groups (``n < 2 * k * GROUP``) histogram every score instead (the same bound,
+     counted on scores): a mixed-length batch then keeps its mid-length rows off the one-program route.
+     Bins are
      linear in the sort key over a window read off a fixed sample of the row, so they stay fine for any
      shift or scale of the scores (bins on the top key bits, i.e. the float exponent, would put the top
      of N(100, 1) or of U(0, 1) into one bin and overflow the buffer).
@@ -115,18 +118,29 @@ def _bin(key, key_lo, shift, NB: tl.constexpr):
 
 
 @triton.jit
-def _hist_of_group_max(x, key_lo, shift, NB: tl.constexpr, mask):
-    """Histogram of the column maxima of an ``x[GROUP, COLS]`` tile (NaN-ignoring; all-NaN is -inf)."""
-    key = _sort_key(tl.max(x, axis=0).to(tl.int32, bitcast=True))
-    return tl.histogram(_bin(key, key_lo, shift, NB), NB, mask=mask)
+def _tile_hist(x, every, key_lo, shift, NB: tl.constexpr, col_mask, score_mask):
+    """Histogram of an ``x[GROUP, COLS]`` tile's column maxima (NaN-ignoring; all-NaN is -inf), or of every
+    score when ``every`` (NaN as -inf); ``col_mask`` / ``score_mask``: the columns / scores to count (None: all)."""
+    if every:
+        size: tl.constexpr = x.shape[0] * x.shape[1]
+        bins = tl.reshape(_bin(_sort_key(x.to(tl.int32, bitcast=True)), key_lo, shift, NB), [size])
+        if score_mask is None:
+            hist = tl.histogram(bins, NB)
+        else:
+            hist = tl.histogram(bins, NB, mask=tl.reshape(score_mask, [size]))
+    else:
+        key = _sort_key(tl.max(x, axis=0).to(tl.int32, bitcast=True))
+        hist = tl.histogram(_bin(key, key_lo, shift, NB), NB, mask=col_mask)
+    return hist
 
 
-@triton.jit(do_not_specialize=["L", "group_min", "info_off"])
-def _topk_bound_kernel(scores, stride_t, L, lengths, work, info_off, chunk, group_min,
+@triton.jit(do_not_specialize=["L", "route_min", "group_min", "info_off"])
+def _topk_bound_kernel(scores, stride_t, L, lengths, work, info_off, chunk, route_min, group_min,
                        HAS_LENGTHS: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr,
                        HIST_BITS: tl.constexpr):
-    """Pass 1, grid (T, SPLIT): the histogram of the group maxima of the chunk into its slot of the row's
-    partial histograms; the row's first program also writes its ``info`` (window, zero count).
+    """Pass 1, grid (T, SPLIT): the histogram of the group maxima (rows of at least ``group_min``
+    scores) or of the scores (rows of ``route_min`` to ``group_min``) of the chunk into its slot of the
+    row's partial histograms; the row's first program also writes its ``info`` (window, zero count).
 
     Group g of a tile is column g of ``GROUP`` x ``COLS`` scores: its max is a reduction inside one
     thread. Full tiles load without a mask (16-byte loads); the chunk's last, partial tile with one.
@@ -134,7 +148,8 @@ def _topk_bound_kernel(scores, stride_t, L, lengths, work, info_off, chunk, grou
     t = tl.program_id(0)
     split = tl.program_id(1)
     n = _row_length(lengths, t, L, HAS_LENGTHS)
-    if n >= group_min:
+    if n >= route_min:
+        every = n < group_min
         NB: tl.constexpr = 1 << HIST_BITS
         STEP: tl.constexpr = GROUP * COLS
         row = scores + t.to(tl.int64) * stride_t
@@ -152,19 +167,18 @@ def _topk_bound_kernel(scores, stride_t, L, lengths, work, info_off, chunk, grou
         tile = tl.arange(0, GROUP)[:, None] * COLS + cols[None, :]
         acc = tl.zeros([NB], tl.int32)
         for start in range(lo, full_end, STEP):
-            acc += _hist_of_group_max(tl.load(row + start + tile), key_lo, shift, NB, None)
+            acc += _tile_hist(tl.load(row + start + tile), every, key_lo, shift, NB, None, None)
         if full_end < hi:
             x = tl.load(row + full_end + tile, mask=full_end + tile < hi, other=float("-inf"))
-            acc += _hist_of_group_max(x, key_lo, shift, NB, full_end + cols < hi)
+            acc += _tile_hist(x, every, key_lo, shift, NB, full_end + cols < hi, full_end + tile < hi)
         slot = t.to(tl.int64) * tl.num_programs(1) + split
         tl.store(work + slot * NB + tl.arange(0, NB), acc)
 
 
 @triton.jit
 def _bound(work, info, t, k, SPLIT: tl.constexpr, HIST_BITS: tl.constexpr):
-    """Lower edge ``tau`` of the bin holding the k-th largest group maximum of row t, as a float.
-
-    ``-inf`` for the bin below the window; NaN (collects nothing) when fewer than k groups were counted.
+    """Lower edge ``tau`` of the bin holding the k-th largest counted value (group maximum or score) of row t,
+    as a float. ``-inf`` for the bin below the window; NaN (collects nothing) when fewer than k were counted.
     """
     NB: tl.constexpr = 1 << HIST_BITS
     parts = t.to(tl.int64) * SPLIT * NB + tl.arange(0, SPLIT)[:, None] * NB + tl.arange(0, NB)[None, :]
@@ -194,8 +208,8 @@ def _append(x, offs, tau, counter, cand, cap, col_max):
     return tl.maximum(col_max, tl.max(tl.where(take, x, float("-inf")), axis=1))
 
 
-@triton.jit(do_not_specialize=["L", "k", "group_min", "cap", "info_off", "cand_off"])
-def _topk_collect_kernel(scores, stride_t, L, lengths, work, info_off, cand_off, k, chunk, group_min, cap,
+@triton.jit(do_not_specialize=["L", "k", "route_min", "cap", "info_off", "cand_off"])
+def _topk_collect_kernel(scores, stride_t, L, lengths, work, info_off, cand_off, k, chunk, route_min, cap,
                          HAS_LENGTHS: tl.constexpr, TILE: tl.constexpr, WARPS: tl.constexpr,
                          SPLIT: tl.constexpr, HIST_BITS: tl.constexpr):
     """Pass 2, grid (T, SPLIT): append scores ``>= tau`` to row t's candidates; the largest one's key.
@@ -208,7 +222,7 @@ def _topk_collect_kernel(scores, stride_t, L, lengths, work, info_off, cand_off,
     """
     t = tl.program_id(0)
     n = _row_length(lengths, t, L, HAS_LENGTHS)
-    if n >= group_min:
+    if n >= route_min:
         COLS: tl.constexpr = 32 * WARPS
         info = work + info_off + t * _INFO_WORDS
         tau = _bound(work, info, t, k, SPLIT, HIST_BITS)
@@ -257,8 +271,8 @@ def _write_indices(out_row, pos, idx, mask, table_row, page_size, HAS_TABLE: tl.
     tl.store(out_row + pos, idx, mask=mask)
 
 
-@triton.jit(do_not_specialize=["L", "k", "group_min", "cap", "page_size", "info_off", "cand_off"])
-def _topk_select_kernel(scores, stride_t, L, lengths, work, info_off, cand_off, out, k, group_min, cap,
+@triton.jit(do_not_specialize=["L", "k", "route_min", "cap", "page_size", "info_off", "cand_off"])
+def _topk_select_kernel(scores, stride_t, L, lengths, work, info_off, cand_off, out, k, route_min, cap,
                         block_table, stride_bt, row_to_seq, page_size,
                         HAS_LENGTHS: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_ROW_TO_SEQ: tl.constexpr,
                         SEL_BITS: tl.constexpr, TILE: tl.constexpr, PAIR: tl.constexpr):
@@ -274,7 +288,7 @@ def _topk_select_kernel(scores, stride_t, L, lengths, work, info_off, cand_off, 
     n = _row_length(lengths, t, L, HAS_LENGTHS)
     info = work + info_off + t * _INFO_WORDS
     c = tl.load(info + _INFO_COUNT)  # not written (garbage) when the row skipped passes 1-2: unused then
-    from_buf = (n >= group_min) & (c >= k) & (c <= cap)
+    from_buf = (n >= route_min) & (c >= k) & (c <= cap)
     buf = (work + cand_off).to(tl.pointer_type(tl.int64)) + t.to(tl.int64) * cap
     row = scores + t.to(tl.int64) * stride_t
     n_src = tl.where(from_buf, c, n)
@@ -373,8 +387,9 @@ class _Plan:
         self.T, self.L, self.k = T, L, k
         self.split, self.NB = config["SPLIT"], 1 << config["HIST_BITS"]
         self.cap = min(config["CAP_K"] * k, L)  # candidates per row (also the select pass's compaction space)
-        self.group_min = 2 * k * config["GROUP"]
-        self.two_pass = L >= self.group_min  # some row may take the two-pass route
+        self.group_min = 2 * k * config["GROUP"]  # rows this long histogram group maxima in pass 1
+        self.route_min = min(config["ROUTE_MIN"] * k, self.group_min)  # rows this long take passes 1-2
+        self.two_pass = L >= self.route_min  # some row may take the two-pass route
         step = max(config["TILE"], config["COLLECT_TILE"])
         self.chunk = cdiv(cdiv(L, self.split), step) * step
         self.bound_meta = dict(HAS_LENGTHS=has_lengths, GROUP=config["GROUP"], COLS=config["TILE"] // config["GROUP"],
@@ -395,12 +410,12 @@ def _launch(plan: _Plan, scores, lengths, block_table, page_size, row_to_seq, ou
     lengths_arg = dummy if lengths is None else lengths
     if plan.two_pass:
         grid = (T, plan.split)
-        _topk_bound_kernel[grid](scores, scores.stride(0), L, lengths_arg, work, info_off, plan.chunk, plan.group_min,
-                                 **plan.bound_meta)
+        _topk_bound_kernel[grid](scores, scores.stride(0), L, lengths_arg, work, info_off, plan.chunk, plan.route_min,
+                                 plan.group_min, **plan.bound_meta)
         _topk_collect_kernel[grid](scores, scores.stride(0), L, lengths_arg, work, info_off, cand_off, k, plan.chunk,
-                                   plan.group_min, plan.cap, **plan.collect_meta)
+                                   plan.route_min, plan.cap, **plan.collect_meta)
     _topk_select_kernel[(T,)](
-        scores, scores.stride(0), L, lengths_arg, work, info_off, cand_off, out, k, plan.group_min, plan.cap,
+        scores, scores.stride(0), L, lengths_arg, work, info_off, cand_off, out, k, plan.route_min, plan.cap,
         dummy if block_table is None else block_table, 0 if block_table is None else block_table.stride(0),
         dummy if row_to_seq is None else row_to_seq, page_size or 1, **plan.select_meta)
     return out
@@ -536,6 +551,9 @@ SPACE = {
     "TILE": (2048, 4096, 8192, 16384),  # scores per loop step of pass 1
     "WARPS": (1, 2, 4, 8),  # pass 1
     "GROUP": (8, 16, 32),  # scores per group maximum in pass 1
+    # rows of at least ROUTE_MIN * k scores take passes 1-2 (64: only rows of 2 k GROUP, as measured on the
+    # H200 so far; smaller values, for mixed-length batches, are not yet measured on a GPU)
+    "ROUTE_MIN": (2, 4, 8, 64),
     "HIST_BITS": (7, 8, 9, 10),  # pass 1 histogram: 2^HIST_BITS bins
     "COLLECT_TILE": (1024, 2048, 4096),  # pass 2
     "COLLECT_WARPS": (2, 4, 8),
@@ -569,7 +587,8 @@ def _default(phase, shape):
     while T * split < _SMS and (split * 2) * tile <= L and split * 2 <= max(SPACE["SPLIT"]):
         split *= 2
     few_rows = T <= 2 * _SMS
-    return {"SPLIT": split, "TILE": tile, "WARPS": warps, "GROUP": group, "HIST_BITS": 8,
+    return {"SPLIT": split, "TILE": tile, "WARPS": warps, "GROUP": group, "ROUTE_MIN": 64,
+            "HIST_BITS": 8,
             "COLLECT_TILE": min(4096 if few_rows else 2048, tile), "COLLECT_WARPS": 8 if few_rows else 4,
             "CAP_K": 4, "SEL_BITS": 8 if few_rows else 6, "SEL_TILE": 1024 if few_rows else 512,
             "SEL_WARPS": 8 if few_rows else 4}
