@@ -118,26 +118,42 @@ def _bin(key, key_lo, shift, NB: tl.constexpr):
 
 
 @triton.jit
-def _tile_hist(x, every, key_lo, shift, NB: tl.constexpr, col_mask, score_mask):
-    """Histogram of an ``x[GROUP, COLS]`` tile's column maxima (NaN-ignoring; all-NaN is -inf), or of every
-    score when ``every`` (NaN as -inf); ``col_mask`` / ``score_mask``: the columns / scores to count (None: all)."""
-    if every:
-        size: tl.constexpr = x.shape[0] * x.shape[1]
-        bins = tl.reshape(_bin(_sort_key(x.to(tl.int32, bitcast=True)), key_lo, shift, NB), [size])
-        if score_mask is None:
-            hist = tl.histogram(bins, NB)
-        else:
-            hist = tl.histogram(bins, NB, mask=tl.reshape(score_mask, [size]))
+def _hist_of_group_max(x, key_lo, shift, NB: tl.constexpr, mask):
+    """Histogram of the column maxima of an ``x[GROUP, COLS]`` tile (NaN-ignoring; all-NaN is -inf)."""
+    key = _sort_key(tl.max(x, axis=0).to(tl.int32, bitcast=True))
+    return tl.histogram(_bin(key, key_lo, shift, NB), NB, mask=mask)
+
+
+@triton.jit
+def _hist_of_scores(x, key_lo, shift, NB: tl.constexpr, mask):
+    """Histogram of every score of an ``x[GROUP, COLS]`` tile (NaN as -inf); ``mask``: the scores to count."""
+    size: tl.constexpr = x.shape[0] * x.shape[1]
+    bins = tl.reshape(_bin(_sort_key(x.to(tl.int32, bitcast=True)), key_lo, shift, NB), [size])
+    if mask is None:
+        hist = tl.histogram(bins, NB)
     else:
-        key = _sort_key(tl.max(x, axis=0).to(tl.int32, bitcast=True))
-        hist = tl.histogram(_bin(key, key_lo, shift, NB), NB, mask=col_mask)
+        hist = tl.histogram(bins, NB, mask=tl.reshape(mask, [size]))
+    return hist
+
+
+@triton.jit
+def _tile_hist(x, every, key_lo, shift, NB: tl.constexpr, col_mask, score_mask, SCORE_HIST: tl.constexpr):
+    """Pass 1's histogram of a tile: of every score when ``every`` (only compiled in with ``SCORE_HIST``),
+    else of the column maxima; ``col_mask`` / ``score_mask``: the columns / scores to count (None: all)."""
+    if SCORE_HIST:
+        if every:
+            hist = _hist_of_scores(x, key_lo, shift, NB, score_mask)
+        else:
+            hist = _hist_of_group_max(x, key_lo, shift, NB, col_mask)
+    else:
+        hist = _hist_of_group_max(x, key_lo, shift, NB, col_mask)
     return hist
 
 
 @triton.jit(do_not_specialize=["L", "route_min", "group_min", "info_off"])
 def _topk_bound_kernel(scores, stride_t, L, lengths, work, info_off, chunk, route_min, group_min,
                        HAS_LENGTHS: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr,
-                       HIST_BITS: tl.constexpr):
+                       HIST_BITS: tl.constexpr, SCORE_HIST: tl.constexpr):
     """Pass 1, grid (T, SPLIT): the histogram of the group maxima (rows of at least ``group_min``
     scores) or of the scores (rows of ``route_min`` to ``group_min``) of the chunk into its slot of the
     row's partial histograms; the row's first program also writes its ``info`` (window, zero count).
@@ -167,10 +183,10 @@ def _topk_bound_kernel(scores, stride_t, L, lengths, work, info_off, chunk, rout
         tile = tl.arange(0, GROUP)[:, None] * COLS + cols[None, :]
         acc = tl.zeros([NB], tl.int32)
         for start in range(lo, full_end, STEP):
-            acc += _tile_hist(tl.load(row + start + tile), every, key_lo, shift, NB, None, None)
+            acc += _tile_hist(tl.load(row + start + tile), every, key_lo, shift, NB, None, None, SCORE_HIST)
         if full_end < hi:
             x = tl.load(row + full_end + tile, mask=full_end + tile < hi, other=float("-inf"))
-            acc += _tile_hist(x, every, key_lo, shift, NB, full_end + cols < hi, full_end + tile < hi)
+            acc += _tile_hist(x, every, key_lo, shift, NB, full_end + cols < hi, full_end + tile < hi, SCORE_HIST)
         slot = t.to(tl.int64) * tl.num_programs(1) + split
         tl.store(work + slot * NB + tl.arange(0, NB), acc)
 
@@ -393,7 +409,8 @@ class _Plan:
         step = max(config["TILE"], config["COLLECT_TILE"])
         self.chunk = cdiv(cdiv(L, self.split), step) * step
         self.bound_meta = dict(HAS_LENGTHS=has_lengths, GROUP=config["GROUP"], COLS=config["TILE"] // config["GROUP"],
-                               HIST_BITS=config["HIST_BITS"], num_warps=config["WARPS"])
+                               HIST_BITS=config["HIST_BITS"], SCORE_HIST=self.route_min < self.group_min,
+                               num_warps=config["WARPS"])
         self.collect_meta = dict(HAS_LENGTHS=has_lengths, TILE=config["COLLECT_TILE"], WARPS=config["COLLECT_WARPS"],
                                  SPLIT=self.split, HIST_BITS=config["HIST_BITS"], num_warps=config["COLLECT_WARPS"])
         self.select_meta = dict(HAS_LENGTHS=has_lengths, HAS_TABLE=has_table, HAS_ROW_TO_SEQ=has_row_to_seq,
