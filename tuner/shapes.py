@@ -29,7 +29,7 @@ Bucketed dims: batch names (B, batch, num_seqs, seqs) take the decode batch size
 (tied to the batch dim when the kernel's bench shapes tie them; otherwise, beside a batch dim, they count
 queries per sequence, see below); context names (L, context, ctx, seq_len, kv_len, keys) the context lengths
 (at least the chunk in prefill); page-count names (pages, n_pages, num_pages) the context lengths over
-the page size. A phase that is neither decode nor prefill (``any``) gets both.
+the page size (``--set P=...`` or 64). A phase that is neither decode nor prefill (``any``) gets both.
 
 Any other dimension (and any the kernel's shape carries outside its key) takes its value from the kernel's
 GPU bench shape (its realistic DeepSeek-V3.2 shape) that agrees most with the derived dims; those are
@@ -41,6 +41,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from dsa_triton.hostmath import cdiv
 from dsa_triton.registry import KernelSpec
 from tuning_db.records import shape_from_text, shape_text
 
@@ -136,7 +137,8 @@ def counted_dims(spec: KernelSpec, phase: str, skip: set[str], batches: tuple[in
     a phase that is neither decode nor prefill (``any``) gets the combinations of both."""
     roles: dict[str, list[str]] = {"batch": [], "tokens": [], "context": []}
     for dim in (d for d in spec.bucketed_dims if d not in skip):
-        for role, names in (("batch", BATCH_NAMES), ("tokens", TOKEN_NAMES), ("context", CONTEXT_NAMES + PAGE_NAMES)):
+        for role, names in (("batch", BATCH_NAMES), ("tokens", TOKEN_NAMES),
+                            ("context", CONTEXT_NAMES + PAGE_NAMES)):
             if dim in names:
                 roles[role].append(dim)
     batch_dims, context_dims = roles["batch"], roles["context"]
@@ -176,7 +178,7 @@ def model_shapes(spec: KernelSpec, phase: str, config: dict[str, Any], overrides
         for counts in counted_dims(spec, phase, set(fixed), batches, contexts, chunks):
             for dim in PAGE_NAMES:
                 if dim in counts:
-                    counts[dim] = -(-counts[dim] // _value(spec, dim, FIXED["page_size"], config))
+                    counts[dim] = cdiv(counts[dim], overrides.get("P") or _value(spec, dim, FIXED["page_size"], config))
             if routed and ROUTED_ROWS in counts:
                 counts[ROUTED_ROWS] *= _value(spec, ROUTED_ROWS, FIXED["top_k"], config)
             derived = {**fixed, **counts, **overrides}
