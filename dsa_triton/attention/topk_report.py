@@ -1,10 +1,14 @@
-"""Report ``topk_speed``: :func:`~dsa_triton.topk_indices` against ``torch.topk`` (k = 2048, fp32), eager
-and replayed from CUDA graphs, same inputs, same run.
+"""Reports on :func:`~dsa_triton.topk_indices` against ``torch.topk`` (k = 2048, fp32), same inputs, same run.
+
+``topk_speed``: the bench shapes, eager and replayed from CUDA graphs.
 
 The eager rows include the op's host time: three Triton launches from Python, about 100 us per call on the
 H200 host of 2026-11-30, more than the GPU work of a decode batch (~45 us at T = 64, ~22 us at T = 1); so
 at small T the eager ratio measures the host and the graph ratio the kernels. Acceptance (issue 3):
 ``[64, 131072]`` at least 2x (goal 5x), ``[4096, 131072]`` at least 1.5x (goal 4x).
+
+``topk_routes``: the config's ``ROUTE_MIN`` (which rows skip the one-program whole-row route) over rows of
+mixed lengths (uniform in ``[0, L]``, as in a decode batch) and of one length below ``2 k GROUP``, in graphs.
 """
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ import torch
 
 from .. import registry
 from ..harness import floor_us, graph_time_us, rotation, time_rotating
-from .topk import PHASE, SPEC, topk_indices
+from .topk import PHASE, SPACE, SPEC, topk_indices
+from .topk_reference import check_topk, topk_indices_torch
 
 ACCEPTANCE = {64: (2.0, 5.0), 4096: (1.5, 4.0)}  # rows T: (minimum, goal) speedup over torch.topk
 
@@ -55,4 +60,44 @@ def topk_speed_report(device, ceilings) -> list[dict]:
     return rows
 
 
+def _rows_of_lengths(T: int, L: int, lengths: torch.Tensor, device, seed: int) -> dict:
+    """Random scores ``[T, L]``, ``-inf`` past each row's length."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.randn(T, L, generator=g, device=device)
+    scores.masked_fill_(torch.arange(L, device=device)[None, :] >= lengths[:, None], float("-inf"))
+    return {"scores": scores, "lengths": lengths}
+
+
+def topk_routes_report(device, ceilings) -> list[dict]:
+    """Per case and ROUTE_MIN: our time (graph on the GPU, wall clock in the interpreter), torch.topk's, and the
+    check of our indices against the reference on the first input set."""
+    device = torch.device(device)
+    gpu = device.type == "cuda"
+    T, k, lengths_of = (64, 2048, (131072, 16384, 32768)) if gpu else (3, 16, (600, 200))
+    g = torch.Generator(device=device).manual_seed(0)
+    cases = [("random lengths", lengths_of[0], torch.randint(0, lengths_of[0] + 1, (T,), generator=g, device=device))]
+    cases += [(f"all rows {n}", n, torch.full((T,), n, device=device)) for n in lengths_of[1:]]
+    timer = graph_time_us if gpu else time_rotating
+    rows = []
+    for name, L, lengths in cases:
+        lengths = lengths.to(torch.int32)
+        shape = {"T": T, "L": L, "k": k}
+        sets = rotation(lambda i: _rows_of_lengths(T, L, lengths, device, i), 4.0 * T * L, device)
+        torch_us = timer(lambda s: torch.topk(s["scores"], k, dim=1), sets, device)
+        first = sets[0]
+        expected = topk_indices_torch(first["scores"], k, first["lengths"])
+        for route_min in SPACE["ROUTE_MIN"]:
+            config = {**SPEC.launch_config(PHASE, shape, device), "ROUTE_MIN": route_min}
+
+            def ours(s):
+                return topk_indices(s["scores"], k, s["lengths"], check_values=False, config=config)
+
+            error = check_topk(ours(first), expected, first["scores"], k, first["lengths"])
+            rows.append({"case": name, "shape": f"T={T},L={L},k={k}", "ROUTE_MIN": route_min,
+                         "us": timer(ours, sets, device), "torch_us": torch_us, "check": error or "ok"})
+            rows[-1]["speedup"] = torch_us / rows[-1]["us"]
+    return rows
+
+
 registry.register_report("topk_speed", topk_speed_report)
+registry.register_report("topk_routes", topk_routes_report)
