@@ -2,6 +2,7 @@
 from .convert import mxfp4_to_fp8
 from .mxfp4 import mxfp4_dequantize, mxfp4_quantize
 from .routing import RoutingConfig, deepseek_topk, route, softmax_topk
+from .routing_kernel import route_topk
 from .permute import ExpertSort, sort_by_expert
 from .fused_moe import fused_moe_gemm
 from .layer import moe_forward
@@ -11,6 +12,6 @@ from .fp8_grouped_gemm import fp8_grouped_gemm
 from . import prefill_report  # noqa: F401  (registers the moe_prefill report)
 
 __all__ = ["mxfp4_quantize", "mxfp4_dequantize", "mxfp4_to_fp8"]
-__all__ += ["RoutingConfig", "deepseek_topk", "softmax_topk", "route", "ExpertSort", "sort_by_expert",
+__all__ += ["RoutingConfig", "deepseek_topk", "softmax_topk", "route", "route_topk", "ExpertSort", "sort_by_expert",
             "fused_moe_gemm", "moe_forward"]
 __all__ += ["FP8Workspace", "shared_workspace", "fp8_grouped_gemm"]

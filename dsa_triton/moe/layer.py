@@ -27,6 +27,7 @@ from .fused_moe import ExpertWeights, expected_active_experts, fused_moe_gemm
 from .layer_reference import moe_forward_torch
 from .permute import combine_rows, sort_by_expert
 from .routing import MODES, RoutingConfig, check_grouping, route
+from .routing_kernel import route_topk
 
 DECODE_MAX_TOKENS = 256  # moe_forward's phase when none is given: decode up to this many tokens
 CROSSOVER_ROWS = 128  # default: the workspace path from this many routed rows per expert (until tuned)
@@ -97,8 +98,9 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
 
     The fused path (decode) has no host sync and no data-dependent shape once each scales tensor's range has
     been read (the first call per tensor and in-place version): after one eager warm-up call it can be captured
-    in a CUDA graph. It runs 2 Triton launches and about 50 non-view torch ops (router, routing, sort, block
-    alignment, swiglu, shared expert, combine). The workspace path reads the expert offsets on the host (one sync).
+    in a CUDA graph. It runs 3 Triton launches (routing: :func:`.routing_kernel.route_topk`, on every path;
+    gate_up; down) and about 37 non-view torch ops (router, sort, block alignment, swiglu, shared expert,
+    combine). The workspace path reads the expert offsets on the host (one sync).
     """
     if type(routing) is RoutingConfig:  # the checks read only metadata and these routing fields: run once
         key, sizes = _PLANS.find((x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_blocks,
@@ -116,7 +118,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
     config = PATH.launch_config(phase, shape, x.device) if config is None else PATH.validate(dict(config), shape)
 
     logits = F.linear(x.float(), router_weight.float())
-    weights, ids = route(logits, routing, router_bias)
+    weights, ids = route_topk(logits, routing, router_bias)  # one launch at any T (torch.topk semantics)
     sort = sort_by_expert(ids, weights, experts, check_ids=False)
     if config["path"] == "fused":  # fp32 GEMM outputs: no conversion op before swiglu and the combine
         h = fused_moe_gemm(x, sort, gate_up_blocks, gate_up_scales, gather_tokens=True, out_dtype=torch.float32)

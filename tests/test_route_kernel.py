@@ -1,0 +1,138 @@
+"""route_topk (one Triton launch) against routing.route (torch), in the interpreter: DeepSeek group-limited and
+softmax routing, odd and non-power-of-two E, fp32/bf16/fp16 logits, strided rows, the torch fallbacks, ties and
+NaN, configs, and argument checks. Outputs come from poisoned allocations (NaN weights, -2 ids)."""
+import pytest
+import torch
+
+import dsa_triton as dt
+from dsa_triton.moe import routing_kernel
+from dsa_triton.moe.routing import RoutingConfig, route
+from dsa_triton.moe.routing_kernel import SPEC, compare_routes, route_shape, route_topk
+from tests.poison import poisoned_allocations
+
+
+def router_logits(tokens, experts, dtype, seed, row_stride=None):
+    """Fresh logits ``[T, E]``. fp32: Gaussian. fp16/bf16: a random permutation of distinct values k/16 per row
+    (exact in both), so the chosen experts have no tie for torch.topk to order its own way."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.float32:
+        logits = torch.randn(tokens, experts, generator=g) * 2
+    else:
+        logits = ((torch.rand(tokens, experts, generator=g).argsort(1) - experts // 2) / 16).to(dtype)
+    if row_stride is None:
+        return logits
+    wide = torch.randn(tokens, row_stride, generator=g).to(dtype)
+    wide[:, :experts] = logits
+    return wide[:, :experts]
+
+
+def assert_routes_like_torch(logits, routing, bias=None, config=None):
+    with poisoned_allocations():
+        out = route_topk(logits, routing, bias, config=config)
+    ref = route(logits, routing, bias)
+    assert compare_routes(out, ref) is None, compare_routes(out, ref)
+    return out
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, n_group, topk_group, norm, with_bias, dtype", [
+    (5, 256, 8, 8, 4, True, True, torch.float32),    # DeepSeek-V3.2
+    (5, 256, 8, 8, 4, True, False, torch.float32),   # no correction bias
+    (5, 256, 16, 4, 2, True, True, torch.float32),   # top_k 16 (the kernel's largest), 4 groups / 2 kept
+    (1, 256, 4, 1, 1, False, True, torch.float32),   # no groups, unnormalized
+    (5, 160, 4, 8, 4, True, True, torch.float32),    # E not a power of two, groups of 20
+    (5, 160, 8, 4, 2, False, True, torch.float32),   # groups of 40, unnormalized
+    (5, 160, 8, 8, 8, True, True, torch.float32),    # every group kept: no group step
+    (5, 7, 1, 1, 1, True, True, torch.float32),      # odd E, top-1
+    (3, 12, 2, 6, 1, True, True, torch.float32),     # groups of 2 (top-2 sum = the whole group), one kept
+    (4, 10, 3, 10, 4, True, True, torch.float32),    # groups of 1 (the group score is the expert's)
+    (0, 256, 8, 8, 4, True, True, torch.float32),    # no tokens
+    (5, 256, 8, 8, 4, True, True, torch.bfloat16),
+    (5, 160, 4, 4, 2, True, False, torch.float16),
+])
+def test_deepseek_matches_torch(tokens, experts, top_k, n_group, topk_group, norm, with_bias, dtype):
+    routing = RoutingConfig("deepseek", top_k=top_k, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm,
+                            routed_scaling_factor=2.5)
+    logits = router_logits(tokens, experts, dtype, seed=tokens * 1000 + experts + top_k)
+    bias = torch.randn(experts, generator=torch.Generator().manual_seed(experts)) * 0.1
+    bias = bias.to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32) if with_bias else None
+    weights, ids = assert_routes_like_torch(logits, routing, bias)
+    assert weights.shape == ids.shape == (tokens, top_k)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens, experts, top_k, dtype", [
+    (5, 128, 4, torch.float32),   # gpt-oss
+    (1, 7, 1, torch.float32),     # odd E, top-1
+    (5, 40, 16, torch.float32),   # top_k 16
+    (0, 128, 4, torch.float32),
+    (5, 128, 4, torch.bfloat16),
+    (5, 24, 3, torch.float16),
+])
+def test_softmax_matches_torch(tokens, experts, top_k, dtype, renormalize):
+    routing = RoutingConfig("softmax", top_k=top_k, norm_topk_prob=renormalize)
+    assert_routes_like_torch(router_logits(tokens, experts, dtype, seed=experts + top_k), routing)
+
+
+def test_strided_rows_and_every_config():
+    """Rows of a wider buffer (row stride 300), each config of the space (partial last program at T = 5)."""
+    routing = RoutingConfig("deepseek", top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5)
+    logits = router_logits(5, 256, torch.float32, seed=3, row_stride=300)
+    bias = torch.randn(256, generator=torch.Generator().manual_seed(4)) * 0.1
+    shape = route_shape(5, 256, routing)
+    configs = list(SPEC.configs(shape))
+    assert len(configs) == 12
+    for config in configs:
+        assert_routes_like_torch(logits, routing, bias, config=config)
+
+
+@pytest.mark.parametrize("routing, experts", [
+    (RoutingConfig("deepseek", top_k=20, n_group=4, topk_group=2, routed_scaling_factor=2.5), 64),  # top_k > 16
+    (RoutingConfig("softmax", top_k=17), 40),
+    (RoutingConfig("softmax", top_k=2), routing_kernel.MAX_BLOCK + 1),  # more experts than the kernel holds
+])
+def test_outside_the_kernel_falls_back_to_torch(monkeypatch, routing, experts):
+    monkeypatch.setattr(routing_kernel, "_route_kernel", None)  # a launch would fail
+    logits = router_logits(3, experts, torch.float32, seed=experts)
+    bias = torch.randn(experts) * 0.1 if routing.mode == "deepseek" else None
+    assert_routes_like_torch(logits, routing, bias)
+
+
+@pytest.mark.parametrize("mode", ["deepseek", "softmax"])
+def test_exact_ties_take_the_lowest_expert(mode):
+    routing = RoutingConfig(mode, top_k=3, n_group=2 if mode == "deepseek" else 1, topk_group=1)
+    logits = torch.tensor([[0.5] * 8, [0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0]])
+    weights, ids = route_topk(logits, routing)
+    # row 1, DeepSeek: the two groups tie (top-2 sums 2 sigmoid(1)): group 0 kept
+    assert ids.tolist() == [[0, 1, 2], [1, 2, 0] if mode == "deepseek" else [1, 2, 4]]
+    torch.testing.assert_close(weights[0], weights[0, :1].expand(3))
+
+
+@pytest.mark.parametrize("routing", [RoutingConfig("deepseek", top_k=2, n_group=2, topk_group=1),
+                                     RoutingConfig("softmax", top_k=2)])
+def test_nan_logit_is_chosen_first_as_in_torch(routing):
+    logits = router_logits(2, 8, torch.float32, seed=8)
+    logits[0, 5] = float("nan")
+    _, ids = route_topk(logits, routing)
+    assert torch.equal(ids, route(logits, routing)[1]) and ids[0, 0] == 5
+
+
+def test_bad_arguments_name_the_argument():
+    deepseek = RoutingConfig("deepseek", top_k=2, n_group=2, topk_group=1)
+    logits = torch.randn(3, 8)
+    cases = [
+        (logits.int(), deepseek, None, "logits"),
+        (logits[0], deepseek, None, "logits"),
+        (torch.randn(8, 3).t(), deepseek, None, "logits"),  # last dimension not contiguous
+        (logits, deepseek, torch.randn(7), "bias"),
+        (logits, deepseek, torch.randn(8).int(), "bias"),
+        (logits, RoutingConfig("softmax", top_k=2), torch.randn(8), "bias"),
+        (logits, RoutingConfig("softmax", top_k=9), None, "top_k"),
+        (logits, RoutingConfig("deepseek", top_k=2, n_group=3), None, "n_group"),
+        (logits, RoutingConfig("deepseek", top_k=5, n_group=4, topk_group=2), None, "top_k"),
+        (logits, "deepseek", None, "routing"),
+    ]
+    for args in cases:
+        with pytest.raises(ValueError, match=args[-1]):
+            route_topk(*args[:-1])
+    with pytest.raises(dt.ConfigError):
+        route_topk(logits, deepseek, config={"num_warps": 3, "TOKENS": 1})
