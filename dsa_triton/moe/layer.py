@@ -26,6 +26,7 @@ from .fp8_grouped_gemm import fp8_grouped_gemm
 from .fused_moe import ExpertWeights, expected_active_experts, fused_moe_gemm
 from .layer_reference import moe_forward_torch
 from .permute import combine_rows, sort_by_expert
+from .permute_kernel import sort_and_align
 from .routing import MODES, RoutingConfig, check_grouping, route
 from .routing_kernel import route_topk
 
@@ -81,6 +82,13 @@ def _check(x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_b
     return experts, hidden, inter
 
 
+def gate_up_block_m(x: torch.Tensor, experts: int, top_k: int, hidden: int, inter: int) -> int:
+    """The ``BLOCK_M`` the fused gate_up GEMM will launch with (its registry config for this shape), so the
+    permutation kernel can align the rows for it in the same launch."""
+    shape = {"T": x.shape[0], "E": experts, "top_k": top_k, "N": 2 * inter, "K": hidden, "gather": 1}
+    return fused_moe.SPEC.launch_config("decode", shape, x.device)["BLOCK_M"]
+
+
 def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: torch.Tensor,
                 gate_up_scales: torch.Tensor, down_blocks: torch.Tensor, down_scales: torch.Tensor, *,
                 routing: RoutingConfig, router_bias: torch.Tensor | None = None,
@@ -98,9 +106,10 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
 
     The fused path (decode) has no host sync and no data-dependent shape once each scales tensor's range has
     been read (the first call per tensor and in-place version): after one eager warm-up call it can be captured
-    in a CUDA graph. It runs 3 Triton launches (routing: :func:`.routing_kernel.route_topk`, on every path;
-    gate_up; down) and about 37 non-view torch ops (router, sort, block alignment, swiglu, shared expert,
-    combine). The workspace path reads the expert offsets on the host (one sync).
+    in a CUDA graph. It runs 4 Triton launches (routing: :func:`.routing_kernel.route_topk`; sort by expert and
+    block alignment for the gate_up GEMM's ``BLOCK_M``: :func:`.permute_kernel.sort_and_align`, both on every
+    path up to 4096 routed rows; gate_up; down) and about 16 kernel-launching torch ops (router, swiglu, shared
+    expert, combine). The workspace path reads the expert offsets on the host (one sync).
     """
     if type(routing) is RoutingConfig:  # the checks read only metadata and these routing fields: run once
         key, sizes = _PLANS.find((x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_blocks,
@@ -109,9 +118,10 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
     else:  # not a RoutingConfig: the checks name it
         key, sizes = None, None
     if sizes is None:
-        sizes = _PLANS.put(key, _check(x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_blocks,
-                                       down_scales, routing, shared_gate_up, shared_down))
-    experts, hidden, inter = sizes
+        sizes = _check(x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
+                       routing, shared_gate_up, shared_down)
+        sizes = _PLANS.put(key, (*sizes, gate_up_block_m(x, sizes[0], routing.top_k, *sizes[1:])))
+    experts, hidden, inter, block_m = sizes
     tokens = x.shape[0]
     phase = phase or ("decode" if tokens <= DECODE_MAX_TOKENS else "prefill")
     shape = {"T": tokens, "E": experts, "top_k": routing.top_k, "hidden": hidden, "I": inter}
@@ -119,7 +129,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
 
     logits = F.linear(x.float(), router_weight.float())
     weights, ids = route_topk(logits, routing, router_bias)  # one launch at any T (torch.topk semantics)
-    sort = sort_by_expert(ids, weights, experts, check_ids=False)
+    sort = sort_and_align(ids, weights, experts, block_m if config["path"] == "fused" else None, check_ids=False)
     if config["path"] == "fused":  # fp32 GEMM outputs: no conversion op before swiglu and the combine
         h = fused_moe_gemm(x, sort, gate_up_blocks, gate_up_scales, gather_tokens=True, out_dtype=torch.float32)
         y = fused_moe_gemm(swiglu(h, x.dtype), sort, down_blocks, down_scales, gather_tokens=False,
@@ -131,7 +141,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
     return combine_rows(y, sort, add=shared).to(x.dtype)
 
 
-_PLANS = PlanCache(1024)  # _check's (E, H, I) by tensor metadata and the routing fields it reads
+_PLANS = PlanCache(1024)  # _check's (E, H, I) and the gate_up BLOCK_M by tensor metadata and routing fields
 
 
 # -- registry entry: which path per shape ------------------------------------------------------------

@@ -79,19 +79,10 @@ def sort_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor | None, nu
     ``check_ids`` reads the ids' range on the host (one sync); callers passing ids straight from a
     router (valid by construction) turn it off on the decode path.
     """
-    check_tensor("topk_ids", topk_ids, dtype=(torch.int32, torch.int64), ndim=2, contiguous_last=False)
-    check_positive("num_experts", num_experts)
-    tokens, top_k = topk_ids.shape
-    if top_k == 0 or top_k > num_experts:
-        raise ValueError(f"topk_ids: top_k (dimension 1) must be in [1, num_experts = {num_experts}], got {top_k}")
-    if topk_weights is not None:
-        check_tensor("topk_weights", topk_weights, dtype=(torch.float32, torch.float16, torch.bfloat16),
-                     shape=tuple(topk_ids.shape), device=topk_ids.device, contiguous_last=False)
-    if check_ids and topk_ids.numel():
-        low, high = int(topk_ids.min()), int(topk_ids.max())
-        if low < 0 or high >= num_experts:
-            raise ValueError(f"topk_ids: expert ids must be in [0, {num_experts}), got values in [{low}, {high}]")
-    device, rows = topk_ids.device, topk_ids.numel()
+    check_routing(topk_ids, topk_weights, num_experts)
+    if check_ids:
+        check_id_range(topk_ids, num_experts)
+    device, rows, top_k = topk_ids.device, topk_ids.numel(), topk_ids.shape[1]
     sorted_expert, sorted_slot = torch.sort(topk_ids.reshape(-1), stable=True)
     sorted_expert = sorted_expert.to(torch.int32)
     offsets = torch.searchsorted(sorted_expert, index_range(num_experts + 1, torch.int32, device), out_int32=True)
@@ -100,6 +91,26 @@ def sort_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor | None, nu
     slot_weight = (torch.ones(rows, device=device) if topk_weights is None
                    else topk_weights.reshape(-1).to(torch.float32))
     return ExpertSort(num_experts, top_k, offsets, slot, slot // top_k, sorted_expert, slot_row, slot_weight)
+
+
+def check_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor | None, num_experts: int) -> None:
+    """The metadata checks of :func:`sort_by_expert` (dtypes, shapes, devices, top_k in ``[1, E]``)."""
+    check_tensor("topk_ids", topk_ids, dtype=(torch.int32, torch.int64), ndim=2, contiguous_last=False)
+    check_positive("num_experts", num_experts)
+    top_k = topk_ids.shape[1]
+    if top_k == 0 or top_k > num_experts:
+        raise ValueError(f"topk_ids: top_k (dimension 1) must be in [1, num_experts = {num_experts}], got {top_k}")
+    if topk_weights is not None:
+        check_tensor("topk_weights", topk_weights, dtype=(torch.float32, torch.float16, torch.bfloat16),
+                     shape=tuple(topk_ids.shape), device=topk_ids.device, contiguous_last=False)
+
+
+def check_id_range(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Raise ``ValueError`` naming ``topk_ids`` unless every id is in ``[0, E)`` (reads them: one sync)."""
+    if topk_ids.numel():
+        low, high = int(topk_ids.min()), int(topk_ids.max())
+        if low < 0 or high >= num_experts:
+            raise ValueError(f"topk_ids: expert ids must be in [0, {num_experts}), got values in [{low}, {high}]")
 
 
 _ranges: dict[tuple, torch.Tensor] = {}
