@@ -108,7 +108,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
     been read (the first call per tensor and in-place version): after one eager warm-up call it can be captured
     in a CUDA graph. It runs 4 Triton launches (routing: :func:`.routing_kernel.route_topk`; sort by expert and
     block alignment for the gate_up GEMM's ``BLOCK_M``: :func:`.permute_kernel.sort_and_align`, both on every
-    path up to 4096 routed rows; gate_up; down) and about 16 kernel-launching torch ops (router, swiglu, shared
+    path up to 4096 routed rows; gate_up; down) and about 17 kernel-launching torch ops (router, swiglu, shared
     expert, combine). The workspace path reads the expert offsets on the host (one sync).
     """
     if type(routing) is RoutingConfig:  # the checks read only metadata and these routing fields: run once
