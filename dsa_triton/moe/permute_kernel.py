@@ -188,7 +188,8 @@ def sort_and_align(topk_ids: torch.Tensor, topk_weights: torch.Tensor | None, nu
     - ``config``: ``{"num_warps"}`` (default: the tuning database / the registry default).
 
     Returns the :class:`.permute.ExpertSort` of the torch functions, bit for bit, its ``aligned(block_m)``
-    already computed. Over :data:`MAX_ROWS` slots or :data:`MAX_EXPERTS` experts: the torch functions.
+    already computed (on first use instead when ``E x block_m``, padded, exceeds :data:`MAX_PAD_TILE`).
+    No slot, over :data:`MAX_ROWS` slots or over :data:`MAX_EXPERTS` experts: the torch functions.
     """
     key, launch = _PLANS.find((topk_ids, topk_weights), (num_experts, block_m), config)
     if launch is None:
