@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from .. import registry
 from ..checks import PlanCache, check_kernel_device, check_tensor
 from ..registry import Cost
-from . import fused_moe, permute
+from . import fused_moe, permute, permute_kernel, routing_kernel
 from .fp8_grouped_gemm import fp8_grouped_gemm
 from .fused_moe import ExpertWeights, expected_active_experts, fused_moe_gemm
 from .layer_reference import moe_forward_torch
@@ -248,5 +248,5 @@ PATH = registry.register(registry.KernelSpec(
     bench_shapes=_bench_shapes,
     baseline=bf16_layer,
     baseline_name="torch layer, cuBLAS bf16 mm per active expert (pre-dequantized)",
-    source_modules=(sys.modules[__name__], fused_moe, permute),
+    source_modules=(sys.modules[__name__], fused_moe, permute, routing_kernel, permute_kernel),
 ))
