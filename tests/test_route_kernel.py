@@ -136,3 +136,15 @@ def test_bad_arguments_name_the_argument():
             route_topk(*args[:-1])
     with pytest.raises(dt.ConfigError):
         route_topk(logits, deepseek, config={"num_warps": 3, "TOKENS": 1})
+
+
+def test_registry_entry_runs_and_its_compare_can_fail():
+    for shape in SPEC.bench_shapes("decode", False):
+        inputs = SPEC.make_inputs("decode", shape, "cpu", 11)
+        with poisoned_allocations():
+            weights, ids = SPEC.run(inputs, SPEC.launch_config("decode", shape, "cpu"))
+        ref = SPEC.reference(inputs)
+        assert SPEC.compare((weights, ids), ref) is None
+        assert "ids differ" in SPEC.compare((weights, ids.flip(1)), ref)
+        assert "relative error" in SPEC.compare((weights * (1 + 1e-5), ids), ref)
+        assert SPEC.cost("decode", shape).bytes > 0
