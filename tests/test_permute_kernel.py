@@ -99,7 +99,7 @@ def test_above_the_bounds_the_torch_functions_run_without_a_launch(monkeypatch):
     assert_matches_torch(ids, w, 9, 4)
 
 
-def test_alignment_beyond_the_padding_tile_is_made_on_demand(monkeypatch):
+def test_alignment_beyond_the_padding_tile_is_made_on_demand():
     ids, w = routing(5, 256, 8, torch.int32, "fp32", seed=6)
     with poisoned_allocations():
         sort = sort_and_align(ids, w, 256, 256)  # 256 experts x 256 padding rows: over MAX_PAD_TILE
