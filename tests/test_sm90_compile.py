@@ -1,0 +1,66 @@
+"""Every kernel lowers for the H200 (sm_90) with the configs the CPU bench shapes launch, compiled by Triton's
+bundled ptxas in a process without the interpreter (:mod:`dsa_triton.aot`): GPU lowering errors caught on a
+machine without a GPU. Each shape's default config runs in the interpreter; two other valid configs per shape
+are only recorded (their launches skipped, so an op whose host code reads a kernel's output may stop early:
+the default run recorded its later kernels)."""
+import json
+import random
+
+import pytest
+import torch
+
+from dsa_triton import aot, registry
+
+CPU = torch.device("cpu")
+
+
+def bench_cases():
+    for spec in registry.kernels():
+        for phase in spec.phases:
+            for shape in spec.bench_shapes(phase, False):
+                yield spec, phase, shape
+
+
+def other_configs(spec, shape, default, count=2, tries=200):
+    """Up to ``count`` valid configs other than ``default``, drawn at random (fixed seed) from the space."""
+    rng, found = random.Random(f"{spec.name}{shape}"), []
+    for _ in range(tries):
+        config = {name: rng.choice(values) for name, values in spec.space.items()}
+        if config != default and config not in found and spec.is_valid(config, shape):
+            found.append(config)
+            if len(found) == count:
+                break
+    return found
+
+
+@pytest.fixture(scope="module")
+def launches():
+    with aot.record_launches() as ran:
+        for spec, phase, shape in bench_cases():
+            spec.run(spec.make_inputs(phase, shape, CPU, 0), spec.launch_config(phase, shape, CPU))
+    with aot.record_launches(execute=False) as recorded:
+        for spec, phase, shape in bench_cases():
+            for config in other_configs(spec, shape, spec.launch_config(phase, shape, CPU)):
+                try:
+                    spec.run(spec.make_inputs(phase, shape, CPU, 0), config)
+                except (IndexError, RuntimeError, ValueError):  # host code read an output the skipped launch left
+                    pass
+    unique = {json.dumps(r, sort_keys=True, default=str): r for r in ran + recorded}
+    return list(unique.values())
+
+
+def test_every_launched_kernel_compiles_for_sm90(launches):
+    kernels = {(r["module"], r["kernel"]) for r in launches}
+    assert len(kernels) >= 16, sorted(kernels)
+    results = aot.compile_in_subprocess(launches)
+    assert len(results) == len(launches)
+    failed = [r for r in results if r["error"]]
+    assert not failed, json.dumps(failed, indent=1)[:4000]
+
+
+def test_a_kernel_that_cannot_lower_is_reported(launches):
+    """The check can fail: a block size that is not a power of two does not lower."""
+    record = next(r for r in launches if r["kernel"] == "_select_pages_kernel")
+    broken = {**record, "values": {**record["values"], "TILE": 100}}
+    (result,) = aot.compile_in_subprocess([broken])
+    assert result["error"] is not None
