@@ -584,6 +584,9 @@ SPACE = {
 def _constraint(config, shape):
     if config["TILE"] // config["GROUP"] < 128 * config["WARPS"]:
         return "TILE / GROUP must be >= 128 * WARPS (a thread owns 4 whole groups: 16-byte loads, no replicated maxima)"
+    if config["ROUTE_MIN"] < 64 and config["TILE"] > 64 * 32 * config["WARPS"]:
+        return ("the score histogram (ROUTE_MIN < 64) takes at most 64 scores per thread a tile: "
+                "TILE <= 2048 * WARPS (16384 scores on one warp took ptxas 133 s for sm_90)")
     if config["SPLIT"] > max(1, shape["L"] // max(config["TILE"], config["COLLECT_TILE"])):
         return "SPLIT leaves programs without a full tile"
     if config["COLLECT_TILE"] < 128 * config["COLLECT_WARPS"]:
