@@ -8,8 +8,9 @@ steps, because a process runs Triton either in the interpreter or compiled, not 
 2. ``python -m dsa_triton.aot RECORDS.json`` (a process with ``TRITON_INTERPRET=0``) compiles each record with
    :func:`compile_for` and prints one JSON line per record: its kernel and the error, or None.
 
-Pointer alignment is not specialized here, so the cubins are not the ones a GPU run builds: a check that the
-kernels lower for the target, not their speed (:func:`sass` shows the instructions).
+Arguments are specialized as Triton's launcher does (pointers and integers divisible by 16 marked so, integers
+equal to 1 made constants), from the recorded CPU tensors' addresses: close to what a GPU run builds, still a
+check that the kernels lower for the target, not of their speed (:func:`sass` shows the instructions).
 """
 from __future__ import annotations
 
@@ -51,11 +52,19 @@ def triton_type(value) -> str:
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
+def _divisible_by_16(value) -> bool:
+    """What Triton's launcher marks ``tt.divisibility = 16``: a tensor's address or an integer divisible by 16."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+
+
 @contextlib.contextmanager
 def record_launches(execute: bool = True):
-    """In the interpreter: yields a list that collects ``{"module", "kernel", "types", "values", "num_warps",
-    "num_stages"}`` per distinct launch inside the block. ``types`` holds every argument's Triton type,
-    ``values`` the scalar ones (the constexprs among them are known at compile time). ``execute=False`` skips
+    """In the interpreter: yields a list that collects ``{"module", "kernel", "types", "values", "aligned",
+    "num_warps", "num_stages"}`` per distinct launch inside the block. ``types`` holds every argument's Triton
+    type, ``values`` the scalar ones (the constexprs among them are known at compile time), ``aligned`` the
+    pointers and integers divisible by 16. ``execute=False`` skips
     the launches (outputs stay unwritten: for ops whose host code reads no kernel output)."""
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -66,8 +75,10 @@ def record_launches(execute: bool = True):
         bound = dict(zip(self.arg_names, args)) | {k: v for k, v in kwargs.items() if k in self.arg_names}
         types = {k: triton_type(v) for k, v in bound.items()}
         values = {k: v.name if types[k] == "dtype" else v for k, v in bound.items() if not isinstance(v, torch.Tensor)}
+        aligned = [k for k, v in bound.items() if _divisible_by_16(v)]
         record = {"module": self.fn.__module__, "kernel": self.fn.__name__, "types": types, "values": values,
-                  "num_warps": options.get("num_warps", 4), "num_stages": options.get("num_stages", 3)}
+                  "aligned": aligned, "num_warps": options.get("num_warps", 4),
+                  "num_stages": options.get("num_stages", 3)}
         key = json.dumps(record, sort_keys=True, default=str)
         if key not in seen:
             seen.add(key)
@@ -89,17 +100,21 @@ def compile_for(record: dict, target: tuple = H200):
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(record["module"]), record["kernel"])
-    constexprs, signature = {}, {}
+    constexprs, signature, attrs = {}, {}, {}
+    aligned = set(record.get("aligned", ()))
     for param in fn.params:
         name = param.name
         kind = record["types"].get(name, "none")
-        if param.is_constexpr or kind in ("none", "dtype"):
-            value = record["values"].get(name)
+        value = record["values"].get(name)
+        specialized = not param.do_not_specialize
+        if param.is_constexpr or kind in ("none", "dtype") or (kind == "i32" and value == 1 and specialized):
             constexprs[name] = tl.dtype(value) if kind == "dtype" else value
             signature[name] = "constexpr"
-        else:
-            signature[name] = kind
-    return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget(*target),
+            continue
+        signature[name] = kind
+        if name in aligned and specialized and not param.do_not_specialize_on_alignment:
+            attrs[(param.num,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(*target),
                           options={"num_warps": record["num_warps"], "num_stages": record["num_stages"]})
 
 
