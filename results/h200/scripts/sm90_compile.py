@@ -15,7 +15,7 @@ from dsa_triton.moe import permute_kernel, routing_kernel  # noqa: E402
 def record(fn, types, values, num_warps):
     ints = {name: "i32" for name in fn.arg_names}
     return {"module": fn.fn.__module__, "kernel": fn.fn.__name__, "types": {**ints, **types}, "values": values,
-            "num_warps": num_warps, "num_stages": 3}
+            "aligned": list(types), "num_warps": num_warps, "num_stages": 3}  # pointers 16-byte aligned
 
 
 def main() -> None:
