@@ -127,7 +127,7 @@ def sass(kernel) -> list[str]:
         f.write(kernel.asm["cubin"])
         f.flush()
         text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return [line.split("/*")[2].split(";")[0].strip() for line in text.splitlines()
+    return [line.split("*/", 1)[1].split(";")[0].strip() for line in text.splitlines()
             if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
 
 
