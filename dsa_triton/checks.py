@@ -46,6 +46,22 @@ def check_tensor(
     return t
 
 
+def exact_mismatch(outputs) -> str | None:
+    """None when every ``(name, got, expected)`` of ``outputs`` agrees in dtype, shape and value (NaN equals NaN),
+    else what differs first: the ``compare`` of kernels whose result must be bit-exact."""
+    for name, got, expected in outputs:
+        if got.dtype != expected.dtype or got.shape != expected.shape:
+            return f"{name}: {got.dtype}{tuple(got.shape)} vs reference {expected.dtype}{tuple(expected.shape)}"
+        if got.is_floating_point():
+            got, expected = got.float(), expected.float()  # fp8 has no comparison ops on every device
+            same = (got == expected) | (got.isnan() & expected.isnan())
+        else:
+            same = got == expected
+        if not bool(same.all()):
+            return f"{name}: {int((~same).sum())} of {got.numel()} elements differ from the reference"
+    return None
+
+
 def check_kernel_device(name: str, t: torch.Tensor) -> torch.device:
     """Kernels run on CUDA tensors, or on CPU tensors when the Triton interpreter is on."""
     if t.device.type == "cuda":

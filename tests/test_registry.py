@@ -133,3 +133,13 @@ def test_launch_config_returns_a_copy():
     config = spec.launch_config("decode", {"T": 2, "D": 64}, "cpu")
     config["BLOCK"] = 999
     assert spec.launch_config("decode", {"T": 2, "D": 64}, "cpu")["BLOCK"] != 999
+
+
+def test_exact_mismatch_names_the_first_difference():
+    from dsa_triton.checks import exact_mismatch
+
+    a = torch.tensor([1.0, float("nan"), -0.5])
+    assert exact_mismatch([("x", a, a.clone()), ("fp8", a.to(torch.float8_e4m3fn), a.to(torch.float8_e4m3fn))]) is None
+    assert "x: 1 of 3" in exact_mismatch([("x", a, torch.tensor([1.0, 7.0, -0.5]))])  # NaN is not 7
+    assert "x: torch.float32(3,) vs reference torch.float16(3,)" == exact_mismatch([("x", a, a.half())])
+    assert exact_mismatch([("ok", a, a), ("ids", torch.arange(3), torch.arange(1, 4))]).startswith("ids: 3 of 3")

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor
+from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor, exact_mismatch
 from ..hostmath import cdiv, next_pow2
 from ..registry import Cost, KernelSpec
 from . import cache_reference
@@ -472,11 +472,7 @@ def _reference(inputs: dict):
 
 
 def _compare(out, ref) -> str | None:
-    for name, a, b in zip(("kv_cache", "ik", "ik_scale", "summaries"), out, ref):
-        if not torch.equal(a.float().nan_to_num(7.0), b.float().nan_to_num(7.0)):
-            bad = (a.float().nan_to_num(7.0) != b.float().nan_to_num(7.0)).sum().item()
-            return f"{name}: {bad} elements differ from the reference"
-    return None
+    return exact_mismatch(zip(("kv_cache", "ik", "ik_scale", "summaries"), out, ref))
 
 
 def _cost(phase: str, shape) -> Cost:

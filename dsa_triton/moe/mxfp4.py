@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from ..checks import check_kernel_device, check_tensor
+from ..checks import check_kernel_device, check_tensor, exact_mismatch
 from ..hostmath import cdiv
 from ..registry import Cost
 from . import mxfp4_reference
@@ -183,13 +183,7 @@ def realistic_mxfp4(shape: tuple[int, ...], k: int, device, seed: int, outliers:
 
 def _compare_exact(out, ref) -> str | None:
     out, ref = (out,) if isinstance(out, torch.Tensor) else out, (ref,) if isinstance(ref, torch.Tensor) else ref
-    for i, (a, b) in enumerate(zip(out, ref)):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return f"output {i}: {a.dtype}{tuple(a.shape)} vs reference {b.dtype}{tuple(b.shape)}"
-        same = (a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b
-        if not bool(same.all()):
-            return f"output {i}: {int((~same).sum())} of {a.numel()} elements differ from the reference"
-    return None
+    return exact_mismatch((f"output {i}", a, b) for i, (a, b) in enumerate(zip(out, ref)))
 
 
 _SPACE = {"BLOCK_B": (8, 16, 32, 64, 128), "num_warps": (1, 2, 4, 8)}

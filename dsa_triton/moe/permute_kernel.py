@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from ..checks import PlanCache, check_kernel_device, check_positive
+from ..checks import PlanCache, check_kernel_device, check_positive, exact_mismatch
 from ..hostmath import next_pow2
 from ..registry import Cost, KernelSpec
 from .fused_moe import random_routing
@@ -223,13 +223,7 @@ def permutation_tensors(sort: ExpertSort, block_m: int) -> dict[str, torch.Tenso
 
 def compare_permutations(out: dict, ref: dict) -> str | None:
     """None when every tensor equals the reference's exactly (dtype, shape and values)."""
-    for name, expected in ref.items():
-        got = out[name]
-        if got.dtype != expected.dtype or got.shape != expected.shape:
-            return f"{name}: {got.dtype} {tuple(got.shape)} != reference {expected.dtype} {tuple(expected.shape)}"
-        if not torch.equal(got, expected):
-            return f"{name}: {int((got != expected).sum())} of {got.numel()} elements differ"
-    return None
+    return exact_mismatch((name, out[name], expected) for name, expected in ref.items())
 
 
 def _make_inputs(phase, shape, device, seed) -> dict:
