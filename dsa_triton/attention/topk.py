@@ -619,13 +619,18 @@ def _causal_lengths(T, L):
     return (L - (T - 1) + torch.arange(T)).clamp(min=0)
 
 
+def random_scores(lengths: torch.Tensor, L: int, gen: torch.Generator) -> torch.Tensor:
+    """``[T, L]`` fp32 N(0, 1) scores drawn from ``gen``, ``-inf`` past each row's length (``lengths [T]``)."""
+    scores = torch.randn(lengths.shape[0], L, generator=gen, device=lengths.device)
+    return scores.masked_fill_(torch.arange(L, device=lengths.device)[None, :] >= lengths[:, None], float("-inf"))
+
+
 def _make_inputs(phase, shape, device, seed):
     """Random scores (-inf past each row's causal length), 64-token pages of up to 64 sequences."""
     T, L, k = shape["T"], shape["L"], shape["k"]
     g = torch.Generator(device=device).manual_seed(seed)
     lengths = _causal_lengths(T, L).to(device=device, dtype=torch.int32)
-    scores = torch.randn(T, L, generator=g, device=device)
-    scores.masked_fill_(torch.arange(L, device=device)[None, :] >= lengths[:, None], float("-inf"))
+    scores = random_scores(lengths, L, g)
     page_size = 64
     seqs = max(1, min(T, 64))
     max_pages = cdiv(L, page_size)

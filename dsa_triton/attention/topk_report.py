@@ -18,7 +18,7 @@ import torch
 
 from .. import registry
 from ..harness import floor_us, graph_time_us, rotation, time_rotating
-from .topk import PHASE, SPACE, SPEC, topk_indices
+from .topk import PHASE, SPACE, SPEC, random_scores, topk_indices
 from .topk_reference import check_topk, topk_indices_torch
 
 ACCEPTANCE = {64: (2.0, 5.0), 4096: (1.5, 4.0)}  # rows T: (minimum, goal) speedup over torch.topk
@@ -60,14 +60,6 @@ def topk_speed_report(device, ceilings) -> list[dict]:
     return rows
 
 
-def _rows_of_lengths(T: int, L: int, lengths: torch.Tensor, device, seed: int) -> dict:
-    """Random scores ``[T, L]``, ``-inf`` past each row's length."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    scores = torch.randn(T, L, generator=g, device=device)
-    scores.masked_fill_(torch.arange(L, device=device)[None, :] >= lengths[:, None], float("-inf"))
-    return {"scores": scores, "lengths": lengths}
-
-
 def topk_routes_report(device, ceilings) -> list[dict]:
     """Per case and ROUTE_MIN: our time (graph on the GPU, wall clock in the interpreter), torch.topk's, and the
     check of our indices against the reference on the first input set."""
@@ -82,7 +74,8 @@ def topk_routes_report(device, ceilings) -> list[dict]:
     for name, L, lengths in cases:
         lengths = lengths.to(torch.int32)
         shape = {"T": T, "L": L, "k": k}
-        sets = rotation(lambda i: _rows_of_lengths(T, L, lengths, device, i), 4.0 * T * L, device)
+        sets = rotation(lambda i: {"scores": random_scores(lengths, L, torch.Generator(device).manual_seed(i)),
+                                   "lengths": lengths}, 4.0 * T * L, device)
         torch_us = timer(lambda s: torch.topk(s["scores"], k, dim=1), sets, device)
         first = sets[0]
         expected = topk_indices_torch(first["scores"], k, first["lengths"])

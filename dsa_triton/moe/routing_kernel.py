@@ -119,19 +119,18 @@ class RouteLaunch:
 
     def __init__(self, logits: torch.Tensor, routing: RoutingConfig, has_bias: bool, config: dict | None) -> None:
         tokens, experts = logits.shape
-        softmax = routing.mode == "softmax"
-        n_group, topk_group = (1, 1) if softmax else (routing.n_group, routing.topk_group)
+        shape = route_shape(tokens, experts, routing)
+        n_group, topk_group = shape["n_group"], shape["topk_group"]
         groups, group_block = tile_of(experts, n_group, topk_group)
         self.shape = (tokens, routing.top_k)
         self.fallback = routing.top_k > MAX_TOP_K or groups * group_block > MAX_BLOCK
         if self.fallback:
             return
-        shape = route_shape(tokens, experts, routing)
         config = SPEC.launch_config("decode", shape, logits.device) if config is None else SPEC.validate(config, shape)
         n_group = n_group if topk_group < n_group else 1  # all groups kept: one group of E
         self.grid = (cdiv(tokens, config["TOKENS"]),)
         self.args = (tokens, logits.stride(0), n_group, experts // n_group, topk_group, routing.top_k)
-        self.meta = dict(SOFTMAX=softmax, HAS_BIAS=has_bias, GROUPED=n_group > 1, NORM=routing.norm_topk_prob,
+        self.meta = dict(SOFTMAX=bool(shape["softmax"]), HAS_BIAS=has_bias, GROUPED=n_group > 1, NORM=routing.norm_topk_prob,
                          GROUPS=groups, GROUP_BLOCK=group_block, K_BLOCK=next_pow2(routing.top_k),
                          TOKENS=config["TOKENS"], num_warps=config["num_warps"])
 
