@@ -296,9 +296,12 @@ def test_model_shapes_prefill_chunks_and_expert_gemms():
     grouped = shaped("moe_workspace_gemm", ("E", "N", "K"), ("M",), phases=("prefill",))
     assert [(s["M"], s["N"]) for s in sh.model_shapes(grouped, "prefill", V32, chunks=(512, 4096))] == [
         (4096, 4096), (32768, 4096), (4096, 7168), (32768, 7168)]  # M: routed rows, 8 per token
+    assert {s["M"] for s in sh.model_shapes(grouped, "prefill", V32, overrides={"top_k": 4}, chunks=(512,))} == {2048}
     pages = shaped("page_select", (), ("T", "pages", "SEL"), phases=("decode",))
     assert {(s["T"], s["pages"]) for s in sh.model_shapes(pages, "decode", V32, batches=(64,), contexts=(4096, 131072))} == {
         (64, 64), (64, 2048)}  # pages: context over the 64-token page
+    assert {s["pages"] for s in sh.model_shapes(pages, "decode", V32, overrides={"P": 16}, batches=(1,),
+                                                contexts=(4096,))} == {256}
     weights = shaped("mxfp4_convert", ("K",), ("N",), phases=("load",))
     assert [(s["N"], s["K"]) for s in sh.model_shapes(weights, "load", V32)] == [(4096, 7168), (7168, 2048)]
     decode = sh.model_shapes(gemm, "decode", V32, batches=(1, 128))

@@ -22,7 +22,7 @@ Fixed dims (any of the names on a row): ::
 Expert weights (kernels named *mxfp4*, *moe*, *gemm*, *expert*): ``N``, ``K`` and ``gather``, fixed or
 bucketed, take both GEMMs: gate_up (N = 2 x moe_intermediate_size, K = hidden_size, gather = 1) and down
 (N = hidden_size, K = moe_intermediate_size, gather = 0). Their ``M`` counts routed rows: the tokens times
-num_experts_per_tok (a grouped GEMM over T tokens routed top-8 has M = 8 T rows).
+num_experts_per_tok, or ``--set top_k=...`` (a grouped GEMM over T tokens routed top-8 has M = 8 T rows).
 
 Bucketed dims: batch names (B, batch, num_seqs, seqs) take the decode batch sizes (1 in prefill); token names
 (T, M, Q, N, tokens, num_tokens, rows) the prefill chunk sizes in prefill, and in decode the batch sizes
@@ -173,14 +173,16 @@ def model_shapes(spec: KernelSpec, phase: str, config: dict[str, Any], overrides
     overrides = overrides or {}
     key_dims = (*spec.fixed_dims, *spec.bucketed_dims)
     routed = any(w in spec.name for w in WEIGHT_KERNELS) and ROUTED_ROWS in key_dims
+    page = overrides.get("P") or _value(spec, "P", FIXED["P"], config)  # --set wins over the model
+    rows_per_token = (overrides.get("top_k") or _value(spec, ROUTED_ROWS, FIXED["top_k"], config)) if routed else 1
     shapes, borrowed = [], set()
     for fixed in derived_dims(spec, config):
         for counts in counted_dims(spec, phase, set(fixed), batches, contexts, chunks):
             for dim in PAGE_NAMES:
                 if dim in counts:
-                    counts[dim] = cdiv(counts[dim], overrides.get("P") or _value(spec, dim, FIXED["page_size"], config))
-            if routed and ROUTED_ROWS in counts:
-                counts[ROUTED_ROWS] *= _value(spec, ROUTED_ROWS, FIXED["top_k"], config)
+                    counts[dim] = cdiv(counts[dim], page)
+            if ROUTED_ROWS in counts:
+                counts[ROUTED_ROWS] *= rows_per_token
             derived = {**fixed, **counts, **overrides}
             bench = closest_bench(spec, phase, derived)
             borrowed |= {d for d in key_dims if d not in derived}
