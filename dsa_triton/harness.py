@@ -5,6 +5,7 @@
 - :func:`time_us`: warm-up, then ``triton.testing.do_bench`` median over the rotated sets
   (wall-clock median on the CPU interpreter, where only relative numbers mean anything);
 - :func:`graph_time_us` / :func:`graph_us`: the same over CUDA-graph replays (GPU time without host launch cost);
+- :func:`timed_us`: graph replay when the call captures, else eager, and which one it was (the tuner's timer);
 - :func:`floor_us` / :func:`measurement`: the floor from a :class:`~dsa_triton.registry.Cost`, and a
   row with the ratio to a baseline timed in the same run and the fraction of the floor.
 """
@@ -76,8 +77,9 @@ def time_rotating(call: Callable[[T], Any], sets: Sequence[T], device: torch.dev
     return time_us(lambda: call(next(cycle)), device, **kw)
 
 
-def graph_time_us(call: Callable[[T], Any], sets: Sequence[T], device: torch.device | str) -> float:
-    """Median microseconds of ``call(s)`` replayed from CUDA graphs, one captured per set, replays cycled.
+def graph_time_us(call: Callable[[T], Any], sets: Sequence[T], device: torch.device | str, **kw) -> float:
+    """Median microseconds of ``call(s)`` replayed from CUDA graphs, one captured per set, replays cycled
+    (``kw``: the ``time_us`` budget).
 
     Each set is run once on a side stream first (compiles kernels, fills host caches) so the capture records
     only launches. NaN off the GPU. A capture failure (an op that syncs) raises ``RuntimeError``.
@@ -96,7 +98,30 @@ def graph_time_us(call: Callable[[T], Any], sets: Sequence[T], device: torch.dev
         with torch.cuda.graph(graph):
             call(s)
         graphs.append(graph)
-    return time_rotating(lambda g: g.replay(), graphs, device)
+    return time_rotating(lambda g: g.replay(), graphs, device, **kw)
+
+
+def timed_us(call: Callable[[T], Any], sets: Sequence[T], device: torch.device | str, mode: str = "auto",
+             **kw) -> tuple[float, str]:
+    """``(median microseconds, "graph" | "eager")`` of ``call(s)`` over ``sets`` (``kw``: the ``time_us`` budget).
+
+    ``mode="auto"``: CUDA-graph replay (:func:`graph_time_us`) when on CUDA and the call captures, else eager
+    (:func:`time_rotating`; always eager off the GPU). ``"graph"`` raises ``RuntimeError`` when the call does
+    not capture; ``"eager"`` never tries. Graph times are the kernels' device time: an eager median of an op of
+    a few launches is the host's launch path, and it moved 73-186 us between rounds on the H200 host while the
+    graph median held at 57.3-57.6 us (top-k [64, 131072], results/h200/eager-jitter-probe-...-0924).
+    """
+    if mode not in ("auto", "graph", "eager"):
+        raise ValueError(f"mode: expected 'auto', 'graph' or 'eager', got {mode!r}")
+    device = torch.device(device)
+    if mode != "eager" and device.type == "cuda":
+        try:
+            return graph_time_us(call, sets, device, **kw), "graph"
+        except RuntimeError:
+            if mode == "graph":
+                raise
+            torch.cuda.synchronize(device)  # the failed capture ended; run on eagerly
+    return time_rotating(call, sets, device, **kw), "eager"
 
 
 def graph_us(fn: Callable[[], Any], device: torch.device | str) -> float:

@@ -93,3 +93,30 @@ def test_graph_timing_is_nan_off_the_gpu():
     assert math.isnan(harness.graph_time_us(calls.append, [1, 2], "cpu"))
     assert math.isnan(harness.graph_us(lambda: calls.append(0), "cpu"))
     assert calls == [], "nothing is captured or run without a GPU"
+
+
+def test_timed_us_graph_when_it_captures_else_eager(monkeypatch):
+    """The modes of the tuner's timer, with the two timers stubbed (no GPU here): auto falls back to eager when
+    the capture fails, graph raises, eager never tries a capture, and off the GPU every mode is eager."""
+    captures = []
+
+    def graph(call, sets, device, **kw):
+        captures.append(kw)
+        if fails:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return 5.0
+
+    monkeypatch.setattr(harness, "graph_time_us", graph)
+    monkeypatch.setattr(harness, "time_rotating", lambda call, sets, device, **kw: 9.0)
+    monkeypatch.setattr(harness.torch.cuda, "synchronize", lambda device=None: None)
+    fails = False
+    assert harness.timed_us(None, [0], "cuda", warmup_ms=1, rep_ms=2) == (5.0, "graph")
+    assert captures == [{"warmup_ms": 1, "rep_ms": 2}], "the budget reaches the graph timer"
+    assert harness.timed_us(None, [0], "cuda", "eager") == (9.0, "eager") and len(captures) == 1
+    fails = True
+    assert harness.timed_us(None, [0], "cuda") == (9.0, "eager")
+    with pytest.raises(RuntimeError, match="capturing"):
+        harness.timed_us(None, [0], "cuda", "graph")
+    assert harness.timed_us(None, [0], "cpu", "graph") == (9.0, "eager") and len(captures) == 3
+    with pytest.raises(ValueError, match="mode"):
+        harness.timed_us(None, [0], "cpu", "graphs")

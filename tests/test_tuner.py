@@ -63,6 +63,28 @@ def test_a_config_failing_while_timed_is_penalised():
     assert outcome.status == "error" and "timing broke" in outcome.detail and outcome.value == PENALTY_US
 
 
+def test_evaluator_times_every_call_the_way_its_first_was(monkeypatch):
+    """The first timed config fixes graph or eager for the evaluator; the baseline is timed the same way, and
+    NaN when the kernel was graph-timed and the baseline does not capture (never a graph/eager mix)."""
+    from tuner import objective
+
+    modes = []
+
+    def timer(call, sets, device, mode="auto", **kw):
+        modes.append(mode)
+        if mode == "graph" and call is baseline:
+            raise RuntimeError("baseline syncs")
+        return 1.0, "graph" if mode in ("auto", "graph") else "eager"
+
+    monkeypatch.setattr(objective, "timed_us", timer)
+    ev = evaluator(toy_spec())
+    baseline = ev.spec.baseline
+    assert ev.timing is None
+    assert ev.time({"BLOCK": 32, "num_warps": 1}) == 1.0 and ev.timing == "graph"
+    ev.time({"BLOCK": 64, "num_warps": 2})
+    assert math.isnan(ev.time_baseline()) and modes == ["auto", "graph", "graph"]
+
+
 def test_invalid_config_is_never_run(toys):
     axpy_spec, _ = toys
     ev = evaluator(axpy_spec)

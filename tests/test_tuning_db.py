@@ -19,13 +19,13 @@ DEV = "cpu-interpreter"
 
 
 def record(shape: dict, config: dict, median_us: float = 10.0, phase: str = "decode", kernel: str = "toy_axpy",
-           source_hash: str | None = None, device: str = DEV, baseline_us: float = 20.0) -> Record:
+           source_hash: str | None = None, device: str = DEV, baseline_us: float = 20.0, timing: str = "eager") -> Record:
     spec = registry.get(kernel) if kernel in {s.name for s in registry.kernels()} else toy_spec(kernel)
     return Record(device=device, triton=triton_version(), kernel=kernel,
                   source_hash=spec.source_hash() if source_hash is None else source_hash, phase=phase,
                   shape_key=str(spec.shape_key(phase, shape)), shape=shape_text(shape), dtypes="x=float32",
                   config=config_text(config), median_us=median_us, default_us=2 * median_us,
-                  baseline_us=baseline_us, trials=7, date="2026-11-30T00:00:00Z")
+                  baseline_us=baseline_us, trials=7, date="2026-11-30T00:00:00Z", timing=timing)
 
 
 B128 = {"BLOCK": 128, "num_warps": 2}
@@ -56,6 +56,16 @@ def test_record_file_round_trip_sorted_stable(tmp_path):
     # rewriting what was read gives the same bytes (diffs stay small)
     write_records(path, reversed(back))
     assert path.read_text().splitlines() == lines
+
+
+def test_files_without_the_timing_column_read_as_eager(tmp_path):
+    path = tmp_path / "old.csv"
+    write_records(path, [record({"T": 4, "D": 40}, B64, timing="graph")])
+    header, row = path.read_text().splitlines()
+    assert header.endswith(",timing") and row.endswith(",graph")
+    path.write_text(header.rsplit(",", 1)[0] + "\n" + row.rsplit(",", 1)[0] + "\n")  # a file of before the column
+    (back,) = read_records(path)
+    assert back.timing == "eager" and back.config_dict() == B64
 
 
 def test_read_rejects_a_foreign_csv(tmp_path):
@@ -142,6 +152,15 @@ def test_merge_keeps_the_faster_record_per_shape(spec, tmp_path):
     assert db.path(DEV).read_text() == before
     with pytest.raises(ValueError, match="no record file"):
         db.merge_files([tmp_path / "missing.csv"])
+
+
+def test_merge_prefers_a_graph_timed_record_over_a_faster_eager_one(spec, tmp_path):
+    db = Database(tmp_path / "db")
+    db.add([record({"T": 4, "D": 40}, B64, 3.0), record({"T": 4, "D": 40}, B128, 5.0, timing="graph")])
+    (kept,) = db.records(DEV)
+    assert (kept.config_dict(), kept.timing) == (B128, "graph")
+    db.add([record({"T": 4, "D": 40}, B16, 4.0, timing="graph")])  # between graph records: the faster
+    assert [(r.config_dict(), r.median_us) for r in db.records(DEV)] == [(B16, 4.0)]
 
 
 def test_write_is_atomic(spec, tmp_path, monkeypatch):

@@ -31,7 +31,8 @@ def bench_record(record: Record, device: torch.device, db: Database) -> dict[str
             "baseline us": base, "tuned/default": times["default"] / times["tuned"],
             "baseline/tuned": base / times["tuned"], "stored tuned/default": record.speedup(),
             "ops use it": spec.launch_config(record.phase, shape, device) == tuned,
-            "fresh": db.is_fresh(record), "check": check}
+            "fresh": db.is_fresh(record), "timing": evaluator.timing or "eager", "stored timing": record.timing,
+            "check": check}
 
 
 def bench(db: Database, device: torch.device, kernels: list[str] | None = None, log=print) -> list[dict[str, Any]]:

@@ -153,7 +153,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     records = db.records(None if args.device == "all" else args.device or device_name(device))
     rows = [{"device": r.device, "kernel": r.kernel, "phase": r.phase, "shape": r.shape, "config": r.config,
              "us": r.median_us, "default us": r.default_us, "tuned/default": r.speedup(),
-             "baseline/tuned": r.baseline_us / r.median_us, "configs run": r.trials,
+             "baseline/tuned": r.baseline_us / r.median_us, "timing": r.timing, "configs run": r.trials,
              "code": "fresh" if db.is_fresh(r) else "stale", "date": r.date}
             for r in records if not kernels or r.kernel in kernels]
     print(f"{len(rows)} records in {db.folder}")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dsa_triton.harness import rotation, time_rotating
+from dsa_triton.harness import rotation, timed_us
 from dsa_triton.registry import ConfigError, KernelSpec
 
 PENALTY_US = 1e12  # the objective value of an invalid, failing or wrong config (minimised)
@@ -80,6 +80,10 @@ class Evaluator:
 
     ``warmup_ms`` / ``rep_ms`` are the timing budget of a trial (``time_us``); :meth:`time` takes others
     for the final measurements. ``rotate=False`` makes no timing input sets (an evaluator that only checks).
+
+    Times are CUDA-graph replays when the kernel's call captures, else eager: the first timed config decides
+    (``timing``: None until then, then "graph" or "eager"), and every later time of the evaluator, the baseline's
+    included, is taken the same way, so a record never compares a graph time with an eager one.
     """
 
     def __init__(self, spec: KernelSpec, phase: str, shape: dict[str, int], device: torch.device | str,
@@ -87,6 +91,7 @@ class Evaluator:
         self.spec, self.phase, self.shape = spec, phase, dict(shape)
         self.device = torch.device(device)
         self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
+        self.timing: str | None = None
         self.key = spec.shape_key(phase, self.shape)
         check_inputs = spec.make_inputs(phase, self.shape, self.device, CHECK_SEED)
         self.dtypes = dtypes_text(check_inputs)
@@ -128,12 +133,19 @@ class Evaluator:
         return Outcome("fatal" if fatal else "error", detail=f"{type(exc).__name__}: {exc}"[:300])
 
     def time(self, config: dict[str, Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
-        """Median microseconds of the kernel with ``config`` over the rotated input sets."""
-        return time_rotating(lambda s: self.spec.run(s, config), self.sets, self.device,
-                             warmup_ms=warmup_ms, rep_ms=rep_ms)
+        """Median microseconds of the kernel with ``config`` over the rotated input sets (see ``timing``; once
+        graph-timed, a config whose call does not capture raises ``RuntimeError``)."""
+        us, self.timing = timed_us(lambda s: self.spec.run(s, config), self.sets, self.device, self.timing or "auto",
+                                   warmup_ms=warmup_ms, rep_ms=rep_ms)
+        return us
 
     def time_baseline(self, warmup_ms: float = 25, rep_ms: float = 100) -> float:
-        """Median microseconds of what a user would run instead (NaN when the kernel names none)."""
+        """Median microseconds of what a user would run instead, timed as the kernel was (NaN when the kernel
+        names none, or when the kernel was graph-timed and the baseline does not capture)."""
         if self.spec.baseline is None:
             return math.nan
-        return time_rotating(self.spec.baseline, self.sets, self.device, warmup_ms=warmup_ms, rep_ms=rep_ms)
+        try:
+            return timed_us(self.spec.baseline, self.sets, self.device, self.timing or "auto",
+                            warmup_ms=warmup_ms, rep_ms=rep_ms)[0]
+        except RuntimeError:  # no graph figure of the baseline to set beside the kernel's
+            return math.nan

@@ -72,7 +72,7 @@ def finalize(evaluator: Evaluator, ranked: list[tuple[dict, float]], trials: int
         dtypes=evaluator.dtypes, config=best, median_us=round(times[best], 3),
         default_us=round(times[config_text(default)], 3) if default_ok else math.nan,
         baseline_us=round(evaluator.time_baseline(final_warmup_ms, final_rep_ms), 3), trials=trials,
-        date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), timing=evaluator.timing or "eager",
     )
 
 
@@ -153,7 +153,7 @@ def tune(jobs: list[Job], db: Database, device: torch.device, *, sampler: str = 
         db.add([record])
         results.append(JobResult(job, "tuned", record))
         log(f"{head}: {record.config} {record.median_us:.1f} us, default {record.default_us:.1f} us "
-            f"({record.speedup():.2f}x), {record.trials} configs run")
+            f"({record.speedup():.2f}x, {record.timing}), {record.trials} configs run")
     return results
 
 
@@ -166,5 +166,5 @@ def summary_rows(results: list[JobResult]) -> list[dict[str, Any]]:
                      "default_us": r.default_us if r else math.nan,
                      "tuned/default": r.speedup() if r else math.nan,
                      "baseline/tuned": r.baseline_us / r.median_us if r else math.nan,
-                     "configs run": r.trials if r else 0, "detail": o.detail})
+                     "timing": r.timing if r else "", "configs run": r.trials if r else 0, "detail": o.detail})
     return rows

@@ -104,8 +104,9 @@ class Database:
         return record.source_hash == self.current_hash(record.kernel) and record.triton == triton_version()
 
     def prefer(self, record: Record) -> tuple:
-        """Merge order: fresh before stale, then faster."""
-        return (not self.is_fresh(record), record.median_us)
+        """Merge order: fresh before stale, graph-timed before eager (device time, not the host's launch path),
+        then faster."""
+        return (not self.is_fresh(record), record.timing != "graph", record.median_us)
 
     # -- writing ------------------------------------------------------------------------------
     def add(self, records: Iterable[Record]) -> None:

@@ -40,6 +40,7 @@ class Record:
     baseline_us: float
     trials: int
     date: str
+    timing: str = "eager"  # how the three times were taken: "graph" (CUDA-graph replay) or "eager"
 
     @property
     def key(self) -> tuple[str, str, str, str]:
@@ -97,6 +98,8 @@ def read_records(path: str | Path) -> list[Record]:
     if not path.exists():
         return []
     frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+    if "timing" not in frame.columns:  # files written before the column: every time was eager
+        frame["timing"] = "eager"
     missing = [c for c in COLUMNS if c not in frame.columns]
     if missing:
         raise ValueError(f"{path}: not a tuning record file, it lacks the columns {missing}")
