@@ -113,15 +113,20 @@ def timed_us(call: Callable[[T], Any], sets: Sequence[T], device: torch.device |
     """
     if mode not in ("auto", "graph", "eager"):
         raise ValueError(f"mode: expected 'auto', 'graph' or 'eager', got {mode!r}")
-    device = torch.device(device)
-    if mode != "eager" and device.type == "cuda":
-        try:
-            return graph_time_us(call, sets, device, **kw), "graph"
-        except RuntimeError:
-            if mode == "graph":
-                raise
-            torch.cuda.synchronize(device)  # the failed capture ended; run on eagerly
+    if mode != "eager" and torch.device(device).type == "cuda":
+        us = graph_time_us(call, sets, device, **kw) if mode == "graph" else graph_time_or_nan(call, sets, device, **kw)
+        if us == us:
+            return us, "graph"
     return time_rotating(call, sets, device, **kw), "eager"
+
+
+def graph_time_or_nan(call: Callable[[T], Any], sets: Sequence[T], device: torch.device | str, **kw) -> float:
+    """:func:`graph_time_us`, NaN when the call does not capture (an op that syncs on the host)."""
+    try:
+        return graph_time_us(call, sets, device, **kw)
+    except RuntimeError:
+        torch.cuda.synchronize(device)  # the failed capture has ended; the stream runs on
+        return float("nan")
 
 
 def graph_us(fn: Callable[[], Any], device: torch.device | str) -> float:
@@ -154,6 +159,10 @@ class Measurement:
     tbps: float = float("nan")
     tflops: float = float("nan")
     check: str = "ok"
+    graph_us: float = float("nan")  # the same call replayed from CUDA graphs (NaN: no GPU, or it does not capture)
+    graph_baseline_us: float = float("nan")
+    graph_speedup: float = float("nan")
+    graph_floor_fraction: float = float("nan")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,15 +180,20 @@ def measurement(
     baseline: str = "",
     baseline_us: float = float("nan"),
     check: str = "ok",
+    graph_us: float = float("nan"),
+    graph_baseline_us: float = float("nan"),
 ) -> Measurement:
-    row = Measurement(kernel, phase, shape, config, median_us, baseline, baseline_us, check=check)
+    row = Measurement(kernel, phase, shape, config, median_us, baseline, baseline_us, check=check, graph_us=graph_us,
+                      graph_baseline_us=graph_baseline_us, graph_speedup=graph_baseline_us / graph_us)
     row.speedup = baseline_us / median_us if baseline_us == baseline_us else float("nan")
     row.tbps = cost.bytes / (median_us * 1e-6) / 1e12
     row.tflops = cost.flops / (median_us * 1e-6) / 1e12 if cost.flops else float("nan")
     if ceilings is not None:
         row.floor_us, row.bound = floor_us(cost, ceilings)
         row.floor_fraction = row.floor_us / median_us
+        row.graph_floor_fraction = row.floor_us / graph_us
     return row
+
 
 
 def measure_ceilings(device: torch.device | str = "cuda") -> Ceilings:

@@ -38,6 +38,11 @@ def test_measurement_ratios():
     without_baseline = measurement(kernel="k", phase="decode", shape="", config="{}", median_us=1.0,
                                    cost=Cost(bytes=1.0), ceilings=None)
     assert math.isnan(without_baseline.speedup) and math.isnan(without_baseline.floor_fraction)
+    assert math.isnan(row.graph_us) and math.isnan(row.graph_speedup), "no graph figures unless given"
+    graphed = measurement(kernel="k", phase="decode", shape="T=1", config="{}", median_us=500.0,
+                          cost=Cost(bytes=1e9), ceilings=CEIL, baseline_us=2000.0, graph_us=400.0,
+                          graph_baseline_us=1800.0)
+    assert graphed.graph_speedup == pytest.approx(4.5) and graphed.graph_floor_fraction == pytest.approx(0.625)
 
 
 def test_rotation_covers_twice_l2(monkeypatch):
@@ -71,6 +76,8 @@ def test_bench_entry_point_runs_a_registered_kernel(tmp_path, monkeypatch):
         rows = payload["rows"]
         assert len(rows) == 2 and {r["phase"] for r in rows} == {"decode", "prefill"}
         assert all(r["check"] == "ok" and r["baseline"] == "torch add" and r["speedup"] > 0 for r in rows)
+        assert all(r["graph_us"] is None or math.isnan(r["graph_us"]) for r in rows), "no graphs without a GPU"
+        assert "| graph us |" in results[0].with_suffix(".md").read_text()
     finally:
         registry.unregister("toy_bench")
 
