@@ -87,8 +87,9 @@ def test_sort_bad_inputs(call, match):
 
 
 # -- the fused GEMM ----------------------------------------------------------------------------------
-def cfg(bm, bn, bk, split=1, warps=2, stages=2):
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "num_stages": stages}
+def cfg(bm, bn, bk, split=1, warps=2, stages=2, x_copy=1):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "num_warps": warps, "num_stages": stages,
+            "X_COPY": x_copy}
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, n, k, gather, dtype, config", [
@@ -99,6 +100,10 @@ def cfg(bm, bn, bk, split=1, warps=2, stages=2):
     (5, 5, 2, 24, 64, False, torch.float16, cfg(16, 32, 64, warps=4)),  # down-GEMM form (sorted rows)
     (3, 5, 2, 24, 256, False, torch.bfloat16, cfg(16, 32, 128, split=2, warps=4)),  # bf16 with split-K atomics
     (6, 5, 3, 33, 96, False, torch.float16, cfg(32, 32, 128, warps=4)),  # N = 33, 32-row blocks
+    # activations read in place (X_COPY=0): gathered tokens with ragged K, sorted rows with split-K, bf16
+    (1, 5, 2, 40, 96, True, torch.float16, cfg(8, 32, 64, x_copy=0)),
+    (3, 5, 2, 24, 256, False, torch.bfloat16, cfg(16, 32, 128, split=2, warps=4, x_copy=0)),
+    (6, 5, 3, 33, 96, False, torch.float16, cfg(32, 32, 128, warps=4, x_copy=0)),
 ])
 def test_fused_gemm_matches_reference(tokens, experts, top_k, n, k, gather, dtype, config):
     weights, ids = routing(tokens, experts, top_k, seed=tokens + experts)
@@ -124,6 +129,7 @@ def identity_problem(k, dtype):
 @pytest.mark.parametrize("dtype, config, scale_range", [
     (torch.float16, cfg(16, 32, 64), (116, 138)),  # every E2M1 code, fp16-exact scales
     (torch.bfloat16, cfg(8, 32, 64), (20, 240)),    # bf16 activations, the interpreter path's full scale range
+    (torch.float16, cfg(16, 32, 64, x_copy=0), (116, 138)),  # activations read in place
 ])
 def test_dequantization_in_registers_is_exact(dtype, config, scale_range):
     n, k = 32, 64
@@ -218,9 +224,9 @@ from dsa_triton.moe.fused_moe import _fused_moe_kernel
 names = _fused_moe_kernel.arg_names
 pointers = {"x_ptr": None, "x_row_ptr": "*i32", "w_ptr": "*i16", "s_ptr": "*u8", "y_ptr": None,
             "padded_rows_ptr": "*i32", "block_expert_ptr": "*i32"}
-for bm, bn, bk, split, warps, stages, act, even_k in json.loads(sys.argv[1]):
+for bm, bn, bk, split, warps, stages, act, even_k, x_copy in json.loads(sys.argv[1]):
     constexprs = {"GATHER": True, "ATOMIC": split > 1, "EVEN_K": even_k, "FAST": act == "bf16", "DOT_F32": False,
-                  "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}
+                  "X_COPY": bool(x_copy), "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}
     types = dict(pointers, x_ptr=f"*{act}", y_ptr="*fp32" if split > 1 else f"*{act}")
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constexprs}
@@ -240,8 +246,8 @@ def test_kernel_compiles_for_hopper():
     import subprocess
     import sys
 
-    configs = [(8, 64, 256, 1, 4, 3, "bf16", True), (8, 64, 128, 2, 2, 4, "bf16", False),
-               (16, 128, 128, 1, 4, 3, "bf16", True), (64, 128, 128, 2, 4, 3, "fp16", False)]
+    configs = [(8, 64, 256, 1, 4, 3, "bf16", True, 1), (8, 64, 128, 2, 2, 4, "bf16", False, 0),
+               (16, 128, 128, 1, 4, 3, "bf16", True, 0), (64, 128, 128, 2, 4, 3, "fp16", False, 1)]
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE, json.dumps(configs)], capture_output=True,
                           text=True, timeout=300, env=env)

@@ -12,7 +12,9 @@ run on mma.sync m16n8k16, 16 and more on wgmma where the tile allows).
 
 - the codes are read as int16 *quarters* ``[BLOCK_N, BLOCK_K / 4]`` (quarter ``q`` of a row holds k = 4q .. 4q+3,
   nibble ``c`` being k = 4q + c): each nibble position ``c`` is a weight *class*, and the tile is four dots, one
-  per class, against a class-major copy of the activations ``x[rows, 4, K/4]`` (one small transpose per call);
+  per class, against the activations of that class: from a class-major copy ``x[rows, 4, K/4]`` (``X_COPY=1``:
+  one small transpose kernel per call, vector loads) or read from ``x`` itself with a stride of 4 (``X_COPY=0``:
+  no second kernel, scalar loads that L1 serves);
 - bf16 activations on the GPU: two neighbouring quarters are one 32-bit register, and a few integer ops per
   class (inline PTX) turn it into a bf16x2 pair ``code * 2^-126`` (exact: the E2M1 subnormal 0.5 lands on a
   bf16 subnormal); one bf16x2 multiply by ``2^(s - 1 - 64)`` scales it, and the fp32 result is multiplied by
@@ -80,12 +82,29 @@ def _class_weights(quarters, scales, c: tl.constexpr, dtype: tl.constexpr, FAST:
 
 
 @triton.jit
+def _x_classes_in_place(x_cols, k0, k_end, row_ok, Q: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """The four classes ``x[:, 4q + c]`` (c = 0..3) of the K tile at quarter ``k0``, each ``[Q, BLOCK_M]``, split
+    in registers from one contiguous load of ``x`` (``x_cols``: the rows' starts, ``[1, BLOCK_M]``)."""
+    kk = tl.max_contiguous(tl.multiple_of(4 * k0 + tl.arange(0, 4 * Q), 4 * Q), 4 * Q)
+    if EVEN_K:
+        mask = row_ok[None, :] & (k0 < k_end)
+    else:
+        mask = (kk < 4 * k_end)[:, None] & row_ok[None, :]
+    x = tl.load(x_cols + kk[:, None], mask=mask, other=0.0)  # [4Q, BLOCK_M]
+    x = tl.permute(tl.reshape(x, (Q, 2, 2, BLOCK_M)), (0, 3, 1, 2))  # [q, row, a, b]: k = 4q + 2a + b
+    even, odd = tl.split(x)  # b = 0, 1
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
+
+
+@triton.jit
 def _fused_moe_kernel(
     x_ptr, x_row_ptr, w_ptr, s_ptr, y_ptr, padded_rows_ptr, block_expert_ptr,
     N, K_QUARTERS,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
     GATHER: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    X_COPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     expert = tl.load(block_expert_ptr + tl.program_id(0) * BLOCK_M)  # a strided view: each block's first position
     if expert < 0:
@@ -122,8 +141,13 @@ def _fused_moe_kernel(
         quarters = tl.load(w_rows + kq[None, :], mask=w_mask, other=0)
         group_scales = tl.load(s_rows + kg[None, :], mask=s_mask, other=0)
         scales = tl.reshape(tl.broadcast_to(group_scales[:, :, None], (BLOCK_N, G, 8)), (BLOCK_N, Q))
+        if not X_COPY:
+            x_classes = _x_classes_in_place(x_cols, k0, k_end, row_ok, Q, BLOCK_M, EVEN_K)
         for c in tl.static_range(4):
-            x = tl.load(x_cols + c * K_QUARTERS + kq[:, None], mask=x_mask, other=0.0)
+            if X_COPY:  # class-major copy [rows, 4, K/4]
+                x = tl.load(x_cols + c * K_QUARTERS + kq[:, None], mask=x_mask, other=0.0)
+            else:
+                x = x_classes[c]
             w = _class_weights(quarters, scales, c, x_ptr.dtype.element_ty, FAST)
             if DOT_F32:  # the interpreter's bf16 tl.dot is wrong; fp32 of the same bf16 values is exact
                 acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc)
@@ -237,7 +261,10 @@ def _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype) -> torch.
     alignment = sort.aligned(config["BLOCK_M"])
     quarters = blocks.view(torch.int16).flatten(-2)  # [E, N, K/4]
     k_quarters = quarters.shape[-1]
-    x_classes = x.view(x.shape[0], k_quarters, 4).transpose(1, 2).contiguous()  # [rows, 4, K/4]: k = 4q + c -> [c, q]
+    if config["X_COPY"]:
+        x_classes = x.view(x.shape[0], k_quarters, 4).transpose(1, 2).contiguous()  # [rows, 4, K/4]: [c, q] of 4q + c
+    else:
+        x_classes = x if x.stride(1) == 1 else x.contiguous()
     fast = fast_path(x)
     grid = (alignment.num_blocks, cdiv(n, config["BLOCK_N"]), split)
     _fused_moe_kernel[grid](
@@ -246,7 +273,7 @@ def _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype) -> torch.
         x_classes.stride(0), quarters.stride(0), quarters.stride(1), scales.stride(0), scales.stride(1), y.stride(0),
         GATHER=gather_tokens, ATOMIC=split > 1, EVEN_K=k_quarters % (split * config["BLOCK_K"] // 4) == 0,
         FAST=fast, DOT_F32=not fast and x.dtype == torch.bfloat16 and x.device.type != "cuda",
-        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], SPLIT_K=split,
+        X_COPY=bool(config["X_COPY"]), BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], SPLIT_K=split,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     return y.to(out_dtype)
@@ -260,6 +287,9 @@ SPACE = {
     "SPLIT_K": (1, 2, 4, 8),
     "num_warps": (2, 4, 8),
     "num_stages": (1, 2, 3, 4, 5, 6),
+    # 1: activations copied class-major per call (measured); 0: read in place, stride 4 (one kernel less per call;
+    # predicted faster at T = 1, where the copy is one of the call's two kernels; not yet on a GPU)
+    "X_COPY": (0, 1),
 }
 
 
@@ -309,7 +339,7 @@ def _default(phase, shape):
     while programs * split < GPU_SMS and 2 * split <= min(8, cdiv(shape["K"], block_k)):
         split *= 2
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
-            "num_warps": 4, "num_stages": 3}
+            "num_warps": 4, "num_stages": 3, "X_COPY": 1}
 
 
 def _cost(phase, shape) -> Cost:
