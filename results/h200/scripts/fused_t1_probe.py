@@ -1,6 +1,6 @@
-"""One-off H200 probe (2026-11-30, session 3): the fused MXFP4 decode GEMM at T = 1 (E=256, top-8; down
-N=7168 K=2048 first, then gate_up N=4096 K=7168) over the valid configs of its space (BLOCK_M 8, SPLIT_K up
-to 4, stages 2-5), in shuffled order within a time budget, each timed by CUDA-graph replay (the eager figure
+"""H200 probe (2026-11-30, session 3; X_COPY added after its run): the fused MXFP4 decode GEMM at T = 1 (E=256,
+top-8; down N=7168 K=2048 first, then gate_up N=4096 K=7168) over the valid configs of its space (BLOCK_M 8,
+SPLIT_K up to 4, stages 2-5, X_COPY 0/1), in shuffled order within a time budget, each timed by CUDA-graph replay (the eager figure
 at T = 1 is the host's launch path) and the fastest five checked against the reference. Prints a table;
 writes JSON lines to ``$OUT/fused_t1_probe.jsonl``. Usage: python fused_t1_probe.py SECONDS"""
 import itertools
@@ -25,9 +25,9 @@ for n, k, gather in ((7168, 2048, 0), (4096, 7168, 1)):
     sets = rotation(lambda i: SPEC.make_inputs("decode", shape, dev, i), SPEC.cost("decode", shape).bytes, dev)
     mxfp4_bytes = sum(len(s["active"]) for s in sets) / len(sets) * n * k * 17 / 32
     default = SPEC.launch_config("decode", shape, dev)
-    names = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages")
+    names = ("BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages", "X_COPY")
     grid = [dict(zip(names, v), BLOCK_M=8) for v in itertools.product(
-        SPACE["BLOCK_N"], SPACE["BLOCK_K"], (1, 2, 4), SPACE["num_warps"], (2, 3, 4, 5))]
+        SPACE["BLOCK_N"], SPACE["BLOCK_K"], (1, 2, 4), SPACE["num_warps"], (2, 3, 4, 5), SPACE["X_COPY"])]
     grid = [c for c in grid if SPEC.is_valid(c, shape)]
     random.Random(0).shuffle(grid)
     grid.insert(0, default)

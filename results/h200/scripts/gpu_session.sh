@@ -4,7 +4,8 @@
 #   device command: bash .snap/results/h200/scripts/gpu_session.sh check|tune|retune|bench
 # .whl holds the optuna, colorlog, alembic, sqlalchemy, mako and greenlet cp312 wheels (not on the GPU image);
 # every log, results file and the tuning database land in $OUT. One process at a time: two on one host
-# disturbed each other's timings (NOTES, "Session 2").
+# disturbed each other's timings (NOTES, "Session 2"). Each call starts from the snapshot's database: copy
+# $OUT/db/nvidia-h200.csv back and `dsa-tune merge` it (or re-snapshot) before the next call.
 set -u
 part=${1:?check, tune, retune or bench}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
@@ -13,18 +14,22 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DSA_TUNING_DB=$PWD/tuning_db
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv | tee "$OUT/nvidia-smi.txt"
 grid=(--model deepseek-v3.2 --batches 1,8,64,128 --contexts 4096,32768,131072 --chunks 1024,4096,16384 --trials 16)
 case $part in
-  check)  # the kernels never run on a GPU first, then the reports that test this session's predictions
-    timeout 420 python -m dsa_triton.bench --out "$OUT" \
-      --kernels moe_route,moe_permute,moe_layer_decode,topk_routes,topk_speed,topk_indices 2>&1 | tee "$OUT/check.log" | tail -60 ;;
-  tune)   # stale or missing records; moe_workspace_gemm re-timed alone
-    timeout 520 python -m tuner.cli tune "${grid[@]}" --budget 480 --no-progress \
-      --kernels moe_route,moe_permute,page_select,indexer_block_path,topk_indices,moe_path 2>&1 | tee "$OUT/tune.log" | tail -40
+  check)  # graph columns in every bench row (new), the fused T=1 tiles with X_COPY (new knob), 150 s
+    timeout 200 python results/h200/scripts/fused_t1_probe.py 150 2>&1 | tee "$OUT/fused_t1_probe.log" | tail -16
+    timeout 330 python -m dsa_triton.bench --out "$OUT" \
+      --kernels moe_fused_gemm,moe_route,moe_permute,topk_indices,page_select,moe_decode,moe_layer_decode 2>&1 \
+      | tee "$OUT/check.log" | grep "^|" | cut -c1-240 | tail -40 ;;
+  tune)   # re-tune in CUDA graphs (records get timing=graph): the small host-bound kernels first
+    timeout 540 python -m tuner.cli tune "${grid[@]}" --budget 500 --no-progress --retune \
+      --kernels moe_route,moe_permute,page_select,topk_indices,moe_fused_gemm,indexer_block_path,paged_append \
+      2>&1 | tee "$OUT/tune.log" | grep "^\[" | cut -c1-220 | tail -60
     cp -r tuning_db/data "$OUT/db" ;;
-  retune)  # records timed beside another tuner on the x2 host
-    timeout 520 python -m tuner.cli tune "${grid[@]}" --budget 480 --no-progress --retune \
-      --kernels moe_workspace_gemm 2>&1 | tee "$OUT/retune.log" | tail -20
+  retune)  # the rest in graphs (mxfp4 ops, indexer, sparse attention, moe_workspace_gemm, moe_path)
+    timeout 540 python -m tuner.cli tune "${grid[@]}" --budget 500 --no-progress --retune \
+      --kernels mxfp4_quantize,mxfp4_dequantize,mxfp4_to_fp8,indexer_logits,sparse_attention_decode,moe_workspace_gemm \
+      2>&1 | tee "$OUT/retune.log" | grep "^\[" | cut -c1-220 | tail -60
     cp -r tuning_db/data "$OUT/db" ;;
   bench)  # every kernel and report with the database as committed
-    timeout 560 python -m dsa_triton.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep "^|" | cut -c1-200 | tail -80 ;;
+    timeout 560 python -m dsa_triton.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep "^|" | cut -c1-240 | tail -80 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
