@@ -87,14 +87,17 @@ def _bit_length(x):
 
 
 @triton.jit
-def _bin_window(row, n, HIST_BITS: tl.constexpr):
+def _bin_window(row, n, k, every, HIST_BITS: tl.constexpr, SCORE_HIST: tl.constexpr):
     """Pass 1's bins for a row: ``(key_lo, shift)`` (see :func:`_bin`), from a fixed sample of the row.
 
     The sample (32 pieces of 16 scores, evenly spread) is the same in every program of the row, so all
     agree. ``key_lo`` is the third smallest finite piece maximum (one or two outlying pieces, e.g. a
     negative one among positive scores, would stretch the window over the tiny magnitudes); the bins
     cover twice the key span from there to the largest finite sample. Without three finite pieces: the
-    top ``HIST_BITS`` key bits.
+    top ``HIST_BITS`` key bits. A row whose every score is counted (``every``) starts the window lower, at
+    the score of rank ``2 k / n`` from the top of a 128-score sample (the first 4 of each piece): its k-th
+    largest score is that low (k/n from 1/64 up to 1/2), below most piece maxima, and a window above it
+    would put tau at -inf and collect the whole row.
     """
     NB: tl.constexpr = 1 << HIST_BITS
     offs = tl.arange(0, 32)[:, None] * (n // 32) + tl.arange(0, 16)[None, :]
@@ -102,6 +105,15 @@ def _bin_window(row, n, HIST_BITS: tl.constexpr):
     piece_max = tl.max(tl.where(tl.abs(x) < float("inf"), x, float("-inf")), axis=1)  # NaN, +-inf out
     ascending = tl.sort(tl.where(piece_max > float("-inf"), piece_max, float("inf")))
     lo = tl.sum(tl.where(tl.arange(0, 32) == 2, ascending, 0.0), 0)
+    if SCORE_HIST:
+        at = (tl.arange(0, 128) // 4) * (n // 32) + tl.arange(0, 128) % 4
+        s = tl.load(row + at, mask=at < n, other=float("-inf"))
+        s = tl.where(tl.abs(s) < float("inf"), s, float("-inf"))
+        finite_count = tl.sum((s > float("-inf")).to(tl.int32), 0)
+        rank = tl.minimum(2 * k * 128 // tl.maximum(n, 1), finite_count - 1)
+        above = tl.sum((s[None, :] > s[:, None]).to(tl.int32), axis=1)  # sample scores above each one
+        lo_of_scores = tl.max(tl.where(above >= rank, s, float("-inf")), axis=0)  # the one of that rank
+        lo = tl.where(every & (finite_count >= 3), lo_of_scores, lo)
     hi = tl.max(piece_max, axis=0)
     key_lo = _sort_key(lo.to(tl.int32, bitcast=True))
     span = 2 * (_sort_key(hi.to(tl.int32, bitcast=True)).to(tl.int64) - key_lo)
@@ -151,7 +163,7 @@ def _tile_hist(x, every, key_lo, shift, NB: tl.constexpr, col_mask, score_mask, 
 
 
 @triton.jit(do_not_specialize=["L", "route_min", "group_min", "info_off"])
-def _topk_bound_kernel(scores, stride_t, L, lengths, work, info_off, chunk, route_min, group_min,
+def _topk_bound_kernel(scores, stride_t, L, lengths, work, info_off, chunk, route_min, group_min, k,
                        HAS_LENGTHS: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr,
                        HIST_BITS: tl.constexpr, SCORE_HIST: tl.constexpr):
     """Pass 1, grid (T, SPLIT): the histogram of the group maxima (rows of at least ``group_min``
@@ -169,7 +181,7 @@ def _topk_bound_kernel(scores, stride_t, L, lengths, work, info_off, chunk, rout
         NB: tl.constexpr = 1 << HIST_BITS
         STEP: tl.constexpr = GROUP * COLS
         row = scores + t.to(tl.int64) * stride_t
-        key_lo, shift = _bin_window(row, n, HIST_BITS)
+        key_lo, shift = _bin_window(row, n, k, every, HIST_BITS, SCORE_HIST)
         if split == 0:
             info = work + info_off + t * _INFO_WORDS
             tl.store(info + _INFO_KEY_LO, key_lo)
@@ -428,7 +440,7 @@ def _launch(plan: _Plan, scores, lengths, block_table, page_size, row_to_seq, ou
     if plan.two_pass:
         grid = (T, plan.split)
         _topk_bound_kernel[grid](scores, scores.stride(0), L, lengths_arg, work, info_off, plan.chunk, plan.route_min,
-                                 plan.group_min, **plan.bound_meta)
+                                 plan.group_min, k, **plan.bound_meta)
         _topk_collect_kernel[grid](scores, scores.stride(0), L, lengths_arg, work, info_off, cand_off, k, plan.chunk,
                                    plan.route_min, plan.cap, **plan.collect_meta)
     _topk_select_kernel[(T,)](
@@ -568,8 +580,9 @@ SPACE = {
     "TILE": (2048, 4096, 8192, 16384),  # scores per loop step of pass 1
     "WARPS": (1, 2, 4, 8),  # pass 1
     "GROUP": (8, 16, 32),  # scores per group maximum in pass 1
-    # rows of at least ROUTE_MIN * k scores take passes 1-2 (64: only rows of 2 k GROUP, as measured on the
-    # H200 so far; smaller values, for mixed-length batches, are not yet measured on a GPU)
+    # rows of at least ROUTE_MIN * k scores take passes 1-2 (64: only rows of 2 k GROUP). H200, session 3:
+    # 2-8 took random-length rows 251 -> 101 us but uniform 16384-score rows 47 -> 108 us, whose window then
+    # started above the k-th score (fixed after that run; predicted 15-25 us there, not yet measured)
     "ROUTE_MIN": (2, 4, 8, 64),
     "HIST_BITS": (7, 8, 9, 10),  # pass 1 histogram: 2^HIST_BITS bins
     "COLLECT_TILE": (1024, 2048, 4096),  # pass 2
