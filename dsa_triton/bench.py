@@ -40,7 +40,8 @@ def bench_kernel(spec: registry.KernelSpec, phase: str, shape: dict[str, int], d
     median, graph = time_rotating(run, sets, device), graph_time_or_nan(run, sets, device)
     base_us = graph_base_us = float("nan")
     if spec.baseline is not None:
-        base_us, graph_base_us = time_rotating(spec.baseline, sets, device), graph_time_or_nan(spec.baseline, sets, device)
+        base_us = time_rotating(spec.baseline, sets, device)
+        graph_base_us = graph_time_or_nan(spec.baseline, sets, device)
     return measurement(kernel=spec.name, phase=phase, shape=shape_text(shape), config=json.dumps(config),
                        median_us=median, cost=cost, ceilings=ceilings, baseline=spec.baseline_name,
                        baseline_us=base_us, check=error or "ok", graph_us=graph, graph_baseline_us=graph_base_us)

@@ -195,7 +195,6 @@ def measurement(
     return row
 
 
-
 def measure_ceilings(device: torch.device | str = "cuda") -> Ceilings:
     """Copy bandwidth (2 GiB device-to-device), bf16 and fp8 e4m3 matmul rates at 8192^3, this process."""
     device = torch.device(device)

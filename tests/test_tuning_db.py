@@ -19,7 +19,8 @@ DEV = "cpu-interpreter"
 
 
 def record(shape: dict, config: dict, median_us: float = 10.0, phase: str = "decode", kernel: str = "toy_axpy",
-           source_hash: str | None = None, device: str = DEV, baseline_us: float = 20.0, timing: str = "eager") -> Record:
+           source_hash: str | None = None, device: str = DEV, baseline_us: float = 20.0,
+           timing: str = "eager") -> Record:
     spec = registry.get(kernel) if kernel in {s.name for s in registry.kernels()} else toy_spec(kernel)
     return Record(device=device, triton=triton_version(), kernel=kernel,
                   source_hash=spec.source_hash() if source_hash is None else source_hash, phase=phase,

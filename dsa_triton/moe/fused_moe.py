@@ -13,8 +13,8 @@ run on mma.sync m16n8k16, 16 and more on wgmma where the tile allows).
 - the codes are read as int16 *quarters* ``[BLOCK_N, BLOCK_K / 4]`` (quarter ``q`` of a row holds k = 4q .. 4q+3,
   nibble ``c`` being k = 4q + c): each nibble position ``c`` is a weight *class*, and the tile is four dots, one
   per class, against the activations of that class: from a class-major copy ``x[rows, 4, K/4]`` (``X_COPY=1``:
-  one small transpose kernel per call, vector loads) or read from ``x`` itself with a stride of 4 (``X_COPY=0``:
-  no second kernel, scalar loads that L1 serves);
+  one small transpose kernel per call) or split in registers from a contiguous load of ``x`` itself
+  (``X_COPY=0``: no second kernel, ~10-55 more registers a thread on sm_90);
 - bf16 activations on the GPU: two neighbouring quarters are one 32-bit register, and a few integer ops per
   class (inline PTX) turn it into a bf16x2 pair ``code * 2^-126`` (exact: the E2M1 subnormal 0.5 lands on a
   bf16 subnormal); one bf16x2 multiply by ``2^(s - 1 - 64)`` scales it, and the fp32 result is multiplied by
@@ -273,7 +273,8 @@ def _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype) -> torch.
         x_classes.stride(0), quarters.stride(0), quarters.stride(1), scales.stride(0), scales.stride(1), y.stride(0),
         GATHER=gather_tokens, ATOMIC=split > 1, EVEN_K=k_quarters % (split * config["BLOCK_K"] // 4) == 0,
         FAST=fast, DOT_F32=not fast and x.dtype == torch.bfloat16 and x.device.type != "cuda",
-        X_COPY=bool(config["X_COPY"]), BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], SPLIT_K=split,
+        X_COPY=bool(config["X_COPY"]), BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
+        BLOCK_K=config["BLOCK_K"], SPLIT_K=split,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     return y.to(out_dtype)
@@ -287,8 +288,9 @@ SPACE = {
     "SPLIT_K": (1, 2, 4, 8),
     "num_warps": (2, 4, 8),
     "num_stages": (1, 2, 3, 4, 5, 6),
-    # 1: activations copied class-major per call (measured); 0: read in place, stride 4 (one kernel less per call;
-    # predicted faster at T = 1, where the copy is one of the call's two kernels; not yet on a GPU)
+    # 1: activations copied class-major per call (measured); 0: classes split in registers (one kernel less per
+    # call; predicted faster at T = 1 on 256-wide K tiles, where the copy is one of the call's two kernels;
+    # not yet on a GPU)
     "X_COPY": (0, 1),
 }
 
