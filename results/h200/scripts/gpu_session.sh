@@ -14,10 +14,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DSA_TUNING_DB=$PWD/tuning_db
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv | tee "$OUT/nvidia-smi.txt"
 grid=(--model deepseek-v3.2 --batches 1,8,64,128 --contexts 4096,32768,131072 --chunks 1024,4096,16384 --trials 16)
 case $part in
-  check)  # graph columns in every bench row (new), the fused T=1 tiles with X_COPY (new knob), 150 s
+  check)  # fused T=1 tiles with X_COPY (new knob, 150 s); bench rows with graph columns (new); topk_routes after the window fix
     timeout 200 python results/h200/scripts/fused_t1_probe.py 150 2>&1 | tee "$OUT/fused_t1_probe.log" | tail -16
     timeout 330 python -m dsa_triton.bench --out "$OUT" \
-      --kernels moe_fused_gemm,moe_route,moe_permute,topk_indices,page_select,moe_decode,moe_layer_decode 2>&1 \
+      --kernels moe_fused_gemm,moe_route,moe_permute,topk_indices,page_select,topk_routes,moe_decode,moe_layer_decode 2>&1 \
       | tee "$OUT/check.log" | grep "^|" | cut -c1-240 | tail -40 ;;
   tune)   # re-tune in CUDA graphs (records get timing=graph): the small host-bound kernels first
     timeout 540 python -m tuner.cli tune "${grid[@]}" --budget 500 --no-progress --retune \
