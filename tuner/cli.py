@@ -244,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="auto (exhaustive when the valid space fits in --trials, else tpe), tpe, exhaustive, random")
     tune.add_argument("--trials", type=int, default=0, help="configs to run per shape (default 40; interpreter 4)")
     tune.add_argument("--timeout", type=float, default=None, help="seconds per shape")
-    tune.add_argument("--budget", type=float, default=None, help="seconds for the whole run (no new shape after)")
+    tune.add_argument("--budget", type=float, default=None, help="seconds for the whole run, shared fairly: each shape may use the time left over the shapes left "
+                           "(no new shape after)")
     tune.add_argument("--storage", default=".optuna", help='Optuna journal folder ("none": in memory)')
     tune.add_argument("--retune", action="store_true", help="tune shapes that already have a fresh record too")
     tune.add_argument("--seed", type=int, default=0, help="sampler seed")

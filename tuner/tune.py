@@ -108,7 +108,10 @@ def tune(jobs: list[Job], db: Database, device: torch.device, *, sampler: str = 
          timeout: float | None = None, total_s: float | None = None, storage_dir: str | Path | None = ".optuna",
          retune: bool = False, seed: int = 0, progress: bool = True, workers: int | None = None,
          log=print) -> list[JobResult]:
-    """Tune ``jobs`` in order within ``total_s`` seconds (a job is not started once it is spent).
+    """Tune ``jobs`` in order within ``total_s`` seconds, shared fairly: a job's study may use the time left
+    divided by the jobs left (itself included), so the last jobs of a list are not starved by the first (a
+    study runs at least one trial; skipped and quick jobs leave their share to the later ones). A job is not
+    started once the budget is spent.
 
     A config that breaks the CUDA context ends the run (the jobs left are marked so); its study keeps it
     as failed, so the same command run again resumes without trying it twice.
@@ -129,8 +132,8 @@ def tune(jobs: list[Job], db: Database, device: torch.device, *, sampler: str = 
             results.append(JobResult(job, "skipped", found[1], "a fresh record exists"))
             log(f"{head}: skipped, a fresh record exists")
             continue
-        left = None if total_s is None else total_s - (time.monotonic() - start)
-        job_timeout = left if timeout is None else timeout if left is None else min(timeout, left)
+        share = None if total_s is None else (total_s - (time.monotonic() - start)) / (len(jobs) - i)
+        job_timeout = share if timeout is None else timeout if share is None else min(timeout, share)
         try:
             record = tune_job(job, db, device, sampler=sampler, trials=trials, timeout=job_timeout,
                               storage_dir=storage_dir, seed=seed, progress=progress, workers=workers)
