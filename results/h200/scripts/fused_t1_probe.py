@@ -18,6 +18,9 @@ from dsa_triton.moe.fused_moe import SPACE, SPEC
 dev = torch.device("cuda")
 budget = float(sys.argv[1]) if len(sys.argv) > 1 else 150.0
 copy_tbps = measure_ceilings(dev).copy_tbps
+one = torch.zeros(1, device=dev)
+print(f"graph replay of one 1-element kernel: {graph_time_us(lambda _: one.add_(1), [None], dev):.1f} us "
+      "(the fixed cost every graph time below includes)")
 out = open(os.path.join(os.environ.get("OUT", "."), "fused_t1_probe.jsonl"), "w")
 start = time.time()
 for n, k, gather in ((7168, 2048, 0), (4096, 7168, 1)):
