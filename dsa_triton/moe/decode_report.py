@@ -7,7 +7,9 @@ T in {1, 8, 32, 128}): the launch config checked against the reference, its medi
 measured copy bandwidth it reaches on the MXFP4 bytes of the experts that actually got rows (4.25 bits per
 weight, counted from the routing of the timed input sets), and the speedup over cuBLAS bf16 on
 pre-dequantized weights of the same experts, timed on the same input sets. Pass: >= 50% of copy bandwidth
-(goal 75%) and >= 2x over bf16.
+(goal 75%) and >= 2x over bf16. On the GPU also: both in CUDA graphs, and the GEMM kernel's own time from
+torch.profiler over the rotated sets (``kernel_us``: no launch path, no activation copy), to tell the kernel
+from the fixed costs of a call at T = 1 (a fit of session 3 put ~15 us of the call outside the bytes).
 """
 from __future__ import annotations
 
@@ -62,6 +64,13 @@ def moe_decode_report(device, ceilings) -> list[dict]:
                 row.update(fused_graph_us=fused_graph_us, bf16_graph_us=bf16_graph_us,
                            speedup_graph=bf16_graph_us / fused_graph_us, copy_fraction_graph=fraction_graph,
                            verdict_graph=verdict(fraction_graph, bf16_graph_us / fused_graph_us))
+            # the GEMM kernel alone (profiler): without the launch path and the activation copy of X_COPY=1
+            calls = 2 * len(sets)
+            gemm = [e for e in _profiled_kernels(lambda s: SPEC.run(s, config), sets, calls)
+                    if e.key.startswith("_fused_moe_kernel")]
+            kernel_us = sum(e.self_device_time_total for e in gemm) / calls
+            row.update(kernel_us=kernel_us,
+                       copy_fraction_kernel=mxfp4_bytes / (kernel_us * 1e-6) / (ceilings.copy_tbps * 1e12))
         row["config"] = json.dumps(config)
         row["check"] = error or "ok"
         rows.append(row)
@@ -110,17 +119,24 @@ def _host_issue_us(call, sets, device) -> float:
     return statistics.median(samples)
 
 
-def _device_profile(call, inputs, calls: int = 5, top: int = 5) -> dict:
-    """torch.profiler over ``calls`` calls: summed kernel time per call, kernels per call, the longest ones."""
+def _profiled_kernels(call, sets, calls: int) -> list:
+    """torch.profiler's CUDA kernels (key averages) over ``calls`` calls cycling through ``sets`` (weights and
+    inputs not left in L2 by the call before), after one warm-up call per set."""
     from torch.profiler import ProfilerActivity, profile
 
-    call(inputs)
+    for s in sets:
+        call(s)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call(inputs)
+        for i in range(calls):
+            call(sets[i % len(sets)])
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if str(e.device_type).endswith("CUDA") and e.self_device_time_total > 0]
+    return [e for e in prof.key_averages() if str(e.device_type).endswith("CUDA") and e.self_device_time_total > 0]
+
+
+def _device_profile(call, sets, calls: int = 5, top: int = 5) -> dict:
+    """Summed kernel time per call, kernels per call and the longest ones (:func:`_profiled_kernels`)."""
+    kernels = _profiled_kernels(call, sets, calls)
     longest = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
     return {"device_us": sum(e.self_device_time_total for e in kernels) / calls,
             "kernels_per_call": sum(e.count for e in kernels) / calls,
@@ -144,7 +160,7 @@ def moe_layer_decode_report(device, ceilings) -> list[dict]:
             call(sets[0])
         row.update(aten_ops=sum(counter.ops.values()), syncing_ops=str(counter.syncing() or "none"))
         if device.type == "cuda":
-            row.update(_device_profile(call, sets[0]))
+            row.update(_device_profile(call, sets))
             try:
                 row["graph_us"] = graph_time_us(call, sets, device)
             except RuntimeError as exc:  # a capture failure must not hide the eager figures
