@@ -66,11 +66,11 @@ def moe_decode_report(device, ceilings) -> list[dict]:
                            verdict_graph=verdict(fraction_graph, bf16_graph_us / fused_graph_us))
             # the GEMM kernel alone (profiler): without the launch path and the activation copy of X_COPY=1
             calls = 2 * len(sets)
-            gemm = [e for e in _profiled_kernels(lambda s: SPEC.run(s, config), sets, calls)
+            gemm = [e for e in profiled_kernels(lambda s: SPEC.run(s, config), sets, calls)
                     if e.key.startswith("_fused_moe_kernel")]
             kernel_us = sum(e.self_device_time_total for e in gemm) / calls
-            row.update(kernel_us=kernel_us,
-                       copy_fraction_kernel=mxfp4_bytes / (kernel_us * 1e-6) / (ceilings.copy_tbps * 1e12))
+            row.update(kernel_us=kernel_us, copy_fraction_kernel=mxfp4_bytes / (kernel_us * 1e-6) /
+                       (ceilings.copy_tbps * 1e12) if kernel_us > 0 else float("nan"))  # 0: no such kernel seen
         row["config"] = json.dumps(config)
         row["check"] = error or "ok"
         rows.append(row)
@@ -119,7 +119,7 @@ def _host_issue_us(call, sets, device) -> float:
     return statistics.median(samples)
 
 
-def _profiled_kernels(call, sets, calls: int) -> list:
+def profiled_kernels(call, sets, calls: int) -> list:
     """torch.profiler's CUDA kernels (key averages) over ``calls`` calls cycling through ``sets`` (weights and
     inputs not left in L2 by the call before), after one warm-up call per set."""
     from torch.profiler import ProfilerActivity, profile
@@ -135,8 +135,8 @@ def _profiled_kernels(call, sets, calls: int) -> list:
 
 
 def _device_profile(call, sets, calls: int = 5, top: int = 5) -> dict:
-    """Summed kernel time per call, kernels per call and the longest ones (:func:`_profiled_kernels`)."""
-    kernels = _profiled_kernels(call, sets, calls)
+    """Summed kernel time per call, kernels per call and the longest ones (:func:`profiled_kernels`)."""
+    kernels = profiled_kernels(call, sets, calls)
     longest = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
     return {"device_us": sum(e.self_device_time_total for e in kernels) / calls,
             "kernels_per_call": sum(e.count for e in kernels) / calls,
