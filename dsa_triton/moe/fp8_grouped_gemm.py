@@ -414,10 +414,14 @@ SPACE = {
     "BLOCK_K": (64, 128),  # divides the 128-k scale group
     "GROUP_M": (1, 4, 8, 16),
     "num_warps": (4, 8),
-    "num_stages": (2, 3, 4, 5),
+    # 1: no software pipelining. For the registers route on sm_90 that is the only depth at which ptxas keeps a
+    # k-step's wgmmas back to back (2-4 stages: advisory C7515, every wgmma serialized, 8 ARRIVE/DEPBAR pairs a
+    # step at 64 x 128; static, results/h200/ptxas-sm90-registers-route-20261130.md); not yet timed
+    "num_stages": (1, 2, 3, 4, 5),
     "EXPERTS_PER_STAGE": (1, 2, 4, 8, 16, 32),  # workspace route
     "IN_REGISTERS": (0, 1),  # 1: the registers route (experts it cannot take still go through the workspace)
-    "W_SMEM": (0, 1),  # registers route: converted weights as the shared-memory MMA operand (not yet measured)
+    "W_SMEM": (0, 1),  # registers route: converted weights as the shared-memory MMA operand (H200: 8-21% faster on
+    # 8-warp and 256-wide tiles, 4-12% slower on 64 x 128 / 4 warps; results/h200/w-smem-probe-...-0700.md)
 }
 WORKSPACE_LIMIT = 4 * 2**30  # bytes of two stages of FP8 experts
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One H200 device call of the plan in results/NOTES.md ("Next GPU session"), run from a snapshot of HEAD:
 #   rm -rf .snap && mkdir .snap && git archive HEAD | tar -x -C .snap      (here; carry [".snap", ".whl"])
-#   device command: bash .snap/results/h200/scripts/gpu_session.sh check|tune|retune|bench
+#   device command: bash .snap/results/h200/scripts/gpu_session.sh check|prefill|tune|retune|bench
 # .whl holds the optuna, colorlog, alembic, sqlalchemy, mako and greenlet cp312 wheels (not on the GPU image);
 # every log, results file and the tuning database land in $OUT. One process at a time: two on one host
 # disturbed each other's timings (NOTES, "Session 2"). Each call starts from the snapshot's database: copy
 # $OUT/db/nvidia-h200.csv back and `dsa-tune merge` it (or re-snapshot) before the next call.
 set -u
-part=${1:?check, tune, retune or bench}
+part=${1:?check, prefill, tune, retune or bench}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 cd .snap
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DSA_TUNING_DB=$PWD/tuning_db/data
@@ -19,6 +19,8 @@ case $part in
     timeout 330 python -m dsa_triton.bench --out "$OUT" \
       --kernels moe_fused_gemm,moe_route,moe_permute,topk_indices,page_select,topk_routes,moe_decode,moe_layer_decode 2>&1 \
       | tee "$OUT/check.log" | grep "^|" | cut -c1-240 | tail -40 ;;
+  prefill)  # registers route: W_SMEM 0/1 x num_stages 3/1 (1 = wgmmas back to back, new) vs torch._scaled_grouped_mm
+    timeout 560 python results/h200/scripts/w_smem_probe.py 2>&1 | tee "$OUT/prefill_probe.log" | grep "^|" | cut -c1-200 ;;
   tune)   # re-tune in CUDA graphs (records get timing=graph): the small host-bound kernels first
     timeout 540 python -m tuner.cli tune "${grid[@]}" --budget 500 --no-progress --retune \
       --kernels moe_route,moe_permute,page_select,topk_indices,moe_fused_gemm,indexer_block_path,paged_append \

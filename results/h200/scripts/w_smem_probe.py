@@ -1,6 +1,8 @@
-"""One-off H200 probe (2026-11-30, session 2): the registers route of ``moe_workspace_gemm`` with ``W_SMEM`` 0 / 1
-over a few tiles, against ``torch._scaled_grouped_mm`` on the offline FP8 copy, for the issue-5 prefill shapes.
-Prints a table; writes JSON lines to ``$OUT/w_smem_probe.jsonl``. Run from the repository root."""
+"""H200 probe of the registers route of ``moe_workspace_gemm`` (session 2 of 2026-11-30: ``W_SMEM`` 0 / 1; session 3
+added ``num_stages`` 1, the only depth at which ptxas keeps the 64x128 tile's wgmmas back to back) over a few
+tiles, against ``torch._scaled_grouped_mm`` on the offline FP8 copy, for the issue-5 prefill shapes. Prints a
+table (one row per tile, the four (W_SMEM, stages) combinations as columns); writes JSON lines to
+``$OUT/w_smem_probe.jsonl``. Run from the repository root."""
 import json
 import os
 
@@ -9,14 +11,16 @@ import torch
 from dsa_triton.harness import time_us
 from dsa_triton.moe.fp8_grouped_gemm import SPEC, fp8_grouped_gemm
 from dsa_triton.moe.fused_moe import random_routing
-from dsa_triton.moe.mxfp4 import mxfp4_dequantize, realistic_mxfp4
+from dsa_triton.moe.mxfp4 import realistic_mxfp4
 from dsa_triton.moe.prefill_baselines import offline_fp8_experts, scaled_grouped_mm, tensorwise_fp8
 
 dev = torch.device("cuda")
 out = open(os.path.join(os.environ.get("OUT", "."), "w_smem_probe.jsonl"), "w")
 tiles = [dict(BLOCK_M=64, BLOCK_N=128, num_warps=4), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8),
          dict(BLOCK_M=128, BLOCK_N=256, num_warps=8), dict(BLOCK_M=64, BLOCK_N=256, num_warps=4)]
-print("| gemm | T | tile | W_SMEM=0 us | W_SMEM=1 us | fp8 grouped us | vs_fp8 (best) | rel err |")
+variants = [(0, 3), (1, 3), (0, 1), (1, 1)]  # (W_SMEM, num_stages)
+print("| gemm | T | tile | " + " | ".join(f"W_SMEM={w} stages={s} us" for w, s in variants)
+      + " | fp8 grouped us | vs_fp8 (best) | rel err |")
 for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
     for t in (4096, 16384):
         gen = torch.Generator(dev).manual_seed(t + n)
@@ -34,17 +38,20 @@ for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
         base = SPEC.launch_config("prefill", shape, dev)
         for tile in tiles:
             times, errs = {}, {}
-            for w_smem in (0, 1):
-                cfg = {**base, **tile, "IN_REGISTERS": 1, "BLOCK_K": 128, "W_SMEM": w_smem}
+            for w_smem, stages in variants:
+                cfg = {**base, **tile, "IN_REGISTERS": 1, "BLOCK_K": 128, "W_SMEM": w_smem, "num_stages": stages}
                 try:
                     cfg = SPEC.validate(cfg, shape)
                     y = fp8_grouped_gemm(x, offsets, blocks, scales, config=cfg)
-                    errs[w_smem] = float((y.float() - ref).norm() / ref.norm())
-                    times[w_smem] = time_us(lambda: fp8_grouped_gemm(x, offsets, blocks, scales, config=cfg), dev)
+                    errs[f"{w_smem},{stages}"] = float((y.float() - ref).norm() / ref.norm())
+                    times[(w_smem, stages)] = time_us(lambda: fp8_grouped_gemm(x, offsets, blocks, scales, config=cfg), dev)
                 except Exception as exc:  # a config the compiler or the constraint rejects
-                    times[w_smem], errs[w_smem] = float("nan"), repr(exc)[:120]
-            row = dict(gemm=name, T=t, tile=tile, us=times, err=errs, fp8_us=fp8)
+                    times[(w_smem, stages)], errs[f"{w_smem},{stages}"] = float("nan"), repr(exc)[:120]
+            row = dict(gemm=name, T=t, tile=tile, us={f"{w},{s}": v for (w, s), v in times.items()}, err=errs,
+                       fp8_us=fp8)
             out.write(json.dumps(row) + "\n")
-            best = min(v for v in times.values() if v == v) if any(v == v for v in times.values()) else float("nan")
-            print(f"| {name} | {t} | {tile['BLOCK_M']}x{tile['BLOCK_N']} w{tile['num_warps']} | {times[0]:.1f} | "
-                  f"{times[1]:.1f} | {fp8:.1f} | {fp8 / best:.2f} | {errs} |", flush=True)
+            finite = [v for v in times.values() if v == v]
+            best = min(finite) if finite else float("nan")
+            print(f"| {name} | {t} | {tile['BLOCK_M']}x{tile['BLOCK_N']} w{tile['num_warps']} | "
+                  + " | ".join(f"{times[v]:.1f}" for v in variants) + f" | {fp8:.1f} | {fp8 / best:.2f} | {errs} |",
+                  flush=True)
