@@ -5,12 +5,14 @@ steps, because a process runs Triton either in the interpreter or compiled, not 
 
 1. in the interpreter (the test suite's mode), :func:`record_launches` notes every kernel launch of some ops: the
    kernel, its arguments' Triton types and constexprs, warps and stages;
-2. ``python -m dsa_triton.aot RECORDS.json`` (a process with ``TRITON_INTERPRET=0``) compiles each record with
-   :func:`compile_for` and prints one JSON line per record: its kernel and the error, or None.
+2. ``python -m dsa_triton.aot RECORDS.json [--info]`` (a process with ``TRITON_INTERPRET=0``) compiles each record
+   with :func:`compile_for` and prints one JSON line per record: its kernel and the error, or None (``--info``:
+   registers, spills, ptxas's performance advisories and the wgmma counts too).
 
 Arguments are specialized as Triton's launcher does (pointers and integers divisible by 16 marked so, integers
 equal to 1 made constants), from the recorded CPU tensors' addresses: close to what a GPU run builds, still a
-check that the kernels lower for the target, not of their speed (:func:`sass` shows the instructions).
+check that the kernels lower for the target, not of their speed (:func:`sass` shows the instructions,
+:func:`ptxas_info` the registers, spills and ptxas's performance advisories).
 """
 from __future__ import annotations
 
@@ -118,43 +120,67 @@ def compile_for(record: dict, target: tuple = H200):
                           options={"num_warps": record["num_warps"], "num_stages": record["num_stages"]})
 
 
-def sass(kernel) -> list[str]:
-    """The SASS instructions of a compiled kernel (through the cuobjdump bundled with Triton)."""
+def _bundled_tool(name: str) -> str:
     import triton
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def sass(kernel) -> list[str]:
+    """The SASS instructions of a compiled kernel (through the cuobjdump bundled with Triton)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        text = subprocess.run([_bundled_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
     return [line.split("*/", 1)[1].split(";")[0].strip() for line in text.splitlines()
             if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
 
 
-def compile_in_subprocess(records: list[dict], timeout: float = 900) -> list[dict]:
-    """Run ``python -m dsa_triton.aot`` on ``records``: ``[{"kernel", "error", "seconds"}]`` in the same order."""
+def ptxas_info(kernel, arch: str = "sm_90a") -> dict:
+    """The bundled ptxas's ``-v`` report on a compiled kernel's PTX: ``{"registers", "spill_bytes",
+    "advisories"}``, the last the "Potential Performance Loss" lines (e.g. C7515: wgmma instructions serialized)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        report = subprocess.run([_bundled_tool("ptxas"), f"-arch={arch}", "-v", f.name, "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return {"registers": int(registers.group(1)) if registers else None,
+            "spill_bytes": int(spills.group(1)) if spills else None,
+            "advisories": [line.split("Potential Performance Loss:", 1)[1].strip()
+                           for line in report.splitlines() if "Potential Performance Loss:" in line]}
+
+
+def compile_in_subprocess(records: list[dict], timeout: float = 900, info: bool = False) -> list[dict]:
+    """Run ``python -m dsa_triton.aot`` on ``records``: ``[{"kernel", "error", "seconds"}]`` in the same order;
+    ``info`` adds :func:`ptxas_info`'s fields and the SASS's wgmma counts (``gmma``, ``arrive``, ``depbar``)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(records, f, default=str)
         f.flush()
         env = {**os.environ, "TRITON_INTERPRET": "0"}
-        done = subprocess.run([sys.executable, "-m", "dsa_triton.aot", f.name], capture_output=True, text=True,
-                              env=env, timeout=timeout, check=True)
+        done = subprocess.run([sys.executable, "-m", "dsa_triton.aot", f.name, *(["--info"] if info else [])],
+                              capture_output=True, text=True, env=env, timeout=timeout, check=True)
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
-def main(path: str) -> None:
+def main(path: str, info: bool = False) -> None:
     with open(path) as f:
         records = json.load(f)
     for record in records:
         start = time.perf_counter()
+        result = {"kernel": f"{record['module']}.{record['kernel']}", "error": None}
         try:
-            compile_for(record)
-            error = None
+            kernel = compile_for(record)
+            if info:
+                ops = [line.split()[0] for line in sass(kernel) if line.split()]
+                result.update(ptxas_info(kernel), gmma=sum("GMMA" in op for op in ops),
+                              arrive=ops.count("WARPGROUP.ARRIVE"), depbar=ops.count("WARPGROUP.DEPBAR.LE"))
         except Exception as exc:  # every failure is the answer for that record
-            error = f"{type(exc).__name__}: {str(exc)[:400]}"
-        print(json.dumps({"kernel": f"{record['module']}.{record['kernel']}", "error": error,
-                          "seconds": round(time.perf_counter() - start, 2)}), flush=True)
+            result["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        print(json.dumps({**result, "seconds": round(time.perf_counter() - start, 2)}), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], info="--info" in sys.argv[2:])
