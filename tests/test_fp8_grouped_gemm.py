@@ -20,7 +20,7 @@ from dsa_triton.moe.workspace import FP8Workspace
 from tests.poison import poisoned_allocations
 
 CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
-          "EXPERTS_PER_STAGE": 2, "IN_REGISTERS": 0, "W_SMEM": 0}
+          "EXPERTS_PER_STAGE": 2, "IN_REGISTERS": 0, "W_SMEM": 0, "UNROLL": 1}
 REGISTERS = {**CONFIG, "BLOCK_K": 128, "IN_REGISTERS": 1}
 
 
@@ -75,6 +75,8 @@ def test_activation_quantization_matches_reference_bit_for_bit(dtype):
     ([9, 4, 13], 72, 256, {**REGISTERS, "BLOCK_M": 32, "BLOCK_N": 64}),
     ([7, 0, 12, 5, 9], 48, 96, {**REGISTERS, "W_SMEM": 1}),
     ([9, 4, 13], 72, 256, {**REGISTERS, "BLOCK_M": 32, "BLOCK_N": 64, "W_SMEM": 1}),
+    ([3, 18, 0, 0, 6, 1, 11], 40, 160, {**REGISTERS, "UNROLL": 2}),  # k loop unrolled, odd step count (ragged K)
+    ([9, 4, 13], 72, 512, {**REGISTERS, "BLOCK_M": 32, "BLOCK_N": 64, "UNROLL": 2, "W_SMEM": 1}),
 ])
 def test_grouped_gemm_matches_reference(counts, n, k, config):
     x, offsets, blocks, scales = problem(counts, n, k, seed=len(counts) + k)
@@ -127,8 +129,9 @@ from dsa_triton.moe.fp8_grouped_gemm import _fused_gemm_kernel
 names = _fused_gemm_kernel.arg_names
 types = {"x_ptr": "*fp8e4nv", "sx_ptr": "*fp32", "codes_ptr": "*i16", "scales_ptr": "*u8", "ref_ptr": "*u8",
          "y_ptr": "*bf16", "tiles_ptr": "*i32", "experts_ptr": "*i32"}
-for even_k, w_smem in ((True, False), (False, True)):
-    constexprs = {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "W_SMEM": w_smem, "EVEN_K": even_k, "PTX": True}
+for even_k, w_smem, unroll in ((True, False, 1), (False, True, 2)):
+    constexprs = {"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "W_SMEM": w_smem, "EVEN_K": even_k, "PTX": True,
+                  "UNROLL": unroll}
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constexprs and n != "n_mtiles"}
     kernel = triton.compile(ASTSource(_fused_gemm_kernel, signature, constexprs, aligned),

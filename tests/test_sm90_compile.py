@@ -69,21 +69,26 @@ def test_a_kernel_that_cannot_lower_is_reported(launches):
 def test_ptxas_reports_the_registers_routes_serialized_wgmma():
     """``info`` gives registers, spills, advisories and wgmma counts. The registers route of the prefill GEMM at
     64 x 128 / 4 warps: software-pipelined (3 stages) ptxas serializes its wgmmas (advisory C7515, a wait after
-    each of the 8), unpipelined (1 stage) they go back to back (H200 timing of the two: next GPU session)."""
+    each of the 8), unpipelined (1 stage) or with the k loop unrolled twice (UNROLL=2) they go back to back (H200
+    timings: next GPU session)."""
     from dsa_triton.moe.fp8_grouped_gemm import fp8_grouped_gemm
     from dsa_triton.moe.mxfp4 import random_mxfp4
 
     x = torch.randn(64, 7168).bfloat16()  # the gate_up K: a long pipelined loop (at K = 256 nothing serializes)
     blocks, scales = random_mxfp4((1, 128), 7168, "cpu", 0)
     config = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
-              "EXPERTS_PER_STAGE": 1, "IN_REGISTERS": 1, "W_SMEM": 0}
+              "EXPERTS_PER_STAGE": 1, "IN_REGISTERS": 1, "W_SMEM": 0, "UNROLL": 1}
     with aot.record_launches(execute=False) as recorded:
         fp8_grouped_gemm(x, torch.tensor([0, 64], dtype=torch.int32), blocks, scales, config=config)
     (route,) = [r for r in recorded if r["kernel"] == "_fused_gemm_kernel"]
     route["values"].update(PTX=True, n_mtiles=512)  # the GPU's conversion (inline PTX) and a real tile count
-    pipelined, unpipelined = aot.compile_in_subprocess([route, {**route, "num_stages": 1}], info=True)
-    assert pipelined["error"] is None and unpipelined["error"] is None
+    unrolled = {**route, "values": {**route["values"], "UNROLL": 2}}
+    pipelined, unpipelined, unrolled = aot.compile_in_subprocess([route, {**route, "num_stages": 1}, unrolled],
+                                                                 info=True)
+    assert pipelined["error"] is None and unpipelined["error"] is None and unrolled["error"] is None
     assert any("C7515" in a or "serialized" in a for a in pipelined["advisories"]), pipelined
     assert pipelined["arrive"] == pipelined["gmma"] == 8
     assert unpipelined["advisories"] == [] and unpipelined["arrive"] == 1 and unpipelined["gmma"] == 8
     assert pipelined["spill_bytes"] == 0 and 100 < pipelined["registers"] <= 255
+    # unrolled twice, still 3 stages: no advisory, eight wgmmas per ARRIVE (24 with the peeled copies)
+    assert unrolled["advisories"] == [] and unrolled["gmma"] >= 8 * unrolled["arrive"], unrolled

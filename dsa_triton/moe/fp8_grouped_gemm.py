@@ -132,10 +132,12 @@ def _grouped_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, tiles_ptr, n_mtile
 def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, tiles_ptr, experts_ptr, n_mtiles,
                        N, K, KB, stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_re, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-                       W_SMEM: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr):
+                       W_SMEM: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, UNROLL: tl.constexpr):
     """``acc[BLOCK_N, BLOCK_M]`` = weights (converted in registers: the MMA's register operand) x tokens^T, or with
     ``W_SMEM`` ``acc[BLOCK_M, BLOCK_N]`` = tokens x weights^T (the converted tile stored to shared memory as the
-    second operand: sm_90 SASS then issues a k-step's four wgmma back to back instead of waiting after each)."""
+    second operand: sm_90 SASS then issues a k-step's four wgmma back to back instead of waiting after each).
+    ``UNROLL=2`` unrolls the k loop twice: with software pipelining, ptxas then issues the register-operand
+    wgmmas of a step back to back too (at 1, 2-5 stages serialize them: advisory C7515)."""
     slot, row0, row_end, nt = _tile(tiles_ptr, n_mtiles, N, BLOCK_N, GROUP_M)
     expert = tl.load(experts_ptr + slot).to(tl.int64)
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -151,7 +153,7 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for g in range(0, tl.cdiv(KB, 4)):  # one 128-k group (four 32-blocks) per step
+    for g in tl.range(0, tl.cdiv(KB, 4), loop_unroll_factor=UNROLL):  # one 128-k group (four 32-blocks) per step
         if EVEN_K:
             codes = tl.load(code_rows + g * 32 + j[None, :])
             s = tl.load(scale_rows + g * 4 + b[None, :])
@@ -261,6 +263,7 @@ def launch_fused(xq, sx, blocks, scales, ref, y, plan: StagePlan, config) -> Non
         y.stride(0),
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"], W_SMEM=config["W_SMEM"],
         EVEN_K=k == 32 * kb and kb % 4 == 0, PTX=xq.device.type == "cuda" and torch.version.hip is None,
+        UNROLL=config["UNROLL"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
@@ -422,6 +425,8 @@ SPACE = {
     "IN_REGISTERS": (0, 1),  # 1: the registers route (experts it cannot take still go through the workspace)
     "W_SMEM": (0, 1),  # registers route: converted weights as the shared-memory MMA operand (H200: 8-21% faster on
     # 8-warp and 256-wide tiles, 4-12% slower on 64 x 128 / 4 warps; results/h200/w-smem-probe-...-0700.md)
+    "UNROLL": (1, 2),  # registers route: k loop unrolled twice, its wgmmas back to back at any num_stages (sm_90
+    # SASS; 64 x 128 / 4 warps: 235 registers instead of 166, 2 programs per SM instead of 3); not yet timed
 }
 WORKSPACE_LIMIT = 4 * 2**30  # bytes of two stages of FP8 experts
 
@@ -430,10 +435,10 @@ def _constraint(config, shape) -> str | None:
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     if config["IN_REGISTERS"] and bk != 128:
         return "the registers route steps through K by 128-k groups (BLOCK_K=128)"
-    if config["W_SMEM"] and not config["IN_REGISTERS"]:
-        return "W_SMEM is a choice of the registers route"
-    if config["num_stages"] * (bm + bn) * bk > 200 * 1024:
-        return "x and w tiles of all pipeline stages exceed 200 KB of shared memory"
+    if (config["W_SMEM"] or config["UNROLL"] > 1) and not config["IN_REGISTERS"]:
+        return "W_SMEM and UNROLL are choices of the registers route"
+    if config["num_stages"] * config["UNROLL"] * (bm + bn) * bk > 200 * 1024:
+        return "x and w tiles of all pipeline stages (twice unrolled: twice as many) exceed 200 KB of shared memory"
     if bm * bn > 128 * 32 * config["num_warps"]:
         return "accumulator over 128 fp32 registers per thread"
     if bm > max(16, bucket(shape["M"])):
@@ -452,9 +457,11 @@ def _default(phase, shape):
     rows_tile = max(16, bucket(shape["M"]))  # the constraint's bound on BLOCK_M (few routed rows)
     if shape["M"] * shape["N"] * shape["K"] < 2**24:  # interpreter-sized: few programs, still two stages
         return {"BLOCK_M": min(32, rows_tile), "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
-                "num_stages": 2, "EXPERTS_PER_STAGE": min(2, bucket(shape["E"])), "IN_REGISTERS": 1, "W_SMEM": 0}
+                "num_stages": 2, "EXPERTS_PER_STAGE": min(2, bucket(shape["E"])), "IN_REGISTERS": 1, "W_SMEM": 0,
+                "UNROLL": 1}
     config = {"BLOCK_M": min(64, rows_tile), "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4,
-              "num_stages": 3, "EXPERTS_PER_STAGE": min(8, bucket(shape["E"])), "IN_REGISTERS": 1, "W_SMEM": 0}
+              "num_stages": 3, "EXPERTS_PER_STAGE": min(8, bucket(shape["E"])), "IN_REGISTERS": 1, "W_SMEM": 0,
+              "UNROLL": 1}
     if shape["M"] / max(1, shape["E"]) > 256 and shape["K"] <= 4096:
         config.update(BLOCK_M=128, BLOCK_N=256, num_warps=8)
     return config

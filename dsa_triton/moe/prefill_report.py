@@ -77,9 +77,9 @@ def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, d
     spans = active_spans(offsets)
     shape = {"M": m, "E": experts, "N": n, "K": k}
     config = SPEC.launch_config("prefill", shape, device)
-    # W_SMEM is a choice of the registers route only (the constraint rejects it on the workspace route)
-    routes = {route: {**config, "IN_REGISTERS": route, "BLOCK_K": 128, "W_SMEM": config["W_SMEM"] * route}
-              for route in (0, 1)}
+    # W_SMEM and UNROLL are choices of the registers route only (the constraint rejects them on the workspace route)
+    routes = {route: {**config, "IN_REGISTERS": route, "BLOCK_K": 128, "W_SMEM": config["W_SMEM"] * route,
+                      "UNROLL": config["UNROLL"] if route else 1} for route in (0, 1)}
     cuda = device.type == "cuda"
 
     # ours first, so the peak memory is that of the MXFP4 weights, x, y and the workspace only

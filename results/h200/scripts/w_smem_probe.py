@@ -1,7 +1,7 @@
 """H200 probe of the registers route of ``moe_workspace_gemm`` (session 2 of 2026-11-30: ``W_SMEM`` 0 / 1; session 3
-added ``num_stages`` 1, the only depth at which ptxas keeps the 64x128 tile's wgmmas back to back) over a few
-tiles, against ``torch._scaled_grouped_mm`` on the offline FP8 copy, for the issue-5 prefill shapes. Prints a
-table (one row per tile, the four (W_SMEM, stages) combinations as columns); writes JSON lines to
+added ``num_stages`` 1 and ``UNROLL`` 2, the two ways found for ptxas to keep the 64x128 tile's wgmmas back to
+back) over a few tiles, against ``torch._scaled_grouped_mm`` on the offline FP8 copy, for the issue-5 prefill shapes. Prints a
+table (one row per tile, the (W_SMEM, stages, UNROLL) variants as columns); writes JSON lines to
 ``$OUT/w_smem_probe.jsonl``. Run from the repository root."""
 import json
 import os
@@ -17,9 +17,9 @@ from dsa_triton.moe.prefill_baselines import offline_fp8_experts, scaled_grouped
 dev = torch.device("cuda")
 out = open(os.path.join(os.environ.get("OUT", "."), "w_smem_probe.jsonl"), "w")
 tiles = [dict(BLOCK_M=64, BLOCK_N=128, num_warps=4), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8),
-         dict(BLOCK_M=128, BLOCK_N=256, num_warps=8), dict(BLOCK_M=64, BLOCK_N=256, num_warps=4)]
-variants = [(0, 3), (1, 3), (0, 1), (1, 1)]  # (W_SMEM, num_stages)
-print("| gemm | T | tile | " + " | ".join(f"W_SMEM={w} stages={s} us" for w, s in variants)
+         dict(BLOCK_M=128, BLOCK_N=256, num_warps=8)]
+variants = [(0, 3, 1), (1, 3, 1), (0, 1, 1), (0, 3, 2), (1, 2, 2)]  # (W_SMEM, num_stages, UNROLL)
+print("| gemm | T | tile | " + " | ".join(f"W_SMEM={w} stages={s} UNROLL={u} us" for w, s, u in variants)
       + " | fp8 grouped us | vs_fp8 (best) | rel err |")
 for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
     for t in (4096, 16384):
@@ -38,17 +38,20 @@ for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
         base = SPEC.launch_config("prefill", shape, dev)
         for tile in tiles:
             times, errs = {}, {}
-            for w_smem, stages in variants:
-                cfg = {**base, **tile, "IN_REGISTERS": 1, "BLOCK_K": 128, "W_SMEM": w_smem, "num_stages": stages}
+            for variant in variants:
+                w_smem, stages, unroll = variant
+                label = ",".join(map(str, variant))
+                cfg = {**base, **tile, "IN_REGISTERS": 1, "BLOCK_K": 128, "W_SMEM": w_smem, "num_stages": stages,
+                       "UNROLL": unroll}
                 try:
                     cfg = SPEC.validate(cfg, shape)
                     y = fp8_grouped_gemm(x, offsets, blocks, scales, config=cfg)
-                    errs[f"{w_smem},{stages}"] = float((y.float() - ref).norm() / ref.norm())
-                    times[(w_smem, stages)] = time_us(lambda: fp8_grouped_gemm(x, offsets, blocks, scales, config=cfg), dev)
+                    errs[label] = float((y.float() - ref).norm() / ref.norm())
+                    times[variant] = time_us(lambda: fp8_grouped_gemm(x, offsets, blocks, scales, config=cfg), dev)
                 except Exception as exc:  # a config the compiler or the constraint rejects
-                    times[(w_smem, stages)], errs[f"{w_smem},{stages}"] = float("nan"), repr(exc)[:120]
-            row = dict(gemm=name, T=t, tile=tile, us={f"{w},{s}": v for (w, s), v in times.items()}, err=errs,
-                       fp8_us=fp8)
+                    times[variant], errs[label] = float("nan"), repr(exc)[:120]
+            row = dict(gemm=name, T=t, tile=tile, us={",".join(map(str, v)): us for v, us in times.items()},
+                       err=errs, fp8_us=fp8)
             out.write(json.dumps(row) + "\n")
             finite = [v for v in times.values() if v == v]
             best = min(finite) if finite else float("nan")
