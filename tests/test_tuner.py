@@ -85,6 +85,29 @@ def test_evaluator_times_every_call_the_way_its_first_was(monkeypatch):
     assert math.isnan(ev.time_baseline()) and modes == ["auto", "graph", "graph"]
 
 
+def test_a_config_that_does_not_capture_turns_the_evaluator_eager(monkeypatch):
+    """Graph-timed so far, then a config whose call syncs: it is timed eagerly (not penalised) and so is
+    everything after it, the baseline included."""
+    from tuner import objective
+
+    modes = []
+
+    def timer(call, sets, device, mode="auto", **kw):
+        modes.append(mode)
+        if mode == "graph" and syncing[0]:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return (1.0, "graph") if mode in ("auto", "graph") else (2.0, "eager")
+
+    monkeypatch.setattr(objective, "timed_us", timer)
+    syncing = [False]
+    ev = evaluator(toy_spec())
+    assert ev.time({"BLOCK": 32, "num_warps": 1}) == 1.0 and ev.timing == "graph"
+    syncing[0] = True
+    assert ev.evaluate({"BLOCK": 64, "num_warps": 2}).status == "ok" and ev.timing == "eager"
+    assert ev.time({"BLOCK": 32, "num_warps": 1}) == 2.0 and ev.time_baseline() == 2.0
+    assert modes == ["auto", "graph", "eager", "eager", "eager"]
+
+
 def test_invalid_config_is_never_run(toys):
     axpy_spec, _ = toys
     ev = evaluator(axpy_spec)

@@ -83,7 +83,10 @@ class Evaluator:
 
     Times are CUDA-graph replays when the kernel's call captures, else eager: the first timed config decides
     (``timing``: None until then, then "graph" or "eager"), and every later time of the evaluator, the baseline's
-    included, is taken the same way, so a record never compares a graph time with an eager one.
+    included, is taken the same way. A later config whose call does not capture (another path that syncs) turns
+    the evaluator eager for good: it is timed eagerly, not penalised, and the finalists, default and baseline
+    of the record are all re-timed after the search, so a record never mixes graph and eager times (the search
+    itself may then have ranked some graph times against eager ones, which favours the capturing configs).
     """
 
     def __init__(self, spec: KernelSpec, phase: str, shape: dict[str, int], device: torch.device | str,
@@ -133,10 +136,16 @@ class Evaluator:
         return Outcome("fatal" if fatal else "error", detail=f"{type(exc).__name__}: {exc}"[:300])
 
     def time(self, config: dict[str, Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
-        """Median microseconds of the kernel with ``config`` over the rotated input sets (see ``timing``; once
-        graph-timed, a config whose call does not capture raises ``RuntimeError``)."""
-        us, self.timing = timed_us(lambda s: self.spec.run(s, config), self.sets, self.device, self.timing or "auto",
-                                   warmup_ms=warmup_ms, rep_ms=rep_ms)
+        """Median microseconds of the kernel with ``config`` over the rotated input sets (see ``timing``)."""
+        call = lambda s: self.spec.run(s, config)  # noqa: E731
+        try:
+            us, self.timing = timed_us(call, self.sets, self.device, self.timing or "auto", warmup_ms=warmup_ms,
+                                       rep_ms=rep_ms)
+        except RuntimeError:
+            if self.timing != "graph":
+                raise
+            self.timing = "eager"  # this config's call does not capture: eager from now on
+            us, _ = timed_us(call, self.sets, self.device, "eager", warmup_ms=warmup_ms, rep_ms=rep_ms)
         return us
 
     def time_baseline(self, warmup_ms: float = 25, rep_ms: float = 100) -> float:
