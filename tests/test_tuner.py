@@ -108,6 +108,23 @@ def test_a_config_that_does_not_capture_turns_the_evaluator_eager(monkeypatch):
     assert modes == ["auto", "graph", "eager", "eager", "eager"]
 
 
+def test_time_all_gives_one_mode(monkeypatch):
+    """The record's times come from one mode: when the second finalist turns the evaluator eager, the first one is
+    timed again."""
+    from tuner import objective
+
+    def timer(call, sets, device, mode="auto", **kw):
+        if mode == "graph" and call(None) == 64:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return (1.0, "graph") if mode in ("auto", "graph") else (2.0, "eager")
+
+    monkeypatch.setattr(objective, "timed_us", timer)
+    ev = evaluator(toy_spec(run=lambda inputs, config: config["BLOCK"]))
+    ev.time({"BLOCK": 32, "num_warps": 1})  # graph from here
+    assert ev.time_all([{"BLOCK": 32, "num_warps": 1}, {"BLOCK": 64, "num_warps": 2}]) == [2.0, 2.0]
+    assert ev.timing == "eager"
+
+
 def test_invalid_config_is_never_run(toys):
     axpy_spec, _ = toys
     ev = evaluator(axpy_spec)

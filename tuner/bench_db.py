@@ -22,8 +22,9 @@ def bench_record(record: Record, device: torch.device, db: Database) -> dict[str
     evaluator = Evaluator(spec, record.phase, shape, device)
     tuned, default = record.config_dict(), dict(spec.default(record.phase, shape))
     failures = {name: evaluator.check(c) for name, c in (("tuned", tuned), ("default", default))}
-    times = {name: evaluator.time(c, budget["final_warmup_ms"], budget["final_rep_ms"]) if failures[name] is None
-             else math.nan for name, c in (("tuned", tuned), ("default", default))}
+    ok = {name: c for name, c in (("tuned", tuned), ("default", default)) if failures[name] is None}
+    times = dict.fromkeys(("tuned", "default"), math.nan)
+    times.update(zip(ok, evaluator.time_all(list(ok.values()), budget["final_warmup_ms"], budget["final_rep_ms"])))
     base = evaluator.time_baseline(budget["final_warmup_ms"], budget["final_rep_ms"])
     check = "; ".join(f"{name} {f.status}: {f.detail}" for name, f in failures.items() if f is not None) or "ok"
     return {"kernel": record.kernel, "phase": record.phase, "shape": record.shape, "config": record.config,

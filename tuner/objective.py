@@ -148,6 +148,14 @@ class Evaluator:
             us, _ = timed_us(call, self.sets, self.device, "eager", warmup_ms=warmup_ms, rep_ms=rep_ms)
         return us
 
+    def time_all(self, configs: list[dict[str, Any]], warmup_ms: float = 25, rep_ms: float = 100) -> list[float]:
+        """:meth:`time` of each config, all in one mode: again, eagerly, if one of them turned the evaluator eager."""
+        mode = self.timing
+        times = [self.time(c, warmup_ms, rep_ms) for c in configs]
+        if self.timing != mode and mode is not None:
+            times = [self.time(c, warmup_ms, rep_ms) for c in configs]
+        return times
+
     def time_baseline(self, warmup_ms: float = 25, rep_ms: float = 100) -> float:
         """Median microseconds of what a user would run instead, timed as the kernel was (NaN when the kernel
         names none, or when the kernel was graph-timed and the baseline does not capture)."""

@@ -64,7 +64,7 @@ def finalize(evaluator: Evaluator, ranked: list[tuple[dict, float]], trials: int
     default_ok = evaluator.check(default) is None
     if default_ok and default not in finalists:
         finalists.append(default)
-    times = {config_text(c): evaluator.time(c, final_warmup_ms, final_rep_ms) for c in finalists}
+    times = dict(zip(map(config_text, finalists), evaluator.time_all(finalists, final_warmup_ms, final_rep_ms)))
     best = min(times, key=times.get)
     return Record(
         device=device_name(evaluator.device), triton=triton_version(), kernel=spec.name,
