@@ -22,7 +22,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import registry
-from ..harness import graph_time_us, rotation, time_rotating
+from ..harness import floor_us, graph_time_us, rotation, time_rotating
+from ..registry import Cost
 from .fused_moe import SPEC
 from .layer import PATH
 
@@ -33,6 +34,20 @@ def verdict(fraction: float, speedup: float) -> str:
     if speedup >= MIN_SPEEDUP and fraction >= GOAL_COPY_FRACTION:
         return "goal"
     return "pass" if speedup >= MIN_SPEEDUP and fraction >= MIN_COPY_FRACTION else "fail"
+
+
+def copy_fraction(nbytes: float, us: float, ceilings) -> float:
+    """Fraction of the measured copy bandwidth at which ``nbytes`` move in ``us`` (NaN when nothing was timed)."""
+    return floor_us(Cost(bytes=nbytes), ceilings)[0] / us if us > 0 else float("nan")
+
+
+def fused_kernel_us(config: dict, sets: list) -> float:
+    """Device microseconds per call of the fused GEMM kernel alone (torch.profiler over two passes of ``sets``):
+    without the launch path and ``X_COPY=1``'s activation copy. 0 when the profiler saw no such kernel."""
+    calls = 2 * len(sets)
+    gemm = [e for e in profiled_kernels(lambda s: SPEC.run(s, config), sets, calls)
+            if e.key.startswith("_fused_moe_kernel")]
+    return sum(e.self_device_time_total for e in gemm) / calls
 
 
 def moe_decode_report(device, ceilings) -> list[dict]:
@@ -52,7 +67,7 @@ def moe_decode_report(device, ceilings) -> list[dict]:
                "active_experts": active, "mxfp4_MB": mxfp4_bytes / 1e6, "fused_us": fused_us, "bf16_us": bf16_us,
                "speedup_vs_bf16": bf16_us / fused_us}
         if ceilings is not None:
-            fraction = mxfp4_bytes / (fused_us * 1e-6) / (ceilings.copy_tbps * 1e12)
+            fraction = copy_fraction(mxfp4_bytes, fused_us, ceilings)
             row.update(copy_fraction=fraction, verdict=verdict(fraction, row["speedup_vs_bf16"]))
             try:
                 fused_graph_us = graph_time_us(lambda s: SPEC.run(s, config), sets, device)
@@ -60,17 +75,12 @@ def moe_decode_report(device, ceilings) -> list[dict]:
             except RuntimeError as exc:  # a capture failure must not hide the eager figures
                 row["graph_error"] = repr(exc)[:200]
             else:
-                fraction_graph = mxfp4_bytes / (fused_graph_us * 1e-6) / (ceilings.copy_tbps * 1e12)
+                fraction_graph = copy_fraction(mxfp4_bytes, fused_graph_us, ceilings)
                 row.update(fused_graph_us=fused_graph_us, bf16_graph_us=bf16_graph_us,
                            speedup_graph=bf16_graph_us / fused_graph_us, copy_fraction_graph=fraction_graph,
                            verdict_graph=verdict(fraction_graph, bf16_graph_us / fused_graph_us))
-            # the GEMM kernel alone (profiler): without the launch path and the activation copy of X_COPY=1
-            calls = 2 * len(sets)
-            gemm = [e for e in profiled_kernels(lambda s: SPEC.run(s, config), sets, calls)
-                    if e.key.startswith("_fused_moe_kernel")]
-            kernel_us = sum(e.self_device_time_total for e in gemm) / calls
-            row.update(kernel_us=kernel_us, copy_fraction_kernel=mxfp4_bytes / (kernel_us * 1e-6) /
-                       (ceilings.copy_tbps * 1e12) if kernel_us > 0 else float("nan"))  # 0: no such kernel seen
+            kernel_us = fused_kernel_us(config, sets)
+            row.update(kernel_us=kernel_us, copy_fraction_kernel=copy_fraction(mxfp4_bytes, kernel_us, ceilings))
         row["config"] = json.dumps(config)
         row["check"] = error or "ok"
         rows.append(row)

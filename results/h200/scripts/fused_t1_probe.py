@@ -15,12 +15,12 @@ import time
 import torch
 
 from dsa_triton.harness import graph_time_us, measure_ceilings, rotation
-from dsa_triton.moe.decode_report import profiled_kernels
+from dsa_triton.moe.decode_report import copy_fraction, fused_kernel_us
 from dsa_triton.moe.fused_moe import SPACE, SPEC
 
 dev = torch.device("cuda")
 budget = float(sys.argv[1]) if len(sys.argv) > 1 else 150.0
-copy_tbps = measure_ceilings(dev).copy_tbps
+ceilings = measure_ceilings(dev)
 one = torch.zeros(1, device=dev)
 print(f"graph replay of one 1-element kernel: {graph_time_us(lambda _: one.add_(1), [None], dev):.1f} us "
       "(the fixed cost every graph time below includes)")
@@ -55,25 +55,16 @@ for n, k, gather in ((7168, 2048, 0), (4096, 7168, 1)):
             continue
         timed.append((us, config))
         out.write(json.dumps({"N": n, "K": k, "config": config, "us": us,
-                              "copy_fraction": mxfp4_bytes / (us * 1e-6) / (copy_tbps * 1e12)}) + "\n")
+                              "copy_fraction": copy_fraction(mxfp4_bytes, us, ceilings)}) + "\n")
     timed.sort(key=lambda r: r[0])
     check = SPEC.make_inputs("decode", shape, dev, 1234)
     print(f"\nN={n} K={k}: {len(timed)} of {len(grid)} valid configs timed; default {json.dumps(default)}")
     print("| rank | config | graph us | of copy | kernel us (profiler) | of copy | check |")
     default_us = next(us for us, c in timed if c is default)
 
-    def fraction(us):
-        return mxfp4_bytes / (us * 1e-6) / (copy_tbps * 1e12) if us > 0 else float("nan")
-
-    def kernel_us(config):
-        calls = 2 * len(sets)
-        gemm = [e for e in profiled_kernels(lambda s: SPEC.run(s, config), sets, calls)
-                if e.key.startswith("_fused_moe_kernel")]
-        return sum(e.self_device_time_total for e in gemm) / calls
-
     for rank, (us, config) in [*enumerate(timed[:5], 1), ("default", (default_us, default))]:
         error = "-" if rank == "default" else SPEC.compare(SPEC.run(check, config), SPEC.reference(check)) or "ok"
-        k_us = kernel_us(config)
-        print(f"| {rank} | {json.dumps(config)} | {us:.1f} | {fraction(us):.2f} | {k_us:.1f} | {fraction(k_us):.2f} | "
-              f"{error} |", flush=True)
+        k_us = fused_kernel_us(config, sets)
+        print(f"| {rank} | {json.dumps(config)} | {us:.1f} | {copy_fraction(mxfp4_bytes, us, ceilings):.2f} | "
+              f"{k_us:.1f} | {copy_fraction(mxfp4_bytes, k_us, ceilings):.2f} | {error} |", flush=True)
     del sets, check
