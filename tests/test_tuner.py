@@ -119,10 +119,13 @@ def test_time_all_gives_one_mode(monkeypatch):
         return (1.0, "graph") if mode in ("auto", "graph") else (2.0, "eager")
 
     monkeypatch.setattr(objective, "timed_us", timer)
-    ev = evaluator(toy_spec(run=lambda inputs, config: config["BLOCK"]))
-    ev.time({"BLOCK": 32, "num_warps": 1})  # graph from here
-    assert ev.time_all([{"BLOCK": 32, "num_warps": 1}, {"BLOCK": 64, "num_warps": 2}]) == [2.0, 2.0]
-    assert ev.timing == "eager"
+    configs = [{"BLOCK": 32, "num_warps": 1}, {"BLOCK": 64, "num_warps": 2}]
+    fresh = evaluator(toy_spec(run=lambda inputs, config: config["BLOCK"]))  # its first time decides the mode
+    assert fresh.time_all(configs) == [2.0, 2.0] and fresh.timing == "eager"
+    graphed = evaluator(toy_spec(run=lambda inputs, config: config["BLOCK"]))
+    graphed.time(configs[0])  # graph from here
+    assert graphed.time_all(configs) == [2.0, 2.0] and graphed.timing == "eager"
+    assert graphed.time_all(configs[:1]) == [2.0]
 
 
 def test_invalid_config_is_never_run(toys):

@@ -150,9 +150,11 @@ class Evaluator:
 
     def time_all(self, configs: list[dict[str, Any]], warmup_ms: float = 25, rep_ms: float = 100) -> list[float]:
         """:meth:`time` of each config, all in one mode: again, eagerly, if one of them turned the evaluator eager."""
-        mode = self.timing
-        times = [self.time(c, warmup_ms, rep_ms) for c in configs]
-        if self.timing != mode and mode is not None:
+        times, modes = [], set()
+        for config in configs:
+            times.append(self.time(config, warmup_ms, rep_ms))
+            modes.add(self.timing)
+        if len(modes) > 1:  # graph first, then a config that does not capture: the evaluator is eager now
             times = [self.time(c, warmup_ms, rep_ms) for c in configs]
         return times
 
