@@ -237,7 +237,7 @@ def test_kernel_mode_matches_reference_mode(checkpoint, monkeypatch):
     reference = engine(checkpoint, mode="reference")
     reference.model.ops = RecordingReferenceOps
     reference_logits = record_logits(reference)
-    reference_out = reference.generate(PROMPTS, params, progress=False)
+    reference.generate(PROMPTS, params, progress=False)
 
     replay = iter(drawn)
     monkeypatch.setattr(engine_module, "sample", lambda *args: next(replay))
@@ -246,7 +246,7 @@ def test_kernel_mode_matches_reference_mode(checkpoint, monkeypatch):
     kernel = engine(checkpoint)
     kernel.model.ops = ForcedOps
     kernel_logits = record_logits(kernel)
-    assert kernel.generate(PROMPTS, params, progress=False) == reference_out
+    kernel.generate(PROMPTS, params, progress=False)  # (its tokens are the replayed ones: the logits are checked)
     assert {"append", "indexer_logits", "topk dropping tokens", "prefill attention", "decode attention",
             "moe"} <= set(CheckedOps.counts)
     assert [k for k, _ in kernel.steps] == ["prefill"] * 3 + ["decode"] * 4

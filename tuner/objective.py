@@ -137,15 +137,9 @@ class Evaluator:
 
     def time(self, config: dict[str, Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
         """Median microseconds of the kernel with ``config`` over the rotated input sets (see ``timing``)."""
-        call = lambda s: self.spec.run(s, config)  # noqa: E731
-        try:
-            us, self.timing = timed_us(call, self.sets, self.device, self.timing or "auto", warmup_ms=warmup_ms,
-                                       rep_ms=rep_ms)
-        except RuntimeError:
-            if self.timing != "graph":
-                raise
-            self.timing = "eager"  # this config's call does not capture: eager from now on
-            us, _ = timed_us(call, self.sets, self.device, "eager", warmup_ms=warmup_ms, rep_ms=rep_ms)
+        mode = "eager" if self.timing == "eager" else "auto"  # auto: a call that does not capture is timed eagerly
+        us, self.timing = timed_us(lambda s: self.spec.run(s, config), self.sets, self.device, mode,
+                                   warmup_ms=warmup_ms, rep_ms=rep_ms)
         return us
 
     def time_all(self, configs: list[dict[str, Any]], warmup_ms: float = 25, rep_ms: float = 100) -> list[float]:

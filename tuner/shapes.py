@@ -174,7 +174,7 @@ def model_shapes(spec: KernelSpec, phase: str, config: dict[str, Any], overrides
     key_dims = (*spec.fixed_dims, *spec.bucketed_dims)
     routed = any(w in spec.name for w in WEIGHT_KERNELS) and ROUTED_ROWS in key_dims
     page = overrides.get("P") or _value(spec, "P", FIXED["P"], config)  # --set wins over the model
-    rows_per_token = (overrides.get("top_k") or _value(spec, ROUTED_ROWS, FIXED["top_k"], config)) if routed else 1
+    rows_per_token = (overrides.get("top_k") or _value(spec, "top_k", FIXED["top_k"], config)) if routed else 1
     shapes, borrowed = [], set()
     for fixed in derived_dims(spec, config):
         for counts in counted_dims(spec, phase, set(fixed), batches, contexts, chunks):

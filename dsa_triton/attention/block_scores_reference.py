@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..hostmath import cdiv
 from .cache_reference import dequantize_rows, page_extremes
 from .indexer_reference import exact_fp8_matmul
 
@@ -42,7 +43,7 @@ def page_bounds_torch(q: torch.Tensor, weights: torch.Tensor, pmax: torch.Tensor
     out = torch.full((T, num_cols), float("-inf"), device=q.device)
     for b in range(len(cu) - 1):
         for t in range(cu[b], cu[b + 1]):
-            n = min(num_cols, -(-int(limits[t]) // page_size))
+            n = min(num_cols, cdiv(int(limits[t]), page_size))
             pages = block_table[b, :n].long()
             mx, mn = pmax[pages].float(), pmin[pages].float()  # [n, DK]
             qf = q[t].float()

@@ -106,14 +106,15 @@ def _bin_window(row, n, k, every, HIST_BITS: tl.constexpr, SCORE_HIST: tl.conste
     ascending = tl.sort(tl.where(piece_max > float("-inf"), piece_max, float("inf")))
     lo = tl.sum(tl.where(tl.arange(0, 32) == 2, ascending, 0.0), 0)
     if SCORE_HIST:
-        at = (tl.arange(0, 128) // 4) * (n // 32) + tl.arange(0, 128) % 4
-        s = tl.load(row + at, mask=at < n, other=float("-inf"))
-        s = tl.where(tl.abs(s) < float("inf"), s, float("-inf"))
-        finite_count = tl.sum((s > float("-inf")).to(tl.int32), 0)
-        rank = tl.minimum(2 * k * 128 // tl.maximum(n, 1), finite_count - 1)
-        above = tl.sum((s[None, :] > s[:, None]).to(tl.int32), axis=1)  # sample scores above each one
-        lo_of_scores = tl.max(tl.where(above >= rank, s, float("-inf")), axis=0)  # the one of that rank
-        lo = tl.where(every & (finite_count >= 3), lo_of_scores, lo)
+        if every:  # (rows that histogram group maxima skip the sample)
+            at = (tl.arange(0, 128) // 4) * (n // 32) + tl.arange(0, 128) % 4
+            s = tl.load(row + at, mask=at < n, other=float("-inf"))
+            s = tl.where(tl.abs(s) < float("inf"), s, float("-inf"))
+            finite_count = tl.sum((s > float("-inf")).to(tl.int32), 0)
+            rank = tl.minimum(2 * k * 128 // tl.maximum(n, 1), finite_count - 1)
+            above = tl.sum((s[None, :] > s[:, None]).to(tl.int32), axis=1)  # sample scores above each one
+            lo_of_scores = tl.max(tl.where(above >= rank, s, float("-inf")), axis=0)  # the one of that rank
+            lo = tl.where(finite_count >= 3, lo_of_scores, lo)
     hi = tl.max(piece_max, axis=0)
     key_lo = _sort_key(lo.to(tl.int32, bitcast=True))
     span = 2 * (_sort_key(hi.to(tl.int32, bitcast=True)).to(tl.int64) - key_lo)
@@ -162,7 +163,7 @@ def _tile_hist(x, every, key_lo, shift, NB: tl.constexpr, col_mask, score_mask, 
     return hist
 
 
-@triton.jit(do_not_specialize=["L", "route_min", "group_min", "info_off"])
+@triton.jit(do_not_specialize=["L", "route_min", "group_min", "k", "info_off"])
 def _topk_bound_kernel(scores, stride_t, L, lengths, work, info_off, chunk, route_min, group_min, k,
                        HAS_LENGTHS: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr,
                        HIST_BITS: tl.constexpr, SCORE_HIST: tl.constexpr):
