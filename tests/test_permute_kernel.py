@@ -9,7 +9,7 @@ import torch
 from dsa_triton import ConfigError
 from dsa_triton.checks import PlanCache
 from dsa_triton.moe import permute, permute_kernel
-from dsa_triton.moe.permute import align_blocks, sort_by_expert
+from dsa_triton.moe.permute import sort_by_expert
 from dsa_triton.moe.permute_kernel import SPEC, compare_permutations, permutation_tensors, sort_and_align
 from tests.poison import poisoned_allocations
 
@@ -32,10 +32,7 @@ def routing(tokens, experts, top_k, id_dtype, weights, seed, one_expert=False, d
 
 
 def torch_tensors(ids, weights, experts, block_m):
-    sort = sort_by_expert(ids, weights, experts)
-    if block_m:
-        sort._aligned[block_m] = align_blocks(sort, block_m)
-    return permutation_tensors(sort, block_m)
+    return permutation_tensors(sort_by_expert(ids, weights, experts), block_m)  # aligned by sort.aligned
 
 
 def assert_matches_torch(ids, weights, experts, block_m, **kwargs):

@@ -137,7 +137,8 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
     ``W_SMEM`` ``acc[BLOCK_M, BLOCK_N]`` = tokens x weights^T (the converted tile stored to shared memory as the
     second operand: sm_90 SASS then issues a k-step's four wgmma back to back instead of waiting after each).
     ``UNROLL=2`` unrolls the k loop twice: with software pipelining, ptxas then issues the register-operand
-    wgmmas of a step back to back too (at 1, 2-5 stages serialize them: advisory C7515)."""
+    wgmmas of a step back to back too (unrolled once, 2-4 stages serialize them at 64 x 128 / 4 warps: advisory
+    C7515)."""
     slot, row0, row_end, nt = _tile(tiles_ptr, n_mtiles, N, BLOCK_N, GROUP_M)
     expert = tl.load(experts_ptr + slot).to(tl.int64)
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -417,26 +418,32 @@ SPACE = {
     "BLOCK_K": (64, 128),  # divides the 128-k scale group
     "GROUP_M": (1, 4, 8, 16),
     "num_warps": (4, 8),
-    # 1: no software pipelining. For the registers route on sm_90 that is the only depth at which ptxas keeps a
-    # k-step's wgmmas back to back (2-4 stages: advisory C7515, every wgmma serialized, 8 ARRIVE/DEPBAR pairs a
-    # step at 64 x 128; static, results/h200/ptxas-sm90-registers-route-20261130.md); not yet timed
+    # 1: no software pipelining: one of two ways found (UNROLL=2 the other) for the registers route's wgmmas to go
+    # back to back on sm_90 at 64 x 128 / 4 warps, where 2-4 stages serialize them (advisory C7515, 8 ARRIVE /
+    # DEPBAR pairs a step; static, results/h200/ptxas-sm90-registers-route-20261130.md); not yet timed
     "num_stages": (1, 2, 3, 4, 5),
     "EXPERTS_PER_STAGE": (1, 2, 4, 8, 16, 32),  # workspace route
     "IN_REGISTERS": (0, 1),  # 1: the registers route (experts it cannot take still go through the workspace)
-    "W_SMEM": (0, 1),  # registers route: converted weights as the shared-memory MMA operand (H200: 8-21% faster on
-    # 8-warp and 256-wide tiles, 4-12% slower on 64 x 128 / 4 warps; results/h200/w-smem-probe-...-0700.md)
+    "W_SMEM": (0, 1),  # registers route: converted weights as the shared-memory MMA operand (H200: 1.5-21% faster
+    # on 8-warp and 256-wide tiles, from 12% slower to 4% faster on 64 x 128 / 4 warps; w-smem-probe-...-0700)
     "UNROLL": (1, 2),  # registers route: k loop unrolled twice, its wgmmas back to back at any num_stages (sm_90
     # SASS; 64 x 128 / 4 warps: 235 registers instead of 166, 2 programs per SM instead of 3); not yet timed
 }
 WORKSPACE_LIMIT = 4 * 2**30  # bytes of two stages of FP8 experts
+REGISTERS_ROUTE_KNOBS = {"W_SMEM": 0, "UNROLL": 1}  # the registers route's own knobs, at their workspace-route values
+
+
+def route_config(config: dict, in_registers: int) -> dict:
+    """``config`` for one route: ``IN_REGISTERS`` set, the registers route's own knobs neutral on the other."""
+    return {**config, "IN_REGISTERS": in_registers, **({} if in_registers else REGISTERS_ROUTE_KNOBS)}
 
 
 def _constraint(config, shape) -> str | None:
     bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     if config["IN_REGISTERS"] and bk != 128:
         return "the registers route steps through K by 128-k groups (BLOCK_K=128)"
-    if (config["W_SMEM"] or config["UNROLL"] > 1) and not config["IN_REGISTERS"]:
-        return "W_SMEM and UNROLL are choices of the registers route"
+    if not config["IN_REGISTERS"] and any(config[k] != v for k, v in REGISTERS_ROUTE_KNOBS.items()):
+        return f"{', '.join(REGISTERS_ROUTE_KNOBS)} are choices of the registers route"
     if config["num_stages"] * config["UNROLL"] * (bm + bn) * bk > 200 * 1024:
         return "x and w tiles of all pipeline stages (twice unrolled: twice as many) exceed 200 KB of shared memory"
     if bm * bn > 128 * 32 * config["num_warps"]:

@@ -164,10 +164,14 @@ def _fused_moe_kernel(
 
 
 # -- the public op ---------------------------------------------------------------------------------
-def problem_shape(sort: ExpertSort, n: int, k: int, gather_tokens: bool) -> dict[str, int]:
+def gemm_shape(tokens: int, experts: int, top_k: int, n: int, k: int, gather_tokens: bool) -> dict[str, int]:
     """The registry shape of one grouped GEMM: tokens, experts, top_k, N, K and whether rows gather tokens."""
-    return {"T": sort.num_rows // sort.top_k, "E": sort.num_experts, "top_k": sort.top_k, "N": n, "K": k,
-            "gather": int(gather_tokens)}
+    return {"T": tokens, "E": experts, "top_k": top_k, "N": n, "K": k, "gather": int(gather_tokens)}
+
+
+def problem_shape(sort: ExpertSort, n: int, k: int, gather_tokens: bool) -> dict[str, int]:
+    """:func:`gemm_shape` of a sort's routing."""
+    return gemm_shape(sort.num_rows // sort.top_k, sort.num_experts, sort.top_k, n, k, gather_tokens)
 
 
 def _check(x, sort, blocks, scales, gather_tokens) -> tuple[int, int]:
@@ -261,10 +265,8 @@ def _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype) -> torch.
     alignment = sort.aligned(config["BLOCK_M"])
     quarters = blocks.view(torch.int16).flatten(-2)  # [E, N, K/4]
     k_quarters = quarters.shape[-1]
-    if config["X_COPY"]:
-        x_classes = x.view(x.shape[0], k_quarters, 4).transpose(1, 2).contiguous()  # [rows, 4, K/4]: [c, q] of 4q + c
-    else:
-        x_classes = x if x.stride(1) == 1 else x.contiguous()
+    # X_COPY: class-major [rows, 4, K/4] ([c, q] of 4q + c); else x itself (_check: rows contiguous)
+    x_classes = x.view(x.shape[0], k_quarters, 4).transpose(1, 2).contiguous() if config["X_COPY"] else x
     fast = fast_path(x)
     grid = (alignment.num_blocks, cdiv(n, config["BLOCK_N"]), split)
     _fused_moe_kernel[grid](

@@ -85,7 +85,7 @@ def _check(x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_b
 def gate_up_block_m(x: torch.Tensor, experts: int, top_k: int, hidden: int, inter: int) -> int:
     """The ``BLOCK_M`` the fused gate_up GEMM will launch with (its registry config for this shape), so the
     permutation kernel can align the rows for it in the same launch."""
-    shape = {"T": x.shape[0], "E": experts, "top_k": top_k, "N": 2 * inter, "K": hidden, "gather": 1}
+    shape = fused_moe.gemm_shape(x.shape[0], experts, top_k, 2 * inter, hidden, gather_tokens=True)
     return fused_moe.SPEC.launch_config("decode", shape, x.device)["BLOCK_M"]
 
 

@@ -33,7 +33,7 @@ from ..checks import PlanCache, check_kernel_device, check_positive, exact_misma
 from ..hostmath import next_pow2
 from ..registry import Cost, KernelSpec
 from .fused_moe import random_routing
-from .permute import (BlockAlignment, ExpertSort, align_blocks, check_id_range, check_routing, max_padded_rows,
+from .permute import (BlockAlignment, ExpertSort, check_id_range, check_routing, max_padded_rows,
                       sort_by_expert)
 
 MAX_ROWS = 4096  # routed slots (T * top_k) the one program sorts in registers; above: torch
@@ -241,9 +241,7 @@ def _run(inputs, config):
 
 def _torch_permute(inputs):
     sort = sort_by_expert(inputs["ids"], inputs["weights"], inputs["E"], check_ids=False)
-    if inputs["block_m"]:
-        sort._aligned[inputs["block_m"]] = align_blocks(sort, inputs["block_m"])
-    return permutation_tensors(sort, inputs["block_m"])
+    return permutation_tensors(sort, inputs["block_m"])  # (its sort.aligned runs align_blocks)
 
 
 def _default(phase, shape) -> dict:

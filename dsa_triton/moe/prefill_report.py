@@ -34,7 +34,7 @@ import torch
 
 from .. import registry
 from ..harness import time_us
-from .fp8_grouped_gemm import SPEC, fp8_grouped_gemm, prefill_call, quantize_activations_fp8
+from .fp8_grouped_gemm import SPEC, fp8_grouped_gemm, prefill_call, quantize_activations_fp8, route_config
 from .fused_moe import random_routing
 from .mxfp4 import mxfp4_dequantize, realistic_mxfp4
 from .prefill_baselines import (active_spans, grouped_mm, mm_loop, offline_fp8_experts, tensorwise_fp8,
@@ -77,9 +77,7 @@ def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, d
     spans = active_spans(offsets)
     shape = {"M": m, "E": experts, "N": n, "K": k}
     config = SPEC.launch_config("prefill", shape, device)
-    # W_SMEM and UNROLL are choices of the registers route only (the constraint rejects them on the workspace route)
-    routes = {route: {**config, "IN_REGISTERS": route, "BLOCK_K": 128, "W_SMEM": config["W_SMEM"] * route,
-                      "UNROLL": config["UNROLL"] if route else 1} for route in (0, 1)}
+    routes = {route: {**route_config(config, route), "BLOCK_K": 128} for route in (0, 1)}
     cuda = device.type == "cuda"
 
     # ours first, so the peak memory is that of the MXFP4 weights, x, y and the workspace only
