@@ -27,7 +27,7 @@ from .fused_moe import ExpertWeights, expected_active_experts, fused_moe_gemm
 from .layer_reference import moe_forward_torch
 from .permute import combine_rows, sort_by_expert
 from .permute_kernel import sort_and_align
-from .routing import MODES, RoutingConfig, check_grouping, route
+from .routing import MODES, RoutingConfig, check_bias, check_grouping, route
 from .routing_kernel import route_topk
 
 DECODE_MAX_TOKENS = 256  # moe_forward's phase when none is given: decode up to this many tokens
@@ -62,11 +62,9 @@ def _check(x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_b
     check_tensor("down_scales", down_scales, dtype=torch.uint8, shape=(experts, hidden, inter // 32), device=device)
     check_tensor("router_weight", router_weight, dtype=(torch.float32, torch.float16, torch.bfloat16),
                  shape=(experts, hidden), device=device)
-    if router_bias is not None:
-        check_tensor("router_bias", router_bias, dtype=(torch.float32, torch.float16, torch.bfloat16),
-                     shape=(experts,), device=device)
     if not isinstance(routing, RoutingConfig):
         raise ValueError(f"routing: expected a RoutingConfig, got {type(routing).__name__}")
+    check_bias(router_bias, routing.mode, experts, device, name="router_bias")
     if routing.top_k > experts:
         raise ValueError(f"routing.top_k: {routing.top_k} exceeds E = {experts}")
     if routing.mode == "deepseek":

@@ -81,9 +81,7 @@ def deepseek_topk(
     -> ``(weights [T, top_k] fp32, ids [T, top_k] int32)``."""
     num_experts = _check_logits(logits, top_k)
     group_size = check_grouping(num_experts, top_k, n_group, topk_group)
-    if bias is not None:
-        check_tensor("bias", bias, dtype=(torch.float32, torch.float16, torch.bfloat16), shape=(num_experts,),
-                     device=logits.device)
+    check_bias(bias, "deepseek", num_experts, logits.device)
     scores = logits.float().sigmoid()
     choice = scores if bias is None else scores + bias.float()
     if topk_group < n_group:
@@ -97,6 +95,17 @@ def deepseek_topk(
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
+def check_bias(bias: torch.Tensor | None, mode: str, num_experts: int, device: torch.device,
+               name: str = "bias") -> None:
+    """A DeepSeek correction bias: None, or fp32/fp16/bf16 ``[E]`` on ``device``; softmax routing takes none."""
+    if bias is None:
+        return
+    if mode == "softmax":
+        raise ValueError(f"{name}: softmax routing takes no correction bias")
+    check_tensor(name, bias, dtype=(torch.float32, torch.float16, torch.bfloat16), shape=(num_experts,),
+                 device=device)
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,6 +125,5 @@ def route(logits: torch.Tensor, routing: RoutingConfig, bias: torch.Tensor | Non
     if routing.mode == "deepseek":
         return deepseek_topk(logits, bias, routing.top_k, routing.n_group, routing.topk_group,
                              routing.norm_topk_prob, routing.routed_scaling_factor)
-    if bias is not None:
-        raise ValueError("bias: softmax routing takes no correction bias")
+    check_bias(bias, routing.mode, logits.shape[-1], logits.device)
     return softmax_topk(logits, routing.top_k, routing.norm_topk_prob)

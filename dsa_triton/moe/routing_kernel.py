@@ -21,10 +21,10 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from ..checks import PlanCache, check_kernel_device, check_tensor
+from ..checks import PlanCache, check_kernel_device
 from ..hostmath import cdiv, next_pow2
 from ..registry import Cost, KernelSpec
-from .routing import MODES, RoutingConfig, _check_logits, check_grouping, route
+from .routing import MODES, RoutingConfig, _check_logits, check_bias, check_grouping, route
 
 MAX_TOP_K = 16  # top_k up to this runs in the kernel (one argmax pass per expert chosen); above: torch
 MAX_BLOCK = 4096  # padded experts per token (groups x group block) the kernel holds in registers; above: torch
@@ -100,7 +100,7 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, stride_t, n_gro
     else:
         weights = values
         if NORM:
-            weights = weights / tl.sum(tl.where(used, weights, 0.0), 1)[:, None]
+            weights = weights / tl.sum(weights, 1)[:, None]  # (zero past top_k)
         weights = weights * scale
     out = tok[:, None] * top_k + slot
     keep = (tok < T)[:, None] & used
@@ -108,9 +108,14 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, stride_t, n_gro
     tl.store(ids_ptr + out, ids, mask=keep)
 
 
+def ranked_groups(n_group: int, topk_group: int) -> int:
+    """The groups the kernel ranks: ``n_group`` when some are dropped, else one group of every expert."""
+    return n_group if topk_group < n_group else 1
+
+
 def tile_of(num_experts: int, n_group: int, topk_group: int) -> tuple[int, int]:
-    """The ``(GROUPS, GROUP_BLOCK)`` register tile of one token: groups only when some are dropped."""
-    groups = n_group if topk_group < n_group else 1
+    """The ``(GROUPS, GROUP_BLOCK)`` register tile of one token (:func:`ranked_groups` of them)."""
+    groups = ranked_groups(n_group, topk_group)
     return next_pow2(groups), next_pow2(num_experts // groups)
 
 
@@ -127,7 +132,7 @@ class RouteLaunch:
         if self.fallback:
             return
         config = SPEC.launch_config("decode", shape, logits.device) if config is None else SPEC.validate(config, shape)
-        n_group = n_group if topk_group < n_group else 1  # all groups kept: one group of E
+        n_group = ranked_groups(n_group, topk_group)
         self.grid = (cdiv(tokens, config["TOKENS"]),)
         self.args = (tokens, logits.stride(0), n_group, experts // n_group, topk_group, routing.top_k)
         self.meta = dict(SOFTMAX=bool(shape["softmax"]), HAS_BIAS=has_bias, GROUPED=n_group > 1, NORM=routing.norm_topk_prob,
@@ -182,11 +187,7 @@ def _plan(logits, routing, bias, config) -> RouteLaunch:
     check_kernel_device("logits", logits)
     if routing.mode == "deepseek":
         check_grouping(experts, routing.top_k, routing.n_group, routing.topk_group)
-    if bias is not None:
-        if routing.mode == "softmax":
-            raise ValueError("bias: softmax routing takes no correction bias")
-        check_tensor("bias", bias, dtype=(torch.float32, torch.float16, torch.bfloat16), shape=(experts,),
-                     device=logits.device)
+    check_bias(bias, routing.mode, experts, logits.device)
     return RouteLaunch(logits, routing, bias is not None, config)
 
 
