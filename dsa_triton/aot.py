@@ -155,7 +155,8 @@ def ptxas_info(kernel, arch: str = "sm_90a") -> dict:
 
 def compile_in_subprocess(records: list[dict], timeout: float = 900, info: bool = False) -> list[dict]:
     """Run ``python -m dsa_triton.aot`` on ``records``: ``[{"kernel", "error", "seconds"}]`` in the same order;
-    ``info`` adds :func:`ptxas_info`'s fields and the SASS's wgmma counts (``gmma``, ``arrive``, ``depbar``)."""
+    ``info`` adds :func:`ptxas_info`'s fields, the SASS's wgmma counts (``gmma``, ``arrive``, ``depbar``) and,
+    per string of a record's optional ``ptx_needles``, whether the PTX holds it (``ptx_has``)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(records, f, default=str)
         f.flush()
@@ -176,7 +177,8 @@ def main(path: str, info: bool = False) -> None:
             if info:
                 ops = [line.split()[0] for line in sass(kernel) if line.split()]
                 result.update(ptxas_info(kernel), gmma=sum("GMMA" in op for op in ops),
-                              arrive=ops.count("WARPGROUP.ARRIVE"), depbar=ops.count("WARPGROUP.DEPBAR.LE"))
+                              arrive=ops.count("WARPGROUP.ARRIVE"), depbar=ops.count("WARPGROUP.DEPBAR.LE"),
+                              ptx_has={s: s in kernel.asm["ptx"] for s in record.get("ptx_needles", ())})
         except Exception as exc:  # every failure is the answer for that record
             result["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
         print(json.dumps({**result, "seconds": round(time.perf_counter() - start, 2)}), flush=True)

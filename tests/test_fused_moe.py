@@ -213,42 +213,27 @@ def test_scale_bytes_above_the_paths_range_raise_once_per_version():
     assert fused_moe.SCALE_MAX[True] == 192  # the bf16 GPU path (inline PTX), not reachable on the CPU
 
 
-HOPPER_COMPILE = r"""
-import os, sys, json
-os.environ["TRITON_INTERPRET"] = "0"  # compile for real: the interpreter accepts code the GPU compiler rejects
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from dsa_triton.moe.fused_moe import _fused_moe_kernel
-
-names = _fused_moe_kernel.arg_names
-pointers = {"x_ptr": None, "x_row_ptr": "*i32", "w_ptr": "*i16", "s_ptr": "*u8", "y_ptr": None,
-            "padded_rows_ptr": "*i32", "block_expert_ptr": "*i32"}
-for bm, bn, bk, split, warps, stages, act, even_k, x_copy in json.loads(sys.argv[1]):
-    constexprs = {"GATHER": True, "ATOMIC": split > 1, "EVEN_K": even_k, "FAST": act == "bf16", "DOT_F32": False,
-                  "X_COPY": bool(x_copy), "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}
-    types = dict(pointers, x_ptr=f"*{act}", y_ptr="*fp32" if split > 1 else f"*{act}")
-    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constexprs}
-    kernel = triton.compile(ASTSource(_fused_moe_kernel, signature, constexprs, aligned),
-                            target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": stages})
-    assert kernel.asm["cubin"], (bm, bn, bk)
-print("compiled")
-"""
-
-
 def test_kernel_compiles_for_hopper():
     """The GPU compiler (sm_90, no GPU needed) accepts the kernel: the bf16 inline-PTX path and the fp16 one,
-    mma.sync (8-row blocks) and wgmma tiles, ragged K and split-K. The interpreter runs neither the PTX nor
-    the real compiler, so this is the CPU's only check of the GPU path."""
-    import json
-    import subprocess
-    import sys
+    mma.sync (8-row blocks) and wgmma tiles, ragged K, split-K and both X_COPY forms. The interpreter runs neither
+    the PTX nor the real compiler, so this is the CPU's only check of the GPU path. Launches recorded from the op
+    (not run), with the GPU's path flags, compiled by :mod:`dsa_triton.aot`."""
+    from dsa_triton import aot
 
-    configs = [(8, 64, 256, 1, 4, 3, "bf16", True, 1), (8, 64, 128, 2, 2, 4, "bf16", False, 0),
-               (16, 128, 128, 1, 4, 3, "bf16", True, 0), (64, 128, 128, 2, 4, 3, "fp16", False, 1)]
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE, json.dumps(configs)], capture_output=True,
-                          text=True, timeout=300, env=env)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    cases = [(8, 64, 256, 1, 4, 3, torch.bfloat16, 256, 1), (8, 64, 128, 2, 2, 4, torch.bfloat16, 160, 0),
+             (16, 128, 128, 1, 4, 3, torch.bfloat16, 256, 0), (64, 128, 128, 2, 4, 3, torch.float16, 160, 1)]
+    weights, ids = routing(16, 5, 4, seed=3)
+    sort = sort_by_expert(ids, weights, 5)
+    launches = []
+    for bm, bn, bk, split, warps, stages, dtype, k, x_copy in cases:
+        blocks, scales = experts_mxfp4(5, 128, k, seed=k)
+        with aot.record_launches(execute=False) as recorded:
+            fused_moe_gemm(torch.randn(16, k).to(dtype), sort, blocks, scales,
+                           config=cfg(bm, bn, bk, split, warps, stages, x_copy))
+        (launch,) = [r for r in recorded if r["kernel"] == "_fused_moe_kernel"]
+        launch["values"].update(FAST=dtype == torch.bfloat16, DOT_F32=False)  # the GPU's paths
+        launches.append({**launch, "ptx_needles": ["0x000F000F"]})  # a mask of the bf16 path's inline PTX
+    results = aot.compile_in_subprocess(launches, info=True)
+    assert [r["error"] for r in results] == [None] * len(cases), results
+    assert [r["ptx_has"]["0x000F000F"] for r in results] == [c[6] == torch.bfloat16 for c in cases]
+    assert [r["gmma"] > 0 for r in results] == [c[0] >= 16 for c in cases]  # wgmma beyond 8-row blocks
