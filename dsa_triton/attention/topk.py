@@ -581,9 +581,9 @@ SPACE = {
     "TILE": (2048, 4096, 8192, 16384),  # scores per loop step of pass 1
     "WARPS": (1, 2, 4, 8),  # pass 1
     "GROUP": (8, 16, 32),  # scores per group maximum in pass 1
-    # rows of at least ROUTE_MIN * k scores take passes 1-2 (64: only rows of 2 k GROUP). H200, session 3:
-    # 2-8 took random-length rows 251 -> 101 us but uniform 16384-score rows 47 -> 108 us, whose window then
-    # started above the k-th score (fixed after that run; predicted 15-25 us there, not yet measured)
+    # rows of at least ROUTE_MIN * k scores take passes 1-2 (64: only rows of 2 k GROUP). H200 graph times,
+    # T = 64, k = 2048, after the score-window fix (session 4): ROUTE_MIN 2 vs 64: random lengths up to 131072
+    # 125.9 vs 159.7 us, rows of 16384 34.6 vs 43.8, rows of 32768 63.3 vs 70+; 4 and 8 within 1-12% of 2
     "ROUTE_MIN": (2, 4, 8, 64),
     "HIST_BITS": (7, 8, 9, 10),  # pass 1 histogram: 2^HIST_BITS bins
     "COLLECT_TILE": (1024, 2048, 4096),  # pass 2
@@ -621,7 +621,7 @@ def _default(phase, shape):
     while T * split < _SMS and (split * 2) * tile <= L and split * 2 <= max(SPACE["SPLIT"]):
         split *= 2
     few_rows = T <= 2 * _SMS
-    return {"SPLIT": split, "TILE": tile, "WARPS": warps, "GROUP": group, "ROUTE_MIN": 64,
+    return {"SPLIT": split, "TILE": tile, "WARPS": warps, "GROUP": group, "ROUTE_MIN": 2,
             "HIST_BITS": 8,
             "COLLECT_TILE": min(4096 if few_rows else 2048, tile), "COLLECT_WARPS": 8 if few_rows else 4,
             "CAP_K": 4, "SEL_BITS": 8 if few_rows else 6, "SEL_TILE": 1024 if few_rows else 512,
