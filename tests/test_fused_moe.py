@@ -5,6 +5,7 @@ import torch
 from dsa_triton import ConfigError, registry
 from dsa_triton.moe import fused_moe
 from dsa_triton.moe.fused_moe import SPEC, fused_moe_gemm, random_routing
+from dsa_triton.moe.activation_reference import class_major
 from dsa_triton.moe.fused_moe_reference import fused_moe_gemm_torch
 from dsa_triton.moe.mxfp4_reference import mxfp4_dequantize_torch, mxfp4_quantize_torch
 from dsa_triton.moe.permute import combine_rows, max_padded_rows, sort_by_expert
@@ -117,6 +118,26 @@ def test_fused_gemm_matches_reference(tokens, experts, top_k, n, k, gather, dtyp
     assert torch.isfinite(y).all()
     tol = 2e-3 if dtype == torch.float16 else 1e-2
     torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("gather, config", [
+    (False, cfg(8, 32, 64, split=2, x_copy=0)),  # the layer's down GEMM; X_COPY has no effect on class-major rows
+    (True, cfg(16, 16, 128, warps=2)),  # gathered tokens, K < BLOCK_K
+])
+def test_fused_gemm_reads_class_major_activations(gather, config):
+    weights, ids = routing(3, 5, 2, seed=11)
+    sort = sort_by_expert(ids, weights, 5)
+    blocks, scales = experts_mxfp4(5, 24, 96, seed=12)
+    x = torch.randn(3 if gather else 6, 96, generator=gen(13)).half()
+    with poisoned_allocations():
+        y = fused_moe_gemm(class_major(x), sort, blocks, scales, gather_tokens=gather, config=config)
+    ref = fused_moe_gemm_torch(x, sort, blocks, scales, gather)  # from the rows themselves
+    torch.testing.assert_close(y.float(), ref, rtol=2e-3, atol=2e-3)
+    with pytest.raises(ValueError, match="x: dimension 2"):
+        fused_moe_gemm(class_major(x)[:, :, :-1], sort, blocks, scales, gather_tokens=gather, config=config)
+    with pytest.raises(ValueError, match="x: class-major rows"):
+        padded = torch.randn(x.shape[0], 4, 24 + 8).half()[:, :, :24]  # classes 32 apart, not 24
+        fused_moe_gemm(padded, sort, blocks, scales, gather_tokens=gather, config=config)
 
 
 def identity_problem(k, dtype):

@@ -10,6 +10,8 @@ pre-dequantized weights of the same experts, timed on the same input sets. Pass:
 (goal 75%) and >= 2x over bf16. On the GPU also: both in CUDA graphs, and the GEMM kernel's own time from
 torch.profiler over the rotated sets (``kernel_us``: no launch path, no activation copy), to tell the kernel
 from the fixed costs of a call at T = 1 (a fit of session 3 put ~15 us of the call outside the bytes).
+The down GEMM reads class-major rows, as the layer's :func:`.activation.swiglu` writes them (no copy in its
+call); the gate_up GEMM reads the tokens as they come (its call copies them class-major when ``X_COPY``).
 """
 from __future__ import annotations
 

@@ -12,9 +12,11 @@ run on mma.sync m16n8k16, 16 and more on wgmma where the tile allows).
 
 - the codes are read as int16 *quarters* ``[BLOCK_N, BLOCK_K / 4]`` (quarter ``q`` of a row holds k = 4q .. 4q+3,
   nibble ``c`` being k = 4q + c): each nibble position ``c`` is a weight *class*, and the tile is four dots, one
-  per class, against the activations of that class: from a class-major copy ``x[rows, 4, K/4]`` (``X_COPY=1``:
-  one small transpose kernel per call) or split in registers from a contiguous load of ``x`` itself
-  (``X_COPY=0``: no second kernel, ~10-55 more registers a thread on sm_90);
+  per class, against the activations of that class: from class-major activations ``x[rows, 4, K/4]``
+  (:func:`.activation_reference.class_major`; given so by the caller, as the layer's down GEMM gets them from
+  :func:`.activation.swiglu`, or copied so per call, ``X_COPY=1``: one small transpose kernel) or split in
+  registers from a contiguous load of ``x[rows, K]`` itself (``X_COPY=0``: no second kernel, ~10-55 more
+  registers a thread on sm_90; H200 T = 1 down: kernel 29.0 us vs 23.6 on class-major rows);
 - bf16 activations on the GPU: two neighbouring quarters are one 32-bit register, and a few integer ops per
   class (inline PTX) turn it into a bf16x2 pair ``code * 2^-126`` (exact: the E2M1 subnormal 0.5 lands on a
   bf16 subnormal); one bf16x2 multiply by ``2^(s - 1 - 64)`` scales it, and the fp32 result is multiplied by
@@ -42,6 +44,7 @@ from .. import registry
 from ..checks import PlanCache, check_kernel_device, check_tensor
 from ..hostmath import cdiv
 from ..registry import Cost, bucket
+from .activation_reference import class_major
 from .fused_moe_reference import fused_moe_gemm_torch
 from .mxfp4 import mxfp4_dequantize, random_mxfp4
 from . import permute
@@ -187,7 +190,12 @@ def _check(x, sort, blocks, scales, gather_tokens) -> tuple[int, int]:
     check_tensor("scales", scales, dtype=torch.uint8, shape=(num_experts, n, groups), device=device)
     k = 32 * groups
     rows = sort.num_rows // sort.top_k if gather_tokens else sort.num_rows
-    check_tensor("x", x, dtype=(torch.float16, torch.bfloat16), shape=(rows, k), device=device)
+    if isinstance(x, torch.Tensor) and x.dim() == 3:  # class-major
+        check_tensor("x", x, dtype=(torch.float16, torch.bfloat16), shape=(rows, 4, k // 4), device=device)
+        if x.stride(1) != k // 4:
+            raise ValueError(f"x: class-major rows [4, K/4] must be contiguous, got strides {x.stride()}")
+    else:
+        check_tensor("x", x, dtype=(torch.float16, torch.bfloat16), shape=(rows, k), device=device)
     if sort.expert_offsets.device != device:
         raise ValueError(f"sort: on {sort.expert_offsets.device}, but blocks are on {device}")
     return n, k
@@ -199,11 +207,14 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
     """Grouped GEMM of routed rows with per-expert MXFP4 weights, dequantized in registers.
 
     - ``x``: fp16/bf16 ``[T, K]`` when ``gather_tokens`` (sorted row r reads token ``sort.sorted_token[r]``:
-      the gate_up GEMM) or ``[M, K]`` already in sorted order (the down GEMM); ``M = T * top_k``;
+      the gate_up GEMM) or ``[M, K]`` already in sorted order (the down GEMM); ``M = T * top_k``; or either
+      class-major, ``[T or M, 4, K/4]`` (:func:`.activation_reference.class_major`, e.g. from
+      ``activation.swiglu(h, class_major=True)``): read as is, with no copy per call;
     - ``sort``: :func:`.permute.sort_by_expert` of the routing;
     - ``blocks`` uint8 ``[E, N, K/32, 16]`` (rows contiguous), ``scales`` uint8 ``[E, N, K/32]``, bytes at most
       :data:`SCALE_MAX` (192 for bf16 on the GPU, else 240);
-    - ``config``: a ``moe_fused_gemm`` launch config; None reads the tuning database for this shape;
+    - ``config``: a ``moe_fused_gemm`` launch config; None reads the tuning database for this shape (its
+      ``X_COPY`` applies to ``[rows, K]`` activations only);
     - ``out_dtype``: ``x``'s dtype (None) or ``torch.float32`` (the fp32 sums unrounded, no conversion op).
 
     Returns ``y_sorted [M, N]`` in ``out_dtype``, rows in ``sort``'s expert order. No host sync after the first
@@ -265,8 +276,8 @@ def _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype) -> torch.
     alignment = sort.aligned(config["BLOCK_M"])
     quarters = blocks.view(torch.int16).flatten(-2)  # [E, N, K/4]
     k_quarters = quarters.shape[-1]
-    # X_COPY: class-major [rows, 4, K/4] ([c, q] of 4q + c); else x itself (_check: rows contiguous)
-    x_classes = x.view(x.shape[0], k_quarters, 4).transpose(1, 2).contiguous() if config["X_COPY"] else x
+    # class-major [rows, 4, K/4] ([c, q] of 4q + c) as given, or copied so (X_COPY); else x itself (rows contiguous)
+    x_classes = class_major(x) if x.dim() == 2 and config["X_COPY"] else x
     fast = fast_path(x)
     grid = (alignment.num_blocks, cdiv(n, config["BLOCK_N"]), split)
     _fused_moe_kernel[grid](
@@ -275,7 +286,7 @@ def _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype) -> torch.
         x_classes.stride(0), quarters.stride(0), quarters.stride(1), scales.stride(0), scales.stride(1), y.stride(0),
         GATHER=gather_tokens, ATOMIC=split > 1, EVEN_K=k_quarters % (split * config["BLOCK_K"] // 4) == 0,
         FAST=fast, DOT_F32=not fast and x.dtype == torch.bfloat16 and x.device.type != "cuda",
-        X_COPY=bool(config["X_COPY"]), BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
+        X_COPY=x_classes.dim() == 3, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
         BLOCK_K=config["BLOCK_K"], SPLIT_K=split,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
@@ -290,9 +301,9 @@ SPACE = {
     "SPLIT_K": (1, 2, 4, 8),
     "num_warps": (2, 4, 8),
     "num_stages": (1, 2, 3, 4, 5, 6),
-    # 1: activations copied class-major per call (measured); 0: classes split in registers (one kernel less per
-    # call; predicted faster at T = 1 on 256-wide K tiles, where the copy is one of the call's two kernels;
-    # not yet on a GPU)
+    # [rows, K] activations: 1 copied class-major per call; 0 classes split in registers (one kernel less). H200
+    # T = 1 down, graphs: 0 33.3 us at 8x64x256 vs 1 34.6 at the default (kernels alone 29.0 vs 23.6 us).
+    # No effect on class-major activations (the registry's down-GEMM inputs, as the layer passes them)
     "X_COPY": (0, 1),
 }
 
@@ -406,8 +417,9 @@ def _make_inputs(phase, shape, device, seed):
     x = torch.randn(rows, shape["K"], generator=gen, device=device).to(dtype)
     bounds = sort.expert_offsets.tolist()
     active = [(e, a, b) for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
-    return {"x": x, "sort": sort, "weights": ExpertWeights.random(shape["E"], shape["N"], shape["K"], device),
-            "gather": gather, "active": active}
+    # the down GEMM gets class-major rows, as the layer's swiglu writes them; the baseline reads x_rows
+    return {"x": x if gather else class_major(x), "x_rows": x, "sort": sort, "gather": gather, "active": active,
+            "weights": ExpertWeights.random(shape["E"], shape["N"], shape["K"], device)}
 
 
 def _run(inputs, config):
@@ -434,9 +446,10 @@ def compare_rows(out: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-2) -> st
 
 def bf16_expert_loop(inputs) -> torch.Tensor:
     """Baseline: per active expert, ``torch.mm`` (cuBLAS) on pre-dequantized bf16 weights."""
-    w = inputs["weights"].dense(inputs["x"].dtype)
+    x = inputs["x_rows"]
+    w = inputs["weights"].dense(x.dtype)
     sort = inputs["sort"]
-    rows = inputs["x"][sort.sorted_token] if inputs["gather"] else inputs["x"]
+    rows = x[sort.sorted_token] if inputs["gather"] else x
     y = rows.new_empty(sort.num_rows, w.shape[1])
     for e, start, end in inputs["active"]:
         torch.mm(rows[start:end], w[e].t(), out=y[start:end])

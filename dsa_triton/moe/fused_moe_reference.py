@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .activation_reference import row_major
 from .mxfp4_reference import mxfp4_dequantize_torch
 from .permute import ExpertSort
 
@@ -25,6 +26,7 @@ def grouped_gemm_torch(x_rows: torch.Tensor, expert_offsets: torch.Tensor, block
 
 def fused_moe_gemm_torch(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scales: torch.Tensor,
                          gather_tokens: bool = True) -> torch.Tensor:
-    """The oracle of :func:`.fused_moe.fused_moe_gemm`: ``y_sorted[M, N]`` fp32."""
+    """The oracle of :func:`.fused_moe.fused_moe_gemm` (``x`` in rows or class-major): ``y_sorted[M, N]`` fp32."""
+    x = row_major(x) if x.dim() == 3 else x
     rows = x[sort.sorted_token.long()] if gather_tokens else x
     return grouped_gemm_torch(rows, sort.expert_offsets, blocks, scales)

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from .. import registry
 from ..checks import PlanCache, check_kernel_device, check_tensor
 from ..registry import Cost
-from . import fused_moe, permute, permute_kernel, routing_kernel
+from . import activation, fused_moe, permute, permute_kernel, routing_kernel
+from .activation import swiglu
+from .activation_reference import swiglu_torch
 from .fp8_grouped_gemm import fp8_grouped_gemm
 from .fused_moe import ExpertWeights, expected_active_experts, fused_moe_gemm
 from .layer_reference import moe_forward_torch
@@ -34,15 +36,10 @@ DECODE_MAX_TOKENS = 256  # moe_forward's phase when none is given: decode up to 
 CROSSOVER_ROWS = 128  # default: the workspace path from this many routed rows per expert (until tuned)
 
 
-def swiglu(h: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``h[M, 2I]`` (gate | up) -> ``silu(gate) * up`` ``[M, I]`` in ``dtype`` (None: ``h``'s), computed in fp32."""
-    gate, up = h.to(torch.float32).chunk(2, dim=-1)
-    return F.silu(gate).mul_(up).to(h.dtype if dtype is None else dtype)
-
-
-def shared_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """Dense SwiGLU MLP: ``x[T, H]``, ``gate_up[2Is, H]`` (gate | up), ``down[H, Is]`` -> ``[T, H]``."""
-    return swiglu(x @ gate_up.t()) @ down.t()
+def shared_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act=swiglu) -> torch.Tensor:
+    """Dense SwiGLU MLP: ``x[T, H]``, ``gate_up[2Is, H]`` (gate | up), ``down[H, Is]`` -> ``[T, H]``; ``act``:
+    :func:`.activation.swiglu` (one launch) or the torch reference."""
+    return act(x @ gate_up.t()) @ down.t()
 
 
 def _check(x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
@@ -104,10 +101,12 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
 
     The fused path (decode) has no host sync and no data-dependent shape once each scales tensor's range has
     been read (the first call per tensor and in-place version): after one eager warm-up call it can be captured
-    in a CUDA graph. It runs 4 Triton launches (routing: :func:`.routing_kernel.route_topk`; sort by expert and
+    in a CUDA graph. It runs 5 Triton launches (routing: :func:`.routing_kernel.route_topk`; sort by expert and
     block alignment for the gate_up GEMM's ``BLOCK_M``: :func:`.permute_kernel.sort_and_align`, both on every
-    path up to 4096 routed rows; gate_up; down) and about 17 kernel-launching torch ops (router, swiglu, shared
-    expert, combine). The workspace path reads the expert offsets on the host (one sync).
+    path up to 4096 routed rows; gate_up; :func:`.activation.swiglu`, written class-major so that the down GEMM
+    copies nothing; down), one more for the shared expert's swiglu, and the kernel-launching torch ops of the
+    router, gate_up's activation copy, the shared expert's matmuls and the combine. The workspace path reads
+    the expert offsets on the host (one sync).
     """
     if type(routing) is RoutingConfig:  # the checks read only metadata and these routing fields: run once
         key, sizes = _PLANS.find((x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_blocks,
@@ -130,8 +129,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
     sort = sort_and_align(ids, weights, experts, block_m if config["path"] == "fused" else None, check_ids=False)
     if config["path"] == "fused":  # fp32 GEMM outputs: no conversion op before swiglu and the combine
         h = fused_moe_gemm(x, sort, gate_up_blocks, gate_up_scales, gather_tokens=True, out_dtype=torch.float32)
-        y = fused_moe_gemm(swiglu(h, x.dtype), sort, down_blocks, down_scales, gather_tokens=False,
-                           out_dtype=torch.float32)
+        y = fused_moe_gemm(swiglu(h, x.dtype, class_major=True), sort, down_blocks, down_scales,  # no copy in down
+                           gather_tokens=False, out_dtype=torch.float32)
     else:
         h = fp8_grouped_gemm(x[sort.sorted_token], sort.expert_offsets, gate_up_blocks, gate_up_scales)
         y = fp8_grouped_gemm(swiglu(h), sort.expert_offsets, down_blocks, down_scales)
@@ -208,8 +207,9 @@ def bf16_layer(inputs) -> torch.Tensor:
     bounds = sort.expert_offsets.tolist()  # the host needs the row ranges: one sync, as every torch loop has
     for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         if b > a:
-            y[a:b] = swiglu(rows[a:b] @ w1[e].t()) @ w2[e].t()
-    return combine_rows(y, sort, add=shared_expert(x, inputs["shared_gate_up"], inputs["shared_down"])).to(x.dtype)
+            y[a:b] = swiglu_torch(rows[a:b] @ w1[e].t()) @ w2[e].t()
+    shared = shared_expert(x, inputs["shared_gate_up"], inputs["shared_down"], act=swiglu_torch)
+    return combine_rows(y, sort, add=shared).to(x.dtype)
 
 
 def _cost(phase, shape) -> Cost:
@@ -246,5 +246,5 @@ PATH = registry.register(registry.KernelSpec(
     bench_shapes=_bench_shapes,
     baseline=bf16_layer,
     baseline_name="torch layer, cuBLAS bf16 mm per active expert (pre-dequantized)",
-    source_modules=(sys.modules[__name__], fused_moe, permute, routing_kernel, permute_kernel),
+    source_modules=(sys.modules[__name__], activation, fused_moe, permute, routing_kernel, permute_kernel),
 ))
