@@ -9,7 +9,9 @@ weight, counted from the routing of the timed input sets), and the speedup over 
 pre-dequantized weights of the same experts, timed on the same input sets. Pass: >= 50% of copy bandwidth
 (goal 75%) and >= 2x over bf16. On the GPU also: both in CUDA graphs, and the GEMM kernel's own time from
 torch.profiler over the rotated sets (``kernel_us``: no launch path, no activation copy), to tell the kernel
-from the fixed costs of a call at T = 1 (a fit of session 3 put ~15 us of the call outside the bytes).
+from the fixed costs of a call at T = 1 (a fit of session 3 put ~15 us of the call outside the bytes), and
+``steady_us``: per call in graphs of 8 calls on consecutive input sets (the graph's launch shared, the gaps
+between kernels kept: a call inside a decode step's graph).
 The down GEMM reads class-major rows, as the layer's :func:`.activation.swiglu` writes them (no copy in its
 call); the gate_up GEMM reads the tokens as they come (its call copies them class-major when ``X_COPY``).
 """
@@ -30,6 +32,7 @@ from .fused_moe import SPEC
 from .layer import PATH
 
 MIN_COPY_FRACTION, GOAL_COPY_FRACTION, MIN_SPEEDUP = 0.5, 0.75, 2.0
+STEADY_CALLS = 8  # calls per CUDA graph of the steady_us column
 
 
 def verdict(fraction: float, speedup: float) -> str:
@@ -81,6 +84,8 @@ def moe_decode_report(device, ceilings) -> list[dict]:
                 row.update(fused_graph_us=fused_graph_us, bf16_graph_us=bf16_graph_us,
                            speedup_graph=bf16_graph_us / fused_graph_us, copy_fraction_graph=fraction_graph,
                            verdict_graph=verdict(fraction_graph, bf16_graph_us / fused_graph_us))
+                steady_us = graph_time_us(lambda s: SPEC.run(s, config), sets, device, calls_per_graph=STEADY_CALLS)
+                row.update(steady_us=steady_us, copy_fraction_steady=copy_fraction(mxfp4_bytes, steady_us, ceilings))
             kernel_us = fused_kernel_us(config, sets)
             row.update(kernel_us=kernel_us, copy_fraction_kernel=copy_fraction(mxfp4_bytes, kernel_us, ceilings))
         row["config"] = json.dumps(config)
