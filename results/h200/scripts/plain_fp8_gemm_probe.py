@@ -53,7 +53,7 @@ print("| gemm | T | " + " | ".join(f"{m}x{n}x{k} w{w} s{s}" for m, n, k, w, s, _
 for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
     blocks, scales = realistic_mxfp4((256, n), k, dev, seed=1, outliers=0.0)
     w8, s8 = offline_fp8_experts(blocks, scales)
-    sw = torch.full((256, n), float(s8), device=dev)
+    sw = s8[:, None].expand(256, n).contiguous()
     for t in (4096, 16384):
         gen = torch.Generator(dev).manual_seed(t + n)
         _, ids = random_routing(t, 256, 8, dev, gen)
