@@ -17,8 +17,9 @@ from dsa_triton.moe.workspace import FP8Workspace
 from tests.poison import poisoned_allocations
 
 CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
-          "EXPERTS_PER_STAGE": 2, "IN_REGISTERS": 0, "W_SMEM": 0, "UNROLL": 1}
+          "EXPERTS_PER_STAGE": 2, "IN_REGISTERS": 0, "W_SMEM": 0, "UNROLL": 1, "ROW_SCALED": 0}
 REGISTERS = {**CONFIG, "BLOCK_K": 128, "IN_REGISTERS": 1}
+ROWS = {**CONFIG, "ROW_SCALED": 1}  # the workspace route, experts converted against their rows' references
 
 
 def offsets_of(counts):
@@ -72,6 +73,9 @@ def test_activation_quantization_matches_reference_bit_for_bit(dtype):
     ([9, 4, 13], 72, 256, {**REGISTERS, "BLOCK_M": 32, "BLOCK_N": 64}),
     ([7, 0, 12, 5, 9], 48, 96, {**REGISTERS, "W_SMEM": 1}),
     ([9, 4, 13], 72, 256, {**REGISTERS, "BLOCK_M": 32, "BLOCK_N": 64, "W_SMEM": 1}),
+    ([7, 0, 12, 5, 9], 48, 96, ROWS),
+    ([3, 18, 0, 0, 6, 1, 11], 40, 160, {**ROWS, "EXPERTS_PER_STAGE": 1, "GROUP_M": 4}),  # ragged K, 5 stages
+    ([9, 4, 13], 72, 256, {**ROWS, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128}),  # two 128-k groups a row
 ])
 def test_grouped_gemm_matches_reference(counts, n, k, config):
     x, offsets, blocks, scales = problem(counts, n, k, seed=len(counts) + k)
@@ -84,7 +88,10 @@ def test_grouped_gemm_matches_reference(counts, n, k, config):
     assert float((y.float() - exact).norm() / exact.norm()) < 0.05
 
 
-def test_registers_route_leaves_wide_experts_to_the_workspace():
+@pytest.mark.parametrize("config", [{**REGISTERS, "BLOCK_M": 32, "BLOCK_N": 64}, {**ROWS, "BLOCK_M": 32, "BLOCK_N": 64}])
+def test_experts_beyond_their_row_reference_take_group_scales(config):
+    """The registers route and the row-scaled workspace route take the experts whose blocks all lie within 11
+    binades of their rows' largest; the others go through the workspace with a scale per (row, 128-k group)."""
     x, offsets, blocks, scales = problem([6, 9, 5, 7], 40, 256, seed=12)
     scales[2, 5, 6] -= 12  # 12+ binades below its row's largest: expert 2 cannot be converted in registers
     scales[3, 1, 0], scales[3, 1, 1] = 130, 80  # expert 3: also an unfit block (50 below its group's top)
@@ -94,8 +101,7 @@ def test_registers_route_leaves_wide_experts_to_the_workspace():
     unfit = torch.zeros(1, dtype=torch.int32)
     with poisoned_allocations():
         workspace = FP8Workspace(4, [(40, 256)], "cpu")
-        y = fp8_grouped_gemm(x, offsets, blocks, scales, config={**REGISTERS, "BLOCK_M": 32, "BLOCK_N": 64},
-                             workspace=workspace, unfit_counter=unfit)
+        y = fp8_grouped_gemm(x, offsets, blocks, scales, config=config, workspace=workspace, unfit_counter=unfit)
     check_against_reference(y, x, offsets, blocks, scales)
     assert int(unfit) == mxfp4_to_fp8_torch(blocks, scales)[2] >= 1
     ref2, _ = row_references(scales)
@@ -131,7 +137,7 @@ def test_byte_permute_kernels_compile_for_hopper():
     assert [r["gmma"] > 0 for r in results] == [True, True, False]
 
 
-@pytest.mark.parametrize("config", [CONFIG, REGISTERS])
+@pytest.mark.parametrize("config", [CONFIG, REGISTERS, ROWS])
 def test_k_short_of_the_padded_weights_and_rows_outside_every_expert(config):
     x, _, blocks, scales = problem([10, 10, 10], 40, 80, seed=5, k_weights=96)  # x has K = 80, weights 96
     offsets = torch.tensor([3, 9, 9, 26], dtype=torch.int32)  # rows 0..2 and 26..29 belong to no expert

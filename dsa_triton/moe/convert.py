@@ -140,16 +140,21 @@ def _lost_in_e4m3(bits):
 
 
 @triton.jit
-def _convert_kernel(codes_ptr, scales_ptr, ids_ptr, w_words_ptr, s_ptr, unfit_ptr, N, KB, NG,
-                    stride_ce, stride_cn, stride_se, stride_sn, stride_we, stride_wn, stride_oe, stride_on, stride_og,
-                    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, COUNT_UNFIT: tl.constexpr, PTX: tl.constexpr):
+def _convert_kernel(codes_ptr, scales_ptr, ids_ptr, ref_ptr, w_words_ptr, s_ptr, unfit_ptr, N, KB, NG,
+                    stride_ce, stride_cn, stride_se, stride_sn, stride_re, stride_we, stride_wn, stride_oe, stride_on,
+                    stride_og, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, COUNT_UNFIT: tl.constexpr,
+                    ROW_REF: tl.constexpr, PTX: tl.constexpr):
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     kb = tl.program_id(2) * (GROUPS * 4) + tl.arange(0, GROUPS * 4)
     inside = (n < N)[:, None] & (kb < KB)[None, :]  # [BLOCK_N, GROUPS * 4] blocks
     s = tl.load(scales_ptr + expert * stride_se + n[:, None] * stride_sn + kb[None, :], mask=inside, other=0).to(tl.int32)
-    top = tl.max(tl.reshape(s, [BLOCK_N, GROUPS, 4]), axis=2)  # [BLOCK_N, GROUPS]
+    if ROW_REF:  # every group of a row relative to the row's given reference: one scale per row
+        row_ref = tl.load(ref_ptr + expert * stride_re + n, mask=n < N, other=0).to(tl.int32)
+        top = tl.broadcast_to(row_ref[:, None], [BLOCK_N, GROUPS])
+    else:
+        top = tl.max(tl.reshape(s, [BLOCK_N, GROUPS, 4]), axis=2)  # [BLOCK_N, GROUPS]
     top_per_block = tl.reshape(tl.broadcast_to(top[:, :, None], [BLOCK_N, GROUPS, 4]), [BLOCK_N, GROUPS * 4])
     d = tl.where(inside, top_per_block - s, 0)  # binades below the group's top block
     code_rows = codes_ptr + expert * stride_ce + n.to(tl.int64)[:, None] * stride_cn  # int16: four codes each
@@ -170,10 +175,13 @@ def _convert_kernel(codes_ptr, scales_ptr, ids_ptr, w_words_ptr, s_ptr, unfit_pt
 
 
 def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torch.Tensor, w_out: torch.Tensor,
-                    s_out: torch.Tensor, unfit: torch.Tensor | None, config: dict) -> None:
+                    s_out: torch.Tensor, unfit: torch.Tensor | None, config: dict,
+                    row_ref: torch.Tensor | None = None) -> None:
     """Launch only (arguments already checked): experts ``expert_ids[j]`` of ``blocks[E, N, K/32, 16]`` into
     ``w_out[j]`` ([G, N, K] e4m3, rows contiguous) and ``s_out[j]`` ([G, N, ceil(K/128)] fp32, any strides); adds the
-    count of unfit blocks to ``unfit`` (int32 [1]) when given. Enqueued on the current stream.
+    count of unfit blocks to ``unfit`` (int32 [1]) when given. ``row_ref`` (uint8 ``[E, N]``, from
+    :func:`row_references`): every group of a row takes the row's reference instead of its own top block, so the
+    row's group scales are all equal (exact for experts that ``fits``). Enqueued on the current stream.
     """
     n, kb = blocks.shape[1], blocks.shape[2]
     count = expert_ids.numel()
@@ -182,11 +190,12 @@ def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torc
     groups = config["GROUPS"]
     grid = (count, cdiv(n, config["BLOCK_N"]), cdiv(kb, groups * BLOCKS_PER_GROUP))
     codes, words = blocks.view(torch.int16), w_out.view(torch.int32)  # [E, N, K/32, 8], [G, N, K/4]
+    refs = scales if row_ref is None else row_ref  # (any tensor when unused)
     _convert_kernel[grid](
-        codes, scales, expert_ids, words, s_out, unfit if unfit is not None else expert_ids, n, kb, s_out.shape[2],
-        codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), words.stride(0), words.stride(1),
-        s_out.stride(0), s_out.stride(1), s_out.stride(2),
-        BLOCK_N=config["BLOCK_N"], GROUPS=groups, COUNT_UNFIT=unfit is not None,
+        codes, scales, expert_ids, refs, words, s_out, unfit if unfit is not None else expert_ids, n, kb,
+        s_out.shape[2], codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), refs.stride(0),
+        words.stride(0), words.stride(1), s_out.stride(0), s_out.stride(1), s_out.stride(2),
+        BLOCK_N=config["BLOCK_N"], GROUPS=groups, COUNT_UNFIT=unfit is not None, ROW_REF=row_ref is not None,
         PTX=blocks.device.type == "cuda" and torch.version.hip is None, num_warps=config["num_warps"],
     )
 

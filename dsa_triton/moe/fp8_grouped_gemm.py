@@ -101,31 +101,38 @@ def _tile(tiles_ptr, n_mtiles, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 def _grouped_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, tiles_ptr, n_mtiles, N, K,
                          stride_xm, stride_we, stride_wn, stride_swe, stride_swn, stride_swg, stride_ym,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, ROW_SCALED: tl.constexpr):
+    """``ROW_SCALED``: the weights' group scales are equal along each row (converted against the row's reference):
+    the tensor cores accumulate all of K and the row scale applies once, after the loop."""
     slot, row0, row_end, nt = _tile(tiles_ptr, n_mtiles, N, BLOCK_N, GROUP_M)  # slot: in this stage's half
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_in, col_in = rows < row_end, cols < N
+    rows_in = tl.minimum(rows, row_end - 1).to(tl.int64)  # clamped: no row or column masks on the loads
+    cols_in = tl.minimum(cols, N - 1).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + kk[None, :]
-    w_ptrs = w_ptr + slot * stride_we + cols.to(tl.int64)[None, :] * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
-    sw_ptrs = sw_ptr + slot * stride_swe + cols * stride_swn
+    x_ptrs = x_ptr + rows_in[:, None] * stride_xm + kk[None, :]
+    w_ptrs = w_ptr + slot * stride_we + cols_in[None, :] * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
+    sw_ptrs = sw_ptr + slot * stride_swe + cols_in * stride_swn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            a = tl.load(x_ptrs, mask=row_in[:, None], other=0.0)
-            b = tl.load(w_ptrs, mask=col_in[None, :], other=0.0)
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
         else:
             k_in = k0 + kk < K
-            a = tl.load(x_ptrs, mask=row_in[:, None] & k_in[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_in[:, None] & col_in[None, :], other=0.0)
-        sb = tl.load(sw_ptrs + (k0 // 128) * stride_swg, mask=col_in, other=0.0)
-        acc += tl.dot(a, b) * sb[None, :]
+            a = tl.load(x_ptrs, mask=k_in[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
+        if ROW_SCALED:
+            acc = tl.dot(a, b, acc)
+        else:
+            acc += tl.dot(a, b) * tl.load(sw_ptrs + (k0 // 128) * stride_swg)[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    acc *= tl.load(sx_ptr + rows, mask=row_in, other=0.0)[:, None]
+    if ROW_SCALED:
+        acc *= tl.load(sw_ptrs)[None, :]
+    acc *= tl.load(sx_ptr + rows_in)[:, None]
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
 
 @triton.jit
@@ -233,9 +240,9 @@ def plan_stages(offsets: list[int], block_m: int, stage_size: int | None, device
     return StagePlan(stage_size, packed[:n_active], packed[n_active:].view(-1, 3), stages)
 
 
-def launch_gemm(xq, sx, w_half, s_half, y, tiles, config) -> None:
+def launch_gemm(xq, sx, w_half, s_half, y, tiles, config, row_scaled: bool = False) -> None:
     """The FP8 GEMM of one workspace stage: rows ``tiles`` of ``xq`` against the stage's experts in ``w_half`` /
-    ``s_half``."""
+    ``s_half`` (``row_scaled``: converted against their rows' references, one scale per row)."""
     n_mtiles = tiles.shape[0]
     n, k = y.shape[1], xq.shape[1]
     if n_mtiles == 0:
@@ -246,7 +253,8 @@ def launch_gemm(xq, sx, w_half, s_half, y, tiles, config) -> None:
         xq.stride(0), w_half.stride(0), w_half.stride(1), s_half.stride(0), s_half.stride(1), s_half.stride(2),
         y.stride(0),
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
-        EVEN_K=k % config["BLOCK_K"] == 0, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        EVEN_K=k % config["BLOCK_K"] == 0, ROW_SCALED=row_scaled, num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
     )
 
 
@@ -279,11 +287,13 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def run_stages(plan: StagePlan, blocks, scales, xq, sx, y, w_slots, s_slots, config, convert_config, *,
-               unfit: torch.Tensor | None = None, overlap: bool = True, convert: bool = True,
-               gemm: bool = True) -> None:
+               unfit: torch.Tensor | None = None, row_ref: torch.Tensor | None = None, overlap: bool = True,
+               convert: bool = True, gemm: bool = True) -> None:
     """Enqueue every stage: conversion into alternating workspace halves, GEMM from them.
 
     ``w_slots [S, N, K]`` / ``s_slots [S, N, G]``: the leased slots, ``S`` = one or two stages' worth.
+    ``row_ref`` (uint8 ``[E, N]``, for experts that fit it): convert against each row's reference and accumulate
+    all of K on the tensor cores (else one scale per (row, 128-k group), applied per k step).
     ``overlap`` puts the conversions on a side stream (CUDA only); ``convert`` / ``gemm`` = False leave
     that part out (to time the other alone).
     """
@@ -302,13 +312,13 @@ def run_stages(plan: StagePlan, blocks, scales, xq, sx, y, w_slots, s_slots, con
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 if side is not None and i >= 2:
                     side.wait_event(consumed[i % 2])
-                convert_experts(blocks, scales, plan.experts[a0:a1], w_half, s_half, unfit, convert_config)
+                convert_experts(blocks, scales, plan.experts[a0:a1], w_half, s_half, unfit, convert_config, row_ref)
                 if side is not None:
                     converted[i % 2].record(side)
         if gemm:
             if side is not None:
                 main.wait_event(converted[i % 2])
-            launch_gemm(xq, sx, w_half, s_half, y, plan.tiles[t0:t1], config)
+            launch_gemm(xq, sx, w_half, s_half, y, plan.tiles[t0:t1], config, row_ref is not None)
             if side is not None:
                 consumed[i % 2].record(main)
     if side is not None:
@@ -378,35 +388,36 @@ def prefill_call(x_sorted, offsets: list[int], blocks, scales, y, config, worksp
     ``run(overlap=, convert=, gemm=)``, which enqueues everything into ``y`` and may be called again while the
     lease is held (``convert`` / ``gemm`` = False leave that part of the workspace route out, to time the other)."""
     n, kb = scales.shape[1], scales.shape[2]
-    block_m = config["BLOCK_M"]
-    fused = workspace_route = None
-    if config["IN_REGISTERS"]:
+    block_m, stage = config["BLOCK_M"], config["EXPERTS_PER_STAGE"]
+    fused, staged = None, []  # staged: (plan, row references or None) per workspace route
+    if config["IN_REGISTERS"] or config["ROW_SCALED"]:  # experts that fit their rows' references ...
         ref, fits = row_references(scales)
-        fused = plan_stages(offsets, block_m, None, y.device, take=fits)
-        if not all(fits):
-            workspace_route = plan_stages(offsets, block_m, config["EXPERTS_PER_STAGE"], y.device,
-                                          take=[not f for f in fits])
+        if config["IN_REGISTERS"]:
+            fused = plan_stages(offsets, block_m, None, y.device, take=fits)
+        else:
+            staged.append((plan_stages(offsets, block_m, stage, y.device, take=fits), ref))
+        if not all(fits):  # ... and the others, with a scale per (row, 128-k group)
+            staged.append((plan_stages(offsets, block_m, stage, y.device, take=[not f for f in fits]), None))
     else:
-        workspace_route = plan_stages(offsets, block_m, config["EXPERTS_PER_STAGE"], y.device)
-    staged = workspace_route is not None and bool(workspace_route.stages)
+        staged.append((plan_stages(offsets, block_m, stage, y.device), None))
+    staged = [(plan, row_ref) for plan, row_ref in staged if plan.stages]
     if not staged and (fused is None or not fused.stages):
         yield lambda **kw: None
         return
     xq, sx = quantize_activations_fp8(x_sorted)
     with contextlib.ExitStack() as stack:
         if staged:
-            slots = workspace_route.stage_size * min(2, len(workspace_route.stages))
+            slots = stage * min(2, max(len(plan.stages) for plan, _ in staged))
             workspace = workspace or shared_workspace(y.device, slots, n, 32 * kb)
             w_slots, s_slots = stack.enter_context(workspace.acquire(slots)).views(n, 32 * kb)
-            convert_config = CONVERT.launch_config("prefill", {"G": workspace_route.stage_size, "N": n, "K": 32 * kb},
-                                                   y.device)
+            convert_config = CONVERT.launch_config("prefill", {"G": stage, "N": n, "K": 32 * kb}, y.device)
 
         def run(overlap: bool = True, convert: bool = True, gemm: bool = True) -> None:
             if fused is not None and gemm:
                 launch_fused(xq, sx, blocks, scales, ref, y, fused, config)
-            if staged:
-                run_stages(workspace_route, blocks, scales, xq, sx, y, w_slots, s_slots, config, convert_config,
-                           unfit=unfit, overlap=overlap, convert=convert, gemm=gemm)
+            for plan, row_ref in staged:
+                run_stages(plan, blocks, scales, xq, sx, y, w_slots, s_slots, config, convert_config, unfit=unfit,
+                           row_ref=row_ref, overlap=overlap, convert=convert, gemm=gemm)
 
         yield run
 
@@ -424,6 +435,10 @@ SPACE = {
     "num_stages": (1, 2, 3, 4, 5),
     "EXPERTS_PER_STAGE": (1, 2, 4, 8, 16, 32),  # workspace route
     "IN_REGISTERS": (0, 1),  # 1: the registers route (experts it cannot take still go through the workspace)
+    # workspace route: 1 converts the experts that fit against their rows' references (one scale per row) and
+    # runs a plain FP8 GEMM (no per-group rescaling in the k loop); H200 probe of such a GEMM on the offline FP8
+    # copy, 128x256x128 / 8 warps / 3 stages: 1.04-1.20x torch._scaled_grouped_mm (plain-fp8-gemm-probe-...-1110)
+    "ROW_SCALED": (0, 1),
     "W_SMEM": (0, 1),  # registers route: converted weights as the shared-memory MMA operand (H200: 1.5-21% faster
     # on 8-warp and 256-wide tiles, from 12% slower to 4% faster on 64 x 128 / 4 warps; w-smem-probe-...-0700)
     "UNROLL": (1, 2),  # registers route: k loop unrolled twice, its wgmmas back to back at any num_stages (sm_90
@@ -431,11 +446,15 @@ SPACE = {
 }
 WORKSPACE_LIMIT = 4 * 2**30  # bytes of two stages of FP8 experts
 REGISTERS_ROUTE_KNOBS = {"W_SMEM": 0, "UNROLL": 1}  # the registers route's own knobs, at their workspace-route values
+WORKSPACE_ROUTE_KNOBS = {"ROW_SCALED": 0}  # the workspace route's own knob, at its registers-route value
 
 
-def route_config(config: dict, in_registers: int) -> dict:
-    """``config`` for one route: ``IN_REGISTERS`` set, the registers route's own knobs neutral on the other."""
-    return {**config, "IN_REGISTERS": in_registers, **({} if in_registers else REGISTERS_ROUTE_KNOBS)}
+def route_config(config: dict, in_registers: int, row_scaled: int = 0) -> dict:
+    """``config`` for one route: ``IN_REGISTERS`` set (and ``ROW_SCALED`` on the workspace route), the other
+    route's own knobs neutral."""
+    if in_registers:
+        return {**config, "IN_REGISTERS": 1, **WORKSPACE_ROUTE_KNOBS}
+    return {**config, "IN_REGISTERS": 0, **REGISTERS_ROUTE_KNOBS, "ROW_SCALED": row_scaled}
 
 
 def _constraint(config, shape) -> str | None:
@@ -444,6 +463,8 @@ def _constraint(config, shape) -> str | None:
         return "the registers route steps through K by 128-k groups (BLOCK_K=128)"
     if not config["IN_REGISTERS"] and any(config[k] != v for k, v in REGISTERS_ROUTE_KNOBS.items()):
         return f"{', '.join(REGISTERS_ROUTE_KNOBS)} are choices of the registers route"
+    if config["IN_REGISTERS"] and any(config[k] != v for k, v in WORKSPACE_ROUTE_KNOBS.items()):
+        return f"{', '.join(WORKSPACE_ROUTE_KNOBS)} is a choice of the workspace route"
     if config["num_stages"] * config["UNROLL"] * (bm + bn) * bk > 200 * 1024:
         return "x and w tiles of all pipeline stages (twice unrolled: twice as many) exceed 200 KB of shared memory"
     if bm * bn > 128 * 32 * config["num_warps"]:
@@ -457,20 +478,26 @@ def _constraint(config, shape) -> str | None:
     return None
 
 
+REGISTERS_TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+WORKSPACE_TILE = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+
+
 def _default(phase, shape):
     """Measured on the H200 (2026-11-30, results/h200/moe-prefill-sweep-nvidia-h200-20261130-0542.json): the
-    registers route with 64 x 128 tiles and 4 warps won at T = 4096 (both GEMMs) and for gate_up at T = 16384
-    (by 7-109 % over 8-warp and 256-wide tiles); the down GEMM (short K) at T = 16384 preferred 128 x 256, 8 warps."""
+    registers route with 64 x 128 tiles and 4 warps won at T = 4096 (both GEMMs; 0.59-0.60 of
+    torch._scaled_grouped_mm in session 4) and for gate_up at T = 16384 (0.53). Above 256 routed rows per expert
+    (T = 16384) the row-scaled workspace route with :data:`WORKSPACE_TILE`: its GEMM alone ran 1.16-1.20x
+    torch._scaled_grouped_mm there, its conversion 2.1-4.3 ms (plain-fp8-gemm-probe-...-1110): predicted
+    0.77-0.79 of torch serialized, more where the conversion overlaps."""
     rows_tile = max(16, bucket(shape["M"]))  # the constraint's bound on BLOCK_M (few routed rows)
     if shape["M"] * shape["N"] * shape["K"] < 2**24:  # interpreter-sized: few programs, still two stages
         return {"BLOCK_M": min(32, rows_tile), "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
                 "num_stages": 2, "EXPERTS_PER_STAGE": min(2, bucket(shape["E"])), "IN_REGISTERS": 1, "W_SMEM": 0,
-                "UNROLL": 1}
-    config = {"BLOCK_M": min(64, rows_tile), "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4,
-              "num_stages": 3, "EXPERTS_PER_STAGE": min(8, bucket(shape["E"])), "IN_REGISTERS": 1, "W_SMEM": 0,
-              "UNROLL": 1}
-    if shape["M"] / max(1, shape["E"]) > 256 and shape["K"] <= 4096:
-        config.update(BLOCK_M=128, BLOCK_N=256, num_warps=8)
+                "UNROLL": 1, "ROW_SCALED": 0}
+    config = {**REGISTERS_TILE, "BLOCK_M": min(64, rows_tile), "EXPERTS_PER_STAGE": min(8, bucket(shape["E"])),
+              "IN_REGISTERS": 1, "W_SMEM": 0, "UNROLL": 1, "ROW_SCALED": 0}
+    if shape["M"] / max(1, shape["E"]) > 256:
+        config = {**route_config(config, 0, row_scaled=1), **WORKSPACE_TILE}
     return config
 
 

@@ -7,7 +7,9 @@ top-8, random routing, trained-layer-like MXFP4 scales) one row:
 - ``ours_us``: :func:`fp8_grouped_gemm` end to end with its default config (offsets read on the host, x
   quantized, then the route the config names); ``quantize_us``: the activation quantization alone;
 - ``registers_us``: the registers route (weights converted on their way to the tensor cores, no workspace);
-- ``workspace_us``: the workspace route end to end; its stages' conversions alone (``convert_us``), GEMMs alone
+- ``workspace_us``: the workspace route end to end (the config's when it names that route, else the row-scaled
+  workspace route with :data:`.fp8_grouped_gemm.WORKSPACE_TILE`; the registers route likewise with
+  ``REGISTERS_TILE``); its stages' conversions alone (``convert_us``), GEMMs alone
   (``gemm_us``), both on one stream (``serial_us``) and with conversions on the side stream (``pipelined_us``);
   ``hidden`` = (serial - pipelined) / min(convert, gemm), the part of the shorter one the overlap hides;
 - ``fp8_us``: the faster of ``torch._scaled_mm`` per active expert and ``torch._scaled_grouped_mm`` on an
@@ -34,7 +36,8 @@ import torch
 
 from .. import registry
 from ..harness import time_us
-from .fp8_grouped_gemm import SPEC, fp8_grouped_gemm, prefill_call, quantize_activations_fp8, route_config
+from .fp8_grouped_gemm import (SPEC, REGISTERS_TILE, WORKSPACE_TILE, fp8_grouped_gemm, prefill_call, quantize_activations_fp8,
+                               route_config)
 from .fused_moe import random_routing
 from .mxfp4 import mxfp4_dequantize, realistic_mxfp4
 from .prefill_baselines import (active_spans, grouped_mm, mm_loop, offline_fp8_experts, tensorwise_fp8,
@@ -77,7 +80,11 @@ def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, d
     spans = active_spans(offsets)
     shape = {"M": m, "E": experts, "N": n, "K": k}
     config = SPEC.launch_config("prefill", shape, device)
-    routes = {route: {**route_config(config, route), "BLOCK_K": 128} for route in (0, 1)}
+    # each route with the config's tile when the config names that route, else that route's default tile (if valid)
+    other = 0 if config["IN_REGISTERS"] else 1
+    routes = {1 - other: config, other: route_config(config, other, row_scaled=1)}
+    with_tile = {**routes[other], **(REGISTERS_TILE if other else WORKSPACE_TILE)}
+    routes[other] = with_tile if SPEC.is_valid(with_tile, shape) else {**routes[other], "BLOCK_K": 128}
     cuda = device.type == "cuda"
 
     # ours first, so the peak memory is that of the MXFP4 weights, x, y and the workspace only
