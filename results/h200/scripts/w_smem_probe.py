@@ -2,9 +2,10 @@
 added ``num_stages`` 1 and ``UNROLL`` 2, the two ways found for ptxas to keep the 64x128 tile's wgmmas back to
 back) over a few tiles, against ``torch._scaled_grouped_mm`` on the offline FP8 copy, for the issue-5 prefill shapes. Prints a
 table (one row per tile, the (W_SMEM, stages, UNROLL) variants as columns); writes JSON lines to
-``$OUT/w_smem_probe.jsonl``. Run from the repository root."""
+``$OUT/w_smem_probe.jsonl``. Run from the repository root; session 4: tiles and variants as JSON arguments."""
 import json
 import os
+import sys
 
 import torch
 
@@ -16,9 +17,12 @@ from dsa_triton.moe.prefill_baselines import offline_fp8_experts, scaled_grouped
 
 dev = torch.device("cuda")
 out = open(os.path.join(os.environ.get("OUT", "."), "w_smem_probe.jsonl"), "w")
-tiles = [dict(BLOCK_M=64, BLOCK_N=128, num_warps=4), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8),
-         dict(BLOCK_M=128, BLOCK_N=256, num_warps=8)]
-variants = [(0, 3, 1), (1, 3, 1), (0, 1, 1), (0, 3, 2), (1, 2, 2)]  # (W_SMEM, num_stages, UNROLL)
+# argv (optional, JSON): the tiles, then the (W_SMEM, num_stages, UNROLL) variants
+tiles = json.loads(sys.argv[1]) if len(sys.argv) > 1 else [
+    dict(BLOCK_M=64, BLOCK_N=128, num_warps=4), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8),
+    dict(BLOCK_M=128, BLOCK_N=256, num_warps=8)]
+variants = [tuple(v) for v in json.loads(sys.argv[2])] if len(sys.argv) > 2 else [
+    (0, 3, 1), (1, 3, 1), (0, 1, 1), (0, 3, 2), (1, 2, 2)]
 print("| gemm | T | tile | " + " | ".join(f"W_SMEM={w} stages={s} UNROLL={u} us" for w, s, u in variants)
       + " | fp8 grouped us | vs_fp8 (best) | rel err |")
 for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
@@ -42,7 +46,7 @@ for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
                 w_smem, stages, unroll = variant
                 label = ",".join(map(str, variant))
                 cfg = {**base, **tile, "IN_REGISTERS": 1, "BLOCK_K": 128, "W_SMEM": w_smem, "num_stages": stages,
-                       "UNROLL": unroll}
+                       "UNROLL": unroll, "ROW_SCALED": 0}
                 try:
                     cfg = SPEC.validate(cfg, shape)
                     y = fp8_grouped_gemm(x, offsets, blocks, scales, config=cfg)
