@@ -21,7 +21,7 @@ from .attention.topk import topk_indices  # noqa: E402
 # moe: MXFP4 format and conversion, workspace, routing, grouped GEMMs, the layer
 from .moe import (FP8Workspace, RoutingConfig, deepseek_topk, fp8_grouped_gemm, fused_moe_gemm,  # noqa: E402
                   moe_forward, mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8, route, route_topk,
-                  softmax_topk)
+                  softmax_topk, swiglu)
 
 __all__ = [
     "registry", "ConfigError",
@@ -31,5 +31,6 @@ __all__ = [
     "sparse_attention_decode", "sparse_attention_prefill", "topk_indices",
     # moe
     "mxfp4_quantize", "mxfp4_dequantize", "mxfp4_to_fp8", "FP8Workspace", "fp8_grouped_gemm",
-    "RoutingConfig", "deepseek_topk", "softmax_topk", "route", "route_topk", "fused_moe_gemm", "moe_forward",
+    "RoutingConfig", "deepseek_topk", "softmax_topk", "route", "route_topk", "fused_moe_gemm", "swiglu",
+    "moe_forward",
 ]
