@@ -67,15 +67,22 @@ def _nanmin(*xs: float) -> float:
     return min(finite) if finite else math.nan
 
 
-def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, device: torch.device,
-             ceilings) -> dict:
-    gen = torch.Generator(device).manual_seed(tokens + n)
+def routed_rows(tokens: int, experts: int, top_k: int, k: int, device: torch.device, seed: int,
+                dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(offsets int32 [E + 1], x [T * top_k, K] in dtype)``: T tokens routed to top_k distinct experts each,
+    uniformly (CSR row offsets per expert), and random rows, from one generator seeded ``seed``."""
+    gen = torch.Generator(device).manual_seed(seed)
     _, ids = random_routing(tokens, experts, top_k, device, gen)
     counts = torch.bincount(ids.flatten().long(), minlength=experts)
     offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
+    return offsets, torch.randn(tokens * top_k, k, generator=gen, device=device).to(dtype)
+
+
+def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, device: torch.device,
+             ceilings) -> dict:
     m = tokens * top_k
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
-    x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+    offsets, x = routed_rows(tokens, experts, top_k, k, device, tokens + n, dtype)
     blocks, scales = realistic_mxfp4((experts, n), k, device, seed=1, outliers=0.0)
     spans = active_spans(offsets)
     shape = {"M": m, "E": experts, "N": n, "K": k}

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from dsa_triton.harness import time_us
 from dsa_triton.moe.fp8_grouped_gemm import _tile, plan_stages, quantize_activations_fp8
-from dsa_triton.moe.fused_moe import random_routing
+from dsa_triton.moe.prefill_report import routed_rows
 from dsa_triton.moe.mxfp4 import realistic_mxfp4
 from dsa_triton.moe.convert import mxfp4_to_fp8
 from dsa_triton.moe.prefill_baselines import offline_fp8_experts, scaled_grouped_mm
@@ -55,11 +55,8 @@ for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
     w8, s8 = offline_fp8_experts(blocks, scales)
     sw = s8[:, None].expand(256, n).contiguous()
     for t in (4096, 16384):
-        gen = torch.Generator(dev).manual_seed(t + n)
-        _, ids = random_routing(t, 256, 8, dev, gen)
-        counts = torch.bincount(ids.flatten().long(), minlength=256)
-        offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
-        x = torch.randn(t * 8, k, generator=gen, device=dev).to(torch.bfloat16)
+        offsets, x = routed_rows(t, 256, 8, k, dev, t + n)
+        counts = offsets[1:] - offsets[:-1]
         xq, sx = quantize_activations_fp8(x)
         torch_us = time_us(lambda: scaled_grouped_mm(xq, sx, w8, s8, offsets), dev)
         ref = scaled_grouped_mm(xq, sx, w8, s8, offsets).float()

@@ -6,16 +6,12 @@ import sys
 import torch
 
 from dsa_triton.moe.fp8_grouped_gemm import REGISTERS_TILE, WORKSPACE_TILE, SPEC, fp8_grouped_gemm, route_config
-from dsa_triton.moe.fused_moe import random_routing
+from dsa_triton.moe.prefill_report import routed_rows
 from dsa_triton.moe.mxfp4 import realistic_mxfp4
 
 dev = torch.device("cuda")
 t, n, k = 4096, 4096, 7168
-gen = torch.Generator(dev).manual_seed(t + n)
-_, ids = random_routing(t, 256, 8, dev, gen)
-counts = torch.bincount(ids.flatten().long(), minlength=256)
-offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
-x = torch.randn(t * 8, k, generator=gen, device=dev).to(torch.bfloat16)
+offsets, x = routed_rows(t, 256, 8, k, dev, t + n)
 blocks, scales = realistic_mxfp4((256, n), k, dev, seed=1, outliers=0.0)
 base = SPEC.launch_config("prefill", {"M": t * 8, "E": 256, "N": n, "K": k}, dev)
 registers = len(sys.argv) < 2 or sys.argv[1] == "registers"

@@ -11,7 +11,7 @@ import torch
 
 from dsa_triton.harness import time_us
 from dsa_triton.moe.fp8_grouped_gemm import SPEC, fp8_grouped_gemm
-from dsa_triton.moe.fused_moe import random_routing
+from dsa_triton.moe.prefill_report import routed_rows
 from dsa_triton.moe.mxfp4 import realistic_mxfp4
 from dsa_triton.moe.prefill_baselines import offline_fp8_experts, scaled_grouped_mm, tensorwise_fp8
 
@@ -27,11 +27,7 @@ print("| gemm | T | tile | " + " | ".join(f"W_SMEM={w} stages={s} UNROLL={u} us"
       + " | fp8 grouped us | vs_fp8 (best) | rel err |")
 for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
     for t in (4096, 16384):
-        gen = torch.Generator(dev).manual_seed(t + n)
-        _, ids = random_routing(t, 256, 8, dev, gen)
-        counts = torch.bincount(ids.flatten().long(), minlength=256)
-        offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
-        x = torch.randn(t * 8, k, generator=gen, device=dev).to(torch.bfloat16)
+        offsets, x = routed_rows(t, 256, 8, k, dev, t + n)
         blocks, scales = realistic_mxfp4((256, n), k, dev, seed=1, outliers=0.0)
         w8, s8 = offline_fp8_experts(blocks, scales)
         xq, sx = tensorwise_fp8(x)
