@@ -87,6 +87,8 @@ def graph_time_us(call: Callable[[T], Any], sets: Sequence[T], device: torch.dev
     per call (the graph's own launch, ~4.6 us on the H200, shared by them, as in a decode step's graph).
     NaN off the GPU. A capture failure (an op that syncs) raises ``RuntimeError``.
     """
+    if not isinstance(calls_per_graph, int) or calls_per_graph < 1:
+        raise ValueError(f"calls_per_graph: expected a positive int, got {calls_per_graph!r}")
     device = torch.device(device)
     if device.type != "cuda":
         return float("nan")

@@ -118,23 +118,28 @@ def test_byte_permute_kernels_compile_for_hopper():
     from dsa_triton import aot
 
     launches = []
-    for k, config in ((256, {**REGISTERS, "BLOCK_M": 64, "BLOCK_N": 128}),
-                      (160, {**REGISTERS, "BLOCK_M": 64, "BLOCK_N": 128, "W_SMEM": 1, "UNROLL": 2}),
-                      (256, {**CONFIG, "BLOCK_K": 128})):  # the workspace route: the conversion kernel
+    for k, config, kernels in (
+            (256, {**REGISTERS, "BLOCK_M": 64, "BLOCK_N": 128}, ["_fused_gemm_kernel"]),
+            (160, {**REGISTERS, "BLOCK_M": 64, "BLOCK_N": 128, "W_SMEM": 1, "UNROLL": 2}, ["_fused_gemm_kernel"]),
+            (256, {**CONFIG, "BLOCK_K": 128}, ["_convert_kernel"]),  # the workspace route's conversion
+            (256, {**ROWS, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128},  # row-scaled: ROW_REF, ROW_SCALED
+             ["_convert_kernel", "_grouped_gemm_kernel"])):
         x, offsets, blocks, scales = problem([40, 30], 128, k, seed=k)
         with aot.record_launches(execute=False) as recorded:
             try:
                 fp8_grouped_gemm(x, offsets, blocks, scales, config=config)
             except (IndexError, RuntimeError, ValueError):  # host code read an output the skipped launch left
                 pass
-        kernel = "_fused_gemm_kernel" if config["IN_REGISTERS"] else "_convert_kernel"
-        (launch,) = [r for r in recorded if r["kernel"] == kernel]
-        launch["values"]["PTX"] = True
-        launches.append({**launch, "ptx_needles": ["prmt.b32"]})
+        for kernel in kernels:
+            (launch,) = [r for r in recorded if r["kernel"] == kernel]
+            flags = [launch["values"][f] for f in ("ROW_REF", "ROW_SCALED") if f in launch["values"]]
+            assert flags == [bool(config["ROW_SCALED"])] * len(flags)
+            launch["values"]["PTX"] = True
+            launches.append({**launch, "ptx_needles": ["prmt.b32"]})
     results = aot.compile_in_subprocess(launches, info=True)
-    assert [r["error"] for r in results] == [None] * 3, results
-    assert all(r["ptx_has"]["prmt.b32"] for r in results)
-    assert [r["gmma"] > 0 for r in results] == [True, True, False]
+    assert [r["error"] for r in results] == [None] * 5, results
+    assert [r["ptx_has"]["prmt.b32"] for r in results] == [True, True, True, True, False]
+    assert [r["gmma"] > 0 for r in results] == [True, True, False, False, True]
 
 
 @pytest.mark.parametrize("config", [CONFIG, REGISTERS, ROWS])
@@ -147,6 +152,23 @@ def test_k_short_of_the_padded_weights_and_rows_outside_every_expert(config):
     assert not y[:3].any() and not y[26:].any()
     none = fp8_grouped_gemm(x, torch.zeros(4, dtype=torch.int32), blocks, scales, config=config)
     assert none.shape == (30, 40) and not none.any()
+
+
+@pytest.mark.parametrize("config", [{**REGISTERS, "BLOCK_M": 32, "BLOCK_N": 64}, {**ROWS, "BLOCK_M": 32, "BLOCK_N": 64}])
+def test_an_expert_beyond_its_row_reference_keeps_its_low_group(config):
+    """An expert whose second 128-k group lies 14 binades below its first goes through the per-group route: its
+    rows, which only see that group, come out right (flushed against the row's reference they would be zero)."""
+    x, offsets, blocks, scales = problem([6, 9, 5, 7], 40, 256, seed=12)
+    scales[2, :, 4:] = scales[2, :, :4].amin(-1, keepdim=True) - 14
+    a, b = int(offsets[2]), int(offsets[3])
+    x[a:b, :128] = 0
+    assert row_references(scales)[1] == [True, True, False, True]
+    with poisoned_allocations():
+        workspace = FP8Workspace(4, [(40, 256)], "cpu")
+        y = fp8_grouped_gemm(x, offsets, blocks, scales, config=config, workspace=workspace)
+    check_against_reference(y, x, offsets, blocks, scales)
+    ref = fp8_grouped_gemm_torch(x, offsets, blocks, scales)[a:b]
+    assert float((y[a:b].float() - ref).norm() / ref.norm()) < 1e-2
 
 
 def test_unfit_blocks_are_counted_in_the_given_workspace():
@@ -166,7 +188,9 @@ def test_default_config_serves_few_rows_and_one_expert(counts):
     # the default tile must respect the constraint's BLOCK_M <= max(16, bucket(M)) and stage <= bucket(E)
     x, offsets, blocks, scales = problem(counts, 24, 64, seed=len(counts) + sum(counts))
     for shape in ({"M": sum(counts), "E": len(counts), "N": 24, "K": 64},
-                  {"M": 20, "E": 1, "N": 4096, "K": 7168}, {"M": 0, "E": 256, "N": 4096, "K": 7168}):
+                  {"M": 20, "E": 1, "N": 4096, "K": 7168}, {"M": 0, "E": 256, "N": 4096, "K": 7168},
+                  {"M": 131072, "E": 256, "N": 4096, "K": 7168}, {"M": 300, "E": 1, "N": 4096, "K": 7168},
+                  {"M": 1000, "E": 8, "N": 32768, "K": 32768}):  # row-scaled defaults; a stage under 4 GiB
         spec = registry.get("moe_workspace_gemm")
         assert spec.is_valid(spec.default("prefill", shape), shape), shape
     with poisoned_allocations():
@@ -174,6 +198,15 @@ def test_default_config_serves_few_rows_and_one_expert(counts):
     if sum(counts):
         check_against_reference(y, x, offsets, blocks, scales)
     assert y.shape == (sum(counts), 24)
+
+
+def test_default_takes_the_row_scaled_route_above_256_rows_per_expert():
+    x, offsets, blocks, scales = problem([300, 220], 128, 256, seed=4)
+    config = registry.get("moe_workspace_gemm").default("prefill", {"M": 520, "E": 2, "N": 128, "K": 256})
+    assert (config["IN_REGISTERS"], config["ROW_SCALED"]) == (0, 1)
+    with poisoned_allocations():
+        y = fp8_grouped_gemm(x, offsets, blocks, scales, config=config)
+    check_against_reference(y, x, offsets, blocks, scales)
 
 
 @pytest.mark.parametrize("change, match", [

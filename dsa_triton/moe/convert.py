@@ -2,7 +2,8 @@
 
 Semantics and oracle: :mod:`.convert_reference`. One program converts ``BLOCK_N`` rows x ``GROUPS``
 128-k groups of one expert: it reads the groups' E8M0 scales, takes ``ref = max - 6`` per group and
-``d`` = binades of each block below its group's top, and writes the group scale ``2^(ref - 127)``. Values are
+``d`` = binades of each block below its group's top, and writes the group scale ``2^(ref - 127)`` (or, given
+each row's reference exponent, ``ROW_REF``, the same for every group of the row: one scale per row). Values are
 ``e2m1 * 2^(6 - d)`` in e4m3, made from the code bits by byte permutes, four per 16 bits of codes (:func:`permute_codes`:
 PTX ``prmt`` against each block's 8-byte table of its E2M1 magnitudes), about 1.5 integer operations per value,
 so the kernel stays bound by memory. The tables: where every ``d <= 11`` in the tile (every value a normal e4m3

@@ -77,15 +77,15 @@ def moe_decode_report(device, ceilings) -> list[dict]:
             try:
                 fused_graph_us = graph_time_us(lambda s: SPEC.run(s, config), sets, device)
                 bf16_graph_us = graph_time_us(SPEC.baseline, sets, device)
+                steady_us = graph_time_us(lambda s: SPEC.run(s, config), sets, device, calls_per_graph=STEADY_CALLS)
             except RuntimeError as exc:  # a capture failure must not hide the eager figures
                 row["graph_error"] = repr(exc)[:200]
             else:
                 fraction_graph = copy_fraction(mxfp4_bytes, fused_graph_us, ceilings)
                 row.update(fused_graph_us=fused_graph_us, bf16_graph_us=bf16_graph_us,
                            speedup_graph=bf16_graph_us / fused_graph_us, copy_fraction_graph=fraction_graph,
-                           verdict_graph=verdict(fraction_graph, bf16_graph_us / fused_graph_us))
-                steady_us = graph_time_us(lambda s: SPEC.run(s, config), sets, device, calls_per_graph=STEADY_CALLS)
-                row.update(steady_us=steady_us, copy_fraction_steady=copy_fraction(mxfp4_bytes, steady_us, ceilings))
+                           verdict_graph=verdict(fraction_graph, bf16_graph_us / fused_graph_us),
+                           steady_us=steady_us, copy_fraction_steady=copy_fraction(mxfp4_bytes, steady_us, ceilings))
             kernel_us = fused_kernel_us(config, sets)
             row.update(kernel_us=kernel_us, copy_fraction_kernel=copy_fraction(mxfp4_bytes, kernel_us, ceilings))
         row["config"] = json.dumps(config)

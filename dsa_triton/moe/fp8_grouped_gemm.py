@@ -7,7 +7,9 @@ One call:
 2. quantizes ``x`` to e4m3 with one power-of-two scale per row (``_quantize_rows_kernel``; oracle
    :func:`.fp8_grouped_gemm_reference.quantize_rows_fp8_torch`, bit for bit);
 3. multiplies by one of two routes (config ``IN_REGISTERS``), both over row tiles of ``BLOCK_M`` rows of one
-   expert x ``BLOCK_N`` output columns, ``GROUP_M`` row tiles per N column for L2 reuse:
+   expert x ``BLOCK_N`` output columns, ``GROUP_M`` row tiles per N column for L2 reuse (the tensor cores
+   accumulate all of K at their own fp8 precision on the registers route and the row-scaled workspace route, as
+   ``torch._scaled_mm(use_fast_accum=True)`` does; the per-group workspace route adds each BLOCK_K in fp32):
 
    - registers (1), ``_fused_gemm_kernel``: reads the MXFP4 codes and converts each weight tile to e4m3 on its
      way to the tensor cores (:func:`.convert.e4m3_words`: two byte permutes per four weights), the weights being
@@ -20,7 +22,10 @@ One call:
      fp32 scale per (row, 128-k group)) into half ``s % 2`` of a workspace lease on a side stream while the main
      stream runs the GEMM of stage ``s - 1`` from the other half (events order each half's conversion and GEMM);
      ``_grouped_gemm_kernel`` adds ``dot(x_q, w_q^T) * sw[:, g]`` per 128-k group, the row scales of x after
-     the loop.
+     the loop. With ``ROW_SCALED`` the experts that fit their rows' references (as the registers route takes
+     them) are converted against those references instead, so a row's group scales are equal and the GEMM is a
+     plain FP8 GEMM with one weight scale per row after the loop (H200: the faster route above ~256 rows per
+     expert); the other experts then follow, per group, in the same lease.
 
 Why two streams rather than one persistent kernel for the workspace route: conversion is memory-bound integer
 work, the GEMM tensor-core work; as two kernels on two streams the hardware runs conversion CTAs beside GEMM CTAs
@@ -364,7 +369,7 @@ def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, block
     - ``workspace``: default the device's :func:`shared_workspace` (leased only when an expert takes the
       workspace route, whose conversions run on a side stream);
     - ``unfit_counter`` int32 ``[1]``: if given, the number of unfit blocks (see :mod:`.convert_reference`) is
-      added to it, no sync (the registers route only takes experts that have none).
+      added to it, no sync (the registers and row-scaled routes only take experts that have none).
 
     Returns ``y_sorted [M, N]`` in ``x_sorted``'s dtype (rows outside every expert are 0). Reads
     ``expert_offsets`` on the host (one sync), so it is not for CUDA-graph capture (the decode path is).
@@ -450,8 +455,10 @@ WORKSPACE_ROUTE_KNOBS = {"ROW_SCALED": 0}  # the workspace route's own knob, at 
 
 
 def route_config(config: dict, in_registers: int, row_scaled: int = 0) -> dict:
-    """``config`` for one route: ``IN_REGISTERS`` set (and ``ROW_SCALED`` on the workspace route), the other
-    route's own knobs neutral."""
+    """``config`` for one route: ``IN_REGISTERS`` set (and ``ROW_SCALED`` on the workspace route; the registers
+    route has no such choice, so ``row_scaled`` must then be 0), the other route's own knobs neutral."""
+    if in_registers and row_scaled:
+        raise ValueError("row_scaled is a choice of the workspace route (in_registers=0)")
     if in_registers:
         return {**config, "IN_REGISTERS": 1, **WORKSPACE_ROUTE_KNOBS}
     return {**config, "IN_REGISTERS": 0, **REGISTERS_ROUTE_KNOBS, "ROW_SCALED": row_scaled}
@@ -494,7 +501,10 @@ def _default(phase, shape):
         return {"BLOCK_M": min(32, rows_tile), "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
                 "num_stages": 2, "EXPERTS_PER_STAGE": min(2, bucket(shape["E"])), "IN_REGISTERS": 1, "W_SMEM": 0,
                 "UNROLL": 1, "ROW_SCALED": 0}
-    config = {**REGISTERS_TILE, "BLOCK_M": min(64, rows_tile), "EXPERTS_PER_STAGE": min(8, bucket(shape["E"])),
+    stage = min(8, bucket(shape["E"]))
+    while stage > 1 and 2 * stage * shape["N"] * shape["K"] > WORKSPACE_LIMIT:  # the constraint's bound
+        stage //= 2
+    config = {**REGISTERS_TILE, "BLOCK_M": min(64, rows_tile), "EXPERTS_PER_STAGE": stage,
               "IN_REGISTERS": 1, "W_SMEM": 0, "UNROLL": 1, "ROW_SCALED": 0}
     if shape["M"] / max(1, shape["E"]) > 256:
         config = {**route_config(config, 0, row_scaled=1), **WORKSPACE_TILE}

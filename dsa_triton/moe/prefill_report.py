@@ -89,7 +89,7 @@ def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, d
     config = SPEC.launch_config("prefill", shape, device)
     # each route with the config's tile when the config names that route, else that route's default tile (if valid)
     other = 0 if config["IN_REGISTERS"] else 1
-    routes = {1 - other: config, other: route_config(config, other, row_scaled=1)}
+    routes = {1 - other: config, other: route_config(config, other, row_scaled=1 - other)}
     with_tile = {**routes[other], **(REGISTERS_TILE if other else WORKSPACE_TILE)}
     routes[other] = with_tile if SPEC.is_valid(with_tile, shape) else {**routes[other], "BLOCK_K": 128}
     cuda = device.type == "cuda"
