@@ -258,3 +258,16 @@ def test_kernel_compiles_for_hopper():
     assert [r["error"] for r in results] == [None] * len(cases), results
     assert [r["ptx_has"]["0x000F000F"] for r in results] == [c[6] == torch.bfloat16 for c in cases]
     assert [r["gmma"] > 0 for r in results] == [c[0] >= 16 for c in cases]  # wgmma beyond 8-row blocks
+
+
+def test_registry_inputs_run_reference_and_baseline_agree():
+    """The registry's CPU shapes (gate_up gathers tokens; down reads class-major rows, as the layer passes them,
+    and the bf16 baseline its row-major twin): op, oracle and baseline agree, and a wrong result is caught."""
+    for shape in SPEC.bench_shapes("decode", False):
+        inputs = SPEC.make_inputs("decode", shape, CPU, 3)
+        assert inputs["x"].dim() == (2 if shape["gather"] else 3)
+        ref = SPEC.reference(inputs)
+        out = SPEC.run(inputs, SPEC.launch_config("decode", shape, "cpu"))
+        assert SPEC.compare(out, ref) is None
+        assert SPEC.compare(SPEC.baseline(inputs), ref) is None
+        assert SPEC.compare(out * 1.05, ref) is not None
