@@ -255,7 +255,7 @@ def test_prefill_report_runs_both_routes_on_the_cpu(monkeypatch):
     rows = registry.reports()["moe_prefill"](torch.device("cpu"), None)
     assert [r["gemm"] for r in rows] == ["gate_up", "down"]
     for r in rows:
-        assert "error" not in r and r["rel_err"] < 0.05, r
+        assert "error" not in r and max(r["rel_err"], r["rel_err_workspace"], r["rel_err_registers"]) < 0.05, r
         assert json.loads(r["config"])["W_SMEM"] == 1 and json.loads(r["config"])["UNROLL"] == 2
         times = [r[k] for k in ("ours_us", "registers_us", "workspace_us", "convert_us", "gemm_us", "pipelined_us")]
         assert all(t > 0 for t in times), times  # NaN (a path that raised) fails too
