@@ -391,7 +391,8 @@ def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, block
 def prefill_call(x_sorted, offsets: list[int], blocks, scales, y, config, workspace=None, unfit=None):
     """Plan the routes, quantize ``x``, lease the workspace if an expert takes that route; yields
     ``run(overlap=, convert=, gemm=)``, which enqueues everything into ``y`` and may be called again while the
-    lease is held (``convert`` / ``gemm`` = False leave that part of the workspace route out, to time the other)."""
+    lease is held (``convert`` / ``gemm`` = False leave that part of the workspace route out, to time the other);
+    ``run.leased_slots``: the workspace slots the call holds (0 without a workspace route)."""
     n, kb = scales.shape[1], scales.shape[2]
     block_m, stage = config["BLOCK_M"], config["EXPERTS_PER_STAGE"]
     fused, staged = None, []  # staged: (plan, row references or None) per workspace route
@@ -407,7 +408,10 @@ def prefill_call(x_sorted, offsets: list[int], blocks, scales, y, config, worksp
         staged.append((plan_stages(offsets, block_m, stage, y.device), None))
     staged = [(plan, row_ref) for plan, row_ref in staged if plan.stages]
     if not staged and (fused is None or not fused.stages):
-        yield lambda **kw: None
+        def nothing(**kw) -> None:
+            pass
+        nothing.leased_slots = 0
+        yield nothing
         return
     xq, sx = quantize_activations_fp8(x_sorted)
     with contextlib.ExitStack() as stack:
@@ -424,6 +428,7 @@ def prefill_call(x_sorted, offsets: list[int], blocks, scales, y, config, worksp
                 run_stages(plan, blocks, scales, xq, sx, y, w_slots, s_slots, config, convert_config, unfit=unfit,
                            row_ref=row_ref, overlap=overlap, convert=convert, gemm=gemm)
 
+        run.leased_slots = slots if staged else 0
         yield run
 
 
@@ -434,9 +439,9 @@ SPACE = {
     "BLOCK_K": (64, 128),  # divides the 128-k scale group
     "GROUP_M": (1, 4, 8, 16),
     "num_warps": (4, 8),
-    # 1: no software pipelining: one of two ways found (UNROLL=2 the other) for the registers route's wgmmas to go
-    # back to back on sm_90 at 64 x 128 / 4 warps, where 2-4 stages serialize them (advisory C7515, 8 ARRIVE /
-    # DEPBAR pairs a step; static, results/h200/ptxas-sm90-registers-route-20261130.md); not yet timed
+    # 1: no software pipelining, the registers route's wgmmas back to back on sm_90 (2-4 stages serialize them:
+    # advisory C7515, ptxas-sm90-registers-route-20261130.md); H200 gate_up T=4096, 64 x 128 / 4 warps: 7233 us
+    # vs 5243 at 3 stages (w-smem-probe-...-1050): the lost prefetch costs more than the serialization
     "num_stages": (1, 2, 3, 4, 5),
     "EXPERTS_PER_STAGE": (1, 2, 4, 8, 16, 32),  # workspace route
     "IN_REGISTERS": (0, 1),  # 1: the registers route (experts it cannot take still go through the workspace)
@@ -447,7 +452,8 @@ SPACE = {
     "W_SMEM": (0, 1),  # registers route: converted weights as the shared-memory MMA operand (H200: 1.5-21% faster
     # on 8-warp and 256-wide tiles, from 12% slower to 4% faster on 64 x 128 / 4 warps; w-smem-probe-...-0700)
     "UNROLL": (1, 2),  # registers route: k loop unrolled twice, its wgmmas back to back at any num_stages (sm_90
-    # SASS; 64 x 128 / 4 warps: 235 registers instead of 166, 2 programs per SM instead of 3); not yet timed
+    # SASS; 64 x 128 / 4 warps: 235 registers instead of 166, 2 programs per SM instead of 3); H200 gate_up
+    # T=4096: 8951 us vs 5243 (w-smem-probe-...-1050)
 }
 WORKSPACE_LIMIT = 4 * 2**30  # bytes of two stages of FP8 experts
 REGISTERS_ROUTE_KNOBS = {"W_SMEM": 0, "UNROLL": 1}  # the registers route's own knobs, at their workspace-route values
@@ -491,21 +497,21 @@ WORKSPACE_TILE = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, 
 
 def _default(phase, shape):
     """Measured on the H200 (2026-11-30, results/h200/moe-prefill-sweep-nvidia-h200-20261130-0542.json): the
-    registers route with 64 x 128 tiles and 4 warps won at T = 4096 (both GEMMs; 0.59-0.60 of
-    torch._scaled_grouped_mm in session 4) and for gate_up at T = 16384 (0.53). Above 256 routed rows per expert
-    (T = 16384) the row-scaled workspace route with :data:`WORKSPACE_TILE`: its GEMM alone ran 1.16-1.20x
-    torch._scaled_grouped_mm there, its conversion 2.1-4.3 ms (plain-fp8-gemm-probe-...-1110): predicted
-    0.77-0.79 of torch serialized, more where the conversion overlaps."""
+    registers route with 64 x 128 tiles and 4 warps won at T = 4096 (both GEMMs; 0.56-0.59 of
+    torch._scaled_grouped_mm over four runs of session 4, 13 tiles tried) and for gate_up at T = 16384 (0.51-0.53).
+    Above 256 routed rows per expert (T = 16384) the row-scaled workspace route with :data:`WORKSPACE_TILE`: its
+    GEMM alone ran 1.16-1.20x torch._scaled_grouped_mm there, its conversion 2.0-4.3 ms
+    (plain-fp8-gemm-probe-...-1110); with the conversion 0.73-0.76 of torch (tune-...-1112)."""
     rows_tile = max(16, bucket(shape["M"]))  # the constraint's bound on BLOCK_M (few routed rows)
     if shape["M"] * shape["N"] * shape["K"] < 2**24:  # interpreter-sized: few programs, still two stages
-        return {"BLOCK_M": min(32, rows_tile), "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
-                "num_stages": 2, "EXPERTS_PER_STAGE": min(2, bucket(shape["E"])), "IN_REGISTERS": 1, "W_SMEM": 0,
-                "UNROLL": 1, "ROW_SCALED": 0}
+        return route_config({"BLOCK_M": min(32, rows_tile), "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
+                             "num_warps": 4, "num_stages": 2, "EXPERTS_PER_STAGE": min(2, bucket(shape["E"])),
+                             **REGISTERS_ROUTE_KNOBS}, 1)
     stage = min(8, bucket(shape["E"]))
     while stage > 1 and 2 * stage * shape["N"] * shape["K"] > WORKSPACE_LIMIT:  # the constraint's bound
         stage //= 2
-    config = {**REGISTERS_TILE, "BLOCK_M": min(64, rows_tile), "EXPERTS_PER_STAGE": stage,
-              "IN_REGISTERS": 1, "W_SMEM": 0, "UNROLL": 1, "ROW_SCALED": 0}
+    config = route_config({**REGISTERS_TILE, **REGISTERS_ROUTE_KNOBS, "BLOCK_M": min(64, rows_tile),
+                           "EXPERTS_PER_STAGE": stage}, 1)
     if shape["M"] / max(1, shape["E"]) > 256:
         config = {**route_config(config, 0, row_scaled=1), **WORKSPACE_TILE}
     return config

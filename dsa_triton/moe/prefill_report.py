@@ -37,9 +37,10 @@ import time
 import torch
 
 from .. import registry
-from ..harness import time_us
-from .fp8_grouped_gemm import (SPEC, REGISTERS_TILE, WORKSPACE_TILE, fp8_grouped_gemm, prefill_call, quantize_activations_fp8,
-                               route_config)
+from ..harness import floor_us, time_us
+from ..registry import Cost
+from .fp8_grouped_gemm import (SPEC, REGISTERS_TILE, WORKSPACE_TILE, fp8_grouped_gemm, prefill_call,
+                               quantize_activations_fp8, route_config)
 from .fused_moe import random_routing
 from .mxfp4 import mxfp4_dequantize, realistic_mxfp4
 from .prefill_baselines import (active_spans, grouped_mm, mm_loop, offline_fp8_experts, tensorwise_fp8,
@@ -108,15 +109,14 @@ def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, d
     route_out = {route: fp8_grouped_gemm(x, offsets, blocks, scales, config=routes[route]) for route in (0, 1)}
     registers_us = _timed(lambda: fp8_grouped_gemm(x, offsets, blocks, scales, config=routes[1]), device)
     workspace_us = _timed(lambda: fp8_grouped_gemm(x, offsets, blocks, scales, config=routes[0]), device)
-    stage = routes[0]["EXPERTS_PER_STAGE"]
-    slots = stage * min(2, math.ceil(len(spans) / stage))
-    ws = shared_workspace(device, slots, n, k)
     y = torch.empty_like(ours)
     with prefill_call(x, offsets.tolist(), blocks, scales, y, routes[0]) as run:
         convert_us = _timed(lambda: run(overlap=False, gemm=False), device)
         gemm_us = _timed(lambda: run(overlap=False, convert=False), device)
         serial_us = _timed(lambda: run(overlap=False), device)
         pipelined_us = _timed(lambda: run(overlap=True), device)
+        slots = run.leased_slots
+    ws = shared_workspace(device, max(1, slots), n, k)  # the process-wide one, as large as any call asked
 
     w8, s8 = offline_fp8_experts(blocks, scales)
     xq, sx = tensorwise_fp8(x)
@@ -154,8 +154,8 @@ def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, d
         "rel_err": rel_err, "rel_err_workspace": rel_err_workspace, "rel_err_registers": rel_err_registers,
     }
     if ceilings is not None:
-        floor = max(experts * n * k * 17 / 32 / (ceilings.copy_tbps * 1e12), 2.0 * m * n * k / (ceilings.fp8_tflops * 1e12))
-        row["of_floor"] = floor * 1e6 / ours_us
+        floor, _ = floor_us(Cost(bytes=experts * n * k * 17 / 32, flops=2.0 * m * n * k, flop_dtype="fp8"), ceilings)
+        row["of_floor"] = floor / ours_us
     worst = max(rel_err, rel_err_workspace, rel_err_registers)
     if not worst < 0.1:
         row["error"] = f"a route differs from the bf16 baseline: relative error {worst:.3g}"
