@@ -113,15 +113,15 @@ def timed_us(call: Callable[[T], Any], sets: Sequence[T], device: torch.device |
     """``(median microseconds, "graph" | "eager")`` of ``call(s)`` over ``sets`` (``kw``: the ``time_us`` budget).
 
     ``mode="auto"``: CUDA-graph replay (:func:`graph_time_us`) when on CUDA and the call captures, else eager
-    (:func:`time_rotating`; always eager off the GPU). ``"graph"`` raises ``RuntimeError`` when the call does
-    not capture; ``"eager"`` never tries. Graph times are the kernels' device time: an eager median of an op of
+    (:func:`time_rotating`; always eager off the GPU); ``"eager"`` never tries a capture (graph only, NaN when
+    the call does not capture: :func:`graph_time_or_nan`). Graph times are the kernels' device time: an eager median of an op of
     a few launches is the host's launch path, and it moved 73-186 us between rounds on the H200 host while the
     graph median held at 57.3-57.6 us (top-k [64, 131072], results/h200/eager-jitter-probe-...-0924).
     """
-    if mode not in ("auto", "graph", "eager"):
-        raise ValueError(f"mode: expected 'auto', 'graph' or 'eager', got {mode!r}")
-    if mode != "eager" and torch.device(device).type == "cuda":
-        us = graph_time_us(call, sets, device, **kw) if mode == "graph" else graph_time_or_nan(call, sets, device, **kw)
+    if mode not in ("auto", "eager"):
+        raise ValueError(f"mode: expected 'auto' or 'eager', got {mode!r}")
+    if mode == "auto" and torch.device(device).type == "cuda":
+        us = graph_time_or_nan(call, sets, device, **kw)
         if us == us:
             return us, "graph"
     return time_rotating(call, sets, device, **kw), "eager"

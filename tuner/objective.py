@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dsa_triton.harness import rotation, timed_us
+from dsa_triton.harness import graph_time_or_nan, rotation, timed_us
 from dsa_triton.registry import ConfigError, KernelSpec
 
 PENALTY_US = 1e12  # the objective value of an invalid, failing or wrong config (minimised)
@@ -157,8 +157,7 @@ class Evaluator:
         names none, or when the kernel was graph-timed and the baseline does not capture)."""
         if self.spec.baseline is None:
             return math.nan
-        try:
-            return timed_us(self.spec.baseline, self.sets, self.device, self.timing or "auto",
-                            warmup_ms=warmup_ms, rep_ms=rep_ms)[0]
-        except RuntimeError:  # no graph figure of the baseline to set beside the kernel's
-            return math.nan
+        if self.timing == "graph":
+            return graph_time_or_nan(self.spec.baseline, self.sets, self.device, warmup_ms=warmup_ms, rep_ms=rep_ms)
+        return timed_us(self.spec.baseline, self.sets, self.device, self.timing or "auto",
+                        warmup_ms=warmup_ms, rep_ms=rep_ms)[0]
