@@ -112,8 +112,8 @@ def _bin_window(row, n, k, every, HIST_BITS: tl.constexpr, SCORE_HIST: tl.conste
             s = tl.where(tl.abs(s) < float("inf"), s, float("-inf"))
             finite_count = tl.sum((s > float("-inf")).to(tl.int32), 0)
             rank = tl.minimum(2 * k * 128 // tl.maximum(n, 1), finite_count - 1)
-            above = tl.sum((s[None, :] > s[:, None]).to(tl.int32), axis=1)  # sample scores above each one
-            lo_of_scores = tl.max(tl.where(above >= rank, s, float("-inf")), axis=0)  # the one of that rank
+            descending = tl.sort(s, descending=True)
+            lo_of_scores = tl.sum(tl.where(tl.arange(0, 128) == rank, descending, 0.0), 0)  # the one of that rank
             lo = tl.where(finite_count >= 3, lo_of_scores, lo)
     hi = tl.max(piece_max, axis=0)
     key_lo = _sort_key(lo.to(tl.int32, bitcast=True))
@@ -582,8 +582,9 @@ SPACE = {
     "WARPS": (1, 2, 4, 8),  # pass 1
     "GROUP": (8, 16, 32),  # scores per group maximum in pass 1
     # rows of at least ROUTE_MIN * k scores take passes 1-2 (64: only rows of 2 k GROUP). H200 graph times,
-    # T = 64, k = 2048, after the score-window fix (session 4): ROUTE_MIN 2 vs 64: random lengths up to 131072
-    # 125.9 vs 159.7 us, rows of 16384 34.6 vs 43.8, rows of 32768 63.3 vs 70+; 4 and 8 within 1-12% of 2
+    # T = 64, k = 2048, after the score-window fix (session 4), the config otherwise the same: ROUTE_MIN 2 vs 64:
+    # random lengths up to 131072 125.9 vs 159.7 us, rows of 32768 63.4 vs 70.4; 4 and 8 within 0-12% of 2
+    # (rows of 16384, 34.6 vs 43.8, compared the default at 2 with a stored config at 64)
     "ROUTE_MIN": (2, 4, 8, 64),
     "HIST_BITS": (7, 8, 9, 10),  # pass 1 histogram: 2^HIST_BITS bins
     "COLLECT_TILE": (1024, 2048, 4096),  # pass 2
