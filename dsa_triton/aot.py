@@ -29,36 +29,30 @@ import time
 import torch
 
 H200 = ("cuda", 90, 32)  # backend, compute capability, warp size
-_POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float64: "*fp64",
-                  torch.int64: "*i64", torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8",
-                  torch.bool: "*i1", torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}
 
 
 def triton_type(value) -> str:
-    """The Triton type of an argument: a tensor's pointer type, ``i32``/``i64``, ``fp32``, ``none``, or ``dtype``
-    (a ``tl.dtype`` constexpr, recorded by name)."""
+    """The Triton type of an argument as Triton's launcher names it (``triton.runtime.jit.mangle_type``: ``*fp32``,
+    ``i32``, ``u1``, ...), ``none`` for None or ``dtype`` for a ``tl.dtype`` constexpr (recorded by name)."""
     import triton.language as tl
+    from triton.runtime.jit import mangle_type
 
-    if isinstance(value, torch.Tensor):
-        return _POINTER_TYPES[value.dtype]
     if value is None:
         return "none"
     if isinstance(value, tl.dtype):
         return "dtype"
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {type(value).__name__}")
+    return mangle_type(value)
 
 
 def _divisible_by_16(value) -> bool:
-    """What Triton's launcher marks ``tt.divisibility = 16``: a tensor's address or an integer divisible by 16."""
-    if isinstance(value, torch.Tensor):
-        return value.data_ptr() % 16 == 0
-    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+    """What Triton's launcher marks ``tt.divisibility = 16`` (its specialization's "D"): a tensor's address or an
+    integer divisible by 16."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    if value is None or not isinstance(value, (torch.Tensor, int)) or isinstance(value, bool):
+        return False
+    return native_specialize_impl(BaseBackend, value, False, True, True)[1] == "D"
 
 
 @contextlib.contextmanager
