@@ -13,7 +13,7 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -98,8 +98,9 @@ def read_records(path: str | Path) -> list[Record]:
     if not path.exists():
         return []
     frame = pd.read_csv(path, dtype=str, keep_default_na=False)
-    if "timing" not in frame.columns:  # files written before the column: every time was eager
-        frame["timing"] = "eager"
+    for f in fields(Record):  # a column added after a file was written: its default (timing: all eager then)
+        if f.name not in frame.columns and f.default is not MISSING:
+            frame[f.name] = str(f.default)
     missing = [c for c in COLUMNS if c not in frame.columns]
     if missing:
         raise ValueError(f"{path}: not a tuning record file, it lacks the columns {missing}")
