@@ -80,6 +80,16 @@ def test_strided_ids_and_weights():
     assert_matches_torch(wide_ids.t()[:3], wide_w.t()[:3], 9, 2)  # column-major
 
 
+def test_unchecked_out_of_range_ids_stay_in_bounds():
+    """check_ids=False: ids outside [0, E) give unspecified outputs but no access out of bounds: every slot
+    lands once in the permutation, and only the in-range ones are counted per expert."""
+    ids = torch.tensor([[0, 5], [-3, 2], [100, 1]], dtype=torch.int32)
+    with poisoned_allocations():
+        sort = sort_and_align(ids, torch.rand(3, 2), 8, 4, check_ids=False)
+    assert sorted(sort.slot_row.tolist()) == list(range(6))
+    assert int(sort.expert_offsets[-1]) == 4
+
+
 def test_zero_tokens_take_the_torch_path(monkeypatch):
     monkeypatch.setattr(permute_kernel, "_permute_kernel", None)  # a launch would fail
     ids, w = routing(0, 8, 2, torch.int32, "fp32", seed=0)

@@ -107,6 +107,21 @@ def test_exact_ties_take_the_lowest_expert(mode):
     torch.testing.assert_close(weights[0], weights[0, :1].expand(3))
 
 
+def test_a_tie_on_a_group_maximum_counts_both_experts_in_the_group_key():
+    """sigmoid rounds large logits to exactly 1.0: group 0 holds two maxima (key 2.0) and beats group 1 (1 + s(5));
+    a top-2 that dropped every lane equal to the maximum would score group 0 at 1.0 and keep group 1."""
+    logits = torch.tensor([[30.0, 30.0, -5.0, -5.0, 30.0, 5.0, 5.0, 5.0]])
+    routing = RoutingConfig("deepseek", top_k=2, n_group=2, topk_group=1)
+    _, ids = route_topk(logits, routing)
+    assert sorted(ids[0].tolist()) == sorted(route(logits, routing)[1][0].tolist()) == [0, 1]
+
+
+def test_constraint_caps_the_experts_a_thread_holds():
+    shape = {"T": 4, "E": 4096, "top_k": 8, "n_group": 1, "topk_group": 1, "softmax": 1}
+    assert not SPEC.is_valid({"num_warps": 1, "TOKENS": 4}, shape)
+    assert SPEC.is_valid({"num_warps": 4, "TOKENS": 1}, dict(shape, E=256))
+
+
 @pytest.mark.parametrize("routing", [RoutingConfig("deepseek", top_k=2, n_group=2, topk_group=1),
                                      RoutingConfig("softmax", top_k=2)])
 def test_nan_logit_is_chosen_first_as_in_torch(routing):
@@ -130,10 +145,12 @@ def test_bad_arguments_name_the_argument():
         (logits, RoutingConfig("deepseek", top_k=2, n_group=3), None, "n_group"),
         (logits, RoutingConfig("deepseek", top_k=5, n_group=4, topk_group=2), None, "top_k"),
         (logits, "deepseek", None, "routing"),
+        (logits.tolist(), RoutingConfig("softmax", top_k=1), None, "logits"),  # checked before its shape is read
     ]
     for args in cases:
-        with pytest.raises(ValueError, match=args[-1]):
-            route_topk(*args[:-1])
+        for op in (route_topk, route):
+            with pytest.raises(ValueError, match=args[-1]):
+                op(*args[:-1])
     with pytest.raises(dt.ConfigError):
         route_topk(logits, deepseek, config={"num_warps": 3, "TOKENS": 1})
 

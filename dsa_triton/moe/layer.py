@@ -29,7 +29,7 @@ from .fused_moe import ExpertWeights, expected_active_experts, fused_moe_gemm
 from .layer_reference import moe_forward_torch
 from .permute import combine_rows, sort_by_expert
 from .permute_kernel import sort_and_align
-from .routing import MODES, RoutingConfig, check_bias, check_grouping, route
+from .routing import MODES, RoutingConfig, check_routing, route
 from .routing_kernel import route_topk
 
 DECODE_MAX_TOKENS = 256  # moe_forward's phase when none is given: decode up to this many tokens
@@ -59,13 +59,7 @@ def _check(x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_b
     check_tensor("down_scales", down_scales, dtype=torch.uint8, shape=(experts, hidden, inter // 32), device=device)
     check_tensor("router_weight", router_weight, dtype=(torch.float32, torch.float16, torch.bfloat16),
                  shape=(experts, hidden), device=device)
-    if not isinstance(routing, RoutingConfig):
-        raise ValueError(f"routing: expected a RoutingConfig, got {type(routing).__name__}")
-    check_bias(router_bias, routing.mode, experts, device, name="router_bias")
-    if routing.top_k > experts:
-        raise ValueError(f"routing.top_k: {routing.top_k} exceeds E = {experts}")
-    if routing.mode == "deepseek":
-        check_grouping(experts, routing.top_k, routing.n_group, routing.topk_group)
+    check_routing(routing, experts, router_bias, device, bias_name="router_bias")
     if (shared_gate_up is None) != (shared_down is None):
         raise ValueError("shared_gate_up / shared_down: give both or neither")
     if shared_gate_up is not None:
@@ -125,7 +119,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
     config = PATH.launch_config(phase, shape, x.device) if config is None else PATH.validate(dict(config), shape)
 
     logits = F.linear(x.float(), router_weight.float())
-    weights, ids = route_topk(logits, routing, router_bias)  # one launch at any T (torch.topk semantics)
+    weights, ids = route_topk(logits, routing, router_bias)  # one launch at any T (lowest expert first on ties)
     sort = sort_and_align(ids, weights, experts, block_m if config["path"] == "fused" else None, check_ids=False)
     if config["path"] == "fused":  # fp32 GEMM outputs: no conversion op before swiglu and the combine
         h = fused_moe_gemm(x, sort, gate_up_blocks, gate_up_scales, gather_tokens=True, out_dtype=torch.float32)

@@ -120,10 +120,30 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> 
     return weights, top.indices.to(torch.int32)
 
 
+def check_routing(routing: RoutingConfig, num_experts: int, bias: torch.Tensor | None, device: torch.device,
+                  bias_name: str = "bias") -> None:
+    """What a routing over ``num_experts`` experts needs: a :class:`RoutingConfig` with ``top_k`` <= E, DeepSeek's
+    groups dividing E, and the bias :func:`check_bias` takes."""
+    if not isinstance(routing, RoutingConfig):
+        raise ValueError(f"routing: expected a RoutingConfig, got {type(routing).__name__}")
+    if routing.top_k > num_experts:
+        raise ValueError(f"top_k: must be an integer in [1, E = {num_experts}], got {routing.top_k!r}")
+    if routing.mode == "deepseek":
+        check_grouping(num_experts, routing.top_k, routing.n_group, routing.topk_group)
+    check_bias(bias, routing.mode, num_experts, device, bias_name)
+
+
+def check_route(logits: torch.Tensor, routing: RoutingConfig, bias: torch.Tensor | None) -> int:
+    """:func:`route`'s checks: ``logits`` (fp32/fp16/bf16 ``[T, E]``) first, then :func:`check_routing`; returns E."""
+    check_tensor("logits", logits, dtype=(torch.float32, torch.float16, torch.bfloat16), ndim=2)
+    check_routing(routing, logits.shape[1], bias, logits.device)
+    return logits.shape[1]
+
+
 def route(logits: torch.Tensor, routing: RoutingConfig, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch on ``routing.mode``: ``logits[T, E]`` (+ DeepSeek ``bias[E]``) -> ``(weights fp32, ids int32)``."""
+    check_route(logits, routing, bias)
     if routing.mode == "deepseek":
         return deepseek_topk(logits, bias, routing.top_k, routing.n_group, routing.topk_group,
                              routing.norm_topk_prob, routing.routed_scaling_factor)
-    check_bias(bias, routing.mode, logits.shape[-1], logits.device)
     return softmax_topk(logits, routing.top_k, routing.norm_topk_prob)

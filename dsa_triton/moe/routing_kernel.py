@@ -1,4 +1,5 @@
-"""Router top-k in one Triton launch: :func:`route_topk`, the semantics of :func:`.routing.route`.
+"""Router top-k in one Triton launch: :func:`route_topk`, the semantics of :func:`.routing.route` (the order
+among exact ties aside: lowest expert first here, unspecified in ``torch.topk``).
 
 The torch form (:mod:`.routing`, the reference) is ~14 kernel-launching ops per call (sigmoid, bias add, group
 top-2 sums, group top-k, mask, top-k, gather, normalize, scale); on a host where a launch costs ~20 us that is
@@ -24,7 +25,7 @@ from .. import registry
 from ..checks import PlanCache, check_kernel_device
 from ..hostmath import cdiv, next_pow2
 from ..registry import Cost, KernelSpec
-from .routing import MODES, RoutingConfig, _check_logits, check_bias, check_grouping, route
+from .routing import MODES, RoutingConfig, check_route, route
 
 MAX_TOP_K = 16  # top_k up to this runs in the kernel (one argmax pass per expert chosen); above: torch
 MAX_BLOCK = 4096  # padded experts per token (groups x group block) the kernel holds in registers; above: torch
@@ -95,7 +96,7 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, stride_t, n_gro
             weights = p / tl.sum(p, 1)[:, None]
         else:  # full-softmax probabilities of the chosen
             peak = tl.max(tl.max(x, 2), 1)
-            total = tl.sum(tl.sum(tl.where(valid, tl.exp(x - peak[:, None, None]), 0.0), 2), 1)
+            total = tl.sum(tl.sum(tl.exp(x - peak[:, None, None]), 2), 1)  # padding lanes hold -inf: exp 0
             weights = tl.exp(values - peak[:, None]) / total[:, None]
     else:
         weights = values
@@ -183,11 +184,8 @@ def route_topk(logits: torch.Tensor, routing: RoutingConfig, bias: torch.Tensor 
 
 def _plan(logits, routing, bias, config) -> RouteLaunch:
     """The checks of :func:`.routing.route` plus the device, then the launch."""
-    experts = _check_logits(logits, routing.top_k)
+    check_route(logits, routing, bias)
     check_kernel_device("logits", logits)
-    if routing.mode == "deepseek":
-        check_grouping(experts, routing.top_k, routing.n_group, routing.topk_group)
-    check_bias(bias, routing.mode, experts, logits.device)
     return RouteLaunch(logits, routing, bias is not None, config)
 
 
