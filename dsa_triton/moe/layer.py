@@ -29,7 +29,7 @@ from .fused_moe import ExpertWeights, expected_active_experts, fused_moe_gemm
 from .layer_reference import moe_forward_torch
 from .permute import combine_rows, sort_by_expert
 from .permute_kernel import sort_and_align
-from .routing import MODES, RoutingConfig, check_routing, route
+from .routing import RoutingConfig, check_routing, route
 from .routing_kernel import route_topk
 
 DECODE_MAX_TOKENS = 256  # moe_forward's phase when none is given: decode up to this many tokens
@@ -105,7 +105,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
     if type(routing) is RoutingConfig:  # the checks read only metadata and these routing fields: run once
         key, sizes = _PLANS.find((x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_blocks,
                                   down_scales, shared_gate_up, shared_down),
-                                 (MODES.index(routing.mode), routing.top_k, routing.n_group, routing.topk_group))
+                                 routing.plan_ints())
     else:  # not a RoutingConfig: the checks name it
         key, sizes = None, None
     if sizes is None:

@@ -47,6 +47,10 @@ class RoutingConfig:
         for name in ("top_k", "n_group", "topk_group"):
             check_positive(f"routing.{name}", getattr(self, name))
 
+    def plan_ints(self) -> tuple[int, ...]:
+        """The integer fields a cached plan depends on (the scaling factor is a launch argument)."""
+        return MODES.index(self.mode), self.top_k, self.n_group, self.topk_group, int(self.norm_topk_prob)
+
 
 def _check_logits(logits: torch.Tensor, top_k: int) -> int:
     check_tensor("logits", logits, dtype=(torch.float32, torch.float16, torch.bfloat16), ndim=2)

@@ -25,7 +25,7 @@ from .. import registry
 from ..checks import PlanCache, check_kernel_device
 from ..hostmath import cdiv, next_pow2
 from ..registry import Cost, KernelSpec
-from .routing import MODES, RoutingConfig, check_route, route
+from .routing import RoutingConfig, check_route, route
 
 MAX_TOP_K = 16  # top_k up to this runs in the kernel (one argmax pass per expert chosen); above: torch
 MAX_BLOCK = 4096  # padded experts per token (groups x group block) the kernel holds in registers; above: torch
@@ -175,8 +175,7 @@ def route_topk(logits: torch.Tensor, routing: RoutingConfig, bias: torch.Tensor 
     """
     if type(routing) is not RoutingConfig:
         raise ValueError(f"routing: expected a RoutingConfig, got {type(routing).__name__}")
-    ints = (MODES.index(routing.mode), routing.top_k, routing.n_group, routing.topk_group, int(routing.norm_topk_prob))
-    key, launch = _PLANS.find((logits, bias), ints, config)
+    key, launch = _PLANS.find((logits, bias), routing.plan_ints(), config)
     if launch is None:
         launch = _PLANS.put(key, _plan(logits, routing, bias, config))
     return launch(logits, bias, routing)
