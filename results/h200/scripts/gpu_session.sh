@@ -7,7 +7,7 @@
 # disturbed each other's timings (NOTES, "Session 2"). Each call starts from the snapshot's database: copy
 # $OUT/db/nvidia-h200.csv back and `dsa-tune merge` it (or re-snapshot) before the next call.
 set -u
-part=${1:?check, codes, prefill, tune, retune or bench}
+part=${1:?check, codes, occupancy, prefill, tune, retune or bench}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 cd .snap
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DSA_TUNING_DB=$PWD/tuning_db/data
@@ -21,6 +21,8 @@ case $part in
       | tee "$OUT/check.log" | grep "^|" | cut -c1-240 | tail -40 ;;
   codes)  # registers route: the cost of the scattered code reads (a thread-major read, wrong values, valid timing)
     timeout 300 python results/h200/scripts/codes_order_probe.py 2>&1 | tee "$OUT/codes_order_probe.log" | grep "^|" ;;
+  occupancy)  # registers route: maxnreg 128 (4 programs an SM instead of 3) x the thread-major code read
+    timeout 400 python results/h200/scripts/occupancy_probe.py 2>&1 | tee "$OUT/occupancy_probe.log" | grep "^|" ;;
   prefill)  # registers route: W_SMEM 0/1 x num_stages 3/1 (1 = wgmmas back to back, new) vs torch._scaled_grouped_mm
     timeout 560 python results/h200/scripts/w_smem_probe.py 2>&1 | tee "$OUT/prefill_probe.log" | grep "^|" | cut -c1-200 ;;
   tune)   # re-tune in CUDA graphs (records get timing=graph): the small host-bound kernels first

@@ -1,0 +1,68 @@
+"""H200 probe (session 5 of 2026-11-30) of the prefill registers route at T = 4096: does a fourth program per SM
+help? The 64 x 128 / 4-warp kernel takes 166 registers a thread (ptxas, sm_90a), so 3 programs (12 warps) share an
+SM; ``maxnreg=128`` (48 bytes spilled, outside the loop or not: to be seen) allows 4 (shared memory: 42 KB each at
+3 stages, 56 KB at 4). Crossed with the thread-major code read of ``codes_order_probe.py`` (wrong values on natural
+weights, valid timing: 4918 vs 5338 us for gate_up in session 5). Against ``torch._scaled_grouped_mm`` on the
+offline FP8 copy, timed in the same run. Prints a table; JSON lines to ``$OUT/occupancy_probe.jsonl``."""
+import json
+import os
+
+import torch
+
+from codes_order_probe import gemm_module, variant_kernel
+from dsa_triton.harness import time_us
+from dsa_triton.moe.fp8_grouped_gemm import REGISTERS_TILE, SPEC, fp8_grouped_gemm, route_config
+from dsa_triton.moe.mxfp4 import realistic_mxfp4
+from dsa_triton.moe.prefill_baselines import offline_fp8_experts, scaled_grouped_mm, tensorwise_fp8
+from dsa_triton.moe.prefill_report import routed_rows
+
+
+class WithOptions:
+    """A Triton kernel whose launches get extra compile options (here ``maxnreg``)."""
+
+    def __init__(self, kernel, **options):
+        self.kernel, self.options = kernel, options
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kernel[grid](*args, **kwargs, **self.options)
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    out = open(os.path.join(os.environ.get("OUT", "."), "occupancy_probe.jsonl"), "w")
+    natural, thread_major = gemm_module._fused_gemm_kernel, variant_kernel()
+    variants = [("natural", natural, None, 3), ("natural", natural, 128, 3), ("natural", natural, 128, 4),
+                ("thread-major", thread_major, None, 3), ("thread-major", thread_major, 128, 3)]
+    print("| gemm | T | read | maxnreg | stages | us | torch us | vs torch | rel err vs natural |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
+        t = 4096
+        offsets, x = routed_rows(t, 256, 8, k, dev, t + n)
+        blocks, scales = realistic_mxfp4((256, n), k, dev, seed=1, outliers=0.0)
+        w8, s8 = offline_fp8_experts(blocks, scales)
+        xq, sx = tensorwise_fp8(x)
+        torch_us = time_us(lambda: scaled_grouped_mm(xq, sx, w8, s8, offsets), dev)
+        del w8, s8, xq
+        shape = {"M": x.shape[0], "E": 256, "N": n, "K": k}
+        config = {**route_config(SPEC.launch_config("prefill", shape, dev), 1), **REGISTERS_TILE}
+        reference = None
+        for read, kernel, maxnreg, stages in variants:
+            gemm_module._fused_gemm_kernel = kernel if maxnreg is None else WithOptions(kernel, maxnreg=maxnreg)
+            run_config = {**config, "num_stages": stages}
+            try:
+                y = fp8_grouped_gemm(x, offsets, blocks, scales, config=run_config).float()
+                reference = y if reference is None else reference
+                err = float((y - reference).norm() / reference.norm())
+                us = time_us(lambda: fp8_grouped_gemm(x, offsets, blocks, scales, config=run_config), dev)
+            finally:
+                gemm_module._fused_gemm_kernel = natural
+            row = dict(gemm=name, T=t, read=read, maxnreg=maxnreg, stages=stages, us=us, torch_us=torch_us,
+                       vs_torch=torch_us / us, rel_err=err)
+            out.write(json.dumps(row) + "\n")
+            print(f"| {name} | {t} | {read} | {maxnreg} | {stages} | {us:.1f} | {torch_us:.1f} | "
+                  f"{torch_us / us:.3f} | {err:.3g} |", flush=True)
+        del blocks, scales, x
+
+
+if __name__ == "__main__":
+    main()
