@@ -49,8 +49,8 @@ from ..checks import check_kernel_device, check_tensor
 from ..hostmath import cdiv
 from ..registry import Cost, bucket
 from . import fp8_grouped_gemm_reference, prefill_baselines
-from .convert import (CONVERT, check_experts_layout, convert_experts, e4m3_words, reference_scale,
-                      row_references, words_to_fp8)
+from .convert import (CONVERT, check_experts_layout, convert_experts, e4m3_words, interleave_blocks,
+                      reference_scale, row_references, words_to_fp8)
 from .fp8_grouped_gemm_reference import fp8_grouped_gemm_torch
 from .fused_moe import ExpertWeights, compare_rows
 from .mxfp4 import widen_to_fp32
@@ -70,7 +70,8 @@ def round_to_e4m3(v):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                          INTERLEAVED: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows64 = rows.to(tl.int64)[:, None]
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -86,7 +87,10 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_M
         k = k0 + tl.arange(0, BLOCK_K)
         inside = (rows < M)[:, None] & (k < K)[None, :]
         x = widen_to_fp32(tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=inside, other=0.0))
-        tl.store(q_ptr + rows64 * stride_q + k[None, :], round_to_e4m3(x * inv_scale).to(tl.float8e4nv), mask=inside)
+        q = round_to_e4m3(x * inv_scale).to(tl.float8e4nv)
+        if INTERLEAVED:  # K a multiple of 128: ``inside`` is the same over each 128-k group, interleaved or not
+            q = interleave_blocks(q, 4)
+        tl.store(q_ptr + rows64 * stride_q + k[None, :], q, mask=inside)
     tl.store(s_ptr + rows, ((e + 127) << 23).to(tl.float32, bitcast=True), mask=rows < M)
 
 
@@ -167,8 +171,8 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for g in tl.range(0, tl.cdiv(KB, 4), loop_unroll_factor=UNROLL):  # one 128-k group (four 32-blocks) per step
-        if EVEN_K:
-            codes = tl.load(code_rows + g * 32 + j[None, :])
+        if EVEN_K:  # x_ptr then holds :func:`interleave_blocks` order: the codes are read into it
+            codes = interleave_blocks(tl.load(code_rows + g * 32 + j[None, :]), 1)
             s = tl.load(scale_rows + g * 4 + b[None, :])
             xt = tl.load(x_rows + g * 128 + kk[None, :])
         else:
@@ -176,7 +180,7 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
             s = tl.load(scale_rows + g * 4 + b[None, :], mask=(g * 4 + b < KB)[None, :], other=0)
             xt = tl.load(x_rows + g * 128 + kk[None, :], mask=(g * 128 + kk < K)[None, :], other=0.0)
         d = tl.minimum(ref[:, None] - s.to(tl.int32), 11)  # the clamp only touches padding blocks (codes 0)
-        w8 = words_to_fp8(e4m3_words(codes.to(tl.int32), d, PTX), PTX)
+        w8 = words_to_fp8(e4m3_words(codes.to(tl.int32), d, PTX, EVEN_K), PTX)
         if W_SMEM:
             acc = tl.dot(xt, tl.trans(w8), acc)
         else:
@@ -194,15 +198,25 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
 QUANTIZE_ROWS_BLOCK = (4, 1024)  # rows x k per program and step of the activation quantization
 
 
-def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x[M, K]`` fp16/bf16/fp32 (rows contiguous) -> ``(q e4m3 [M, K], scale fp32 [M])``, launch only."""
+def interleaves(k: int, kb: int) -> bool:
+    """Whether the registers route reads ``x`` in :func:`.convert.interleave_blocks` order: K of whole 128-k groups
+    (``K = 32 kb``, ``kb`` a multiple of 4), its ``EVEN_K``."""
+    return k == 32 * kb and kb % 4 == 0
+
+
+def quantize_activations_fp8(x: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x[M, K]`` fp16/bf16/fp32 (rows contiguous) -> ``(q e4m3 [M, K], scale fp32 [M])``, launch only.
+    ``interleaved`` (K a multiple of 128): ``q``'s k order is :func:`.convert.interleave_blocks`'s."""
     m, k = x.shape
+    if interleaved and k % 128:
+        raise ValueError(f"x: the interleaved k order needs K a multiple of 128, got {k}")
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
         block_m, block_k = QUANTIZE_ROWS_BLOCK
         _quantize_rows_kernel[(cdiv(m, block_m),)](x, q, s, m, k, x.stride(0), q.stride(0),
-                                                          BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
+                                                   BLOCK_M=block_m, BLOCK_K=block_k, INTERLEAVED=interleaved,
+                                                   num_warps=4)
     return q, s
 
 
@@ -264,7 +278,8 @@ def launch_gemm(xq, sx, w_half, s_half, y, tiles, config, row_scaled: bool = Fal
 
 
 def launch_fused(xq, sx, blocks, scales, ref, y, plan: StagePlan, config) -> None:
-    """The registers route: every tile of ``plan`` (one stage) in one launch, weights read as MXFP4."""
+    """The registers route: every tile of ``plan`` (one stage) in one launch, weights read as MXFP4; ``xq`` in
+    :func:`.convert.interleave_blocks` order where :func:`interleaves`."""
     n_mtiles = plan.tiles.shape[0]
     (n, kb), k = scales.shape[1:], xq.shape[1]
     if n_mtiles == 0:
@@ -276,7 +291,7 @@ def launch_fused(xq, sx, blocks, scales, ref, y, plan: StagePlan, config) -> Non
         xq.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), ref.stride(0),
         y.stride(0),
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"], W_SMEM=config["W_SMEM"],
-        EVEN_K=k == 32 * kb and kb % 4 == 0, PTX=xq.device.type == "cuda" and torch.version.hip is None,
+        EVEN_K=interleaves(k, kb), PTX=xq.device.type == "cuda" and torch.version.hip is None,
         UNROLL=config["UNROLL"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
@@ -413,7 +428,12 @@ def prefill_call(x_sorted, offsets: list[int], blocks, scales, y, config, worksp
         nothing.leased_slots = 0
         yield nothing
         return
-    xq, sx = quantize_activations_fp8(x_sorted)
+    # x in the k order of each route taken (one quantization where the orders agree)
+    interleaved = interleaves(x_sorted.shape[1], kb)
+    fused_x = quantize_activations_fp8(x_sorted, interleaved) if fused is not None and fused.stages else None
+    staged_x = None
+    if staged:
+        staged_x = fused_x if fused_x is not None and not interleaved else quantize_activations_fp8(x_sorted)
     with contextlib.ExitStack() as stack:
         if staged:
             slots = stage * min(2, max(len(plan.stages) for plan, _ in staged))
@@ -423,9 +443,9 @@ def prefill_call(x_sorted, offsets: list[int], blocks, scales, y, config, worksp
 
         def run(overlap: bool = True, convert: bool = True, gemm: bool = True) -> None:
             if fused is not None and gemm:
-                launch_fused(xq, sx, blocks, scales, ref, y, fused, config)
+                launch_fused(*fused_x, blocks, scales, ref, y, fused, config)
             for plan, row_ref in staged:
-                run_stages(plan, blocks, scales, xq, sx, y, w_slots, s_slots, config, convert_config, unfit=unfit,
+                run_stages(plan, blocks, scales, *staged_x, y, w_slots, s_slots, config, convert_config, unfit=unfit,
                            row_ref=row_ref, overlap=overlap, convert=convert, gemm=gemm)
 
         run.leased_slots = slots if staged else 0

@@ -22,7 +22,7 @@ case $part in
   codes)  # registers route: the cost of the scattered code reads (a thread-major read, wrong values, valid timing)
     timeout 300 python results/h200/scripts/codes_order_probe.py 2>&1 | tee "$OUT/codes_order_probe.log" | grep "^|" ;;
   occupancy)  # registers route: maxnreg 128 (4 programs an SM instead of 3) x the thread-major code read
-    timeout 400 python results/h200/scripts/occupancy_probe.py 2>&1 | tee "$OUT/occupancy_probe.log" | grep "^|" ;;
+    timeout 400 python results/h200/scripts/occupancy_probe.py ${2:-} 2>&1 | tee "$OUT/occupancy_probe.log" | grep "^|" ;;
   prefill)  # registers route: W_SMEM 0/1 x num_stages 3/1 (1 = wgmmas back to back, new) vs torch._scaled_grouped_mm
     timeout 560 python results/h200/scripts/w_smem_probe.py 2>&1 | tee "$OUT/prefill_probe.log" | grep "^|" | cut -c1-200 ;;
   tune)   # re-tune in CUDA graphs (records get timing=graph): the small host-bound kernels first

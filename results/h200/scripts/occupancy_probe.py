@@ -3,9 +3,12 @@ help? The 64 x 128 / 4-warp kernel takes 166 registers a thread (ptxas, sm_90a),
 SM; ``maxnreg=128`` (48 bytes spilled, outside the loop or not: to be seen) allows 4 (shared memory: 42 KB each at
 3 stages, 56 KB at 4). Crossed with the thread-major code read of ``codes_order_probe.py`` (wrong values on natural
 weights, valid timing: 4918 vs 5338 us for gate_up in session 5). Against ``torch._scaled_grouped_mm`` on the
-offline FP8 copy, timed in the same run. Prints a table; JSON lines to ``$OUT/occupancy_probe.jsonl``."""
+offline FP8 copy, timed in the same run. Prints a table; JSON lines to ``$OUT/occupancy_probe.jsonl``.
+Second use, after the kernel itself took the interleaved k order: ``occupancy_probe.py '[[maxnreg, stages], ...]'``
+times the op as it is (no variant kernel) over those options; the error is then against torch's result."""
 import json
 import os
+import sys
 
 import torch
 
@@ -30,10 +33,14 @@ class WithOptions:
 def main() -> None:
     dev = torch.device("cuda")
     out = open(os.path.join(os.environ.get("OUT", "."), "occupancy_probe.jsonl"), "w")
-    natural, thread_major = gemm_module._fused_gemm_kernel, variant_kernel()
-    variants = [("natural", natural, None, 3), ("natural", natural, 128, 3), ("natural", natural, 128, 4),
-                ("thread-major", thread_major, None, 3), ("thread-major", thread_major, 128, 3)]
-    print("| gemm | T | read | maxnreg | stages | us | torch us | vs torch | rel err vs natural |")
+    natural = gemm_module._fused_gemm_kernel
+    if len(sys.argv) > 1:
+        variants = [("as is", natural, maxnreg, stages) for maxnreg, stages in json.loads(sys.argv[1])]
+    else:
+        thread_major = variant_kernel()
+        variants = [("natural", natural, None, 3), ("natural", natural, 128, 3), ("natural", natural, 128, 4),
+                    ("thread-major", thread_major, None, 3), ("thread-major", thread_major, 128, 3)]
+    print("| gemm | T | read | maxnreg | stages | us | torch us | vs torch | rel err vs first (argv: vs torch) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
         t = 4096
@@ -42,10 +49,10 @@ def main() -> None:
         w8, s8 = offline_fp8_experts(blocks, scales)
         xq, sx = tensorwise_fp8(x)
         torch_us = time_us(lambda: scaled_grouped_mm(xq, sx, w8, s8, offsets), dev)
+        reference = scaled_grouped_mm(xq, sx, w8, s8, offsets).float() if len(sys.argv) > 1 else None
         del w8, s8, xq
         shape = {"M": x.shape[0], "E": 256, "N": n, "K": k}
         config = {**route_config(SPEC.launch_config("prefill", shape, dev), 1), **REGISTERS_TILE}
-        reference = None
         for read, kernel, maxnreg, stages in variants:
             gemm_module._fused_gemm_kernel = kernel if maxnreg is None else WithOptions(kernel, maxnreg=maxnreg)
             run_config = {**config, "num_stages": stages}
@@ -61,6 +68,9 @@ def main() -> None:
             out.write(json.dumps(row) + "\n")
             print(f"| {name} | {t} | {read} | {maxnreg} | {stages} | {us:.1f} | {torch_us:.1f} | "
                   f"{torch_us / us:.3f} | {err:.3g} |", flush=True)
+        for interleaved in (False, True):  # the activation quantization inside each call above, alone
+            us = time_us(lambda: gemm_module.quantize_activations_fp8(x, interleaved), dev)
+            print(f"| {name} | {t} | quantize x, interleaved={interleaved} | - | - | {us:.1f} | - | - | - |")
         del blocks, scales, x
 
 
