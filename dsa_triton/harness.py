@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import statistics
@@ -133,6 +134,8 @@ def graph_time_or_nan(call: Callable[[T], Any], sets: Sequence[T], device: torch
         return graph_time_us(call, sets, device, **kw)
     except RuntimeError:
         torch.cuda.synchronize(device)  # the failed capture has ended; the stream runs on
+        gc.collect()  # the graphs captured before the failure (and their memory pools) go now, not at some later
+        torch.cuda.empty_cache()  # collection: the H200 tuner ran out of memory on later jobs (NOTES, Session 5)
         return float("nan")
 
 

@@ -9,6 +9,7 @@ have a fresh exact record are skipped unless ``retune``.
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import math
 import time
 from dataclasses import dataclass
@@ -148,6 +149,7 @@ def tune(jobs: list[Job], db: Database, device: torch.device, *, sampler: str = 
             continue
         finally:
             if device.type == "cuda" and not lost:
+                gc.collect()  # a failed job's tensors can sit in reference cycles through its traceback's frames
                 torch.cuda.empty_cache()
         if record is None:
             results.append(JobResult(job, "failed", detail="no config passed the reference check"))

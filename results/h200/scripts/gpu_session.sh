@@ -7,7 +7,7 @@
 # disturbed each other's timings (NOTES, "Session 2"). Each call starts from the snapshot's database: copy
 # $OUT/db/nvidia-h200.csv back and `dsa-tune merge` it (or re-snapshot) before the next call.
 set -u
-part=${1:?check, codes, occupancy, prefill, tune, retune or bench}
+part=${1:?check, codes, occupancy, gemm, prefill, tune, retune or bench}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 cd .snap
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DSA_TUNING_DB=$PWD/tuning_db/data
@@ -34,6 +34,10 @@ case $part in
     timeout 540 python -m tuner.cli tune "${grid[@]}" --budget 500 --no-progress --retune \
       --kernels mxfp4_quantize,mxfp4_dequantize,mxfp4_to_fp8,indexer_logits,sparse_attention_decode,moe_workspace_gemm \
       2>&1 | tee "$OUT/retune.log" | grep "^\[" | cut -c1-220 | tail -60
+    cp -r tuning_db/data "$OUT/db" ;;
+  gemm)  # re-tune the prefill grouped GEMM alone (its registers-route kernel changed: interleaved k order)
+    timeout 400 python -m tuner.cli tune "${grid[@]}" --budget 360 --no-progress --retune --kernels moe_workspace_gemm \
+      2>&1 | tee "$OUT/tune-gemm.log" | grep "^\[" | cut -c1-220 | tail -20
     cp -r tuning_db/data "$OUT/db" ;;
   bench)  # every kernel and report with the database as committed
     timeout 560 python -m dsa_triton.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep "^|" | cut -c1-240 | tail -80 ;;
