@@ -7,7 +7,7 @@
 # disturbed each other's timings (NOTES, "Session 2"). Each call starts from the snapshot's database: copy
 # $OUT/db/nvidia-h200.csv back and `dsa-tune merge` it (or re-snapshot) before the next call.
 set -u
-part=${1:?check, codes, occupancy, gemm, prefill, tune, retune or bench}
+part=${1:?check, codes, occupancy, gap, gemm, prefill, tune, retune or bench}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 cd .snap
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DSA_TUNING_DB=$PWD/tuning_db/data
@@ -35,6 +35,8 @@ case $part in
       --kernels mxfp4_quantize,mxfp4_dequantize,mxfp4_to_fp8,indexer_logits,sparse_attention_decode,moe_workspace_gemm \
       2>&1 | tee "$OUT/retune.log" | grep "^\[" | cut -c1-220 | tail -60
     cp -r tuning_db/data "$OUT/db" ;;
+  gap)  # prefill op at T=4096: eager (host sync and planning each call) vs its launches in a CUDA graph
+    timeout 300 python results/h200/scripts/host_gap_probe.py 2>&1 | tee "$OUT/host_gap_probe.log" | grep "^|" ;;
   gemm)  # re-tune the prefill grouped GEMM alone (its registers-route kernel changed: interleaved k order)
     timeout 400 python -m tuner.cli tune "${grid[@]}" --budget 360 --no-progress --retune --kernels moe_workspace_gemm \
       2>&1 | tee "$OUT/tune-gemm.log" | grep "^\[" | cut -c1-220 | tail -20
