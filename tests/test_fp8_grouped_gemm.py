@@ -9,7 +9,8 @@ import torch
 from dsa_triton import registry
 from dsa_triton.moe.convert import row_references
 from dsa_triton.moe.convert_reference import mxfp4_to_fp8_torch
-from dsa_triton.moe.fp8_grouped_gemm import fp8_grouped_gemm, quantize_activations_fp8
+from dsa_triton.moe.fp8_grouped_gemm import (fp8_grouped_gemm, plan_on_device, plan_stages,
+                                             quantize_activations_fp8)
 from dsa_triton.moe.fp8_grouped_gemm_reference import fp8_grouped_gemm_torch, quantize_rows_fp8_torch
 from dsa_triton.moe.fused_moe_reference import grouped_gemm_torch
 from dsa_triton.moe.mxfp4 import random_mxfp4
@@ -259,3 +260,44 @@ def test_prefill_report_runs_both_routes_on_the_cpu(monkeypatch):
         assert json.loads(r["config"])["W_SMEM"] == 1 and json.loads(r["config"])["UNROLL"] == 2
         times = [r[k] for k in ("ours_us", "registers_us", "workspace_us", "convert_us", "gemm_us", "pipelined_us")]
         assert all(t > 0 for t in times), times  # NaN (a path that raised) fails too
+
+
+def test_device_plan_is_the_host_plan_plus_zero_and_padding_tiles():
+    offsets = torch.tensor([3, 3, 10, 30, 31, 35], dtype=torch.int32)  # rows 0-2 and 35-39 of no expert
+    plan = plan_on_device(offsets, 8, 40)
+    host = plan_stages(offsets.tolist(), 8, None, "cpu")
+    tiles = plan.tiles.tolist()
+    experts = [(host.experts[slot].item(), a, b) for slot, a, b in host.tiles.tolist()]
+    assert [t for t in tiles if t[0] >= 0] == [list(t) for t in experts]
+    assert [t for t in tiles if t[0] < 0 and t[2] > t[1]] == [[-1, 0, 3], [-1, 35, 40]]  # zero tiles
+    assert len(tiles) == 5 + 5 + 2 and tiles[-1] == [-1, 0, 0]  # padded to cdiv(40, 8) + E + 2, empty
+    # unchecked values (decreasing, past the rows) are clamped: every tile's rows lie in [0, 40)
+    wild = plan_on_device(torch.tensor([5, 2, 90, -4, 41, 7], dtype=torch.int32), 8, 40).tiles
+    assert int(wild[:, 1].min()) >= 0 and int(wild[:, 2].max()) <= 40 and bool((wild[:, 1] <= wild[:, 2]).all())
+
+
+@pytest.mark.parametrize("k", [256, 160])  # the interleaved k order and the ragged one
+def test_unchecked_call_plans_on_the_device_and_matches_the_checked_one(k, monkeypatch):
+    x, offsets, blocks, scales = problem([6, 0, 13, 5], 40, k, seed=k)
+    x = torch.cat([torch.randn(3, k).half(), x, torch.randn(5, k).half()])  # rows of no expert at both ends
+    offsets = offsets + 3
+    config = {**REGISTERS, "BLOCK_M": 16, "BLOCK_N": 32}
+    with poisoned_allocations():
+        checked = fp8_grouped_gemm(x, offsets, blocks, scales, config=config)
+    row_references(scales)  # the weights' one sync (cached since the checked call): not the call's
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: pytest.fail("the unchecked call read a tensor on the host"))
+    with poisoned_allocations():
+        unchecked = fp8_grouped_gemm(x, offsets, blocks, scales, config=config, check_values=False)
+    monkeypatch.undo()
+    assert torch.equal(unchecked, checked)
+    assert not unchecked[:3].any() and not unchecked[-5:].any()
+    check_against_reference(unchecked[3:-5], x[3:-5], offsets - 3, blocks, scales)
+
+
+def test_unchecked_call_with_an_unfit_expert_plans_on_the_host():
+    x, offsets, blocks, scales = problem([6, 9, 5], 40, 256, seed=4)
+    scales[1, 3, 0] -= 12  # expert 1 cannot take the registers route: the workspace route needs host offsets
+    with poisoned_allocations():
+        y = fp8_grouped_gemm(x, offsets, blocks, scales, config={**REGISTERS, "BLOCK_M": 16, "BLOCK_N": 32},
+                             check_values=False)
+    check_against_reference(y, x, offsets, blocks, scales)

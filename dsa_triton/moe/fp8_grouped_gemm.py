@@ -156,9 +156,14 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
     wgmmas of a step back to back too (unrolled once, 2-4 stages serialize them at 64 x 128 / 4 warps: advisory
     C7515)."""
     slot, row0, row_end, nt = _tile(tiles_ptr, n_mtiles, N, BLOCK_N, GROUP_M)
-    expert = tl.load(experts_ptr + slot).to(tl.int64)
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    y_mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+    if slot < 0:  # rows of no expert (a schedule planned on the device): zeros; its padding tiles have no rows
+        tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), y_ptr.dtype.element_ty), mask=y_mask)
+        return
+    expert = tl.load(experts_ptr + slot).to(tl.int64)
     rows_in = tl.minimum(rows, row_end - 1).to(tl.int64)  # clamped: the loads need no masks
     cols_in = tl.minimum(cols, N - 1).to(tl.int64)
     ref = tl.load(ref_ptr + expert * stride_re + cols_in).to(tl.int32)  # each weight row's largest block scale
@@ -190,8 +195,7 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
         out = acc * sx[:, None] * reference_scale(ref)[None, :]
     else:
         out = tl.trans(acc * reference_scale(ref)[:, None] * sx[None, :])
-    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 # -- host side ------------------------------------------------------------------------------------
@@ -222,11 +226,12 @@ def quantize_activations_fp8(x: torch.Tensor, interleaved: bool = False) -> tupl
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Host-side schedule of one route.
+    """Schedule of one route.
 
     - ``experts`` int32 ``[A]`` (device): the experts with rows (of those the route takes), in order;
     - ``tiles`` int32 ``[n_tiles, 3]`` (device): per row tile, (slot of its expert within its stage, first row,
-      end row of the expert);
+      end row of the expert); slot -1 (registers route planned on the device only): rows of no expert, written
+      as zeros;
     - ``stages``: per stage, (first, end) into ``experts`` and (first, end) into ``tiles``.
     """
 
@@ -257,6 +262,28 @@ def plan_stages(offsets: list[int], block_m: int, stage_size: int | None, device
     edges = list(range(0, n_active, stage_size)) + [n_active]
     stages = tuple((a, b, int(bounds[a]), int(bounds[b])) for a, b in zip(edges[:-1], edges[1:]))
     return StagePlan(stage_size, packed[:n_active], packed[n_active:].view(-1, 3), stages)
+
+
+def plan_on_device(expert_offsets: torch.Tensor, block_m: int, rows: int) -> StagePlan:
+    """The registers route's schedule (every expert taken, one stage) from the device's ``expert_offsets`` without
+    reading them on the host: torch ops only, so no sync and capturable in a CUDA graph. The row ranges before the
+    first expert and after the last become zero tiles (slot -1), and the schedule is padded with empty ones (slot
+    -1, no rows) to its bound ``cdiv(rows, block_m) + E + 2``. Offsets outside ``[0, rows]`` or decreasing are
+    clamped into a non-decreasing sequence first, so unchecked values keep every row read in bounds."""
+    e = expert_offsets.shape[0] - 1
+    device = expert_offsets.device
+    bounds = torch.cat([expert_offsets.new_zeros(1), expert_offsets, expert_offsets.new_full((1,), rows)])
+    bounds = torch.cummax(bounds.long().clamp(0, rows), 0).values  # [E + 3]: segment s = [bounds[s], bounds[s+1])
+    tiles_per = (bounds[1:] - bounds[:-1] + block_m - 1) // block_m  # [E + 2]: zero rows, E experts, zero rows
+    ends = torch.cumsum(tiles_per, 0)
+    index = torch.arange(cdiv(rows, block_m) + e + 2, device=device)
+    segment = torch.searchsorted(ends, index, right=True).clamp(max=e + 1)  # past the last tile: padding
+    used = index < ends[-1]
+    row0 = bounds[segment] + (index - (ends[segment] - tiles_per[segment])) * block_m
+    slot = torch.where(used & (segment >= 1) & (segment <= e), segment - 1, -1)
+    tiles = torch.stack([slot, torch.where(used, row0, 0), torch.where(used, bounds[segment + 1], 0)], dim=1)
+    experts = torch.arange(e, dtype=torch.int32, device=device)
+    return StagePlan(max(1, e), experts, tiles.to(torch.int32), ((0, e, 0, tiles.shape[0]),))
 
 
 def launch_gemm(xq, sx, w_half, s_half, y, tiles, config, row_scaled: bool = False) -> None:
@@ -373,7 +400,7 @@ def _host_offsets(expert_offsets: torch.Tensor, rows: int) -> list[int]:
 
 def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, blocks: torch.Tensor,
                      scales: torch.Tensor, *, config: dict | None = None, workspace: FP8Workspace | None = None,
-                     unfit_counter: torch.Tensor | None = None) -> torch.Tensor:
+                     unfit_counter: torch.Tensor | None = None, check_values: bool = True) -> torch.Tensor:
     """Grouped GEMM of expert-sorted rows with MXFP4 weights on FP8 tensor cores (module docstring: the routes).
 
     - ``x_sorted`` bf16/fp16 ``[M, K]`` (rows contiguous), rows of expert ``e`` at
@@ -386,35 +413,48 @@ def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, block
     - ``unfit_counter`` int32 ``[1]``: if given, the number of unfit blocks (see :mod:`.convert_reference`) is
       added to it, no sync (the registers and row-scaled routes only take experts that have none).
 
-    Returns ``y_sorted [M, N]`` in ``x_sorted``'s dtype (rows outside every expert are 0). Reads
-    ``expert_offsets`` on the host (one sync), so it is not for CUDA-graph capture (the decode path is).
+    - ``check_values`` (default): read ``expert_offsets`` on the host (one sync), check them and plan the tiles
+      there. False, on the registers route with every expert fitting it (trained weights: see
+      :func:`.convert.row_references`, whose first call per weight syncs once): plan on the device
+      (:func:`plan_on_device`), no sync, so the call can be captured in a CUDA graph and an eager caller's host
+      work overlaps the GPU's; the offsets are trusted (kept in bounds, not checked). Otherwise as True.
+
+    Returns ``y_sorted [M, N]`` in ``x_sorted``'s dtype (rows outside every expert are 0).
     """
     device = _check(x_sorted, expert_offsets, blocks, scales, workspace, unfit_counter)
     m, (e, n, kb) = x_sorted.shape[0], scales.shape
-    offsets = _host_offsets(expert_offsets, m)
     shape = {"M": m, "E": e, "N": n, "K": 32 * kb}
     config = SPEC.launch_config("prefill", shape, device) if config is None else SPEC.validate(dict(config), shape)
     y = torch.empty(m, n, dtype=x_sorted.dtype, device=device)
-    y[: offsets[0]].zero_()
-    y[offsets[-1]:].zero_()
+    if not check_values and config["IN_REGISTERS"] and all(row_references(scales)[1]):
+        offsets = expert_offsets  # planned on the device: the zero rows too
+    else:
+        offsets = _host_offsets(expert_offsets, m)
+        y[: offsets[0]].zero_()
+        y[offsets[-1]:].zero_()
     with prefill_call(x_sorted, offsets, blocks, scales, y, config, workspace, unfit_counter) as run:
         run()
     return y
 
 
 @contextlib.contextmanager
-def prefill_call(x_sorted, offsets: list[int], blocks, scales, y, config, workspace=None, unfit=None):
-    """Plan the routes, quantize ``x``, lease the workspace if an expert takes that route; yields
+def prefill_call(x_sorted, offsets: list[int] | torch.Tensor, blocks, scales, y, config, workspace=None, unfit=None):
+    """Plan the routes, quantize ``x``, lease the workspace if an expert takes that route (``offsets`` a device
+    tensor: the registers route alone, every expert fitting it, planned on the device); yields
     ``run(overlap=, convert=, gemm=)``, which enqueues everything into ``y`` and may be called again while the
     lease is held (``convert`` / ``gemm`` = False leave that part of the workspace route out, to time the other);
     ``run.leased_slots``: the workspace slots the call holds (0 without a workspace route)."""
     n, kb = scales.shape[1], scales.shape[2]
     block_m, stage = config["BLOCK_M"], config["EXPERTS_PER_STAGE"]
     fused, staged = None, []  # staged: (plan, row references or None) per workspace route
+    on_device = isinstance(offsets, torch.Tensor)
+    if on_device and not (config["IN_REGISTERS"] and all(row_references(scales)[1])):
+        raise ValueError("offsets on the device: only for the registers route with every expert fitting it")
     if config["IN_REGISTERS"] or config["ROW_SCALED"]:  # experts that fit their rows' references ...
         ref, fits = row_references(scales)
         if config["IN_REGISTERS"]:
-            fused = plan_stages(offsets, block_m, None, y.device, take=fits)
+            fused = (plan_on_device(offsets, block_m, y.shape[0]) if on_device
+                     else plan_stages(offsets, block_m, None, y.device, take=fits))
         else:
             staged.append((plan_stages(offsets, block_m, stage, y.device, take=fits), ref))
         if not all(fits):  # ... and the others, with a scale per (row, 128-k group)

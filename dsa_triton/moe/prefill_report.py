@@ -4,9 +4,15 @@ converted ahead of time, the overlap of conversion and GEMM, and memory.
 Per GEMM (gate_up: N = 2 x 2048, K = 7168; down: N = 7168, K = 2048) and routed token count T (E = 256 experts,
 top-8, random routing, trained-layer-like MXFP4 scales) one row:
 
-- ``ours_us``: :func:`fp8_grouped_gemm` end to end with its default config (offsets read on the host, x
-  quantized, then the route the config names); ``quantize_us``: the activation quantization alone;
-- ``registers_us``: the registers route (weights converted on their way to the tensor cores, no workspace);
+- ``ours_us``: :func:`fp8_grouped_gemm` end to end with its default config, called as the MoE layer calls it
+  (``check_values=False``: on the registers route with fitting weights the tiles are planned on the device, no
+  host sync; the workspace routes read the offsets on the host), x quantized, then the route the config names;
+  ``checked_us``: the same with the offsets checked on the host (the op's default: one sync a call, the GPU idle
+  while the host plans); ``ours_graph_us`` / ``fp8_graph_us``: ours and ``torch._scaled_grouped_mm`` replayed
+  from CUDA graphs (NaN where ours syncs), ``vs_fp8_graph`` their ratio; ``quantize_us``: the activation
+  quantization alone (in the k order the config's route reads);
+- ``registers_us``: the registers route (weights converted on their way to the tensor cores, no workspace;
+  unchecked, as ours);
 - ``workspace_us``: the workspace route end to end (the config's when it names that route, else the row-scaled
   workspace route with :data:`.fp8_grouped_gemm.WORKSPACE_TILE`; the registers route likewise with
   ``REGISTERS_TILE``); its stages' conversions alone (``convert_us``), GEMMs alone
@@ -37,9 +43,9 @@ import time
 import torch
 
 from .. import registry
-from ..harness import floor_us, time_us
+from ..harness import floor_us, graph_time_or_nan, time_us
 from ..registry import Cost
-from .fp8_grouped_gemm import (SPEC, REGISTERS_TILE, WORKSPACE_TILE, fp8_grouped_gemm, prefill_call,
+from .fp8_grouped_gemm import (SPEC, REGISTERS_TILE, WORKSPACE_TILE, fp8_grouped_gemm, interleaves, prefill_call,
                                quantize_activations_fp8, route_config)
 from .fused_moe import random_routing
 from .mxfp4 import mxfp4_dequantize, realistic_mxfp4
@@ -102,12 +108,17 @@ def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, d
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device) if cuda else 0
-    ours = fp8_grouped_gemm(x, offsets, blocks, scales)
+    ours = fp8_grouped_gemm(x, offsets, blocks, scales, check_values=False)
     peak = torch.cuda.max_memory_allocated(device) if cuda else math.nan
-    ours_us = _timed(lambda: fp8_grouped_gemm(x, offsets, blocks, scales), device)
-    quantize_us = _timed(lambda: quantize_activations_fp8(x), device)
+    ours_us = _timed(lambda: fp8_grouped_gemm(x, offsets, blocks, scales, check_values=False), device)
+    checked_us = _timed(lambda: fp8_grouped_gemm(x, offsets, blocks, scales), device)
+    ours_graph_us = graph_time_or_nan(lambda _: fp8_grouped_gemm(x, offsets, blocks, scales, check_values=False),
+                                      [None], device)
+    in_registers_order = bool(config["IN_REGISTERS"]) and interleaves(k, k // 32)
+    quantize_us = _timed(lambda: quantize_activations_fp8(x, in_registers_order), device)
     route_out = {route: fp8_grouped_gemm(x, offsets, blocks, scales, config=routes[route]) for route in (0, 1)}
-    registers_us = _timed(lambda: fp8_grouped_gemm(x, offsets, blocks, scales, config=routes[1]), device)
+    registers_us = _timed(lambda: fp8_grouped_gemm(x, offsets, blocks, scales, config=routes[1], check_values=False),
+                          device)
     workspace_us = _timed(lambda: fp8_grouped_gemm(x, offsets, blocks, scales, config=routes[0]), device)
     y = torch.empty_like(ours)
     with prefill_call(x, offsets.tolist(), blocks, scales, y, routes[0]) as run:
@@ -122,6 +133,7 @@ def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, d
     xq, sx = tensorwise_fp8(x)
     fp8_loop_us = _timed(lambda: scaled_mm_loop(xq, sx, w8, s8, spans), device)
     fp8_grouped_us = _timed(lambda: scaled_grouped_mm(xq, sx, w8, s8, offsets), device) if cuda else math.nan
+    fp8_graph_us = graph_time_or_nan(lambda _: scaled_grouped_mm(xq, sx, w8, s8, offsets), [None], device)
     del w8, s8, xq, sx
     dense = mxfp4_dequantize(blocks, scales, dtype)
     bf16_loop_us = _timed(lambda: mm_loop(x, dense, spans), device)
@@ -138,7 +150,9 @@ def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, d
     row = {
         "gemm": name, "T": tokens, "M": m, "E": experts, "N": n, "K": k, "active_experts": len(spans),
         "config": json.dumps(config),
-        "ours_us": ours_us, "ours_tflops": 2.0 * m * n * k / (ours_us * 1e-6) / 1e12, "quantize_us": quantize_us,
+        "ours_us": ours_us, "ours_tflops": 2.0 * m * n * k / (ours_us * 1e-6) / 1e12, "checked_us": checked_us,
+        "ours_graph_us": ours_graph_us, "fp8_graph_us": fp8_graph_us, "vs_fp8_graph": fp8_graph_us / ours_graph_us,
+        "quantize_us": quantize_us,
         "registers_us": registers_us, "workspace_us": workspace_us,
         "convert_us": convert_us, "gemm_us": gemm_us, "serial_us": serial_us, "pipelined_us": pipelined_us,
         "hidden": (serial_us - pipelined_us) / min(convert_us, gemm_us),
