@@ -1,6 +1,7 @@
 """Prefill grouped GEMM (interpreter, fp16 activations) against the reference, both routes (weights converted in
 registers, or through the workspace): activation quantization bit for bit, grouped products with odd expert
 counts, empty experts, K and N off 128, experts split between the routes; the registers route compiles for sm_90."""
+import importlib
 import json
 
 import pytest
@@ -21,6 +22,7 @@ CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps"
           "EXPERTS_PER_STAGE": 2, "IN_REGISTERS": 0, "W_SMEM": 0, "UNROLL": 1, "ROW_SCALED": 0}
 REGISTERS = {**CONFIG, "BLOCK_K": 128, "IN_REGISTERS": 1}
 ROWS = {**CONFIG, "ROW_SCALED": 1}  # the workspace route, experts converted against their rows' references
+fp8_grouped_gemm_module = importlib.import_module("dsa_triton.moe.fp8_grouped_gemm")  # (the package's name is the op)
 
 
 def offsets_of(counts):
@@ -43,7 +45,10 @@ def check_against_reference(y, x, offsets, blocks, scales):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_activation_quantization_matches_reference_bit_for_bit(dtype):
+@pytest.mark.parametrize("tile", [8192, 64])  # rows in registers (one read), or read twice in steps
+def test_activation_quantization_matches_reference_bit_for_bit(dtype, tile, monkeypatch):
+    monkeypatch.setattr(fp8_grouped_gemm_module, "QUANTIZE_TILE", tile)
+    monkeypatch.setattr(fp8_grouped_gemm_module, "QUANTIZE_STEP", (4, 64))  # 160 = 2.5 steps
     g = torch.Generator().manual_seed(3)
     x = torch.randn(9, 160, generator=g) * torch.exp2(torch.randint(-12, 12, (9, 1), generator=g).float())
     # row 0: amax 448 (scale 1) and exact ties: to even in the normal and the subnormal range
@@ -63,6 +68,21 @@ def test_activation_quantization_matches_reference_bit_for_bit(dtype):
     assert float(s[0]) == 1.0 and float(s[2]) == 2.0 and float(s[1]) == 2.0**-126
     assert q[0, :7].float().tolist() == [448.0, 1.0, 1.25, -1.25, 0.0, 2.0**-8, 2.0**-7]
     assert q[0, 8:10].view(torch.uint8).tolist() == [0x80, 0x80]
+
+
+@pytest.mark.parametrize("tile", [8192, 128])
+def test_activation_quantization_in_the_interleaved_k_order(tile, monkeypatch):
+    """Quarter ``a`` of 32-block ``b`` of each 128-k group lands at ``4 a + b``: the registers route's k order."""
+    monkeypatch.setattr(fp8_grouped_gemm_module, "QUANTIZE_TILE", tile)
+    monkeypatch.setattr(fp8_grouped_gemm_module, "QUANTIZE_STEP", (4, 128))
+    x = torch.randn(5, 384, generator=torch.Generator().manual_seed(4)).half()
+    with poisoned_allocations():
+        q, s = quantize_activations_fp8(x, interleaved=True)
+    natural, natural_s = quantize_activations_fp8(x)
+    expected = natural.view(torch.uint8).view(5, 3, 4, 8, 4).transpose(2, 3).reshape(5, 384)
+    assert torch.equal(q.view(torch.uint8), expected) and torch.equal(s, natural_s)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quantize_activations_fp8(x[:, :160], interleaved=True)
 
 
 @pytest.mark.parametrize("counts, n, k, config", [

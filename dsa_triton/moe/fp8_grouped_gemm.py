@@ -70,27 +70,44 @@ def round_to_e4m3(v):
 
 
 @triton.jit
+def _store_e4m3(q_ptrs, scaled, mask, INTERLEAVED: tl.constexpr):
+    q = round_to_e4m3(scaled).to(tl.float8e4nv)
+    if INTERLEAVED:  # K a multiple of 128: ``mask`` is the same over each 128-k group, interleaved or not
+        q = interleave_blocks(q, 4)
+    tl.store(q_ptrs, q, mask=mask)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                          INTERLEAVED: tl.constexpr):
+                          ONE_PASS: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """``BLOCK_M`` rows per program; ``ONE_PASS`` (``BLOCK_K >= K``): each row tile is read once and kept in
+    registers, else read twice, ``BLOCK_K`` at a time (the row maximum, then the quantization)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows64 = rows.to(tl.int64)[:, None]
-    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=(rows < M)[:, None] & (k < K)[None, :], other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(widen_to_fp32(x)), axis=1))
+    if ONE_PASS:
+        k = tl.arange(0, BLOCK_K)
+        inside = (rows < M)[:, None] & (k < K)[None, :]
+        x = widen_to_fp32(tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=inside, other=0.0))
+        amax = tl.max(tl.abs(x), axis=1)
+    else:
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=(rows < M)[:, None] & (k < K)[None, :],
+                        other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(widen_to_fp32(x)), axis=1))
     bits = amax.to(tl.int32, bitcast=True)
     # smallest e with amax <= 448 * 2^e: amax = 1.f * 2^E gives E - 8, one more when 1.f > 1.75
     e = tl.maximum(((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32), -126)
     inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        inside = (rows < M)[:, None] & (k < K)[None, :]
-        x = widen_to_fp32(tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=inside, other=0.0))
-        q = round_to_e4m3(x * inv_scale).to(tl.float8e4nv)
-        if INTERLEAVED:  # K a multiple of 128: ``inside`` is the same over each 128-k group, interleaved or not
-            q = interleave_blocks(q, 4)
-        tl.store(q_ptr + rows64 * stride_q + k[None, :], q, mask=inside)
+    if ONE_PASS:
+        _store_e4m3(q_ptr + rows64 * stride_q + k[None, :], x * inv_scale, inside, INTERLEAVED)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            inside = (rows < M)[:, None] & (k < K)[None, :]
+            x = widen_to_fp32(tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=inside, other=0.0))
+            _store_e4m3(q_ptr + rows64 * stride_q + k[None, :], x * inv_scale, inside, INTERLEAVED)
     tl.store(s_ptr + rows, ((e + 127) << 23).to(tl.float32, bitcast=True), mask=rows < M)
 
 
@@ -199,7 +216,10 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
 
 
 # -- host side ------------------------------------------------------------------------------------
-QUANTIZE_ROWS_BLOCK = (4, 1024)  # rows x k per program and step of the activation quantization
+# activation quantization: up to this many elements of a row tile in registers (one read of x; 32 fp32 a thread at
+# 8 warps); longer rows are read twice in steps of QUANTIZE_STEP (4 rows x 1024, 4 warps)
+QUANTIZE_TILE = 8192
+QUANTIZE_STEP = (4, 1024)
 
 
 def interleaves(k: int, kb: int) -> bool:
@@ -217,10 +237,12 @@ def quantize_activations_fp8(x: torch.Tensor, interleaved: bool = False) -> tupl
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
-        block_m, block_k = QUANTIZE_ROWS_BLOCK
+        one_pass = triton.next_power_of_2(k) <= QUANTIZE_TILE
+        block_k = triton.next_power_of_2(k) if one_pass else QUANTIZE_STEP[1]
+        block_m = QUANTIZE_TILE // block_k if one_pass else QUANTIZE_STEP[0]
         _quantize_rows_kernel[(cdiv(m, block_m),)](x, q, s, m, k, x.stride(0), q.stride(0),
-                                                   BLOCK_M=block_m, BLOCK_K=block_k, INTERLEAVED=interleaved,
-                                                   num_warps=4)
+                                                   BLOCK_M=block_m, BLOCK_K=block_k, ONE_PASS=one_pass,
+                                                   INTERLEAVED=interleaved, num_warps=8 if one_pass else 4)
     return q, s
 
 
