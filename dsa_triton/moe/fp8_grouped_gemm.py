@@ -625,8 +625,10 @@ def _make_inputs(phase, shape, device, seed):
 
 
 def _run(inputs, config):
+    """As the MoE layer calls it: offsets unchecked (the registers route then plans on the device: no host sync,
+    so the tuner and the bench time it in CUDA graphs; the workspace routes still sync)."""
     w = inputs["weights"]
-    return fp8_grouped_gemm(inputs["x"], inputs["offsets"], w.blocks, w.scales, config=config)
+    return fp8_grouped_gemm(inputs["x"], inputs["offsets"], w.blocks, w.scales, config=config, check_values=False)
 
 
 def _reference(inputs):
