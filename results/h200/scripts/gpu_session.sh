@@ -37,8 +37,8 @@ case $part in
     cp -r tuning_db/data "$OUT/db" ;;
   gap)  # prefill op at T=4096: eager (host sync and planning each call) vs its launches in a CUDA graph
     timeout 300 python results/h200/scripts/host_gap_probe.py 2>&1 | tee "$OUT/host_gap_probe.log" | grep "^|" ;;
-  gemm)  # re-tune the prefill grouped GEMM alone (its registers-route kernel changed: interleaved k order)
-    timeout 400 python -m tuner.cli tune "${grid[@]}" --budget 360 --no-progress --retune --kernels moe_workspace_gemm \
+  gemm)  # re-tune the prefill grouped GEMM and the layer path choice (no host sync on the registers route now)
+    timeout 400 python -m tuner.cli tune "${grid[@]}" --budget 360 --no-progress --retune --kernels moe_workspace_gemm,moe_path \
       2>&1 | tee "$OUT/tune-gemm.log" | grep "^\[" | cut -c1-220 | tail -20
     cp -r tuning_db/data "$OUT/db" ;;
   bench)  # every kernel and report with the database as committed
