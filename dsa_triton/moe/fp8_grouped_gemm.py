@@ -3,9 +3,12 @@
 ``y_sorted[r] = x_sorted[r] @ W_e^T`` for the rows ``r`` of expert ``e`` (CSR ``expert_offsets``), MXFP4 weights.
 One call:
 
-1. reads ``expert_offsets`` on the host: the one sync (the tile schedule needs the per-expert row counts);
+1. reads ``expert_offsets`` on the host: the one sync (the tile schedule needs the per-expert row counts), or
+   with ``check_values=False`` on the registers route plans the tiles on the device (:func:`plan_on_device`);
 2. quantizes ``x`` to e4m3 with one power-of-two scale per row (``_quantize_rows_kernel``; oracle
-   :func:`.fp8_grouped_gemm_reference.quantize_rows_fp8_torch`, bit for bit);
+   :func:`.fp8_grouped_gemm_reference.quantize_rows_fp8_torch`, bit for bit), for the registers route in its
+   interleaved k order (:func:`.convert.interleave_blocks`: each thread's share of the MMA operand is then one
+   32-block's 16 contiguous code bytes);
 3. multiplies by one of two routes (config ``IN_REGISTERS``), both over row tiles of ``BLOCK_M`` rows of one
    expert x ``BLOCK_N`` output columns, ``GROUP_M`` row tiles per N column for L2 reuse (the tensor cores
    accumulate all of K at their own fp8 precision on the registers route and the row-scaled workspace route, as
