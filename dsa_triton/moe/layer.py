@@ -33,7 +33,10 @@ from .routing import RoutingConfig, check_routing, route
 from .routing_kernel import route_topk
 
 DECODE_MAX_TOKENS = 256  # moe_forward's phase when none is given: decode up to this many tokens
-CROSSOVER_ROWS = 128  # default: the workspace path from this many routed rows per expert (until tuned)
+# default (until tuned): the grouped-GEMM ("workspace") path from this many routed rows per expert. H200 graph
+# times (results/h200/tune-...-1400): 32 rows (T=1024, top-8 of 256) 3774 us against 8228 fused (2.18x); 4 rows
+# (T=128) fused faster; in between not measured
+CROSSOVER_ROWS = 32
 
 
 def shared_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act=swiglu) -> torch.Tensor:
