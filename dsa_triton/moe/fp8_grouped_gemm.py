@@ -473,10 +473,10 @@ def prefill_call(x_sorted, offsets: list[int] | torch.Tensor, blocks, scales, y,
     block_m, stage = config["BLOCK_M"], config["EXPERTS_PER_STAGE"]
     fused, staged = None, []  # staged: (plan, row references or None) per workspace route
     on_device = isinstance(offsets, torch.Tensor)
-    if on_device and not (config["IN_REGISTERS"] and all(row_references(scales)[1])):
+    ref, fits = row_references(scales) if config["IN_REGISTERS"] or config["ROW_SCALED"] else (None, None)
+    if on_device and not (config["IN_REGISTERS"] and all(fits)):
         raise ValueError("offsets on the device: only for the registers route with every expert fitting it")
-    if config["IN_REGISTERS"] or config["ROW_SCALED"]:  # experts that fit their rows' references ...
-        ref, fits = row_references(scales)
+    if fits is not None:  # experts that fit their rows' references ...
         if config["IN_REGISTERS"]:
             fused = (plan_on_device(offsets, block_m, y.shape[0]) if on_device
                      else plan_stages(offsets, block_m, None, y.device, take=fits))

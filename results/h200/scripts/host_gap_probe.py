@@ -7,12 +7,10 @@ table; run from the repository root on the GPU."""
 import torch
 
 from dsa_triton.harness import graph_us, time_us
-from dsa_triton.moe.fp8_grouped_gemm import (REGISTERS_TILE, SPEC, fp8_grouped_gemm, interleaves, launch_fused,
-                                             plan_stages, quantize_activations_fp8, route_config)
 from dsa_triton.moe.convert import row_references
-from dsa_triton.moe.mxfp4 import realistic_mxfp4
-from dsa_triton.moe.prefill_baselines import offline_fp8_experts, scaled_grouped_mm, tensorwise_fp8
-from dsa_triton.moe.prefill_report import routed_rows
+from dsa_triton.moe.fp8_grouped_gemm import (fp8_grouped_gemm, interleaves, launch_fused, plan_stages,
+                                             quantize_activations_fp8)
+from occupancy_probe import prefill_cases
 
 
 def main() -> None:
@@ -20,17 +18,10 @@ def main() -> None:
     print("| gemm | T | op eager us | quantize + GEMM graph us | GEMM graph us | torch eager us | torch graph us |"
           " op eager vs torch eager | graph vs torch graph |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
-        t = 4096
-        offsets, x = routed_rows(t, 256, 8, k, dev, t + n)
-        blocks, scales = realistic_mxfp4((256, n), k, dev, seed=1, outliers=0.0)
-        w8, s8 = offline_fp8_experts(blocks, scales)
-        xq8, sx8 = tensorwise_fp8(x)
-        torch_eager = time_us(lambda: scaled_grouped_mm(xq8, sx8, w8, s8, offsets), dev)
-        torch_graph = graph_us(lambda: scaled_grouped_mm(xq8, sx8, w8, s8, offsets), dev)
-        del w8, s8, xq8
-        shape = {"M": x.shape[0], "E": 256, "N": n, "K": k}
-        config = {**route_config(SPEC.launch_config("prefill", shape, dev), 1), **REGISTERS_TILE}
+    for name, offsets, x, blocks, scales, torch_call, config in prefill_cases(dev):
+        t, n, k = 4096, blocks.shape[1], x.shape[1]
+        torch_eager = time_us(torch_call, dev)
+        torch_graph = graph_us(torch_call, dev)
         op_eager = time_us(lambda: fp8_grouped_gemm(x, offsets, blocks, scales, config=config), dev)
         ref, fits = row_references(scales)
         assert all(fits)
@@ -46,7 +37,7 @@ def main() -> None:
         gemm_graph = graph_us(lambda: launch_fused(xq, sx, blocks, scales, ref, y, plan, config), dev)
         print(f"| {name} | {t} | {op_eager:.1f} | {both_graph:.1f} | {gemm_graph:.1f} | {torch_eager:.1f} | "
               f"{torch_graph:.1f} | {torch_eager / op_eager:.3f} | {torch_graph / both_graph:.3f} |", flush=True)
-        del blocks, scales, x, y, xq
+        del blocks, scales, x, y, xq, torch_call
 
 
 if __name__ == "__main__":

@@ -30,6 +30,20 @@ class WithOptions:
         return lambda *args, **kwargs: self.kernel[grid](*args, **kwargs, **self.options)
 
 
+def prefill_cases(dev):
+    """Issue 5's prefill GEMMs at T = 4096 (E = 256, top-8): per GEMM ``(name, offsets, x, blocks, scales,
+    torch_call, config)``, ``torch_call()`` running ``torch._scaled_grouped_mm`` on the offline FP8 copy and
+    ``config`` the registers route with :data:`REGISTERS_TILE`."""
+    for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
+        offsets, x = routed_rows(4096, 256, 8, k, dev, 4096 + n)
+        blocks, scales = realistic_mxfp4((256, n), k, dev, seed=1, outliers=0.0)
+        w8, s8 = offline_fp8_experts(blocks, scales)
+        xq, sx = tensorwise_fp8(x)
+        shape = {"M": x.shape[0], "E": 256, "N": n, "K": k}
+        config = {**route_config(SPEC.launch_config("prefill", shape, dev), 1), **REGISTERS_TILE}
+        yield name, offsets, x, blocks, scales, lambda: scaled_grouped_mm(xq, sx, w8, s8, offsets), config
+
+
 def main() -> None:
     dev = torch.device("cuda")
     out = open(os.path.join(os.environ.get("OUT", "."), "occupancy_probe.jsonl"), "w")
@@ -42,17 +56,10 @@ def main() -> None:
                     ("thread-major", thread_major, None, 3), ("thread-major", thread_major, 128, 3)]
     print("| gemm | T | read | maxnreg | stages | us | torch us | vs torch | rel err vs first (argv: vs torch) |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
+    for name, offsets, x, blocks, scales, torch_call, config in prefill_cases(dev):
         t = 4096
-        offsets, x = routed_rows(t, 256, 8, k, dev, t + n)
-        blocks, scales = realistic_mxfp4((256, n), k, dev, seed=1, outliers=0.0)
-        w8, s8 = offline_fp8_experts(blocks, scales)
-        xq, sx = tensorwise_fp8(x)
-        torch_us = time_us(lambda: scaled_grouped_mm(xq, sx, w8, s8, offsets), dev)
-        reference = scaled_grouped_mm(xq, sx, w8, s8, offsets).float() if len(sys.argv) > 1 else None
-        del w8, s8, xq
-        shape = {"M": x.shape[0], "E": 256, "N": n, "K": k}
-        config = {**route_config(SPEC.launch_config("prefill", shape, dev), 1), **REGISTERS_TILE}
+        torch_us = time_us(torch_call, dev)
+        reference = torch_call().float() if len(sys.argv) > 1 else None
         for read, kernel, maxnreg, stages in variants:
             gemm_module._fused_gemm_kernel = kernel if maxnreg is None else WithOptions(kernel, maxnreg=maxnreg)
             run_config = {**config, "num_stages": stages}
@@ -71,7 +78,7 @@ def main() -> None:
         for interleaved in (False, True):  # the activation quantization inside each call above, alone
             us = time_us(lambda: gemm_module.quantize_activations_fp8(x, interleaved), dev)
             print(f"| {name} | {t} | quantize x, interleaved={interleaved} | - | - | {us:.1f} | - | - | - |")
-        del blocks, scales, x
+        del blocks, scales, x, torch_call
 
 
 if __name__ == "__main__":
