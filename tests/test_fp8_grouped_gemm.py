@@ -19,7 +19,7 @@ from dsa_triton.moe.workspace import FP8Workspace
 from tests.poison import poisoned_allocations
 
 CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
-          "EXPERTS_PER_STAGE": 2, "IN_REGISTERS": 0, "W_SMEM": 0, "UNROLL": 1, "ROW_SCALED": 0}
+          "EXPERTS_PER_STAGE": 2, "IN_REGISTERS": 0, "W_SMEM": 0, "UNROLL": 1, "ROW_SCALED": 0, "OVERLAP": 1}
 REGISTERS = {**CONFIG, "BLOCK_K": 128, "IN_REGISTERS": 1}
 ROWS = {**CONFIG, "ROW_SCALED": 1}  # the workspace route, experts converted against their rows' references
 fp8_grouped_gemm_module = importlib.import_module("dsa_triton.moe.fp8_grouped_gemm")  # (the package's name is the op)

@@ -3,12 +3,13 @@
 ``y_sorted[r] = x_sorted[r] @ W_e^T`` for the rows ``r`` of expert ``e`` (CSR ``expert_offsets``), MXFP4 weights.
 One call:
 
-1. reads ``expert_offsets`` on the host: the one sync (the tile schedule needs the per-expert row counts), or
-   with ``check_values=False`` on the registers route plans the tiles on the device (:func:`plan_on_device`);
-2. quantizes ``x`` to e4m3 with one power-of-two scale per row (``_quantize_rows_kernel``; oracle
+1. quantizes ``x`` to e4m3 with one power-of-two scale per row (``_quantize_rows_kernel``; oracle
    :func:`.fp8_grouped_gemm_reference.quantize_rows_fp8_torch`, bit for bit), for the registers route in its
    interleaved k order (:func:`.convert.interleave_blocks`: each thread's share of the MMA operand is then one
    32-block's 16 contiguous code bytes);
+2. reads ``expert_offsets`` on the host: the one sync (the tile schedule needs the per-expert row counts), on a
+   side stream behind what produced them and not behind the quantization, which so runs while the host plans;
+   or with ``check_values=False`` on the registers route plans the tiles on the device (:func:`plan_on_device`);
 3. multiplies by one of two routes (config ``IN_REGISTERS``), both over row tiles of ``BLOCK_M`` rows of one
    expert x ``BLOCK_N`` output columns, ``GROUP_M`` row tiles per N column for L2 reuse (the tensor cores
    accumulate all of K at their own fp8 precision on the registers route and the row-scaled workspace route, as
@@ -23,7 +24,8 @@ One call:
      needs per-group rescaling) take the workspace route;
    - workspace (0): stage ``s`` of ``EXPERTS_PER_STAGE`` experts is converted MXFP4 -> FP8 (:mod:`.convert`, one
      fp32 scale per (row, 128-k group)) into half ``s % 2`` of a workspace lease on a side stream while the main
-     stream runs the GEMM of stage ``s - 1`` from the other half (events order each half's conversion and GEMM);
+     stream runs the GEMM of stage ``s - 1`` from the other half (events order each half's conversion and GEMM;
+     ``OVERLAP=0``: both on the main stream, in turn);
      ``_grouped_gemm_kernel`` adds ``dot(x_q, w_q^T) * sw[:, g]`` per 128-k group, the row scales of x after
      the loop. With ``ROW_SCALED`` the experts that fit their rows' references (as the registers route takes
      them) are converted against those references instead, so a row's group scales are equal and the GEMM is a
@@ -43,6 +45,7 @@ import sys
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -269,23 +272,26 @@ class StagePlan:
 def plan_stages(offsets: list[int], block_m: int, stage_size: int | None, device: torch.device,
                 take: list[bool] | None = None) -> StagePlan:
     """Row tiles of ``block_m`` rows per active expert (of those ``take`` marks), experts in stages of
-    ``stage_size`` (None: one stage), built with torch on the host."""
-    off = torch.tensor(offsets, dtype=torch.int64)
-    counts = off[1:] - off[:-1]
-    chosen = counts > 0 if take is None else (counts > 0) & torch.tensor(take, dtype=torch.bool)
-    active = torch.nonzero(chosen).flatten()
-    stage_size = stage_size or max(1, active.numel())
+    ``stage_size`` (None: one stage), built with numpy on the host and copied to ``device`` without waiting for it
+    (pinned memory, asynchronous: the GPU may still be running earlier work)."""
+    off = np.asarray(offsets, dtype=np.int64)
+    counts = np.diff(off)
+    chosen = counts > 0 if take is None else (counts > 0) & np.asarray(take, dtype=bool)
+    active = np.flatnonzero(chosen)
+    stage_size = stage_size or max(1, active.size)
     start, count = off[:-1][active], counts[active]
     tiles_per = (count + block_m - 1) // block_m
-    tile_expert = torch.repeat_interleave(torch.arange(active.numel()), tiles_per)
-    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(tiles_per, 0)])
-    local = torch.arange(tile_expert.numel()) - bounds[tile_expert]
-    tiles = torch.stack([tile_expert % stage_size, start[tile_expert] + local * block_m,
-                         (start + count)[tile_expert]], dim=1)
-    packed = torch.cat([active, tiles.flatten()]).to(torch.int32).to(device)  # one host-to-device copy
-    n_active = active.numel()
+    tile_expert = np.repeat(np.arange(active.size), tiles_per)
+    bounds = np.concatenate([[0], np.cumsum(tiles_per)])
+    local = np.arange(tile_expert.size) - bounds[tile_expert]
+    tiles = np.stack([tile_expert % stage_size, start[tile_expert] + local * block_m, (start + count)[tile_expert]], 1)
+    packed = torch.from_numpy(np.concatenate([active, tiles.ravel()]).astype(np.int32))  # one host-to-device copy
+    if torch.device(device).type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    n_active = active.size
     edges = list(range(0, n_active, stage_size)) + [n_active]
-    stages = tuple((a, b, int(bounds[a]), int(bounds[b])) for a, b in zip(edges[:-1], edges[1:]))
+    bounds = bounds.tolist()
+    stages = tuple((a, b, bounds[a], bounds[b]) for a, b in zip(edges[:-1], edges[1:]))
     return StagePlan(stage_size, packed[:n_active], packed[n_active:].view(-1, 3), stages)
 
 
@@ -416,8 +422,21 @@ def _check(x_sorted, expert_offsets, blocks, scales, workspace, unfit_counter) -
     return device
 
 
-def _host_offsets(expert_offsets: torch.Tensor, rows: int) -> list[int]:
-    offsets = expert_offsets.tolist()
+def _host_offsets(expert_offsets: torch.Tensor, rows: int, after: torch.cuda.Event | None = None) -> list[int]:
+    """``expert_offsets`` read on the host and checked (non-decreasing within ``[0, rows]``). ``after`` (CUDA): the
+    copy runs on the side stream once the current stream has reached that event, so the host waits for the
+    offsets' producers but not for the work enqueued since (the activation quantization then runs on the GPU while
+    the host plans the tiles)."""
+    if after is None:
+        offsets = expert_offsets.tolist()
+    else:
+        side = _side_stream(expert_offsets.device)
+        host = torch.empty(expert_offsets.shape, dtype=expert_offsets.dtype, pin_memory=True)
+        with torch.cuda.stream(side):
+            side.wait_event(after)
+            host.copy_(expert_offsets, non_blocking=True)
+        side.synchronize()
+        offsets = host.tolist()
     if offsets[0] < 0 or offsets[-1] > rows or any(b < a for a, b in zip(offsets[:-1], offsets[1:])):
         raise ValueError(f"expert_offsets: must be non-decreasing within [0, {rows}], got {offsets[:8]}...{offsets[-2:]}")
     return offsets
@@ -438,11 +457,12 @@ def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, block
     - ``unfit_counter`` int32 ``[1]``: if given, the number of unfit blocks (see :mod:`.convert_reference`) is
       added to it, no sync (the registers and row-scaled routes only take experts that have none).
 
-    - ``check_values`` (default): read ``expert_offsets`` on the host (one sync), check them and plan the tiles
-      there. False, on the registers route with every expert fitting it (trained weights: see
-      :func:`.convert.row_references`, whose first call per weight syncs once): plan on the device
-      (:func:`plan_on_device`), no sync, so the call can be captured in a CUDA graph and an eager caller's host
-      work overlaps the GPU's; the offsets are trusted (kept in bounds, not checked). Otherwise as True.
+    - ``check_values`` (default): read ``expert_offsets`` on the host (one sync, behind the activation
+      quantization: the GPU quantizes while the host plans), check them and plan the tiles there. False, on the
+      registers route with every expert fitting it (trained weights: see :func:`.convert.row_references`, whose
+      first call per weight syncs once): plan on the device (:func:`plan_on_device`), no sync, so the call can be
+      captured in a CUDA graph and an eager caller's host work overlaps the GPU's; the offsets are trusted (kept in
+      bounds, not checked). Otherwise as True.
 
     Returns ``y_sorted [M, N]`` in ``x_sorted``'s dtype (rows outside every expert are 0).
     """
@@ -451,54 +471,57 @@ def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, block
     shape = {"M": m, "E": e, "N": n, "K": 32 * kb}
     config = SPEC.launch_config("prefill", shape, device) if config is None else SPEC.validate(dict(config), shape)
     y = torch.empty(m, n, dtype=x_sorted.dtype, device=device)
-    if not check_values and config["IN_REGISTERS"] and all(row_references(scales)[1]):
-        offsets = expert_offsets  # planned on the device: the zero rows too
-    else:
-        offsets = _host_offsets(expert_offsets, m)
-        y[: offsets[0]].zero_()
-        y[offsets[-1]:].zero_()
-    with prefill_call(x_sorted, offsets, blocks, scales, y, config, workspace, unfit_counter) as run:
+    with prefill_call(x_sorted, expert_offsets, blocks, scales, y, config, workspace, unfit_counter,
+                      trusted=not check_values) as run:
         run()
     return y
 
 
 @contextlib.contextmanager
-def prefill_call(x_sorted, offsets: list[int] | torch.Tensor, blocks, scales, y, config, workspace=None, unfit=None):
-    """Plan the routes, quantize ``x``, lease the workspace if an expert takes that route (``offsets`` a device
-    tensor: the registers route alone, every expert fitting it, planned on the device); yields
-    ``run(overlap=, convert=, gemm=)``, which enqueues everything into ``y`` and may be called again while the
-    lease is held (``convert`` / ``gemm`` = False leave that part of the workspace route out, to time the other);
-    ``run.leased_slots``: the workspace slots the call holds (0 without a workspace route)."""
-    n, kb = scales.shape[1], scales.shape[2]
+def prefill_call(x_sorted, offsets: list[int] | torch.Tensor, blocks, scales, y, config, workspace=None, unfit=None,
+                 trusted: bool = False):
+    """Quantize ``x`` for the routes the config and the weights take, plan them, lease the workspace if an expert
+    takes that route; yields ``run(overlap=, convert=, gemm=)``, which enqueues everything into ``y`` and may be
+    called again while the lease is held (``overlap``: the config's ``OVERLAP`` unless given; ``convert`` /
+    ``gemm`` = False leave that part of the workspace route out, to time the other); ``run.leased_slots``: the
+    workspace slots the call holds (0 without a workspace route).
+
+    ``offsets``: a checked host list, or the device tensor: ``trusted`` on the registers route with every expert
+    fitting it, planned on the device (no sync); else read and checked on the host behind the quantization, and
+    the rows outside every expert zeroed."""
+    e, n, kb = scales.shape
     block_m, stage = config["BLOCK_M"], config["EXPERTS_PER_STAGE"]
-    fused, staged = None, []  # staged: (plan, row references or None) per workspace route
-    on_device = isinstance(offsets, torch.Tensor)
-    ref, fits = row_references(scales) if config["IN_REGISTERS"] or config["ROW_SCALED"] else (None, None)
-    if on_device and not (config["IN_REGISTERS"] and all(fits)):
-        raise ValueError("offsets on the device: only for the registers route with every expert fitting it")
-    if fits is not None:  # experts that fit their rows' references ...
-        if config["IN_REGISTERS"]:
-            fused = (plan_on_device(offsets, block_m, y.shape[0]) if on_device
-                     else plan_stages(offsets, block_m, None, y.device, take=fits))
-        else:
-            staged.append((plan_stages(offsets, block_m, stage, y.device, take=fits), ref))
-        if not all(fits):  # ... and the others, with a scale per (row, 128-k group)
-            staged.append((plan_stages(offsets, block_m, stage, y.device, take=[not f for f in fits]), None))
-    else:
-        staged.append((plan_stages(offsets, block_m, stage, y.device), None))
-    staged = [(plan, row_ref) for plan, row_ref in staged if plan.stages]
-    if not staged and (fused is None or not fused.stages):
-        def nothing(**kw) -> None:
-            pass
-        nothing.leased_slots = 0
-        yield nothing
-        return
-    # x in the k order of each route taken (one quantization where the orders agree)
+    ref, fits = row_references(scales) if config["IN_REGISTERS"] or config["ROW_SCALED"] else (None, [False] * e)
+    # the experts of each route (known before the offsets): the registers route or the row-scaled workspace route
+    # takes those that fit their rows' references, the workspace route with a scale per (row, 128-k group) the rest
+    fused_take = fits if config["IN_REGISTERS"] and any(fits) else None
+    staged_takes = [] if config["IN_REGISTERS"] or not any(fits) else [(fits, ref)]
+    if not all(fits):
+        staged_takes.append(([not f for f in fits], None))
+    on_device = isinstance(offsets, torch.Tensor) and trusted and fused_take is not None and all(fused_take)
+    cuda = y.device.type == "cuda"
+    ready = None
+    if isinstance(offsets, torch.Tensor) and not on_device and cuda:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(y.device))
+    # x in the k order of each route taken (one quantization where the orders agree), launched before the offsets
+    # are read on the host
     interleaved = interleaves(x_sorted.shape[1], kb)
-    fused_x = quantize_activations_fp8(x_sorted, interleaved) if fused is not None and fused.stages else None
+    fused_x = quantize_activations_fp8(x_sorted, interleaved) if fused_take is not None else None
     staged_x = None
-    if staged:
+    if staged_takes:
         staged_x = fused_x if fused_x is not None and not interleaved else quantize_activations_fp8(x_sorted)
+    if isinstance(offsets, torch.Tensor) and not on_device:
+        offsets = _host_offsets(offsets, y.shape[0], ready)
+    if not on_device:  # (a plan made on the device has tiles for these rows)
+        y[: offsets[0]].zero_()
+        y[offsets[-1]:].zero_()
+    fused = None
+    if fused_take is not None:
+        fused = (plan_on_device(offsets, block_m, y.shape[0]) if on_device
+                 else plan_stages(offsets, block_m, None, y.device, take=fused_take))
+    staged = [(plan_stages(offsets, block_m, stage, y.device, take=take), row_ref) for take, row_ref in staged_takes]
+    staged = [(plan, row_ref) for plan, row_ref in staged if plan.stages]
     with contextlib.ExitStack() as stack:
         if staged:
             slots = stage * min(2, max(len(plan.stages) for plan, _ in staged))
@@ -506,12 +529,13 @@ def prefill_call(x_sorted, offsets: list[int] | torch.Tensor, blocks, scales, y,
             w_slots, s_slots = stack.enter_context(workspace.acquire(slots)).views(n, 32 * kb)
             convert_config = CONVERT.launch_config("prefill", {"G": stage, "N": n, "K": 32 * kb}, y.device)
 
-        def run(overlap: bool = True, convert: bool = True, gemm: bool = True) -> None:
-            if fused is not None and gemm:
+        def run(overlap: bool | None = None, convert: bool = True, gemm: bool = True) -> None:
+            if fused is not None and fused.stages and gemm:
                 launch_fused(*fused_x, blocks, scales, ref, y, fused, config)
             for plan, row_ref in staged:
                 run_stages(plan, blocks, scales, *staged_x, y, w_slots, s_slots, config, convert_config, unfit=unfit,
-                           row_ref=row_ref, overlap=overlap, convert=convert, gemm=gemm)
+                           row_ref=row_ref, overlap=bool(config["OVERLAP"]) if overlap is None else overlap,
+                           convert=convert, gemm=gemm)
 
         run.leased_slots = slots if staged else 0
         yield run
@@ -534,6 +558,9 @@ SPACE = {
     # runs a plain FP8 GEMM (no per-group rescaling in the k loop); H200 probe of such a GEMM on the offline FP8
     # copy, 128x256x128 / 8 warps / 3 stages: 1.04-1.20x torch._scaled_grouped_mm (plain-fp8-gemm-probe-...-1110)
     "ROW_SCALED": (0, 1),
+    # workspace route: 1 converts the next stage on a side stream while the GEMM of this one runs, 0 both on one
+    # stream (H200 T=16384: the overlap hid 15 % of the conversion for gate_up and cost 16 % for down, bench -1330)
+    "OVERLAP": (0, 1),
     "W_SMEM": (0, 1),  # registers route: converted weights as the shared-memory MMA operand (H200: 1.5-21% faster
     # on 8-warp and 256-wide tiles, from 12% slower to 4% faster on 64 x 128 / 4 warps; w-smem-probe-...-0700)
     "UNROLL": (1, 2),  # registers route: k loop unrolled twice, its wgmmas back to back at any num_stages (sm_90
@@ -542,7 +569,7 @@ SPACE = {
 }
 WORKSPACE_LIMIT = 4 * 2**30  # bytes of two stages of FP8 experts
 REGISTERS_ROUTE_KNOBS = {"W_SMEM": 0, "UNROLL": 1}  # the registers route's own knobs, at their workspace-route values
-WORKSPACE_ROUTE_KNOBS = {"ROW_SCALED": 0}  # the workspace route's own knob, at its registers-route value
+WORKSPACE_ROUTE_KNOBS = {"ROW_SCALED": 0, "OVERLAP": 1}  # the workspace route's own knobs, at registers-route values
 
 
 def route_config(config: dict, in_registers: int, row_scaled: int = 0) -> dict:
@@ -562,7 +589,7 @@ def _constraint(config, shape) -> str | None:
     if not config["IN_REGISTERS"] and any(config[k] != v for k, v in REGISTERS_ROUTE_KNOBS.items()):
         return f"{', '.join(REGISTERS_ROUTE_KNOBS)} are choices of the registers route"
     if config["IN_REGISTERS"] and any(config[k] != v for k, v in WORKSPACE_ROUTE_KNOBS.items()):
-        return f"{', '.join(WORKSPACE_ROUTE_KNOBS)} is a choice of the workspace route"
+        return f"{', '.join(WORKSPACE_ROUTE_KNOBS)} are choices of the workspace route"
     if config["num_stages"] * config["UNROLL"] * (bm + bn) * bk > 200 * 1024:
         return "x and w tiles of all pipeline stages (twice unrolled: twice as many) exceed 200 KB of shared memory"
     if bm * bn > 128 * 32 * config["num_warps"]:
