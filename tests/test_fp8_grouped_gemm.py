@@ -241,6 +241,7 @@ def test_default_takes_the_row_scaled_route_above_256_rows_per_expert():
     (lambda a: {**a, "blocks": a["blocks"].view(3, 16, 3, 2, 8)}, "blocks: expected 4 dimensions"),
     (lambda a: {**a, "workspace": object()}, "workspace: expected an FP8Workspace"),
     (lambda a: {**a, "config": {**CONFIG, "BLOCK_K": 256}}, "BLOCK_K=256"),
+    (lambda a: {**a, "config": {**REGISTERS, "OVERLAP": 0}}, "OVERLAP are choices of the workspace route"),
 ])
 def test_bad_arguments_raise_value_errors(change, match):
     x, offsets, blocks, scales = problem([9, 5, 6], 16, 96, seed=1)
@@ -320,4 +321,20 @@ def test_unchecked_call_with_an_unfit_expert_plans_on_the_host():
     with poisoned_allocations():
         y = fp8_grouped_gemm(x, offsets, blocks, scales, config={**REGISTERS, "BLOCK_M": 16, "BLOCK_N": 32},
                              check_values=False)
+    check_against_reference(y, x, offsets, blocks, scales)
+
+
+@pytest.mark.parametrize("config", [CONFIG, REGISTERS, ROWS])
+def test_offsets_are_read_on_the_host_after_the_quantization_is_launched(config, monkeypatch):
+    """The checked call enqueues the activation quantization before it reads the offsets (on the GPU from a side
+    stream, behind the offsets' producers only), so the quantization runs while the host plans the tiles."""
+    calls = []
+    quantize, read = fp8_grouped_gemm_module.quantize_activations_fp8, fp8_grouped_gemm_module._host_offsets
+    monkeypatch.setattr(fp8_grouped_gemm_module, "quantize_activations_fp8",
+                        lambda *a, **kw: calls.append("quantize") or quantize(*a, **kw))
+    monkeypatch.setattr(fp8_grouped_gemm_module, "_host_offsets", lambda *a, **kw: calls.append("read") or read(*a, **kw))
+    x, offsets, blocks, scales = problem([5, 0, 11], 40, 256, seed=6)
+    with poisoned_allocations():
+        y = fp8_grouped_gemm(x, offsets, blocks, scales, config=config)
+    assert calls == ["quantize", "read"]
     check_against_reference(y, x, offsets, blocks, scales)
