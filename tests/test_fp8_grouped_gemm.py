@@ -19,8 +19,7 @@ from dsa_triton.moe.workspace import FP8Workspace
 from tests.poison import poisoned_allocations
 
 CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
-          "EXPERTS_PER_STAGE": 2, "IN_REGISTERS": 0, "W_SMEM": 0, "UNROLL": 1, "ROW_SCALED": 0, "OVERLAP": 1,
-          "CONVERT_SMS": 0}
+          "EXPERTS_PER_STAGE": 2, "IN_REGISTERS": 0, "W_SMEM": 0, "UNROLL": 1, "ROW_SCALED": 0, "OVERLAP": 1}
 REGISTERS = {**CONFIG, "BLOCK_K": 128, "IN_REGISTERS": 1}
 ROWS = {**CONFIG, "ROW_SCALED": 1}  # the workspace route, experts converted against their rows' references
 fp8_grouped_gemm_module = importlib.import_module("dsa_triton.moe.fp8_grouped_gemm")  # (the package's name is the op)
@@ -98,10 +97,6 @@ def test_activation_quantization_in_the_interleaved_k_order(tile, monkeypatch):
     ([7, 0, 12, 5, 9], 48, 96, ROWS),
     ([3, 18, 0, 0, 6, 1, 11], 40, 160, {**ROWS, "EXPERTS_PER_STAGE": 1, "GROUP_M": 4}),  # ragged K, 5 stages
     ([9, 4, 13], 72, 256, {**ROWS, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128}),  # two 128-k groups a row
-    # persistent GEMM programs: the interpreter's 10 SMs less 8 leave two, each looping over half the tiles
-    ([7, 0, 12, 5, 9], 48, 96, {**CONFIG, "CONVERT_SMS": 8}),
-    ([3, 18, 0, 0, 6, 1, 11], 40, 160, {**ROWS, "EXPERTS_PER_STAGE": 1, "GROUP_M": 4, "CONVERT_SMS": 8}),
-    ([9, 4, 13], 72, 256, {**ROWS, "BLOCK_K": 128, "CONVERT_SMS": 32}),  # one program, every tile
 ])
 def test_grouped_gemm_matches_reference(counts, n, k, config):
     x, offsets, blocks, scales = problem(counts, n, k, seed=len(counts) + k)
@@ -246,8 +241,7 @@ def test_default_takes_the_row_scaled_route_above_256_rows_per_expert():
     (lambda a: {**a, "blocks": a["blocks"].view(3, 16, 3, 2, 8)}, "blocks: expected 4 dimensions"),
     (lambda a: {**a, "workspace": object()}, "workspace: expected an FP8Workspace"),
     (lambda a: {**a, "config": {**CONFIG, "BLOCK_K": 256}}, "BLOCK_K=256"),
-    (lambda a: {**a, "config": {**REGISTERS, "OVERLAP": 0}}, "OVERLAP, CONVERT_SMS are choices of the workspace"),
-    (lambda a: {**a, "config": {**CONFIG, "OVERLAP": 0, "CONVERT_SMS": 8}}, "beside the GEMM"),
+    (lambda a: {**a, "config": {**REGISTERS, "OVERLAP": 0}}, "OVERLAP are choices of the workspace route"),
 ])
 def test_bad_arguments_raise_value_errors(change, match):
     x, offsets, blocks, scales = problem([9, 5, 6], 16, 96, seed=1)

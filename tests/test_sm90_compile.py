@@ -78,7 +78,7 @@ def test_ptxas_reports_the_registers_routes_serialized_wgmma():
     blocks, scales = random_mxfp4((1, 128), 7168, "cpu", 0)
     config = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
               "EXPERTS_PER_STAGE": 1, "IN_REGISTERS": 1, "W_SMEM": 0, "UNROLL": 1,
-              "ROW_SCALED": 0, "OVERLAP": 1, "CONVERT_SMS": 0}
+              "ROW_SCALED": 0, "OVERLAP": 1}
     with aot.record_launches(execute=False) as recorded:
         fp8_grouped_gemm(x, torch.tensor([0, 64], dtype=torch.int32), blocks, scales, config=config)
     (route,) = [r for r in recorded if r["kernel"] == "_fused_gemm_kernel"]

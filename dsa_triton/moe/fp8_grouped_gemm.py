@@ -118,15 +118,15 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_M
 
 
 @triton.jit
-def _tile(tiles_ptr, item, n_mtiles, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Output tile ``item``'s row tile ``(slot, first row, end row)`` and N tile: ``GROUP_M`` row tiles per N
-    column."""
+def _tile(tiles_ptr, n_mtiles, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's row tile ``(slot, first row, end row)`` and N tile: ``GROUP_M`` row tiles per N column."""
+    pid = tl.program_id(0)
     per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = (item // per_group) * GROUP_M
+    first_m = (pid // per_group) * GROUP_M
     group_m = tl.minimum(n_mtiles - first_m, GROUP_M)
-    mt = first_m + (item % per_group) % group_m
+    mt = first_m + (pid % per_group) % group_m
     slot = tl.load(tiles_ptr + mt * 3).to(tl.int64)
-    return slot, tl.load(tiles_ptr + mt * 3 + 1), tl.load(tiles_ptr + mt * 3 + 2), (item % per_group) // group_m
+    return slot, tl.load(tiles_ptr + mt * 3 + 1), tl.load(tiles_ptr + mt * 3 + 2), (pid % per_group) // group_m
 
 
 @triton.jit
@@ -135,39 +135,36 @@ def _grouped_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, tiles_ptr, n_mtile
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, ROW_SCALED: tl.constexpr):
     """``ROW_SCALED``: the weights' group scales are equal along each row (converted against the row's reference):
-    the tensor cores accumulate all of K and the row scale applies once, after the loop. Each program takes the
-    output tiles ``program_id, program_id + num_programs, ...`` (one each on a grid of every tile; persistent on a
-    smaller one)."""
+    the tensor cores accumulate all of K and the row scale applies once, after the loop."""
+    slot, row0, row_end, nt = _tile(tiles_ptr, n_mtiles, N, BLOCK_N, GROUP_M)  # slot: in this stage's half
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_in = tl.minimum(rows, row_end - 1).to(tl.int64)  # clamped: no row or column masks on the loads
+    cols_in = tl.minimum(cols, N - 1).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
-    for item in range(tl.program_id(0), n_mtiles * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
-        slot, row0, row_end, nt = _tile(tiles_ptr, item, n_mtiles, N, BLOCK_N, GROUP_M)  # slot: in the stage's half
-        rows = row0 + tl.arange(0, BLOCK_M)
-        cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows_in = tl.minimum(rows, row_end - 1).to(tl.int64)  # clamped: no row or column masks on the loads
-        cols_in = tl.minimum(cols, N - 1).to(tl.int64)
-        x_ptrs = x_ptr + rows_in[:, None] * stride_xm + kk[None, :]
-        w_ptrs = w_ptr + slot * stride_we + cols_in[None, :] * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
-        sw_ptrs = sw_ptr + slot * stride_swe + cols_in * stride_swn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(x_ptrs)
-                b = tl.load(w_ptrs)
-            else:
-                k_in = k0 + kk < K
-                a = tl.load(x_ptrs, mask=k_in[None, :], other=0.0)
-                b = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
-            if ROW_SCALED:
-                acc = tl.dot(a, b, acc)
-            else:
-                acc += tl.dot(a, b) * tl.load(sw_ptrs + (k0 // 128) * stride_swg)[None, :]
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+    x_ptrs = x_ptr + rows_in[:, None] * stride_xm + kk[None, :]
+    w_ptrs = w_ptr + slot * stride_we + cols_in[None, :] * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
+    sw_ptrs = sw_ptr + slot * stride_swe + cols_in * stride_swn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            k_in = k0 + kk < K
+            a = tl.load(x_ptrs, mask=k_in[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
         if ROW_SCALED:
-            acc *= tl.load(sw_ptrs)[None, :]
-        acc *= tl.load(sx_ptr + rows_in)[:, None]
-        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+            acc = tl.dot(a, b, acc)
+        else:
+            acc += tl.dot(a, b) * tl.load(sw_ptrs + (k0 // 128) * stride_swg)[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if ROW_SCALED:
+        acc *= tl.load(sw_ptrs)[None, :]
+    acc *= tl.load(sx_ptr + rows_in)[:, None]
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
 
 @triton.jit
@@ -181,7 +178,7 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
     ``UNROLL=2`` unrolls the k loop twice: with software pipelining, ptxas then issues the register-operand
     wgmmas of a step back to back too (unrolled once, 2-4 stages serialize them at 64 x 128 / 4 warps: advisory
     C7515)."""
-    slot, row0, row_end, nt = _tile(tiles_ptr, tl.program_id(0), n_mtiles, N, BLOCK_N, GROUP_M)
+    slot, row0, row_end, nt = _tile(tiles_ptr, n_mtiles, N, BLOCK_N, GROUP_M)
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
@@ -320,18 +317,6 @@ def plan_on_device(expert_offsets: torch.Tensor, block_m: int, rows: int) -> Sta
     return StagePlan(max(1, e), experts, tiles.to(torch.int32), ((0, e, 0, tiles.shape[0]),))
 
 
-INTERPRETER_SMS = 10  # the interpreter's stand-in SM count: CONVERT_SMS 8 leaves two programs that loop over tiles
-
-
-def gemm_programs(tiles: int, convert_sms: int, device: torch.device) -> int:
-    """Programs of the workspace route's GEMM for ``tiles`` output tiles: one each, or (``convert_sms`` > 0) at most
-    one per SM the conversion is left, each looping over its share of the tiles."""
-    if not convert_sms:
-        return tiles
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERPRETER_SMS
-    return max(1, min(tiles, sms - convert_sms))
-
-
 def launch_gemm(xq, sx, w_half, s_half, y, tiles, config, row_scaled: bool = False) -> None:
     """The FP8 GEMM of one workspace stage: rows ``tiles`` of ``xq`` against the stage's experts in ``w_half`` /
     ``s_half`` (``row_scaled``: converted against their rows' references, one scale per row)."""
@@ -339,7 +324,7 @@ def launch_gemm(xq, sx, w_half, s_half, y, tiles, config, row_scaled: bool = Fal
     n, k = y.shape[1], xq.shape[1]
     if n_mtiles == 0:
         return
-    grid = (gemm_programs(n_mtiles * cdiv(n, config["BLOCK_N"]), config["CONVERT_SMS"], y.device),)
+    grid = (n_mtiles * cdiv(n, config["BLOCK_N"]),)
     _grouped_gemm_kernel[grid](
         xq, sx, w_half, s_half, y, tiles, n_mtiles, n, k,
         xq.stride(0), w_half.stride(0), w_half.stride(1), s_half.stride(0), s_half.stride(1), s_half.stride(2),
@@ -576,10 +561,6 @@ SPACE = {
     # workspace route: 1 converts the next stage on a side stream while the GEMM of this one runs, 0 both on one
     # stream (H200 T=16384: the overlap hid 15 % of the conversion for gate_up and cost 16 % for down, bench -1330)
     "OVERLAP": (0, 1),
-    # workspace route with OVERLAP: 0 launches a GEMM program per output tile (they take every SM, the conversion
-    # gets SMs only as the GEMM's tail frees them), n > 0 persistent GEMM programs on all but n SMs, leaving those
-    # to the next stage's conversion
-    "CONVERT_SMS": (0, 8, 16, 24, 32),
     "W_SMEM": (0, 1),  # registers route: converted weights as the shared-memory MMA operand (H200: 1.5-21% faster
     # on 8-warp and 256-wide tiles, from 12% slower to 4% faster on 64 x 128 / 4 warps; w-smem-probe-...-0700)
     "UNROLL": (1, 2),  # registers route: k loop unrolled twice, its wgmmas back to back at any num_stages (sm_90
@@ -588,7 +569,7 @@ SPACE = {
 }
 WORKSPACE_LIMIT = 4 * 2**30  # bytes of two stages of FP8 experts
 REGISTERS_ROUTE_KNOBS = {"W_SMEM": 0, "UNROLL": 1}  # the registers route's own knobs, at their workspace-route values
-WORKSPACE_ROUTE_KNOBS = {"ROW_SCALED": 0, "OVERLAP": 1, "CONVERT_SMS": 0}  # the workspace route's own knobs, at registers-route values
+WORKSPACE_ROUTE_KNOBS = {"ROW_SCALED": 0, "OVERLAP": 1}  # the workspace route's own knobs, at registers-route values
 
 
 def route_config(config: dict, in_registers: int, row_scaled: int = 0) -> dict:
@@ -609,8 +590,6 @@ def _constraint(config, shape) -> str | None:
         return f"{', '.join(REGISTERS_ROUTE_KNOBS)} are choices of the registers route"
     if config["IN_REGISTERS"] and any(config[k] != v for k, v in WORKSPACE_ROUTE_KNOBS.items()):
         return f"{', '.join(WORKSPACE_ROUTE_KNOBS)} are choices of the workspace route"
-    if config["CONVERT_SMS"] and not config["OVERLAP"]:
-        return "CONVERT_SMS leaves SMs to a conversion that runs beside the GEMM (OVERLAP=1)"
     if config["num_stages"] * config["UNROLL"] * (bm + bn) * bk > 200 * 1024:
         return "x and w tiles of all pipeline stages (twice unrolled: twice as many) exceed 200 KB of shared memory"
     if bm * bn > 128 * 32 * config["num_warps"]:

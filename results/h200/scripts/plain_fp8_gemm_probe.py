@@ -25,7 +25,7 @@ from dsa_triton.moe.prefill_baselines import offline_fp8_experts, scaled_grouped
 def plain_fp8_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, tiles_ptr, experts_ptr, n_mtiles, N, K,
                      stride_xm, stride_we, stride_wn, stride_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    slot, row0, row_end, nt = _tile(tiles_ptr, tl.program_id(0), n_mtiles, N, BLOCK_N, GROUP_M)
+    slot, row0, row_end, nt = _tile(tiles_ptr, n_mtiles, N, BLOCK_N, GROUP_M)
     expert = tl.load(experts_ptr + slot).to(tl.int64)
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -42,7 +42,7 @@ for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
                 w_smem, stages, unroll = variant
                 label = ",".join(map(str, variant))
                 cfg = {**base, **tile, "IN_REGISTERS": 1, "BLOCK_K": 128, "W_SMEM": w_smem, "num_stages": stages,
-                       "UNROLL": unroll, "ROW_SCALED": 0, "OVERLAP": 1, "CONVERT_SMS": 0}
+                       "UNROLL": unroll, "ROW_SCALED": 0, "OVERLAP": 1}
                 try:
                     cfg = SPEC.validate(cfg, shape)
                     y = fp8_grouped_gemm(x, offsets, blocks, scales, config=cfg)
