@@ -603,17 +603,18 @@ def _constraint(config, shape) -> str | None:
     return None
 
 
-REGISTERS_TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+REGISTERS_TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 WORKSPACE_TILE = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 
 
 def _default(phase, shape):
-    """Measured on the H200 (2026-11-30, results/h200/moe-prefill-sweep-nvidia-h200-20261130-0542.json): the
-    registers route with 64 x 128 tiles and 4 warps won at T = 4096 (both GEMMs; 0.56-0.59 of
-    torch._scaled_grouped_mm over four runs of session 4, 13 tiles tried) and for gate_up at T = 16384 (0.51-0.53).
-    Above 256 routed rows per expert (T = 16384) the row-scaled workspace route with :data:`WORKSPACE_TILE`: its
-    GEMM alone ran 1.16-1.20x torch._scaled_grouped_mm there, its conversion 2.0-4.3 ms
-    (plain-fp8-gemm-probe-...-1110); with the conversion 0.73-0.76 of torch (tune-...-1112)."""
+    """Measured on the H200 (2026-11-30): the registers route for up to 256 routed rows per expert, with 128 x 128
+    tiles and 4 warps from 128 rows per expert (session 6, after the interleaved k order: T = 4096 gate_up 3879 vs
+    4651 us at 64 x 128, down 2083 vs 2495; tiles-probe-...-1325), 64 x 128 below (session 4's winner over 13 tiles,
+    moe-prefill-sweep-...-0542; fewer wasted rows in an expert's last tile). Above 256 rows per expert (T = 16384)
+    the row-scaled workspace route with :data:`WORKSPACE_TILE`: its GEMM alone ran 1.16-1.20x
+    torch._scaled_grouped_mm there, its conversion 2.0-4.3 ms (plain-fp8-gemm-probe-...-1110); with the conversion
+    0.73-0.76 of torch (tune-...-1112), 0.77-0.87 after session 6's stage sizes (overlap-probe-...-1305)."""
     rows_tile = max(16, bucket(shape["M"]))  # the constraint's bound on BLOCK_M (few routed rows)
     if shape["M"] * shape["N"] * shape["K"] < 2**24:  # interpreter-sized: few programs, still two stages
         return route_config({"BLOCK_M": min(32, rows_tile), "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
@@ -622,9 +623,10 @@ def _default(phase, shape):
     stage = min(8, bucket(shape["E"]))
     while stage > 1 and 2 * stage * shape["N"] * shape["K"] > WORKSPACE_LIMIT:  # the constraint's bound
         stage //= 2
-    config = route_config({**REGISTERS_TILE, **REGISTERS_ROUTE_KNOBS, "BLOCK_M": min(64, rows_tile),
-                           "EXPERTS_PER_STAGE": stage}, 1)
-    if shape["M"] / max(1, shape["E"]) > 256:
+    rows_per_expert = shape["M"] / max(1, shape["E"])
+    config = route_config({**REGISTERS_TILE, **REGISTERS_ROUTE_KNOBS, "EXPERTS_PER_STAGE": stage,
+                           "BLOCK_M": min(128 if rows_per_expert >= 128 else 64, rows_tile)}, 1)
+    if rows_per_expert > 256:
         config = {**route_config(config, 0, row_scaled=1), **WORKSPACE_TILE}
     return config
 

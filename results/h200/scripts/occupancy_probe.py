@@ -12,9 +12,9 @@ import sys
 
 import torch
 
-from codes_order_probe import gemm_module, variant_kernel
+from codes_order_probe import SESSION5_TILE, gemm_module, variant_kernel
 from dsa_triton.harness import time_us
-from dsa_triton.moe.fp8_grouped_gemm import REGISTERS_TILE, SPEC, fp8_grouped_gemm, route_config
+from dsa_triton.moe.fp8_grouped_gemm import SPEC, fp8_grouped_gemm, route_config
 from dsa_triton.moe.mxfp4 import realistic_mxfp4
 from dsa_triton.moe.prefill_baselines import offline_fp8_experts, scaled_grouped_mm, tensorwise_fp8
 from dsa_triton.moe.prefill_report import routed_rows
@@ -33,14 +33,14 @@ class WithOptions:
 def prefill_cases(dev):
     """Issue 5's prefill GEMMs at T = 4096 (E = 256, top-8): per GEMM ``(name, offsets, x, blocks, scales,
     torch_call, config)``, ``torch_call()`` running ``torch._scaled_grouped_mm`` on the offline FP8 copy and
-    ``config`` the registers route with :data:`REGISTERS_TILE`."""
+    ``config`` the registers route with session 5's 64 x 128 tile."""
     for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
         offsets, x = routed_rows(4096, 256, 8, k, dev, 4096 + n)
         blocks, scales = realistic_mxfp4((256, n), k, dev, seed=1, outliers=0.0)
         w8, s8 = offline_fp8_experts(blocks, scales)
         xq, sx = tensorwise_fp8(x)
         shape = {"M": x.shape[0], "E": 256, "N": n, "K": k}
-        config = {**route_config(SPEC.launch_config("prefill", shape, dev), 1), **REGISTERS_TILE}
+        config = {**route_config(SPEC.launch_config("prefill", shape, dev), 1), **SESSION5_TILE}
         yield name, offsets, x, blocks, scales, lambda: scaled_grouped_mm(xq, sx, w8, s8, offsets), config
 
 
