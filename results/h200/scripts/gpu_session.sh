@@ -7,7 +7,7 @@
 # disturbed each other's timings (NOTES, "Session 2"). Each call starts from the snapshot's database: copy
 # $OUT/db/nvidia-h200.csv back and `dsa-tune merge` it (or re-snapshot) before the next call.
 set -u
-part=${1:?check, codes, occupancy, gap, gemm, overlap, tiles, prefill, tune, retune or bench}
+part=${1:?check, codes, occupancy, gap, gemm, overlap, tiles, routes, prefill, tune, retune or bench}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 cd .snap
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DSA_TUNING_DB=$PWD/tuning_db/data
@@ -41,8 +41,8 @@ case $part in
     timeout 400 python -m tuner.cli tune "${grid[@]}" --budget 360 --no-progress --retune --kernels moe_workspace_gemm,moe_path \
       2>&1 | tee "$OUT/tune-gemm.log" | grep "^\[" | cut -c1-220 | tail -20
     cp -r tuning_db/data "$OUT/db" ;;
-  overlap|tiles)  # T=16384 workspace route: OVERLAP 0/1 x stage sizes; or T=4096 registers-route tiles (each stored
-    # as a tuner record), then the prefill report
+  overlap|tiles|routes)  # T=16384 workspace route: OVERLAP 0/1 x stage sizes; T=4096 registers-route tiles; or
+    # T=16384 both routes (each stored as a tuner record), then the prefill report
     timeout 420 python results/h200/scripts/prefill_variants_probe.py $part 2>&1 | tee "$OUT/${part}_probe.log" \
       | grep "^|\|^record"
     timeout 150 python -m dsa_triton.bench --out "$OUT" --kernels moe_prefill 2>&1 | tee "$OUT/prefill.log" \

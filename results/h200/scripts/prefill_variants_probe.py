@@ -5,6 +5,8 @@ and the record goes to the database ($DSA_TUNING_DB). Modes:
 
 - ``overlap``: the row-scaled workspace route at T = 16384, the conversion on a side stream (OVERLAP=1) or on the
   main stream (0), at the stored stage size, half and double it;
+- ``routes``: T = 16384, the stored config, it with OVERLAP flipped, and the registers route at the two tiles
+  that won T = 4096 (timed over 100 ms a config instead of 40: the two routes were within a few percent);
 - ``tiles``: the registers route at T = 4096 with the tiles the session-4 sweep left out
   or lost with before the interleaved k order (128 x 128 / 4 warps won gate_up T=4096 in session 6's re-tune).
 
@@ -21,7 +23,8 @@ from tuning_db.records import config_text
 
 GATE_UP, DOWN = {"E": 256, "N": 4096, "K": 7168}, {"E": 256, "N": 7168, "K": 2048}
 SHAPES = {"overlap": [{"M": 131072, **GATE_UP}, {"M": 131072, **DOWN}],
-          "tiles": [{"M": 32768, **GATE_UP}, {"M": 32768, **DOWN}]}
+          "tiles": [{"M": 32768, **GATE_UP}, {"M": 32768, **DOWN}],
+          "routes": [{"M": 131072, **GATE_UP}, {"M": 131072, **DOWN}]}
 CPU_SHAPES = [{"M": 600, "E": 2, "N": 64, "K": 256}]
 TILES = [(64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 256, 4), (64, 256, 8), (128, 256, 8)]
 
@@ -31,15 +34,20 @@ def overlap_variants(stored: dict) -> list[dict]:
     return [{**stored, "EXPERTS_PER_STAGE": s, "OVERLAP": o} for s in (stage, stage // 2, stage * 2) for o in (1, 0)]
 
 
-def tile_variants(stored: dict) -> list[dict]:
+def tile_variants(stored: dict, tiles=TILES) -> list[dict]:
     base = route_config(stored, 1)
     return [{**base, "BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st, "UNROLL": 1, "W_SMEM": 0}
-            for m, n, w in TILES for st in (3, 4)]
+            for m, n, w in tiles for st in (3, 4)]
+
+
+def route_variants(stored: dict) -> list[dict]:
+    flipped = [{**stored, "OVERLAP": 1 - stored["OVERLAP"]}] if not stored["IN_REGISTERS"] else []
+    return flipped + tile_variants(stored, [(128, 128, 4), (128, 256, 8)])
 
 
 def main(mode: str, cpu: bool) -> None:
     dev = torch.device("cpu" if cpu else "cuda")
-    budget = (0, 1, 0, 1) if cpu else (10, 40, 25, 100)
+    budget = (0, 1, 0, 1) if cpu else (10, 100 if mode == "routes" else 40, 25, 100)
     db = Database()
     print("| gemm | M | config | us | vs stored |")
     print("|---|---|---|---|---|")
@@ -51,7 +59,7 @@ def main(mode: str, cpu: bool) -> None:
                 stored = route_config(stored, 0, row_scaled=1)
             variants = overlap_variants(stored)
         else:
-            variants = tile_variants(stored)
+            variants = route_variants(stored) if mode == "routes" else tile_variants(stored)
         configs = [stored] + [c for i, c in enumerate(variants) if c != stored and c not in variants[:i]]
         configs = [c for c in configs if SPEC.is_valid(c, shape)]
         evaluator = Evaluator(SPEC, "prefill", shape, dev, budget[0], budget[1])
@@ -73,4 +81,5 @@ def main(mode: str, cpu: bool) -> None:
 
 
 if __name__ == "__main__":
-    main("tiles" if "tiles" in sys.argv else "overlap", "--cpu" in sys.argv)
+    modes = [m for m in SHAPES if m in sys.argv[1:]]
+    main(modes[0] if modes else "overlap", "--cpu" in sys.argv)
