@@ -29,14 +29,16 @@ One call:
      ``_grouped_gemm_kernel`` adds ``dot(x_q, w_q^T) * sw[:, g]`` per 128-k group, the row scales of x after
      the loop. With ``ROW_SCALED`` the experts that fit their rows' references (as the registers route takes
      them) are converted against those references instead, so a row's group scales are equal and the GEMM is a
-     plain FP8 GEMM with one weight scale per row after the loop (H200: the faster route above ~256 rows per
-     expert); the other experts then follow, per group, in the same lease.
+     plain FP8 GEMM with one weight scale per row after the loop (H200: the faster route for gate_up above ~256
+     rows per expert; down there runs faster on the registers route at 128 x 128); the other experts then
+     follow, per group, in the same lease.
 
 Why two streams rather than one persistent kernel for the workspace route: conversion is memory-bound integer
 work, the GEMM tensor-core work; as two kernels on two streams the hardware runs conversion CTAs beside GEMM CTAs
 with no hand-made synchronisation, each kernel keeps its tuned tiles, and the interpreter runs the same code in
-order. Measured on the H200 (results/NOTES.md) the overlap hides only 2-17 % of the shorter part: the GEMM fills
-every SM. (The registers route removes the round trip through memory altogether.)
+order. Measured on the H200 (results/NOTES.md) the overlap hides at most 2-17 % of the shorter part and loses
+as often (``OVERLAP`` chooses): the GEMM fills every SM, and a GEMM persistent on all but 8-32 SMs, leaving those
+to the conversion, was slower still (session 6). (The registers route removes the round trip through memory.)
 """
 from __future__ import annotations
 
