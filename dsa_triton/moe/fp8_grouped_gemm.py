@@ -561,7 +561,8 @@ SPACE = {
     # copy, 128x256x128 / 8 warps / 3 stages: 1.04-1.20x torch._scaled_grouped_mm (plain-fp8-gemm-probe-...-1110)
     "ROW_SCALED": (0, 1),
     # workspace route: 1 converts the next stage on a side stream while the GEMM of this one runs, 0 both on one
-    # stream (H200 T=16384: the overlap hid 15 % of the conversion for gate_up and cost 16 % for down, bench -1330)
+    # stream (H200 T=16384: hid 15 % of the conversion for gate_up, cost 16 % for down in bench-...-1330-full-one-pass-
+    # quantize; session 6: within noise either way in the tuner, one stream ahead for down in the report)
     "OVERLAP": (0, 1),
     "W_SMEM": (0, 1),  # registers route: converted weights as the shared-memory MMA operand (H200: 1.5-21% faster
     # on 8-warp and 256-wide tiles, from 12% slower to 4% faster on 64 x 128 / 4 warps; w-smem-probe-...-0700)
