@@ -7,7 +7,7 @@
 # disturbed each other's timings (NOTES, "Session 2"). Each call starts from the snapshot's database: copy
 # $OUT/db/nvidia-h200.csv back and `dsa-tune merge` it (or re-snapshot) before the next call.
 set -u
-part=${1:?check, codes, occupancy, gap, gemm, overlap, tiles, routes, prefill, tune, retune or bench}
+part=${1:?check, codes, occupancy, gap, gemm, overlap, tiles, routes, convert, prefill, tune, retune or bench}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 cd .snap
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DSA_TUNING_DB=$PWD/tuning_db/data
@@ -47,6 +47,12 @@ case $part in
       | grep "^|\|^record"
     timeout 150 python -m dsa_triton.bench --out "$OUT" --kernels moe_prefill 2>&1 | tee "$OUT/prefill.log" \
       | grep "^|" | cut -c1-240 | tail -12
+    cp -r tuning_db/data "$OUT/db" ;;
+  convert)  # the conversion at gate_up's T=16384 stage size (16 experts; only G=8 was stored), then the prefill report
+    timeout 150 python -m tuner.cli tune --kernels mxfp4_to_fp8 --shapes "G=16,N=4096,K=7168" --trials 16 --budget 120 \
+      --no-progress 2>&1 | tee "$OUT/tune-convert.log" | grep "^\[" | cut -c1-220
+    timeout 150 python -m dsa_triton.bench --out "$OUT" --kernels moe_prefill 2>&1 | tee "$OUT/prefill.log" \
+      | grep "^|" | cut -c1-240 | tail -6
     cp -r tuning_db/data "$OUT/db" ;;
   bench)  # every kernel and report with the database as committed
     timeout 560 python -m dsa_triton.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep "^|" | cut -c1-240 | tail -80 ;;
