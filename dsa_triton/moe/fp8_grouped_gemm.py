@@ -51,7 +51,6 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import registry
 from ..checks import check_kernel_device, check_tensor
@@ -174,8 +173,7 @@ def _grouped_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, tiles_ptr, n_mtile
 def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, tiles_ptr, experts_ptr, n_mtiles,
                        N, K, KB, stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_re, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-                       W_SMEM: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, UNROLL: tl.constexpr,
-                       X_DESC: tl.constexpr):
+                       W_SMEM: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, UNROLL: tl.constexpr):
     """``acc[BLOCK_N, BLOCK_M]`` = weights (converted in registers: the MMA's register operand) x tokens^T, or with
     ``W_SMEM`` ``acc[BLOCK_M, BLOCK_N]`` = tokens x weights^T (the converted tile stored to shared memory as the
     second operand: sm_90 SASS then issues a k-step's four wgmma back to back instead of waiting after each).
@@ -196,8 +194,7 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
     ref = tl.load(ref_ptr + expert * stride_re + cols_in).to(tl.int32)  # each weight row's largest block scale
     code_rows = codes_ptr + expert * stride_ce + cols_in[:, None] * stride_cn  # int16: four codes each
     scale_rows = scales_ptr + expert * stride_se + cols_in[:, None] * stride_sn
-    if not X_DESC:
-        x_rows = x_ptr + rows_in[:, None] * stride_xm
+    x_rows = x_ptr + rows_in[:, None] * stride_xm
     j, b, kk = tl.arange(0, 32), tl.arange(0, 4), tl.arange(0, 128)
     if W_SMEM:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -207,10 +204,7 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
         if EVEN_K:  # x_ptr then holds :func:`interleave_blocks` order: the codes are read into it
             codes = interleave_blocks(tl.load(code_rows + g * 32 + j[None, :]), 1)
             s = tl.load(scale_rows + g * 4 + b[None, :])
-            if X_DESC:
-                xt = x_ptr.load([row0, g * 128])
-            else:
-                xt = tl.load(x_rows + g * 128 + kk[None, :])
+            xt = tl.load(x_rows + g * 128 + kk[None, :])
         else:
             codes = tl.load(code_rows + g * 32 + j[None, :], mask=(g * 32 + j < KB * 8)[None, :], other=0)
             s = tl.load(scale_rows + g * 4 + b[None, :], mask=(g * 4 + b < KB)[None, :], other=0)
@@ -343,9 +337,6 @@ def launch_gemm(xq, sx, w_half, s_half, y, tiles, config, row_scaled: bool = Fal
     )
 
 
-X_DESCRIPTOR = True  # experiment: x tiles through a TMA tensor descriptor
-
-
 def launch_fused(xq, sx, blocks, scales, ref, y, plan: StagePlan, config) -> None:
     """The registers route: every tile of ``plan`` (one stage) in one launch, weights read as MXFP4; ``xq`` in
     :func:`.convert.interleave_blocks` order where :func:`interleaves`."""
@@ -355,15 +346,13 @@ def launch_fused(xq, sx, blocks, scales, ref, y, plan: StagePlan, config) -> Non
         return
     codes = blocks.view(torch.int16)  # [E, N, K/32, 8]: four codes per element
     grid = (n_mtiles * cdiv(n, config["BLOCK_N"]),)
-    x_desc = X_DESCRIPTOR and interleaves(k, kb)
-    x_arg = TensorDescriptor.from_tensor(xq, [config["BLOCK_M"], 128]) if x_desc else xq
     _fused_gemm_kernel[grid](
-        x_arg, sx, codes, scales, ref, y, plan.tiles, plan.experts, n_mtiles, n, k, kb,
+        xq, sx, codes, scales, ref, y, plan.tiles, plan.experts, n_mtiles, n, k, kb,
         xq.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), ref.stride(0),
         y.stride(0),
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"], W_SMEM=config["W_SMEM"],
         EVEN_K=interleaves(k, kb), PTX=xq.device.type == "cuda" and torch.version.hip is None,
-        UNROLL=config["UNROLL"], X_DESC=x_desc,
+        UNROLL=config["UNROLL"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
