@@ -114,9 +114,9 @@ def timed_us(call: Callable[[T], Any], sets: Sequence[T], device: torch.device |
     """``(median microseconds, "graph" | "eager")`` of ``call(s)`` over ``sets`` (``kw``: the ``time_us`` budget).
 
     ``mode="auto"``: CUDA-graph replay (:func:`graph_time_us`) when on CUDA and the call captures, else eager
-    (:func:`time_rotating`; always eager off the GPU); ``"eager"`` never tries a capture (graph only, NaN when
-    the call does not capture: :func:`graph_time_or_nan`). Graph times are the kernels' device time: an eager median of an op of
-    a few launches is the host's launch path, and it moved 73-186 us between rounds on the H200 host while the
+    (:func:`time_rotating`; always eager off the GPU); ``"eager"`` never tries a capture (for graph times alone,
+    NaN when the call does not capture: :func:`graph_time_or_nan`). Graph times are the kernels' device time: an
+    eager median of an op of a few launches is the host's launch path, and it moved 73-186 us between rounds on the H200 host while the
     graph median held at 57.3-57.6 us (top-k [64, 131072], results/h200/eager-jitter-probe-...-0924).
     """
     if mode not in ("auto", "eager"):

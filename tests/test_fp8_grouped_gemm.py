@@ -315,12 +315,15 @@ def test_unchecked_call_plans_on_the_device_and_matches_the_checked_one(k, monke
     check_against_reference(unchecked[3:-5], x[3:-5], offsets - 3, blocks, scales)
 
 
-def test_unchecked_call_with_an_unfit_expert_plans_on_the_host():
+def test_unchecked_call_with_an_unfit_expert_plans_on_the_host(monkeypatch):
     x, offsets, blocks, scales = problem([6, 9, 5], 40, 256, seed=4)
     scales[1, 3, 0] -= 12  # expert 1 cannot take the registers route: the workspace route needs host offsets
+    reads, read = [], fp8_grouped_gemm_module._host_offsets
+    monkeypatch.setattr(fp8_grouped_gemm_module, "_host_offsets", lambda *a, **kw: reads.append(1) or read(*a, **kw))
     with poisoned_allocations():
         y = fp8_grouped_gemm(x, offsets, blocks, scales, config={**REGISTERS, "BLOCK_M": 16, "BLOCK_N": 32},
                              check_values=False)
+    assert reads == [1]  # read once, for both routes' plans
     check_against_reference(y, x, offsets, blocks, scales)
 
 

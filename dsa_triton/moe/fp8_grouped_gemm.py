@@ -501,9 +501,9 @@ def prefill_call(x_sorted, offsets: list[int] | torch.Tensor, blocks, scales, y,
     if not all(fits):
         staged_takes.append(([not f for f in fits], None))
     on_device = isinstance(offsets, torch.Tensor) and trusted and fused_take is not None and all(fused_take)
-    cuda = y.device.type == "cuda"
+    read_on_host = isinstance(offsets, torch.Tensor) and not on_device
     ready = None
-    if isinstance(offsets, torch.Tensor) and not on_device and cuda:
+    if read_on_host and y.device.type == "cuda":
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(y.device))
     # x in the k order of each route taken (one quantization where the orders agree), launched before the offsets
@@ -513,7 +513,7 @@ def prefill_call(x_sorted, offsets: list[int] | torch.Tensor, blocks, scales, y,
     staged_x = None
     if staged_takes:
         staged_x = fused_x if fused_x is not None and not interleaved else quantize_activations_fp8(x_sorted)
-    if isinstance(offsets, torch.Tensor) and not on_device:
+    if read_on_host:
         offsets = _host_offsets(offsets, y.shape[0], ready)
     if not on_device:  # (a plan made on the device has tiles for these rows)
         y[: offsets[0]].zero_()
@@ -562,7 +562,8 @@ SPACE = {
     "ROW_SCALED": (0, 1),
     # workspace route: 1 converts the next stage on a side stream while the GEMM of this one runs, 0 both on one
     # stream (H200 T=16384: hid 15 % of the conversion for gate_up, cost 16 % for down in bench-...-1330-full-one-pass-
-    # quantize; session 6: within noise either way in the tuner, one stream ahead for down in the report)
+    # quantize; session 6's nine moe_prefill reports: the side stream 123-1594 us faster for gate_up and 340-1613 us
+    # slower for down in 8 of 9 each, while the tuner's evaluator put the two within ~2 % either way)
     "OVERLAP": (0, 1),
     "W_SMEM": (0, 1),  # registers route: converted weights as the shared-memory MMA operand (H200: 1.5-21% faster
     # on 8-warp and 256-wide tiles, from 12% slower to 4% faster on 64 x 128 / 4 warps; w-smem-probe-...-0700)

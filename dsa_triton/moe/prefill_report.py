@@ -22,8 +22,8 @@ top-8, random routing, trained-layer-like MXFP4 scales) one row:
   offline FP8 copy (x quantized beforehand, untimed); ``vs_fp8`` = fp8_us / ours_us (target >= 0.6, goal 0.9);
 - ``bf16_us``: the faster of cuBLAS ``torch.mm`` per active expert and ``torch._grouped_mm`` on a bf16 copy;
   ``vs_bf16`` = bf16_us / ours_us (target > 1);
-- ``of_floor``: the floor (MXFP4 bytes of every expert at copy speed, or the FLOPs at the measured FP8 rate,
-  whichever is longer) over ours_us;
+- ``of_floor``: the registry's floor of ``moe_workspace_gemm`` (the MXFP4 bytes of every expert, x and y at copy
+  speed, or the FLOPs at the measured FP8 rate, whichever is longer) over ours_us;
 - memory: the workspace a call leases on each route, the shared workspace, the peak allocated during our call
   (and above what was allocated before it), and the offline FP8 and bf16 copies of every expert of this matrix
   over all MoE layers;
@@ -44,7 +44,6 @@ import torch
 
 from .. import registry
 from ..harness import floor_us, graph_time_or_nan, time_us
-from ..registry import Cost
 from .fp8_grouped_gemm import (SPEC, REGISTERS_TILE, WORKSPACE_TILE, fp8_grouped_gemm, interleaves, prefill_call,
                                quantize_activations_fp8, route_config)
 from .fused_moe import random_routing
@@ -168,7 +167,7 @@ def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, d
         "rel_err": rel_err, "rel_err_workspace": rel_err_workspace, "rel_err_registers": rel_err_registers,
     }
     if ceilings is not None:
-        floor, _ = floor_us(Cost(bytes=experts * n * k * 17 / 32, flops=2.0 * m * n * k, flop_dtype="fp8"), ceilings)
+        floor, _ = floor_us(SPEC.cost("prefill", shape), ceilings)
         row["of_floor"] = floor / ours_us
     worst = max(rel_err, rel_err_workspace, rel_err_registers)
     if not worst < 0.1:
