@@ -7,14 +7,15 @@ from . import runtime  # noqa: F401  (first: sets TRITON_INTERPRET=1 when there 
 from . import registry
 from .registry import ConfigError
 
-import tuning_db  # noqa: E402,F401  (installs the tuning database as the registry's config lookup)
+from tuning_db.database import Database, install  # noqa: E402
+
+install(Database())  # every op reads its launch config from the tuning database ($DSA_TUNING_DB or the packaged one)
 
 # attention: paged caches, indexer scoring (token and block level), top-k, sparse attention
 from .attention.cache import PageAllocator, PagedCache, append_tokens, fp8_quantize_rows  # noqa: E402
 from .attention.indexer import indexer_logits  # noqa: E402
 from .attention.block_scores import (block_indexer_logits, block_scores, select_pages,  # noqa: E402
                                      selected_page_logits)
-from .attention import block_scores_report  # noqa: E402,F401  (registers the report block_scores_recall)
 from .attention.sparse_attention import sparse_attention_decode, sparse_attention_prefill  # noqa: E402
 from .attention.topk import topk_indices  # noqa: E402
 

@@ -107,7 +107,7 @@ class PlanCache:
         if not exact_ints(*ints):
             return None, None
         try:
-            key = (tensor_key(*tensors), ints, None if config is None else tuple(config.items()))
+            key = (tensor_key(*tensors), ints, None if config is None else tuple((k, type(v), v) for k, v in config.items()))
             if self._generation != registry.lookup_generation():
                 self._plans.clear()
                 self._generation = registry.lookup_generation()

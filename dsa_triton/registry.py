@@ -12,8 +12,9 @@ and the ops all read the same spec:
   explicit config, the pure-PyTorch oracle and the agreement test;
 - ``cost`` and ``baseline``: the floor (bytes and FLOPs) and what a user would run instead.
 
-Ops call :meth:`KernelSpec.launch_config`, which asks the tuning database (host side, cached) and
-falls back to the default.
+Ops call :meth:`KernelSpec.launch_config`, which asks the installed config lookup (host side, cached) and
+falls back to the default. ``import dsa_triton`` installs the tuning database as that lookup, in plain sight
+(:func:`set_config_lookup`); nothing else installs one on import.
 """
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ class ConfigError(ValueError):
     """A config that names an unknown parameter, a value outside the space, or breaks a constraint."""
 
 
+def shape_text(shape: Shape) -> str:
+    """The one text form of a shape, dims sorted by name: ``{"L": 5000, "B": 3}`` -> ``"B=3,L=5000"``."""
+    return ",".join(f"{k}={int(v)}" for k, v in sorted(shape.items()))
+
+
 def bucket(n: int) -> int:
     """Round a count up to a power of two (0 stays 0): 1->1, 3->4, 4096->4096, 4097->8192."""
     if n < 0:
@@ -52,7 +58,7 @@ class ShapeKey:
     dims: tuple[tuple[str, int], ...]
 
     def __str__(self) -> str:
-        return f"{self.phase}:" + ",".join(f"{k}={v}" for k, v in self.dims)
+        return f"{self.phase}:{shape_text(dict(self.dims))}"
 
     @classmethod
     def parse(cls, text: str) -> "ShapeKey":
@@ -107,7 +113,10 @@ class KernelSpec:
 
     # -- configs ------------------------------------------------------------------------------
     def validate(self, config: Config, shape: Shape) -> Config:
-        """Return ``config`` if every parameter is known, in its space and the constraint holds."""
+        """Return ``config`` if every parameter is known, in its space (type included: ``16.0`` is not ``16``)
+        and the constraint holds; else raise :class:`ConfigError` naming the parameter."""
+        if not isinstance(config, Mapping):
+            raise ConfigError(f"{self.name}: config must be a dict of launch parameters, got {type(config).__name__}")
         unknown = set(config) - set(self.space)
         if unknown:
             raise ConfigError(f"{self.name}: unknown parameters {sorted(unknown)}")
@@ -115,7 +124,7 @@ class KernelSpec:
         if missing:
             raise ConfigError(f"{self.name}: config lacks parameters {sorted(missing)}")
         for k, v in config.items():
-            if v not in self.space[k]:
+            if not any(type(v) is type(c) and v == c for c in self.space[k]):
                 raise ConfigError(f"{self.name}: {k}={v!r} is not among the candidates {self.space[k]}")
         reason = self.constraint(config, shape)
         if reason:
@@ -141,10 +150,12 @@ class KernelSpec:
         return math.prod(len(v) for v in self.space.values())
 
     def launch_config(self, phase: str, shape: Shape, device: torch.device | str | None = None) -> Config:
-        """The config an op launches with: the tuning database's record for this shape, else the default.
+        """The config an op launches with: the installed lookup's stored config for this shape, else the default.
 
-        Host-side and cached per (phase, shape, device) as given and the lookup installed, so it is cheap on
-        every call and never launches anything (safe inside CUDA-graph capture).
+        The lookup is given the spec (nothing is looked up by name again); what it returns is validated here, and
+        an invalid stored config falls back to the (validated) default. Host-side and cached per (phase, shape, device) as given
+        and the lookup installed, so it is cheap on every call and never launches anything (safe inside
+        CUDA-graph capture once warmed up).
         """
         key = (phase, tuple(shape.items()), device, _lookup_generation)  # as given: a hit does no other work
         hit = self._cache.get(key)
@@ -152,15 +163,10 @@ class KernelSpec:
             return dict(hit)
         from .runtime import device_name
 
-        dev = device_name(device)
-        config = None
-        if _lookup is not None:
-            stored = _lookup(self.name, self.shape_key(phase, shape), dict(shape), dev)
-            if stored is not None and self.is_valid(stored, shape):
-                config = dict(stored)
-        if config is None:
+        config = None if _lookup is None else _lookup(self, phase, dict(shape), device_name(device))
+        if config is None or not self.is_valid(config, shape):  # a lookup that is not the database may err
             config = self.validate(dict(self.default(phase, shape)), shape)
-        self._cache[key] = config
+        self._cache[key] = dict(config)
         return dict(config)
 
     def source_hash(self) -> str:
@@ -173,8 +179,8 @@ class KernelSpec:
 
 # -- the registry -------------------------------------------------------------------------------
 _KERNELS: dict[str, KernelSpec] = {}
-_REPORTS: dict[str, Callable[..., list[dict[str, Any]]]] = {}
-_lookup: Callable[[str, ShapeKey, dict[str, int], str], Config | None] | None = None
+ConfigLookup = Callable[["KernelSpec", str, dict[str, int], str], "Config | None"]
+_lookup: ConfigLookup | None = None
 _lookup_generation = 0
 
 
@@ -197,22 +203,6 @@ def unregister(name: str) -> None:
     _KERNELS.pop(name, None)
 
 
-def register_report(name: str, fn: Callable[..., list[dict[str, Any]]]) -> None:
-    """Add a benchmark report beyond the per-kernel rows (recall, path-vs-path ratios, memory).
-
-    ``fn(device, ceilings)`` returns rows (dicts, one per line of the report); ``python -m
-    dsa_triton.bench`` runs every report after the kernels and writes the rows to its results file.
-    ``ceilings`` is ``None`` in the interpreter, where a report should use tiny shapes.
-    """
-    if name in _REPORTS:
-        raise ValueError(f"report {name!r} is already registered")
-    _REPORTS[name] = fn
-
-
-def reports() -> dict[str, Callable[..., list[dict[str, Any]]]]:
-    return dict(sorted(_REPORTS.items()))
-
-
 def get(name: str) -> KernelSpec:
     try:
         return _KERNELS[name]
@@ -230,15 +220,20 @@ def lookup_generation() -> int:
     return _lookup_generation
 
 
-def set_config_lookup(fn: Callable[[str, ShapeKey, dict[str, int], str], Config | None] | None) -> None:
-    """Install the function ops ask for stored configs: ``fn(kernel, shape_key, shape, device) -> config or None``.
+def set_config_lookup(fn: ConfigLookup | None) -> None:
+    """Install the function ops ask for stored configs: ``fn(spec, phase, shape, device) -> config or None``.
 
-    ``shape`` is the exact (unbucketed) shape, so a database can prefer an exact match over the same bucket.
-
-    The tuning database installs itself here on import; tests install their own. Clears the caches.
+    ``shape`` is the exact (unbucketed) shape, so a database can prefer an exact match over the same bucket; a
+    returned config must be valid for ``spec`` and ``shape`` (:meth:`KernelSpec.is_valid`). ``import dsa_triton``
+    installs the tuning database; tests install their own. Clears the caches.
     """
     global _lookup, _lookup_generation
     _lookup = fn
     _lookup_generation += 1
     for spec in _KERNELS.values():
         spec._cache.clear()
+
+
+def config_lookup() -> ConfigLookup | None:
+    """The installed lookup (None: every op launches with its default)."""
+    return _lookup

@@ -11,6 +11,7 @@ from dsa_triton.attention.indexer import compare_logits, random_queries
 
 from .poison import poisoned_allocations
 from .test_indexer import decode_rows, paged_cache
+from dsa_triton.bench.reports import REPORTS
 
 
 def problem(P, lens=(70, 0, 37, 16), rows=(2, 1, 1, 3), H=8, DK=32, seed=0):
@@ -138,7 +139,7 @@ def test_bad_inputs():
 
 
 def test_recall_report_on_cpu():
-    rows = registry.reports()["block_scores_recall"](torch.device("cpu"), None)
+    rows = REPORTS["block_scores_recall"](torch.device("cpu"), None)
     recall = [r for r in rows if r["measure"] == "recall"]
     assert len(recall) == 6 and all(0.0 <= r["recall_min"] <= r["recall_mean"] <= 1.0 for r in recall)
     assert all(r["recall_mean"] >= 0.8 for r in recall if r["locality"] == 1.0)  # a few hot pages: found
@@ -226,7 +227,7 @@ def test_cached_plans_of_the_step_ops():
 
 def test_hostprof_stubs_every_launch():
     """The host-time probe counts each op's launches (none reaches the interpreter) and restores torch.empty."""
-    from dsa_triton.attention.hostprof import host_times
+    from dsa_triton.bench.hostprof import host_times
 
     empty = torch.empty
     rows = {r["op"]: r for r in host_times(torch.device("cpu"), ["block_indexer", "topk_indices T=1"], calls=2, rounds=1)}

@@ -50,7 +50,7 @@ def test_tune_show_bench(toys, tmp_path, capsys):
 
     rc, out, _ = run(capsys, "bench", "--db", db, "--out", tmp_path / "results")
     assert rc == 0, out
-    [result] = (tmp_path / "results").glob("tuned-cpu-interpreter-*.json")
+    [result] = (tmp_path / "results").rglob("tuned-cpu-interpreter-*.json")
     rows = json.loads(result.read_text())["tuned vs default vs baseline"]
     assert len(rows) == 3 and all(r["check"] == "ok" and r["ops use it"] for r in rows)
     assert all(r["tuned us"] > 0 and r["default us"] > 0 and r["baseline us"] > 0 for r in rows)
@@ -102,7 +102,7 @@ def test_compare(toys, tmp_path, capsys):
     rc, out, _ = run(capsys, "compare", "--kernels", "toy_axpy", "--phases", "decode", "--repeats", 2,
                      "--out", tmp_path, "--no-progress")
     assert rc == 0, out
-    [result] = tmp_path.glob("compare-cpu-interpreter-*.json")
+    [result] = tmp_path.rglob("compare-cpu-interpreter-*.json")
     data = json.loads(result.read_text())
     [summary] = data["summary"]  # one shape per kernel and phase unless --shapes is given
     assert summary["valid configs"] == 9 and 0 < summary["tpe fraction"] <= 1

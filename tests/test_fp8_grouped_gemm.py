@@ -17,6 +17,7 @@ from dsa_triton.moe.fused_moe_reference import grouped_gemm_torch
 from dsa_triton.moe.mxfp4 import random_mxfp4
 from dsa_triton.moe.workspace import FP8Workspace
 from tests.poison import poisoned_allocations
+from dsa_triton.bench.reports import REPORTS
 
 CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
           "EXPERTS_PER_STAGE": 2, "IN_REGISTERS": 0, "W_SMEM": 0, "UNROLL": 1, "ROW_SCALED": 0, "OVERLAP": 1}
@@ -135,8 +136,8 @@ def test_byte_permute_kernels_compile_for_hopper():
     """The real compiler (sm_90, no GPU needed) takes the byte-permute inline assembly of the registers route
     (even K, plain; ragged K with W_SMEM and UNROLL) and of the conversion kernel, and the route's weights reach
     the MMA (the interpreter runs the integer twin). Launches recorded from the op, not run, with the GPU's PTX
-    flag, compiled by :mod:`dsa_triton.aot`."""
-    from dsa_triton import aot
+    flag, compiled by :mod:`dsa_triton.bench.aot`."""
+    from dsa_triton.bench import aot
 
     launches = []
     for k, config, kernels in (
@@ -274,7 +275,7 @@ def test_prefill_report_runs_both_routes_on_the_cpu(monkeypatch):
     spec = registry.get("moe_workspace_gemm")
     default = spec.launch_config
     monkeypatch.setattr(spec, "launch_config", lambda *a, **k: {**default(*a, **k), "W_SMEM": 1, "UNROLL": 2})
-    rows = registry.reports()["moe_prefill"](torch.device("cpu"), None)
+    rows = REPORTS["moe_prefill"](torch.device("cpu"), None)
     assert [r["gemm"] for r in rows] == ["gate_up", "down"]
     for r in rows:
         assert "error" not in r and max(r["rel_err"], r["rel_err_workspace"], r["rel_err_registers"]) < 0.05, r

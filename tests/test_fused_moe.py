@@ -238,8 +238,8 @@ def test_kernel_compiles_for_hopper():
     """The GPU compiler (sm_90, no GPU needed) accepts the kernel: the bf16 inline-PTX path and the fp16 one,
     mma.sync (8-row blocks) and wgmma tiles, ragged K, split-K and both X_COPY forms. The interpreter runs neither
     the PTX nor the real compiler, so this is the CPU's only check of the GPU path. Launches recorded from the op
-    (not run), with the GPU's path flags, compiled by :mod:`dsa_triton.aot`."""
-    from dsa_triton import aot
+    (not run), with the GPU's path flags, compiled by :mod:`dsa_triton.bench.aot`."""
+    from dsa_triton.bench import aot
 
     cases = [(8, 64, 256, 1, 4, 3, torch.bfloat16, 256, 1), (8, 64, 128, 2, 2, 4, torch.bfloat16, 160, 0),
              (16, 128, 128, 1, 4, 3, torch.bfloat16, 256, 0), (64, 128, 128, 2, 4, 3, torch.float16, 160, 1)]

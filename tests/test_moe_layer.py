@@ -6,7 +6,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 import dsa_triton as dt
 from dsa_triton.moe import activation, fused_moe, permute_kernel, routing_kernel
-from dsa_triton.moe.decode_report import AtenOpCounter
+from dsa_triton.bench.reports.moe_decode import AtenOpCounter
 from dsa_triton.moe.layer import PATH, compare_layer
 from dsa_triton.moe.layer_reference import moe_forward_torch
 from dsa_triton.moe.mxfp4_reference import mxfp4_quantize_torch

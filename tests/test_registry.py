@@ -105,15 +105,15 @@ def test_launch_config_uses_lookup_then_default():
     shape = {"T": 5, "D": 64}
     seen = []
 
-    def lookup(kernel, key, exact_shape, device):
-        seen.append((kernel, str(key), exact_shape, device))
+    def lookup(spec, phase, exact_shape, device):
+        seen.append((spec.name, phase, exact_shape, device))
         return {"BLOCK": 64, "num_warps": 4} if exact_shape["T"] == 5 else None
 
     previous = registry._lookup
     try:
         registry.set_config_lookup(lookup)
         assert spec.launch_config("decode", shape, "cpu") == {"BLOCK": 64, "num_warps": 4}
-        assert seen == [("toy_scale", "decode:D=64,T=8", {"T": 5, "D": 64}, "cpu-interpreter")]
+        assert seen == [("toy_scale", "decode", {"T": 5, "D": 64}, "cpu-interpreter")]
         spec.launch_config("decode", shape, "cpu")
         assert len(seen) == 1, "a second call must be served from the cache"
         # no stored record: the default
@@ -121,7 +121,7 @@ def test_launch_config_uses_lookup_then_default():
         # a stored config that is invalid for the shape is ignored, not launched
         assert spec.launch_config("decode", {"T": 5, "D": 48}, "cpu") == {"BLOCK": 16, "num_warps": 1}
         # the phase is part of the cache key
-        registry.set_config_lookup(lambda k, key, s, d: {"BLOCK": 32, "num_warps": 2} if key.phase == "prefill" else None)
+        registry.set_config_lookup(lambda spec, phase, s, d: {"BLOCK": 32, "num_warps": 2} if phase == "prefill" else None)
         assert spec.launch_config("decode", shape, "cpu")["BLOCK"] == 16
         assert spec.launch_config("prefill", shape, "cpu")["BLOCK"] == 32
     finally:

@@ -1,5 +1,5 @@
 """Every kernel lowers for the H200 (sm_90) with the configs the CPU bench shapes launch, compiled by Triton's
-bundled ptxas in a process without the interpreter (:mod:`dsa_triton.aot`): GPU lowering errors caught on a
+bundled ptxas in a process without the interpreter (:mod:`dsa_triton.bench.aot`): GPU lowering errors caught on a
 machine without a GPU. Each shape's default config runs in the interpreter; two other valid configs per shape
 are only recorded (their launches skipped, so an op whose host code reads a kernel's output may stop early:
 the default run recorded its later kernels)."""
@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from dsa_triton import aot, registry
+from dsa_triton import registry
+from dsa_triton.bench import aot
 
 CPU = torch.device("cpu")
 

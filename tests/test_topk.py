@@ -6,6 +6,7 @@ import torch
 import dsa_triton as dt
 from dsa_triton.attention import topk as tk
 from dsa_triton.attention.topk_reference import check_topk, topk_indices_torch
+from dsa_triton.bench.reports import REPORTS
 
 # Small tiles so that short rows still reach the two-pass route (group_min = 2 * k * GROUP); rows shorter
 # than group_min take pass 3 alone (ROUTE_MIN 64), except in the tests of the score-histogram route.
@@ -346,7 +347,7 @@ def test_cached_plan_still_checks_scalars_and_follows_the_config_lookup(monkeypa
     seen = []
     previous = dt.registry._lookup
     try:
-        dt.registry.set_config_lookup(lambda kernel, key, shape, dev: seen.append(kernel))
+        dt.registry.set_config_lookup(lambda spec, phase, shape, dev: seen.append(spec.name))
         run_and_check(s, 4, config=None, block_table=table, page_size=16)
     finally:
         dt.registry.set_config_lookup(previous)
@@ -357,6 +358,6 @@ def test_routes_report_checks_every_route_min():
     """The topk_routes report runs each ROUTE_MIN of the space on mixed and fixed lengths and checks its indices."""
     from dsa_triton import registry
 
-    rows = registry.reports()["topk_routes"](torch.device("cpu"), None)
+    rows = REPORTS["topk_routes"](torch.device("cpu"), None)
     assert {r["ROUTE_MIN"] for r in rows} == set(tk.SPACE["ROUTE_MIN"])
     assert all(r["check"] == "ok" and r["us"] > 0 for r in rows), rows

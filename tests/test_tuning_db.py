@@ -11,7 +11,8 @@ import tuning_db
 from dsa_triton import registry
 from tuning_db import records as rec
 from tuning_db.database import Database, triton_version
-from tuning_db.records import Record, config_text, read_records, shape_text, write_records
+from dsa_triton.registry import shape_text
+from tuning_db.records import Record, config_text, read_records, write_records
 
 from .test_tuner_toys import database, registered, toy_spec
 
@@ -96,7 +97,7 @@ def test_lookup_order_exact_bucket_nearest_default(spec, tmp_path):
         assert spec.launch_config("decode", {"T": 3, "D": 24}, "cpu") == DEFAULT
         assert spec.launch_config("prefill", {"T": 3, "D": 40}, "cpu") == DEFAULT
         # another device's file is not consulted
-        assert db.lookup("toy_axpy", spec.shape_key("decode", {"T": 3, "D": 40}), {"T": 3, "D": 40}, "nvidia-h200") is None
+        assert db.lookup(spec, "decode", {"T": 3, "D": 40}, "nvidia-h200") is None
 
 
 def test_same_bucket_prefers_the_nearest_exact_shape(spec, tmp_path):

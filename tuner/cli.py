@@ -121,7 +121,7 @@ def run_on_gpus(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from dsa_triton.bench import dict_table
+    from dsa_triton.bench.results import dict_table
 
     from .tune import summary_rows, tune
 
@@ -144,7 +144,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from dsa_triton.bench import dict_table
+    from dsa_triton.bench.results import dict_table
 
     from dsa_triton.runtime import device_name
 
@@ -167,7 +167,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from dsa_triton.bench import dict_table, write_results
+    from dsa_triton.bench.results import dict_table, write_results
 
     from .bench_db import bench
 
@@ -187,7 +187,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from dsa_triton.bench import dict_table, write_results
+    from dsa_triton.bench.results import dict_table, write_results
 
     from .compare import compare_kernel
 

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from dsa_triton.registry import ConfigError, KernelSpec
-from tuning_db.records import config_text, shape_text
+from dsa_triton.registry import shape_text
+from tuning_db.records import config_text
 
 from .objective import Evaluator, Outcome
 from .precompile import precompile

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dsa_triton.harness import graph_time_or_nan, rotation, timed_us
+from dsa_triton.bench.harness import graph_time_or_nan, rotation, timed_us
 from dsa_triton.registry import ConfigError, KernelSpec
 
 PENALTY_US = 1e12  # the objective value of an invalid, failing or wrong config (minimised)

@@ -43,7 +43,8 @@ from typing import Any, Callable
 
 from dsa_triton.hostmath import cdiv
 from dsa_triton.registry import KernelSpec
-from tuning_db.records import shape_from_text, shape_text
+from dsa_triton.registry import shape_text
+from tuning_db.records import shape_from_text
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072)

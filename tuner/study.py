@@ -27,7 +27,8 @@ from typing import Any, Callable
 import optuna
 
 from dsa_triton.registry import KernelSpec
-from tuning_db.records import config_text, shape_text
+from dsa_triton.registry import shape_text
+from tuning_db.records import config_text
 
 from .objective import DeviceLost, Outcome
 

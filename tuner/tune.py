@@ -22,7 +22,8 @@ from dsa_triton.registry import KernelSpec
 from dsa_triton.runtime import device_name
 from tuning_db import Database, Record
 from tuning_db.database import triton_version
-from tuning_db.records import config_text, shape_text
+from dsa_triton.registry import shape_text
+from tuning_db.records import config_text
 
 from .objective import DeviceLost, Evaluator
 

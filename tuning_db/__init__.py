@@ -1,13 +1,14 @@
 """Tuned launch configs per device, and the code that reads them.
 
-Importing this package (``import dsa_triton`` does) installs the database in ``$DSA_TUNING_DB`` (default:
-``tuning_db/data``) as the registry's config lookup, so every op launches with the stored config for its
-shape. :func:`use` installs another folder. Schema, lookup order and the stale-record policy: README.md
-and :mod:`tuning_db.database`.
+``import dsa_triton`` installs the database in ``$DSA_TUNING_DB`` (default: ``tuning_db/data``) as the registry's
+config lookup, once and in plain sight, so every op launches with the stored config for its shape; :func:`use`
+installs another folder. Schema, lookup order and the stale-record policy: README.md and :mod:`tuning_db.database`.
 """
 from __future__ import annotations
 
 from pathlib import Path
+
+import dsa_triton  # noqa: F401  (first: the registry this database serves; its import installs the default database)
 
 from .database import DEFAULT_FOLDER, ENV_VAR, Database, install, installed
 from .records import COLUMNS, Record, read_records, write_records
@@ -22,8 +23,6 @@ def active() -> Database:
     """The installed database."""
     return installed() or use()
 
-
-use()
 
 __all__ = ["COLUMNS", "DEFAULT_FOLDER", "ENV_VAR", "Database", "Record", "active", "read_records", "use",
            "write_records"]

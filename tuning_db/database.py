@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from dsa_triton import registry
-from dsa_triton.registry import KernelSpec, ShapeKey
+from dsa_triton.registry import KernelSpec, ShapeKey, shape_text
 
-from .records import Record, read_records, shape_text, update_file
+from .records import Record, read_records, update_file
 
 DEFAULT_FOLDER = Path(__file__).resolve().parent / "data"
 ENV_VAR = "DSA_TUNING_DB"
@@ -152,13 +152,10 @@ class Database:
                 return level, r
         return None
 
-    def lookup(self, kernel: str, key: ShapeKey, shape: dict[str, int], device: str) -> dict[str, Any] | None:
-        """The registry's hook (:func:`dsa_triton.registry.set_config_lookup`): a stored config or None."""
-        try:
-            spec = registry.get(kernel)
-        except KeyError:
-            return None
-        found = self.match(spec, key.phase, dict(shape), device)
+    def lookup(self, spec: KernelSpec, phase: str, shape: dict[str, int], device: str) -> dict[str, Any] | None:
+        """The registry's hook (:func:`dsa_triton.registry.set_config_lookup`): a stored config valid for
+        ``shape``, or None."""
+        found = self.match(spec, phase, dict(shape), device)
         return None if found is None else found[1].config_dict()
 
     def nearest_configs(self, spec: KernelSpec, phase: str, shape: dict[str, int], device: str, n: int = 3) -> list[dict]:

@@ -17,7 +17,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from dsa_triton.registry import ShapeKey
+from dsa_triton.registry import ShapeKey, shape_text
 
 NUMERIC = ("median_us", "default_us", "baseline_us")
 
@@ -65,13 +65,8 @@ class Record:
 COLUMNS = tuple(f.name for f in fields(Record))
 
 
-def shape_text(shape: dict[str, int]) -> str:
-    """``{"L": 5000, "B": 3}`` -> ``"B=3,L=5000"`` (dims sorted by name)."""
-    return ",".join(f"{k}={int(v)}" for k, v in sorted(shape.items()))
-
-
 def shape_from_text(text: str) -> dict[str, int]:
-    """Inverse of :func:`shape_text`; raises ValueError on a malformed item."""
+    """Inverse of :func:`dsa_triton.registry.shape_text`; raises ValueError on a malformed item."""
     shape = {}
     for item in (s.strip() for s in text.split(",")):
         if not item:

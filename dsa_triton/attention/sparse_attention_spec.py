@@ -17,7 +17,6 @@ import sys
 import torch
 
 from .. import registry
-from ..harness import Ceilings, floor_us, graph_us, rotation, time_rotating
 from ..registry import Cost, KernelSpec
 from . import sparse_attention, sparse_attention_kernels
 from ..hostmath import cdiv, next_pow2
@@ -217,30 +216,3 @@ DECODE_SPEC = _spec("decode", sparse_attention.sparse_attention_decode, sparse_a
                     ("S", "H", "D", "Dv", "k"), ("B",))
 PREFILL_SPEC = _spec("prefill", sparse_attention.sparse_attention_prefill, sparse_attention_prefill_torch,
                      _prefill_shapes, ("H", "D", "Dv", "k"), ("T",))
-
-
-def decode_latency_report(device, ceilings: Ceilings | None) -> list[dict]:
-    """Small-batch decode (B = 1, 8) against the byte floor (bytes / copy rate): eager calls (host overhead
-    included) and the same calls replayed from a CUDA graph (kernels only), over input sets larger than L2."""
-    gpu = torch.device(device).type == "cuda"
-    base = _decode_shapes("decode", gpu)[0 if gpu else -1]
-    rows = []
-    for B in (1, 8) if gpu else (1, 2):
-        shape = {**base, "B": B}
-        cost = DECODE_SPEC.cost("decode", shape)
-        config = DECODE_SPEC.launch_config("decode", shape, device)
-        sets = rotation(lambda i: DECODE_SPEC.make_inputs("decode", shape, device, i), cost.bytes, device)
-        row = {"shape": ",".join(f"{k}={v}" for k, v in shape.items()), "config": str(config),
-               "bytes_MB": cost.bytes / 1e6,
-               "eager_us": time_rotating(lambda s: DECODE_SPEC.run(s, config), sets, device),
-               "graph_us": graph_us(lambda: [DECODE_SPEC.run(s, config) for s in sets], device) / len(sets)}
-        if ceilings is not None:
-            byte_floor = cost.bytes / (ceilings.copy_tbps * 1e12) * 1e6
-            floor, bound = floor_us(cost, ceilings)
-            row |= {"byte_floor_us": byte_floor, "graph_of_byte_floor": byte_floor / row["graph_us"],
-                    "eager_of_byte_floor": byte_floor / row["eager_us"], "floor_us": floor, "bound": bound}
-        rows.append(row)
-    return rows
-
-
-registry.register_report("sparse_attention_decode_latency", decode_latency_report)

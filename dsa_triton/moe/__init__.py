@@ -8,10 +8,8 @@ from .permute_kernel import sort_and_align
 from .fused_moe import fused_moe_gemm
 from .activation import swiglu
 from .layer import moe_forward
-from . import decode_report  # noqa: F401  (registers the moe_decode and moe_layer_decode reports)
 from .workspace import FP8Workspace, shared_workspace
 from .fp8_grouped_gemm import fp8_grouped_gemm
-from . import prefill_report  # noqa: F401  (registers the moe_prefill report)
 
 __all__ = ["mxfp4_quantize", "mxfp4_dequantize", "mxfp4_to_fp8"]
 __all__ += ["RoutingConfig", "deepseek_topk", "softmax_topk", "route", "route_topk", "ExpertSort", "sort_by_expert",

@@ -17,10 +17,9 @@ import json
 
 import torch
 
-from .. import registry
-from ..harness import floor_us, graph_time_us, rotation, time_rotating
-from .topk import PHASE, SPACE, SPEC, random_scores, topk_indices
-from .topk_reference import check_topk, topk_indices_torch
+from dsa_triton.bench.harness import floor_us, graph_time_us, rotation, time_rotating
+from dsa_triton.attention.topk import PHASE, SPACE, SPEC, random_scores, topk_indices
+from dsa_triton.attention.topk_reference import check_topk, topk_indices_torch
 
 ACCEPTANCE = {64: (2.0, 5.0), 4096: (1.5, 4.0)}  # rows T: (minimum, goal) speedup over torch.topk
 
@@ -95,7 +94,3 @@ def topk_routes_report(device, ceilings) -> list[dict]:
                          "us": timer(ours, sets, device), "torch_us": torch_us, "check": error or "ok"})
             rows[-1]["speedup"] = torch_us / rows[-1]["us"]
     return rows
-
-
-registry.register_report("topk_speed", topk_speed_report)
-registry.register_report("topk_routes", topk_routes_report)

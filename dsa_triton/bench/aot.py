@@ -5,7 +5,7 @@ steps, because a process runs Triton either in the interpreter or compiled, not 
 
 1. in the interpreter (the test suite's mode), :func:`record_launches` notes every kernel launch of some ops: the
    kernel, its arguments' Triton types and constexprs, warps and stages;
-2. ``python -m dsa_triton.aot RECORDS.json [--info]`` (a process with ``TRITON_INTERPRET=0``) compiles each record
+2. ``python -m dsa_triton.bench.aot RECORDS.json [--info]`` (a process with ``TRITON_INTERPRET=0``) compiles each record
    with :func:`compile_for` and prints one JSON line per record: its kernel and the error, or None (``--info``:
    registers, spills, ptxas's performance advisories and the wgmma counts too).
 
@@ -148,14 +148,14 @@ def ptxas_info(kernel, arch: str = "sm_90a") -> dict:
 
 
 def compile_in_subprocess(records: list[dict], timeout: float = 900, info: bool = False) -> list[dict]:
-    """Run ``python -m dsa_triton.aot`` on ``records``: ``[{"kernel", "error", "seconds"}]`` in the same order;
+    """Run ``python -m dsa_triton.bench.aot`` on ``records``: ``[{"kernel", "error", "seconds"}]`` in the same order;
     ``info`` adds :func:`ptxas_info`'s fields, the SASS's wgmma counts (``gmma``, ``arrive``, ``depbar``) and,
     per string of a record's optional ``ptx_needles``, whether the PTX holds it (``ptx_has``)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(records, f, default=str)
         f.flush()
         env = {**os.environ, "TRITON_INTERPRET": "0"}
-        done = subprocess.run([sys.executable, "-m", "dsa_triton.aot", f.name, *(["--info"] if info else [])],
+        done = subprocess.run([sys.executable, "-m", "dsa_triton.bench.aot", f.name, *(["--info"] if info else [])],
                               capture_output=True, text=True, env=env, timeout=timeout, check=True)
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
-from .registry import Cost
+from ..registry import Cost
 
 T = TypeVar("T")
 
@@ -116,8 +116,7 @@ def timed_us(call: Callable[[T], Any], sets: Sequence[T], device: torch.device |
     ``mode="auto"``: CUDA-graph replay (:func:`graph_time_us`) when on CUDA and the call captures, else eager
     (:func:`time_rotating`; always eager off the GPU); ``"eager"`` never tries a capture (for graph times alone,
     NaN when the call does not capture: :func:`graph_time_or_nan`). Graph times are the kernels' device time: an
-    eager median of an op of a few launches is the host's launch path, and it moved 73-186 us between rounds on the H200 host while the
-    graph median held at 57.3-57.6 us (top-k [64, 131072], results/h200/eager-jitter-probe-...-0924).
+    eager median of an op of a few launches is the host's launch path, which moves with the host's load.
     """
     if mode not in ("auto", "eager"):
         raise ValueError(f"mode: expected 'auto' or 'eager', got {mode!r}")
@@ -135,7 +134,7 @@ def graph_time_or_nan(call: Callable[[T], Any], sets: Sequence[T], device: torch
     except RuntimeError:
         torch.cuda.synchronize(device)  # the failed capture has ended; the stream runs on
         gc.collect()  # the graphs captured before the failure (and their memory pools) go now, not at some later
-        torch.cuda.empty_cache()  # collection: the H200 tuner ran out of memory on later jobs (NOTES, Session 5)
+        torch.cuda.empty_cache()  # collection, so that a tuner's later jobs find the memory free
         return float("nan")
 
 

@@ -42,15 +42,14 @@ import time
 
 import torch
 
-from .. import registry
-from ..harness import floor_us, graph_time_or_nan, time_us
-from .fp8_grouped_gemm import (SPEC, REGISTERS_TILE, WORKSPACE_TILE, fp8_grouped_gemm, interleaves, prefill_call,
+from dsa_triton.bench.harness import floor_us, graph_time_or_nan, time_us
+from dsa_triton.moe.fp8_grouped_gemm import (SPEC, REGISTERS_TILE, WORKSPACE_TILE, fp8_grouped_gemm, interleaves, prefill_call,
                                quantize_activations_fp8, route_config)
-from .fused_moe import random_routing
-from .mxfp4 import mxfp4_dequantize, realistic_mxfp4
-from .prefill_baselines import (active_spans, grouped_mm, mm_loop, offline_fp8_experts, tensorwise_fp8,
+from dsa_triton.moe.fused_moe import random_routing
+from dsa_triton.moe.mxfp4 import mxfp4_dequantize, realistic_mxfp4
+from dsa_triton.moe.prefill_baselines import (active_spans, grouped_mm, mm_loop, offline_fp8_experts, tensorwise_fp8,
                                 scaled_grouped_mm, scaled_mm_loop)
-from .workspace import shared_workspace
+from dsa_triton.moe.workspace import shared_workspace
 
 MOE_LAYERS = 58  # DeepSeek-V3.2: 61 layers, the first 3 dense
 GPU_CASES = [(name, t, n, k) for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)) for t in (4096, 16384)]
@@ -180,6 +179,3 @@ def moe_prefill_report(device, ceilings) -> list[dict]:
     if device.type == "cuda":
         return [case_row(name, 256, 8, t, n, k, device, ceilings) for name, t, n, k in GPU_CASES]
     return [case_row(name, 5, 2, t, n, k, device, None) for name, t, n, k in CPU_CASES]
-
-
-registry.register_report("moe_prefill", moe_prefill_report)

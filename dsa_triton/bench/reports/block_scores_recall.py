@@ -10,13 +10,12 @@ from __future__ import annotations
 import torch
 import triton
 
-from .. import registry
-from ..harness import graph_us, time_us
-from .block_scores import block_indexer_logits, block_scores, selected_page_logits
-from .cache import PagedCache
-from .cache_reference import fp8_quantize_rows
-from .indexer import indexer_logits
-from .page_select import select_pages
+from dsa_triton.bench.harness import graph_us, time_us
+from dsa_triton.attention.block_scores import block_indexer_logits, block_scores, selected_page_logits
+from dsa_triton.attention.cache import PagedCache
+from dsa_triton.attention.cache_reference import fp8_quantize_rows
+from dsa_triton.attention.indexer import indexer_logits
+from dsa_triton.attention.page_select import select_pages
 
 FRACTIONS = (8, 16, 32)  # 1/8, 1/16, 1/32 of the pages selected
 
@@ -124,6 +123,3 @@ def report(device, ceilings) -> list[dict]:
     rows.append({"measure": "memory", "what": "output bytes", "shape": shape, "token_MB": B * L * 4 / 1e6,
                  "block_MB": B * (n_pages * 4 + n_select * P * 8) / 1e6})
     return rows
-
-
-registry.register_report("block_scores_recall", report)

@@ -25,11 +25,10 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import registry
-from ..harness import floor_us, graph_time_us, rotation, time_rotating
-from ..registry import Cost
-from .fused_moe import SPEC
-from .layer import PATH
+from dsa_triton.bench.harness import floor_us, graph_time_us, rotation, time_rotating
+from dsa_triton.registry import Cost
+from dsa_triton.moe.fused_moe import SPEC
+from dsa_triton.moe.layer import PATH
 
 MIN_COPY_FRACTION, GOAL_COPY_FRACTION, MIN_SPEEDUP = 0.5, 0.75, 2.0
 STEADY_CALLS = 8  # calls per CUDA graph of the steady_us column
@@ -185,7 +184,3 @@ def moe_layer_decode_report(device, ceilings) -> list[dict]:
         rows.append(row)
         del sets
     return rows
-
-
-registry.register_report("moe_decode", moe_decode_report)
-registry.register_report("moe_layer_decode", moe_layer_decode_report)

@@ -1,4 +1,4 @@
-"""Host time of the attention ops' launch paths: ``python -m dsa_triton.attention.hostprof [--device cuda] [names]``.
+"""Host time of the attention ops' launch paths: ``python -m dsa_triton.bench.hostprof [--device cuda] [names]``.
 
 Every Triton launch is replaced by a no-op, so what is timed is the op's Python: argument checks, config
 lookup, allocations, launch arguments. Inputs are uninitialised tensors of DeepSeek-V3.2 decode shapes
@@ -111,7 +111,7 @@ def host_times(device: torch.device, names: list[str] = (), calls: int = 200, ro
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m dsa_triton.attention.hostprof")
+    parser = argparse.ArgumentParser(prog="python -m dsa_triton.bench.hostprof")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("names", nargs="*", help="only ops whose name contains one of these")
     args = parser.parse_args()
