@@ -45,8 +45,12 @@ def test_tune_show_bench(toys, tmp_path, capsys):
     rc, out, _ = tune(capsys, db, storage)  # fresh records: nothing to do
     assert rc == 0 and out.count("skipped, a fresh record exists") == 3
 
-    rc, out, _ = run(capsys, "show", "--db", db)
+    (db / "nvidia-h200.csv").write_text((db / "cpu-interpreter.csv").read_text())
+    rc, out, _ = run(capsys, "show", "--db", db, "--plot", tmp_path / "show.png")
     assert rc == 0 and "3 records" in out and out.count("| fresh |") == 3 and "geometric mean" in out
+    assert "records for other devices: nvidia-h200" in out
+    assert (tmp_path / "show.png").stat().st_size > 1000
+    (db / "nvidia-h200.csv").unlink()
 
     rc, out, _ = run(capsys, "bench", "--db", db, "--out", tmp_path / "results")
     assert rc == 0, out

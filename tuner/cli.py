@@ -145,7 +145,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from dsa_triton.bench.results import dict_table
-
     from dsa_triton.runtime import device_name
 
     device, db = _setup(args)
@@ -157,6 +156,13 @@ def cmd_show(args: argparse.Namespace) -> int:
              "code": "fresh" if db.is_fresh(r) else "stale", "date": r.date}
             for r in records if not kernels or r.kernel in kernels]
     print(f"{len(rows)} records in {db.folder}")
+    others = [d for d in db.devices() if args.device != "all" and d != (args.device or device_name(device))]
+    if others:
+        print(f"records for other devices: {', '.join(others)} (--device NAME or --device all)")
+    if rows and args.plot:
+        from .plot import plot_records
+
+        print(f"wrote {plot_records(rows, args.plot)}")
     if rows:
         print(dict_table(rows))
         speedups = [r["tuned/default"] for r in rows if not math.isnan(r["tuned/default"])]
@@ -259,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--db", default=None, help=db_help)
     show.add_argument("--device", default="", help='device name (default: this one; "all": every device)')
     show.add_argument("--kernels", default="", help="comma-separated kernel names")
+    show.add_argument("--plot", default="", metavar="PNG", help="also draw tuned vs default per shape into this PNG")
     show.set_defaults(func=cmd_show)
 
     bench = sub.add_parser("bench", help="tuned vs default vs baseline for every stored record of this device")

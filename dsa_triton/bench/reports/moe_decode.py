@@ -9,7 +9,7 @@ weight, counted from the routing of the timed input sets), and the speedup over 
 pre-dequantized weights of the same experts, timed on the same input sets. Pass: >= 50% of copy bandwidth
 (goal 75%) and >= 2x over bf16. On the GPU also: both in CUDA graphs, and the GEMM kernel's own time from
 torch.profiler over the rotated sets (``kernel_us``: no launch path, no activation copy), to tell the kernel
-from the fixed costs of a call at T = 1 (a fit of session 3 put ~15 us of the call outside the bytes), and
+from the fixed costs of a call at T = 1, and
 ``steady_us``: per call in graphs of 8 calls on consecutive input sets (the graph's launch shared, the gaps
 between kernels kept: a call inside a decode step's graph).
 The down GEMM reads class-major rows, as the layer's :func:`.activation.swiglu` writes them (no copy in its

@@ -2,10 +2,8 @@
 
 ``topk_speed``: the bench shapes, eager and replayed from CUDA graphs.
 
-The eager rows include the op's host time: three Triton launches from Python, which on the H200 host of
-2026-11-30 made the eager median of [64, 131072] move from 73 to 186 us between rounds while its graph median
-held at 57.3-57.6 us (results/h200/eager-jitter-probe-...-0924; T = 1: 28.2-32.4 us in graphs, bench 0547, 0904, 0924);
-so at small T the eager ratio measures the host and the graph ratio the kernels. Acceptance (issue 3):
+The eager rows include the op's host time (three Triton launches from Python), which moves with the host's load
+while the graph median holds; so at small T the eager ratio measures the host and the graph ratio the kernels. Acceptance (issue 3):
 ``[64, 131072]`` at least 2x (goal 5x), ``[4096, 131072]`` at least 1.5x (goal 4x).
 
 ``topk_routes``: the config's ``ROUTE_MIN`` (which rows skip the one-program whole-row route) over rows of
