@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 device call, run in the repository root of the tree sent to the GPU machine:
 #   device command: DSA_GIT_COMMIT=$(git rev-parse HEAD)[-dirty] bash scripts/gpu_session.sh PART [PART ...]
-# (the sent tree has no .git: the commit comes from the caller). Parts:
+# (the .git sent along, if any, is not the commit sent: the caller names it). Parts:
 #   check     every kernel at its small and odd shapes, launch/default/random configs (scripts/gpu_check.py)
 #   sanitize  compute-sanitizer memcheck (every kernel, launch config) and racecheck (kernels using shared memory)
 #   bench     python -m dsa_triton.bench: every kernel and report against its baseline, with the ceilings

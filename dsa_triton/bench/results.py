@@ -16,12 +16,17 @@ from typing import Any
 from ..runtime import environment
 
 REPO = Path(__file__).resolve().parents[2]
-COMMIT_ENV = "DSA_GIT_COMMIT"  # where the tree has no .git (a copy sent to a GPU machine): "<sha>" or "<sha>-dirty"
+COMMIT_ENV = "DSA_GIT_COMMIT"  # "<sha>" or "<sha>-dirty": the commit a copy of the tree was made from
 
 
 def git_state(repo: Path = REPO) -> dict[str, Any]:
-    """``{"commit": sha, "dirty": bool}`` of the checkout the code runs from; ``$DSA_GIT_COMMIT`` where it has no
-    git history; ``commit: "unknown"`` when neither says."""
+    """``{"commit": sha, "dirty": bool}`` of the code that runs: ``$DSA_GIT_COMMIT`` when set (a copy of the tree sent
+    to a GPU machine, whose ``.git`` need not match the files), else the checkout's git; ``commit: "unknown"``
+    when neither says."""
+    given = os.environ.get(COMMIT_ENV, "")
+    if given:
+        sha, _, flag = given.partition("-")
+        return {"commit": sha, "dirty": flag == "dirty"}
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True,
                              timeout=10).stdout.strip()
@@ -29,10 +34,6 @@ def git_state(repo: Path = REPO) -> dict[str, Any]:
                                 capture_output=True, text=True, check=True, timeout=30).stdout
         return {"commit": sha, "dirty": bool(status.strip())}
     except (OSError, subprocess.SubprocessError):
-        given = os.environ.get(COMMIT_ENV, "")
-        if given:
-            sha, _, flag = given.partition("-")
-            return {"commit": sha, "dirty": flag == "dirty"}
         return {"commit": "unknown", "dirty": None}
 
 
