@@ -12,10 +12,11 @@ from tuning_db.database import Database, install  # noqa: E402
 install(Database())  # every op reads its launch config from the tuning database ($DSA_TUNING_DB or the packaged one)
 
 # attention: paged caches, indexer scoring (token and block level), top-k, sparse attention
-from .attention.cache import PageAllocator, PagedCache, append_tokens, fp8_quantize_rows  # noqa: E402
+from .attention.cache import PageAllocator, PagedCache, append_tokens  # noqa: E402
+from .attention.cache_reference import fp8_quantize_rows  # noqa: E402
 from .attention.indexer import indexer_logits  # noqa: E402
-from .attention.block_scores import (block_indexer_logits, block_scores, select_pages,  # noqa: E402
-                                     selected_page_logits)
+from .attention.block_scores import block_indexer_logits, block_scores, selected_page_logits  # noqa: E402
+from .attention.page_select import select_pages  # noqa: E402
 from .attention.sparse_attention import sparse_attention_decode, sparse_attention_prefill  # noqa: E402
 from .attention.topk import topk_indices  # noqa: E402
 

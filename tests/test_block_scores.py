@@ -7,7 +7,7 @@ import torch
 import dsa_triton as dt
 from dsa_triton import registry
 from dsa_triton.attention.block_scores_reference import gather_selected_torch, page_bounds_torch
-from dsa_triton.attention.indexer import compare_logits, random_queries
+from dsa_triton.attention.indexer_spec import compare_logits, random_queries
 
 from .poison import poisoned_allocations
 from .test_indexer import decode_rows, paged_cache

@@ -63,15 +63,3 @@ def gather_selected_torch(dense: torch.Tensor, pages: torch.Tensor, page_size: i
     logits = dense.gather(1, pos.where(valid, 0).clamp_max(max(dense.shape[1] - 1, 0))) if dense.shape[1] else \
         torch.zeros(pos.shape, device=dense.device)
     return logits.where(valid, float("-inf")), pos.where(valid, -1).int()
-
-
-def select_pages_torch(bounds: torch.Tensor, n_select: int) -> torch.Tensor:
-    """The ``n_select`` pages with the highest bounds per row, ``[T, n_select]`` int32 ascending, -1 after
-    the last page with a finite bound (ties in any order)."""
-    T, n_pages = bounds.shape
-    k = min(n_select, n_pages)
-    top, idx = bounds.topk(k, dim=1, sorted=False)
-    idx = idx.where(top > float("-inf"), n_pages).sort(dim=1).values  # invalid pages sort last
-    pages = torch.full((T, n_select), -1, dtype=torch.int32, device=bounds.device)
-    pages[:, :k] = idx.where(idx < n_pages, -1).int()
-    return pages

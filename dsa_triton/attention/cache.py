@@ -12,107 +12,27 @@ Layout (page size ``P`` in 16, 32, 64, 128; every size a parameter):
 
 Token ``i`` of sequence ``b`` lives at physical slot ``block_table[b, i // P] * P + i % P``.
 
-The append kernel takes *work items*, one per (sequence, touched page): ``items[n, 4]`` int32 =
-(first source row, token count, physical page, first slot in the page). Each page is written by one
-program, so the summaries merge without atomics: a program whose first slot is 0 starts a fresh page.
+The append kernel (:mod:`.cache_kernels`) takes *work items*, one per (sequence, touched page):
+``items[n, 4]`` int32 = (first source row, token count, physical page, first slot in the page); an item
+never crosses a page and each page is written by one program. Launch configs come from the tuning database
+through the registry (kernel ``paged_append``, see :mod:`.cache_spec`) unless ``config`` is given.
 """
 from __future__ import annotations
 
-import sys
 from typing import Sequence
 
 import torch
-import triton
-import triton.language as tl
 
-from .. import registry
-from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor, exact_mismatch
+from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor
 from ..hostmath import cdiv, next_pow2
-from ..registry import Cost, KernelSpec
-from . import cache_reference
-from .cache_reference import append_torch, fp8_quantize_rows
+from .cache_kernels import append_kernel
+from .cache_spec import SPEC
 
 PAGE_SIZES = (16, 32, 64, 128)
 SUMMARY_DTYPES = (torch.bfloat16, torch.float32)
 
 
-@triton.jit
-def round_to_e4m3(x):
-    """Round fp32 ``x`` (|x| <= 448) to the nearest e4m3 value, ties to even, in fp32 arithmetic.
-
-    The cast that follows is then exact. (The Triton interpreter's own fp32 -> e4m3 cast rounds
-    wrongly near binade edges and ties; the GPU's cvt is right, and agrees with this.)
-    """
-    bits = x.to(tl.int32, bitcast=True)
-    ulp_exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3  # e4m3: 3 mantissa bits, min normal 2^-6
-    y = x * ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)  # exact: |y| < 16
-    y = (y + 12582912.0) - 12582912.0  # 1.5 * 2^23: fp32 addition rounds y to an integer, ties to even
-    y = tl.where(y == 0.0, x * 0.0, y)  # keep the sign of zero
-    return y * ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _append_kernel(
-    items_ptr,
-    kv_src_ptr, kv_ptr, stride_kv_src,
-    ix_src_ptr, ik_ptr, iks_ptr, sum_ptr, stride_ix_src,
-    D, DK,
-    P: tl.constexpr,
-    HAS_KV: tl.constexpr, HAS_INDEX: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DKP: tl.constexpr,
-):
-    """Program (item, part): part 0 quantizes the index keys and merges the page summaries (when
-    HAS_INDEX); the other parts copy BLOCK_D latent columns each."""
-    item = tl.program_id(0)
-    part = tl.program_id(1) - HAS_INDEX
-    src = tl.load(items_ptr + item * 4).to(tl.int64)
-    count = tl.load(items_ptr + item * 4 + 1)
-    page = tl.load(items_ptr + item * 4 + 2).to(tl.int64)
-    first = tl.load(items_ptr + item * 4 + 3)
-    offs_t = tl.arange(0, BLOCK_T)
-    if HAS_KV:
-        if part >= 0:
-            cols = part * BLOCK_D + tl.arange(0, BLOCK_D)
-            cmask = cols < D
-            for t0 in range(0, count, BLOCK_T):
-                rows = t0 + offs_t
-                mask = (rows < count)[:, None] & cmask[None, :]
-                x = tl.load(kv_src_ptr + (src + rows)[:, None] * stride_kv_src + cols[None, :], mask=mask)
-                slot = page * P + first + rows
-                tl.store(kv_ptr + slot[:, None] * D + cols[None, :], x, mask=mask)
-    if HAS_INDEX:
-        if part < 0:
-            offs_d = tl.arange(0, DKP)
-            dmask = offs_d < DK
-            # a page whose first written slot is > 0 already holds keys: start from its summary
-            old = dmask & (first > 0)
-            run_max = tl.load(sum_ptr + page * 2 * DK + offs_d, mask=old, other=float("-inf")).to(tl.float32)
-            run_min = tl.load(sum_ptr + page * 2 * DK + DK + offs_d, mask=old, other=float("inf")).to(tl.float32)
-            for t0 in range(0, count, BLOCK_T):
-                rows = t0 + offs_t
-                tmask = rows < count
-                mask = tmask[:, None] & dmask[None, :]
-                x = tl.load(ix_src_ptr + (src + rows)[:, None] * stride_ix_src + offs_d[None, :], mask=mask, other=0.0)
-                x = x.to(tl.float32)
-                amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
-                # scale = 2^ceil(log2(amax / 448)) from the bits: 448 = 1.75 * 2^8, so the exponent is
-                # exponent(amax) - 8, plus one when amax's mantissa exceeds 1.75 (exact, no division)
-                bits = amax.to(tl.int32, bitcast=True)
-                exp = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-                scale = (exp << 23).to(tl.float32, bitcast=True)
-                inv_scale = ((254 - exp) << 23).to(tl.float32, bitcast=True)
-                x8 = round_to_e4m3(x * inv_scale[:, None]).to(tl.float8e4nv)
-                slot = page * P + first + rows
-                tl.store(ik_ptr + slot[:, None] * DK + offs_d[None, :], x8, mask=mask)
-                tl.store(iks_ptr + slot, scale, mask=tmask)
-                deq = x8.to(tl.float32) * scale[:, None]
-                run_max = tl.maximum(run_max, tl.max(tl.where(mask, deq, float("-inf")), axis=0))
-                run_min = tl.minimum(run_min, tl.min(tl.where(mask, deq, float("inf")), axis=0))
-            tl.store(sum_ptr + page * 2 * DK + offs_d, run_max, mask=dmask)
-            tl.store(sum_ptr + page * 2 * DK + DK + offs_d, run_min, mask=dmask)
-
-
-def _launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config) -> None:
+def launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config) -> None:
     n_items = items.shape[0]
     has_kv, has_index = kv is not None, index_k is not None
     if n_items == 0 or not (has_kv or has_index):
@@ -123,7 +43,7 @@ def _launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config
     DK = ik.shape[-1] if has_index else 0
     parts = (cdiv(D, config["BLOCK_D"]) if has_kv else 0) + int(has_index)
     dummy = items  # never dereferenced: the constexpr flags remove those loads
-    _append_kernel[(n_items, parts)](
+    append_kernel[(n_items, parts)](
         items,
         kv if has_kv else dummy, kv_cache if has_kv else dummy, kv.stride(0) if has_kv else 0,
         index_k if has_index else dummy, ik if has_index else dummy,
@@ -201,7 +121,7 @@ def append_tokens(
     P, n, num_pages, config = plan
     if check_values and items.shape[0]:
         _check_items(items, n, num_pages, P)
-    _launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config)
+    launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config)
 
 
 _APPEND_PLANS = PlanCache()
@@ -421,100 +341,3 @@ class PagedCache:
             raise ValueError(f"positions: must lie in [0, {self._lens[seq_id]})")
         return self.block_table[seq_id].long()[positions // P] * P + positions % P
 
-
-# -- registry entry -------------------------------------------------------------------------------
-
-def _items_to_slots(items: torch.Tensor, P: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token physical slots, the touched pages and their fill after the append (device tensors)."""
-    src, count, page, first = items.long().unbind(1)
-    token_item = torch.repeat_interleave(torch.arange(items.shape[0], device=items.device), count)
-    within = torch.arange(token_item.numel(), device=items.device) - (torch.cumsum(count, 0) - count)[token_item]
-    slots = page[token_item] * P + first[token_item] + within
-    return slots, page, first + count
-
-
-def _make_inputs(phase: str, shape, device, seed: int) -> dict:
-    """A cache with ``ctx`` tokens per sequence already in it (the last page partly full), and new tokens."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    randn = lambda *size, dtype=torch.float32: torch.randn(*size, generator=g, device=device, dtype=dtype)  # noqa: E731
-    B, N, P, D, DK, ctx = (shape[k] for k in ("B", "N", "P", "D", "DK", "ctx"))
-    per_seq = N // B
-    pages_per_seq = cdiv(ctx + per_seq, P)
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float16
-    cache = PagedCache(B * pages_per_seq + 1, P, B, pages_per_seq, D, DK, dtype, device, poison=True)
-    # the existing context is written by the reference, so the inputs never depend on the kernel
-    perm = torch.randperm(B * pages_per_seq, generator=g, device=device).view(B, pages_per_seq) + 1  # page 0 unused
-    cache.block_table.copy_(perm.int())
-    old_slots = (perm[:, :, None] * P + torch.arange(P, device=device)).view(B, -1)[:, :ctx].reshape(-1)
-    old_fill = (ctx - torch.arange(pages_per_seq, device=device) * P).clamp(0, P).repeat(B)
-    append_torch(cache.kv, cache.ik, cache.ik_scale, cache.summaries, randn(B * ctx, D, dtype=dtype),
-                 randn(B * ctx, DK), old_slots, perm.reshape(-1)[old_fill > 0], old_fill[old_fill > 0])
-    items = [item for b, pages in enumerate(perm.tolist()) for item in page_items(b * per_seq, ctx, per_seq, pages, P)]
-    return {
-        "kv_cache": cache.kv, "ik": cache.ik, "ik_scale": cache.ik_scale, "summaries": cache.summaries,
-        "kv": randn(N, D, dtype=dtype),
-        "index_k": randn(N, DK, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32),
-        "items": torch.tensor(items, dtype=torch.int32).to(device),
-    }
-
-
-def _run(inputs: dict, config: dict):
-    _launch_append(inputs["kv_cache"], inputs["ik"], inputs["ik_scale"], inputs["summaries"],
-                   inputs["kv"], inputs["index_k"], inputs["items"], config)
-    return inputs["kv_cache"], inputs["ik"], inputs["ik_scale"], inputs["summaries"]
-
-
-def _reference(inputs: dict):
-    kv_cache, ik, ik_scale, summaries = (inputs[k].clone() for k in ("kv_cache", "ik", "ik_scale", "summaries"))
-    append_torch(kv_cache, ik, ik_scale, summaries, inputs["kv"], inputs["index_k"],
-                 *_items_to_slots(inputs["items"], ik.shape[1]))
-    return kv_cache, ik, ik_scale, summaries
-
-
-def _compare(out, ref) -> str | None:
-    return exact_mismatch(zip(("kv_cache", "ik", "ik_scale", "summaries"), out, ref))
-
-
-def _cost(phase: str, shape) -> Cost:
-    N, D, DK, B = shape["N"], shape["D"], shape["DK"], shape["B"]
-    pages = B * cdiv(N // B, shape["P"]) if phase == "prefill" else B
-    kv_bytes = 2 * N * D * 2
-    index_bytes = N * DK * 2 + N * (DK + 4) + pages * 2 * DK * 2 * 2  # bf16 summaries, read and written
-    return Cost(bytes=kv_bytes + index_bytes)
-
-
-def _bench_shapes(phase: str, gpu: bool) -> list[dict[str, int]]:
-    if gpu:
-        if phase == "prefill":
-            return [{"B": 4, "N": 16384, "P": 64, "D": 576, "DK": 128, "ctx": 100}]
-        return [{"B": 64, "N": 64, "P": 64, "D": 576, "DK": 128, "ctx": 100}]
-    if phase == "prefill":
-        return [{"B": 2, "N": 40, "P": 16, "D": 48, "DK": 32, "ctx": 5}]
-    return [{"B": 3, "N": 3, "P": 16, "D": 48, "DK": 32, "ctx": 17}]
-
-
-def _default(phase: str, shape) -> dict:
-    if phase == "decode":
-        return {"BLOCK_T": 1, "BLOCK_D": 128, "num_warps": 2}
-    return {"BLOCK_T": min(32, shape["P"]), "BLOCK_D": 128, "num_warps": 4}
-
-
-SPEC = registry.register(KernelSpec(
-    name="paged_append",
-    phases=("prefill", "decode"),
-    space={"BLOCK_T": (1, 8, 16, 32, 64), "BLOCK_D": (64, 128, 256), "num_warps": (1, 2, 4, 8)},
-    default=_default,
-    fixed_dims=("P", "D", "DK"),
-    bucketed_dims=("N", "B"),
-    make_inputs=_make_inputs,
-    run=_run,
-    reference=_reference,
-    compare=_compare,
-    cost=_cost,
-    bench_shapes=_bench_shapes,
-    constraint=lambda c, s: "BLOCK_T larger than the page" if c["BLOCK_T"] > s["P"] else None,
-    baseline=lambda inputs: append_torch(*(inputs[k] for k in ("kv_cache", "ik", "ik_scale", "summaries", "kv", "index_k")),
-                                         *_items_to_slots(inputs["items"], inputs["ik"].shape[1])),
-    baseline_name="torch index_put + quantize + page min/max",
-    source_modules=(cache_reference, sys.modules[__name__]),
-))
