@@ -3,5 +3,4 @@ from .cache import PageAllocator, PagedCache, append_tokens, fp8_quantize_rows  
 from .indexer import indexer_logits  # noqa: F401
 from .block_scores import block_indexer_logits, block_scores, select_pages, selected_page_logits  # noqa: F401
 from .sparse_attention import sparse_attention_decode, sparse_attention_prefill  # noqa: F401
-from . import sparse_attention_spec  # noqa: F401  (the kernels' registry entries)
 from .topk import topk_indices  # noqa: F401
