@@ -5,7 +5,9 @@ import torch
 
 import dsa_triton as dt
 from dsa_triton.attention import topk as tk
+from dsa_triton.attention.topk_kernels import INFO_COUNT
 from dsa_triton.attention.topk_reference import check_topk, topk_indices_torch
+from dsa_triton.attention.topk_spec import SPACE
 from dsa_triton.bench.reports import REPORTS
 
 # Small tiles so that short rows still reach the two-pass route (group_min = 2 * k * GROUP); rows shorter
@@ -30,7 +32,7 @@ def candidate_counts(monkeypatch):
         return work, info_off, cand_off
 
     monkeypatch.setattr(tk, "_workspace", spy)
-    return lambda: seen["info"][:, tk._INFO_COUNT.value]
+    return lambda: seen["info"][:, INFO_COUNT.value]
 
 
 def run_and_check(scores, k, lengths=None, config=SMALL, num_pages=None, check_values=True, **table):
@@ -359,5 +361,5 @@ def test_routes_report_checks_every_route_min():
     from dsa_triton import registry
 
     rows = REPORTS["topk_routes"](torch.device("cpu"), None)
-    assert {r["ROUTE_MIN"] for r in rows} == set(tk.SPACE["ROUTE_MIN"])
+    assert {r["ROUTE_MIN"] for r in rows} == set(SPACE["ROUTE_MIN"])
     assert all(r["check"] == "ok" and r["us"] > 0 for r in rows), rows

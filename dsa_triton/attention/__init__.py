@@ -5,5 +5,4 @@ from .indexer import indexer_logits  # noqa: F401
 from .block_scores import block_indexer_logits, block_scores, selected_page_logits  # noqa: F401
 from .page_select import select_pages  # noqa: F401
 from .sparse_attention import sparse_attention_decode, sparse_attention_prefill  # noqa: F401
-from . import sparse_attention_spec  # noqa: F401  (the kernels' registry entries)
 from .topk import topk_indices  # noqa: F401

@@ -23,14 +23,13 @@ from typing import NamedTuple
 
 import torch
 
-from .. import registry
 from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor
+from ..registry import KernelSpec
 from .sparse_attention_kernels import logical_to_slots, sparse_attention_fwd
+from .sparse_attention_spec import DECODE_SPEC, PREFILL_SPEC
 
 DTYPES = (torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
-DECODE = "sparse_attention_decode"
-PREFILL = "sparse_attention_prefill"
 
 
 def _check_common(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int,
@@ -75,9 +74,8 @@ def _check_index_range(indices: torch.Tensor, block_table: torch.Tensor | None, 
         raise ValueError(f"block_table: an entry used by indices is outside [0, {num_slots // page_size}) (num_pages)")
 
 
-def _launch_config(kernel: str, shape: dict[str, int], device: torch.device, config: dict | None) -> dict:
+def _launch_config(spec: KernelSpec, shape: dict[str, int], device: torch.device, config: dict | None) -> dict:
     """The registry's config, or a validated copy of an explicit one (once per plan: plans are keyed by config)."""
-    spec = registry.get(kernel)
     if config is None:
         return spec.launch_config(spec.phases[0], shape, device)
     return spec.validate(dict(config), shape)
@@ -162,7 +160,7 @@ def _checked_decode_plan(q, kv_cache, indices, block_table, d_v, config) -> _Pla
     rows, tile, bt_div = (B * S, 1, S) if per_token else (B, S, 1)
     shape = {"B": rows, "S": tile, "H": H, "D": D, "Dv": d_v, "k": indices.shape[-1]}
     out_shape = (B, S, H, d_v) if per_token else (B, H, d_v) if q.dim() == 3 else None
-    return _Plan(_launch_config(DECODE, shape, q.device, config), d_v, bt_div, page_size, per_token, out_shape)
+    return _Plan(_launch_config(DECODE_SPEC, shape, q.device, config), d_v, bt_div, page_size, per_token, out_shape)
 
 
 def sparse_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
@@ -203,4 +201,4 @@ def _checked_prefill_plan(q, kv_cache, indices, block_table, d_v, config) -> _Pl
     if block_table is not None and block_table.shape[0] not in (1, T):
         raise ValueError(f"block_table: expected 1 or {T} rows (T), got shape {tuple(block_table.shape)}")
     shape = {"T": T, "H": H, "D": D, "Dv": d_v, "k": indices.shape[1]}
-    return _Plan(_launch_config(PREFILL, shape, q.device, config), d_v, 1, page_size, False, (T, H, d_v))
+    return _Plan(_launch_config(PREFILL_SPEC, shape, q.device, config), d_v, 1, page_size, False, (T, H, d_v))

@@ -9,17 +9,15 @@ same tile (MQA: one load serves every head). Online softmax in base 2; invalid s
 cache) are masked and never read. With ``num_splits > 1`` each split writes a normalised fp32 partial and its
 lse, and ``_combine_splits`` merges them, weighted by ``exp(lse_split - lse)``.
 
-Hopper notes (Triton 3.6, sm_90a PTX compiled on the CPU; times on an H200, 2026-11-30): 64 rows x 512 fp32
-accumulator is what 8 warps can hold (255 registers, no spills with BLOCK_N=64, 2 stages, 221 KB shared
-memory), so one program runs per SM and 128 heads take two programs per tile (the second gather hits L2).
-Both dots use wgmma, but Triton gives a score dot that feeds another dot all warps along M, so with 64 rows
-the two warpgroups compute the same score tile (the 576-deep dot runs twice, the 512-wide value dot once).
-Splitting it over the warpgroups (score dots in an always-true branch, which ends their forward slice) cut the
-wgmma count from 76 to 40 but cost as much in shared-memory layout conversions (BLOCK_N=32: 255 vs 252 us at
-B=64, Hq=128) and does not fit shared memory at BLOCK_N=64. The row gathers are 16-byte cp.async. A tile
-costs about 2.3 us + 0.05 us per token (BLOCK_N 16 / 32 / 64: 370 / 252 / 176 us at B=64; 4.2 us a 64-token
-tile in prefill, whose 9 MB cache sits in L2): the gather, score dot, softmax and value dot of a tile run one
-after another, with nothing else on the SM to overlap them.
+Hopper notes (Triton 3.6, sm_90a): a 64 rows x 512 fp32 accumulator is what 8 warps can hold (255 registers,
+no spills with BLOCK_N=64, 2 stages, 221 KB shared memory), so one program runs per SM and 128 heads take two
+programs per tile (the second gather hits L2). Both dots use wgmma, but Triton gives a score dot that feeds
+another dot all warps along M, so with 64 rows the two warpgroups compute the same score tile (the 576-deep dot
+runs twice, the 512-wide value dot once). Splitting it over the warpgroups (score dots in an always-true branch,
+which ends their forward slice) cuts the wgmma count from 76 to 40 but costs as much in shared-memory layout
+conversions, and does not fit shared memory at BLOCK_N=64. The row gathers are 16-byte cp.async. The gather,
+score dot, softmax and value dot of a tile run one after another, with nothing else on the SM to overlap them:
+a tile costs a fixed latency plus a little per token, so longer token tiles are faster.
 """
 from __future__ import annotations
 

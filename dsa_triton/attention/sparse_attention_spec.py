@@ -17,9 +17,9 @@ import sys
 import torch
 
 from .. import registry
+from ..hostmath import cdiv, next_pow2
 from ..registry import Cost, KernelSpec
 from . import sparse_attention, sparse_attention_kernels
-from ..hostmath import cdiv, next_pow2
 from .sparse_attention_kernels import head_blocks
 from .sparse_attention_reference import (gather_einsum, slots_from_indices, sparse_attention_decode_torch,
                                          sparse_attention_prefill_torch)
@@ -69,10 +69,9 @@ def _sm_count() -> int:
 
 
 def _default(phase: str):
-    """The widest head tile (64 rows: wgmma) whose tiles still fill one wave, else the narrowest; the longest token
-    tile that fits; then splits over k up to one wave of programs (two per SM below 64 rows, where a program needs
-    half the registers). H200, 2026-11-30: B=1 Hq=128 15 us with 16-row tiles vs 17 us with 64 (graph); B=64 Hq=16
-    61 us with 4 splits (256 programs) vs 76 us with 2."""
+    """The widest head tile (64 rows: wgmma) whose tiles still fill one wave, else the narrowest (wider tiles that
+    leave SMs idle are slower); the longest token tile that fits; then splits over k up to one wave of programs
+    (two per SM below 64 rows, where a program needs half the registers)."""
     constraint = _constraint(phase)
 
     def default(_phase, shape) -> dict:
@@ -186,7 +185,11 @@ def _prefill_shapes(_phase, gpu: bool) -> list[dict[str, int]]:
     return [{"T": 5, "H": 3, "D": 80, "Dv": 64, "k": 24, "L": 64, "P": 16, "logical": 1}]
 
 
-def _spec(phase: str, op, oracle, shapes, fixed: tuple[str, ...], bucketed: tuple[str, ...]) -> KernelSpec:
+def _spec(phase: str, oracle, shapes, fixed: tuple[str, ...], bucketed: tuple[str, ...]) -> KernelSpec:
+    def run(inputs: dict, config: dict):
+        op = sparse_attention.sparse_attention_decode if phase == "decode" else sparse_attention.sparse_attention_prefill
+        return op(*_op_args(inputs), config=config, check_indices=False)
+
     def baseline(inputs: dict):
         q = inputs["q"]
         return gather_einsum(q.reshape(inputs["slots"].shape[0], -1, q.shape[-1]), inputs["kv_cache"].flatten(0, 1),
@@ -200,7 +203,7 @@ def _spec(phase: str, op, oracle, shapes, fixed: tuple[str, ...], bucketed: tupl
         fixed_dims=fixed,
         bucketed_dims=bucketed,
         make_inputs=_make_inputs(phase),
-        run=lambda inputs, config: op(*_op_args(inputs), config=config, check_indices=False),
+        run=run,
         reference=lambda inputs: oracle(*_op_args(inputs)),
         compare=_compare,
         cost=_cost(phase),
@@ -212,7 +215,5 @@ def _spec(phase: str, op, oracle, shapes, fixed: tuple[str, ...], bucketed: tupl
     ))
 
 
-DECODE_SPEC = _spec("decode", sparse_attention.sparse_attention_decode, sparse_attention_decode_torch, _decode_shapes,
-                    ("S", "H", "D", "Dv", "k"), ("B",))
-PREFILL_SPEC = _spec("prefill", sparse_attention.sparse_attention_prefill, sparse_attention_prefill_torch,
-                     _prefill_shapes, ("H", "D", "Dv", "k"), ("T",))
+DECODE_SPEC = _spec("decode", sparse_attention_decode_torch, _decode_shapes, ("S", "H", "D", "Dv", "k"), ("B",))
+PREFILL_SPEC = _spec("prefill", sparse_attention_prefill_torch, _prefill_shapes, ("H", "D", "Dv", "k"), ("T",))
