@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from dsa_triton import registry
-from dsa_triton.moe.convert import row_references
-from dsa_triton.moe.convert_reference import mxfp4_to_fp8_torch
+from dsa_triton.moe.mxfp4_to_fp8 import row_references
+from dsa_triton.moe.mxfp4_to_fp8_reference import mxfp4_to_fp8_torch
 from dsa_triton.moe.fp8_grouped_gemm import (fp8_grouped_gemm, plan_on_device, plan_stages,
                                              quantize_activations_fp8)
 from dsa_triton.moe.fp8_grouped_gemm_reference import fp8_grouped_gemm_torch, quantize_rows_fp8_torch
 from dsa_triton.moe.fused_moe_reference import grouped_gemm_torch
-from dsa_triton.moe.mxfp4 import random_mxfp4
+from dsa_triton.moe.mxfp4_spec import random_mxfp4
 from dsa_triton.moe.workspace import FP8Workspace
 from tests.poison import poisoned_allocations
 from dsa_triton.bench.reports import REPORTS

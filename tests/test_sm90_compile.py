@@ -73,7 +73,7 @@ def test_ptxas_reports_the_registers_routes_serialized_wgmma():
     each of the 8), unpipelined (1 stage) or with the k loop unrolled twice (UNROLL=2) they go back to back (on the
     H200 both were slower: 7233 and 8951 us vs 5243 at gate_up T=4096, w-smem-probe-...-1050)."""
     from dsa_triton.moe.fp8_grouped_gemm import fp8_grouped_gemm
-    from dsa_triton.moe.mxfp4 import random_mxfp4
+    from dsa_triton.moe.mxfp4_spec import random_mxfp4
 
     x = torch.randn(64, 7168).bfloat16()  # the gate_up K: a long pipelined loop (at K = 256 nothing serializes)
     blocks, scales = random_mxfp4((1, 128), 7168, "cpu", 0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dsa_triton as dt
-from dsa_triton.moe.mxfp4 import random_mxfp4
+from dsa_triton.moe.mxfp4_spec import random_mxfp4
 from dsa_triton.moe.mxfp4_reference import mxfp4_dequantize_torch
 from dsa_triton.moe import workspace
 from dsa_triton.moe.workspace import FP8Workspace, shared_workspace

@@ -1,6 +1,6 @@
 """MXFP4 mixture-of-experts: format, online MXFP4->FP8 conversion, shared FP8 workspace, grouped GEMMs, routing."""
-from .convert import mxfp4_to_fp8
-from .mxfp4 import mxfp4_dequantize, mxfp4_quantize
+from .mxfp4 import mxfp4_dequantize, mxfp4_quantize  # first: later ops' specs draw inputs from its spec
+from .mxfp4_to_fp8 import mxfp4_to_fp8
 from .routing import RoutingConfig, deepseek_topk, route, softmax_topk
 from .routing_kernel import route_topk
 from .permute import ExpertSort, sort_by_expert

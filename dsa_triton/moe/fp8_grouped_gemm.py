@@ -1,12 +1,13 @@
 """Prefill grouped expert GEMM on FP8 tensor cores from MXFP4 weights: ``dt.fp8_grouped_gemm``.
 
 ``y_sorted[r] = x_sorted[r] @ W_e^T`` for the rows ``r`` of expert ``e`` (CSR ``expert_offsets``), MXFP4 weights.
-One call:
+Kernels: :mod:`.fp8_grouped_gemm_kernels`; launch configs: registry entry ``moe_workspace_gemm``
+(:mod:`.fp8_grouped_gemm_spec`). One call:
 
 1. quantizes ``x`` to e4m3 with one power-of-two scale per row (``_quantize_rows_kernel``; oracle
    :func:`.fp8_grouped_gemm_reference.quantize_rows_fp8_torch`, bit for bit), for the registers route in its
-   interleaved k order (:func:`.convert.interleave_blocks`: each thread's share of the MMA operand is then one
-   32-block's 16 contiguous code bytes);
+   interleaved k order (:func:`.mxfp4_to_fp8_kernels.interleave_blocks`: each thread's share of the MMA operand is
+   then one 32-block's 16 contiguous code bytes);
 2. reads ``expert_offsets`` on the host: the one sync (the tile schedule needs the per-expert row counts), on a
    side stream behind what produced them and not behind the quantization, which so runs while the host plans;
    or with ``check_values=False`` on the registers route plans the tiles on the device (:func:`plan_on_device`);
@@ -16,214 +17,47 @@ One call:
    ``torch._scaled_mm(use_fast_accum=True)`` does; the per-group workspace route adds each BLOCK_K in fp32):
 
    - registers (1), ``_fused_gemm_kernel``: reads the MXFP4 codes and converts each weight tile to e4m3 on its
-     way to the tensor cores (:func:`.convert.e4m3_words`: two byte permutes per four weights), the weights being
-     the register operand of the MMA and the x tile the shared-memory one. Each weight row is taken relative to its
-     largest block scale (:func:`.convert.row_references`), so one scale per weight row and one per token apply
-     after the K loop and the tensor cores accumulate the whole of K: the weights cross memory once, at 4.25 bits.
-     Experts with a block more than 11 binades below its row's largest (rare in trained weights; exactness there
-     needs per-group rescaling) take the workspace route;
-   - workspace (0): stage ``s`` of ``EXPERTS_PER_STAGE`` experts is converted MXFP4 -> FP8 (:mod:`.convert`, one
-     fp32 scale per (row, 128-k group)) into half ``s % 2`` of a workspace lease on a side stream while the main
-     stream runs the GEMM of stage ``s - 1`` from the other half (events order each half's conversion and GEMM;
-     ``OVERLAP=0``: both on the main stream, in turn);
+     way to the tensor cores (:func:`.mxfp4_to_fp8_kernels.e4m3_words`: two byte permutes per four weights), the
+     weights being the register operand of the MMA and the x tile the shared-memory one. Each weight row is taken
+     relative to its largest block scale (:func:`.mxfp4_to_fp8.row_references`), so one scale per weight row and
+     one per token apply after the K loop and the tensor cores accumulate the whole of K: the weights cross memory
+     once, at 4.25 bits. Experts with a block more than 11 binades below its row's largest (rare in trained
+     weights; exactness there needs per-group rescaling) take the workspace route;
+   - workspace (0): stage ``s`` of ``EXPERTS_PER_STAGE`` experts is converted MXFP4 -> FP8 (:mod:`.mxfp4_to_fp8`,
+     one fp32 scale per (row, 128-k group)) into half ``s % 2`` of a workspace lease on a side stream while the
+     main stream runs the GEMM of stage ``s - 1`` from the other half (events order each half's conversion and
+     GEMM; ``OVERLAP=0``: both on the main stream, in turn);
      ``_grouped_gemm_kernel`` adds ``dot(x_q, w_q^T) * sw[:, g]`` per 128-k group, the row scales of x after
      the loop. With ``ROW_SCALED`` the experts that fit their rows' references (as the registers route takes
      them) are converted against those references instead, so a row's group scales are equal and the GEMM is a
-     plain FP8 GEMM with one weight scale per row after the loop (H200: the faster route for gate_up above ~256
-     rows per expert; down there runs faster on the registers route at 128 x 128); the other experts then
-     follow, per group, in the same lease.
+     plain FP8 GEMM with one weight scale per row after the loop (the faster route for many rows per expert,
+     where the GEMM's tensor-core time outweighs the conversion's round trip); the other experts then follow,
+     per group, in the same lease.
 
 Why two streams rather than one persistent kernel for the workspace route: conversion is memory-bound integer
 work, the GEMM tensor-core work; as two kernels on two streams the hardware runs conversion CTAs beside GEMM CTAs
 with no hand-made synchronisation, each kernel keeps its tuned tiles, and the interpreter runs the same code in
-order. Measured on the H200 (results/NOTES.md) the overlap hides at most 2-17 % of the shorter part and loses
-as often (``OVERLAP`` chooses): the GEMM fills every SM, and a GEMM persistent on all but 8-32 SMs, leaving those
-to the conversion, was slower still (session 6). (The registers route removes the round trip through memory.)
+order. Whether the overlap pays is measured per shape (``OVERLAP`` chooses; results/NOTES.md): the GEMM fills
+every SM, so the overlap hides little of the shorter part, and a GEMM persistent on all but a few SMs, leaving
+those to the conversion, was slower still. (The registers route removes the round trip through memory.)
 """
 from __future__ import annotations
 
 import contextlib
-import sys
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import triton
-import triton.language as tl
 
-from .. import registry
 from ..checks import check_kernel_device, check_tensor
 from ..hostmath import cdiv
-from ..registry import Cost, bucket
-from . import fp8_grouped_gemm_reference, prefill_baselines
-from .convert import (CONVERT, check_experts_layout, convert_experts, e4m3_words, interleave_blocks,
-                      reference_scale, row_references, words_to_fp8)
-from .fp8_grouped_gemm_reference import fp8_grouped_gemm_torch
-from .fused_moe import ExpertWeights, compare_rows
-from .mxfp4 import widen_to_fp32
+from .fp8_grouped_gemm_kernels import _fused_gemm_kernel, _grouped_gemm_kernel, _quantize_rows_kernel
+from .fp8_grouped_gemm_spec import SPEC
+from .mxfp4_to_fp8 import check_experts_layout, conversion_config, convert_experts, row_references
 from .workspace import FP8Workspace, shared_workspace
 
 
-# -- kernels --------------------------------------------------------------------------------------
-@triton.jit
-def round_to_e4m3(v):
-    """fp32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still fp32 (so the cast is exact);
-    the sign survives a rounding to zero (-0.0, as the cast itself gives)."""
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    subnormal = (tl.abs(v) + 24576.0) - 24576.0  # below 2^-6 e4m3 steps by 2^-9, the ulp of 1.5 * 2^14
-    subnormal = (subnormal.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # v's sign
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
-
-
-@triton.jit
-def _store_e4m3(q_ptrs, scaled, mask, INTERLEAVED: tl.constexpr):
-    q = round_to_e4m3(scaled).to(tl.float8e4nv)
-    if INTERLEAVED:  # K a multiple of 128: ``mask`` is the same over each 128-k group, interleaved or not
-        q = interleave_blocks(q, 4)
-    tl.store(q_ptrs, q, mask=mask)
-
-
-@triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                          ONE_PASS: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """``BLOCK_M`` rows per program; ``ONE_PASS`` (``BLOCK_K >= K``): each row tile is read once and kept in
-    registers, else read twice, ``BLOCK_K`` at a time (the row maximum, then the quantization)."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows64 = rows.to(tl.int64)[:, None]
-    if ONE_PASS:
-        k = tl.arange(0, BLOCK_K)
-        inside = (rows < M)[:, None] & (k < K)[None, :]
-        x = widen_to_fp32(tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=inside, other=0.0))
-        amax = tl.max(tl.abs(x), axis=1)
-    else:
-        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=(rows < M)[:, None] & (k < K)[None, :],
-                        other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(widen_to_fp32(x)), axis=1))
-    bits = amax.to(tl.int32, bitcast=True)
-    # smallest e with amax <= 448 * 2^e: amax = 1.f * 2^E gives E - 8, one more when 1.f > 1.75
-    e = tl.maximum(((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32), -126)
-    inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]
-    if ONE_PASS:
-        _store_e4m3(q_ptr + rows64 * stride_q + k[None, :], x * inv_scale, inside, INTERLEAVED)
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            inside = (rows < M)[:, None] & (k < K)[None, :]
-            x = widen_to_fp32(tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=inside, other=0.0))
-            _store_e4m3(q_ptr + rows64 * stride_q + k[None, :], x * inv_scale, inside, INTERLEAVED)
-    tl.store(s_ptr + rows, ((e + 127) << 23).to(tl.float32, bitcast=True), mask=rows < M)
-
-
-@triton.jit
-def _tile(tiles_ptr, n_mtiles, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's row tile ``(slot, first row, end row)`` and N tile: ``GROUP_M`` row tiles per N column."""
-    pid = tl.program_id(0)
-    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(n_mtiles - first_m, GROUP_M)
-    mt = first_m + (pid % per_group) % group_m
-    slot = tl.load(tiles_ptr + mt * 3).to(tl.int64)
-    return slot, tl.load(tiles_ptr + mt * 3 + 1), tl.load(tiles_ptr + mt * 3 + 2), (pid % per_group) // group_m
-
-
-@triton.jit
-def _grouped_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, tiles_ptr, n_mtiles, N, K,
-                         stride_xm, stride_we, stride_wn, stride_swe, stride_swn, stride_swg, stride_ym,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, ROW_SCALED: tl.constexpr):
-    """``ROW_SCALED``: the weights' group scales are equal along each row (converted against the row's reference):
-    the tensor cores accumulate all of K and the row scale applies once, after the loop."""
-    slot, row0, row_end, nt = _tile(tiles_ptr, n_mtiles, N, BLOCK_N, GROUP_M)  # slot: in this stage's half
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_in = tl.minimum(rows, row_end - 1).to(tl.int64)  # clamped: no row or column masks on the loads
-    cols_in = tl.minimum(cols, N - 1).to(tl.int64)
-    kk = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows_in[:, None] * stride_xm + kk[None, :]
-    w_ptrs = w_ptr + slot * stride_we + cols_in[None, :] * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
-    sw_ptrs = sw_ptr + slot * stride_swe + cols_in * stride_swn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(x_ptrs)
-            b = tl.load(w_ptrs)
-        else:
-            k_in = k0 + kk < K
-            a = tl.load(x_ptrs, mask=k_in[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
-        if ROW_SCALED:
-            acc = tl.dot(a, b, acc)
-        else:
-            acc += tl.dot(a, b) * tl.load(sw_ptrs + (k0 // 128) * stride_swg)[None, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    if ROW_SCALED:
-        acc *= tl.load(sw_ptrs)[None, :]
-    acc *= tl.load(sx_ptr + rows_in)[:, None]
-    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < N)[None, :])
-
-
-@triton.jit
-def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, tiles_ptr, experts_ptr, n_mtiles,
-                       N, K, KB, stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_re, stride_ym,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-                       W_SMEM: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, UNROLL: tl.constexpr):
-    """``acc[BLOCK_N, BLOCK_M]`` = weights (converted in registers: the MMA's register operand) x tokens^T, or with
-    ``W_SMEM`` ``acc[BLOCK_M, BLOCK_N]`` = tokens x weights^T (the converted tile stored to shared memory as the
-    second operand: sm_90 SASS then issues a k-step's four wgmma back to back instead of waiting after each).
-    ``UNROLL=2`` unrolls the k loop twice: with software pipelining, ptxas then issues the register-operand
-    wgmmas of a step back to back too (unrolled once, 2-4 stages serialize them at 64 x 128 / 4 warps: advisory
-    C7515)."""
-    slot, row0, row_end, nt = _tile(tiles_ptr, n_mtiles, N, BLOCK_N, GROUP_M)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-    y_mask = (rows < row_end)[:, None] & (cols < N)[None, :]
-    if slot < 0:  # rows of no expert (a schedule planned on the device): zeros; its padding tiles have no rows
-        tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), y_ptr.dtype.element_ty), mask=y_mask)
-        return
-    expert = tl.load(experts_ptr + slot).to(tl.int64)
-    rows_in = tl.minimum(rows, row_end - 1).to(tl.int64)  # clamped: the loads need no masks
-    cols_in = tl.minimum(cols, N - 1).to(tl.int64)
-    ref = tl.load(ref_ptr + expert * stride_re + cols_in).to(tl.int32)  # each weight row's largest block scale
-    code_rows = codes_ptr + expert * stride_ce + cols_in[:, None] * stride_cn  # int16: four codes each
-    scale_rows = scales_ptr + expert * stride_se + cols_in[:, None] * stride_sn
-    x_rows = x_ptr + rows_in[:, None] * stride_xm
-    j, b, kk = tl.arange(0, 32), tl.arange(0, 4), tl.arange(0, 128)
-    if W_SMEM:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for g in tl.range(0, tl.cdiv(KB, 4), loop_unroll_factor=UNROLL):  # one 128-k group (four 32-blocks) per step
-        if EVEN_K:  # x_ptr then holds :func:`interleave_blocks` order: the codes are read into it
-            codes = interleave_blocks(tl.load(code_rows + g * 32 + j[None, :]), 1)
-            s = tl.load(scale_rows + g * 4 + b[None, :])
-            xt = tl.load(x_rows + g * 128 + kk[None, :])
-        else:
-            codes = tl.load(code_rows + g * 32 + j[None, :], mask=(g * 32 + j < KB * 8)[None, :], other=0)
-            s = tl.load(scale_rows + g * 4 + b[None, :], mask=(g * 4 + b < KB)[None, :], other=0)
-            xt = tl.load(x_rows + g * 128 + kk[None, :], mask=(g * 128 + kk < K)[None, :], other=0.0)
-        d = tl.minimum(ref[:, None] - s.to(tl.int32), 11)  # the clamp only touches padding blocks (codes 0)
-        w8 = words_to_fp8(e4m3_words(codes.to(tl.int32), d, PTX, EVEN_K), PTX)
-        if W_SMEM:
-            acc = tl.dot(xt, tl.trans(w8), acc)
-        else:
-            acc = tl.dot(w8, tl.trans(xt), acc)
-    sx = tl.load(sx_ptr + rows_in)
-    if W_SMEM:
-        out = acc * sx[:, None] * reference_scale(ref)[None, :]
-    else:
-        out = tl.trans(acc * reference_scale(ref)[:, None] * sx[None, :])
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
-
-
-# -- host side ------------------------------------------------------------------------------------
 # activation quantization: up to this many elements of a row tile in registers (one read of x; 32 fp32 a thread at
 # 8 warps); longer rows are read twice in steps of QUANTIZE_STEP (4 rows x 1024, 4 warps)
 QUANTIZE_TILE = 8192
@@ -231,14 +65,14 @@ QUANTIZE_STEP = (4, 1024)
 
 
 def interleaves(k: int, kb: int) -> bool:
-    """Whether the registers route reads ``x`` in :func:`.convert.interleave_blocks` order: K of whole 128-k groups
+    """Whether the registers route reads ``x`` in :func:`.mxfp4_to_fp8_kernels.interleave_blocks` order: K of whole 128-k groups
     (``K = 32 kb``, ``kb`` a multiple of 4), its ``EVEN_K``."""
     return k == 32 * kb and kb % 4 == 0
 
 
 def quantize_activations_fp8(x: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``x[M, K]`` fp16/bf16/fp32 (rows contiguous) -> ``(q e4m3 [M, K], scale fp32 [M])``, launch only.
-    ``interleaved`` (K a multiple of 128): ``q``'s k order is :func:`.convert.interleave_blocks`'s."""
+    ``interleaved`` (K a multiple of 128): ``q``'s k order is :func:`.mxfp4_to_fp8_kernels.interleave_blocks`'s."""
     m, k = x.shape
     if interleaved and k % 128:
         raise ValueError(f"x: the interleaved k order needs K a multiple of 128, got {k}")
@@ -339,7 +173,7 @@ def launch_gemm(xq, sx, w_half, s_half, y, tiles, config, row_scaled: bool = Fal
 
 def launch_fused(xq, sx, blocks, scales, ref, y, plan: StagePlan, config) -> None:
     """The registers route: every tile of ``plan`` (one stage) in one launch, weights read as MXFP4; ``xq`` in
-    :func:`.convert.interleave_blocks` order where :func:`interleaves`."""
+    :func:`.mxfp4_to_fp8_kernels.interleave_blocks` order where :func:`interleaves`."""
     n_mtiles = plan.tiles.shape[0]
     (n, kb), k = scales.shape[1:], xq.shape[1]
     if n_mtiles == 0:
@@ -456,12 +290,12 @@ def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, block
     - ``config``: a ``moe_workspace_gemm`` config (None: the tuning database's for this shape);
     - ``workspace``: default the device's :func:`shared_workspace` (leased only when an expert takes the
       workspace route, whose conversions run on a side stream);
-    - ``unfit_counter`` int32 ``[1]``: if given, the number of unfit blocks (see :mod:`.convert_reference`) is
+    - ``unfit_counter`` int32 ``[1]``: if given, the number of unfit blocks (see :mod:`.mxfp4_to_fp8_reference`) is
       added to it, no sync (the registers and row-scaled routes only take experts that have none).
 
     - ``check_values`` (default): read ``expert_offsets`` on the host (one sync, behind the activation
       quantization: the GPU quantizes while the host plans), check them and plan the tiles there. False, on the
-      registers route with every expert fitting it (trained weights: see :func:`.convert.row_references`, whose
+      registers route with every expert fitting it (trained weights: see :func:`.mxfp4_to_fp8_kernels.row_references`, whose
       first call per weight syncs once): plan on the device (:func:`plan_on_device`), no sync, so the call can be
       captured in a CUDA graph and an eager caller's host work overlaps the GPU's; the offsets are trusted (kept in
       bounds, not checked). Otherwise as True.
@@ -529,7 +363,7 @@ def prefill_call(x_sorted, offsets: list[int] | torch.Tensor, blocks, scales, y,
             slots = stage * min(2, max(len(plan.stages) for plan, _ in staged))
             workspace = workspace or shared_workspace(y.device, slots, n, 32 * kb)
             w_slots, s_slots = stack.enter_context(workspace.acquire(slots)).views(n, 32 * kb)
-            convert_config = CONVERT.launch_config("prefill", {"G": stage, "N": n, "K": 32 * kb}, y.device)
+            convert_config = conversion_config(stage, n, 32 * kb, y.device)
 
         def run(overlap: bool | None = None, convert: bool = True, gemm: bool = True) -> None:
             if fused is not None and fused.stages and gemm:
@@ -541,170 +375,3 @@ def prefill_call(x_sorted, offsets: list[int] | torch.Tensor, blocks, scales, y,
 
         run.leased_slots = slots if staged else 0
         yield run
-
-
-# -- registry entry -------------------------------------------------------------------------------
-SPACE = {
-    "BLOCK_M": (16, 32, 64, 128),
-    "BLOCK_N": (32, 64, 128, 256),
-    "BLOCK_K": (64, 128),  # divides the 128-k scale group
-    "GROUP_M": (1, 4, 8, 16),
-    "num_warps": (4, 8),
-    # 1: no software pipelining, the registers route's wgmmas back to back on sm_90 (2-4 stages serialize them:
-    # advisory C7515, ptxas-sm90-registers-route-20261130.md); H200 gate_up T=4096, 64 x 128 / 4 warps: 7233 us
-    # vs 5243 at 3 stages (w-smem-probe-...-1050): the lost prefetch costs more than the serialization
-    "num_stages": (1, 2, 3, 4, 5),
-    "EXPERTS_PER_STAGE": (1, 2, 4, 8, 16, 32),  # workspace route
-    "IN_REGISTERS": (0, 1),  # 1: the registers route (experts it cannot take still go through the workspace)
-    # workspace route: 1 converts the experts that fit against their rows' references (one scale per row) and
-    # runs a plain FP8 GEMM (no per-group rescaling in the k loop); H200 probe of such a GEMM on the offline FP8
-    # copy, 128x256x128 / 8 warps / 3 stages: 1.04-1.20x torch._scaled_grouped_mm (plain-fp8-gemm-probe-...-1110)
-    "ROW_SCALED": (0, 1),
-    # workspace route: 1 converts the next stage on a side stream while the GEMM of this one runs, 0 both on one
-    # stream (H200 T=16384: hid 15 % of the conversion for gate_up, cost 16 % for down in bench-...-1330-full-one-pass-
-    # quantize; session 6's nine moe_prefill reports: the side stream 123-1594 us faster for gate_up and 340-1613 us
-    # slower for down in 8 of 9 each, while the tuner's evaluator put the two within ~2 % either way)
-    "OVERLAP": (0, 1),
-    "W_SMEM": (0, 1),  # registers route: converted weights as the shared-memory MMA operand (H200: 1.5-21% faster
-    # on 8-warp and 256-wide tiles, from 12% slower to 4% faster on 64 x 128 / 4 warps; w-smem-probe-...-0700)
-    "UNROLL": (1, 2),  # registers route: k loop unrolled twice, its wgmmas back to back at any num_stages (sm_90
-    # SASS; 64 x 128 / 4 warps: 235 registers instead of 166, 2 programs per SM instead of 3); H200 gate_up
-    # T=4096: 8951 us vs 5243 (w-smem-probe-...-1050)
-}
-WORKSPACE_LIMIT = 4 * 2**30  # bytes of two stages of FP8 experts
-REGISTERS_ROUTE_KNOBS = {"W_SMEM": 0, "UNROLL": 1}  # the registers route's own knobs, at their workspace-route values
-WORKSPACE_ROUTE_KNOBS = {"ROW_SCALED": 0, "OVERLAP": 1}  # the workspace route's own knobs, at registers-route values
-
-
-def route_config(config: dict, in_registers: int, row_scaled: int = 0) -> dict:
-    """``config`` for one route: ``IN_REGISTERS`` set (and ``ROW_SCALED`` on the workspace route; the registers
-    route has no such choice, so ``row_scaled`` must then be 0), the other route's own knobs neutral."""
-    if in_registers and row_scaled:
-        raise ValueError("row_scaled is a choice of the workspace route (in_registers=0)")
-    if in_registers:
-        return {**config, "IN_REGISTERS": 1, **WORKSPACE_ROUTE_KNOBS}
-    return {**config, "IN_REGISTERS": 0, **REGISTERS_ROUTE_KNOBS, "ROW_SCALED": row_scaled}
-
-
-def _constraint(config, shape) -> str | None:
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    if config["IN_REGISTERS"] and bk != 128:
-        return "the registers route steps through K by 128-k groups (BLOCK_K=128)"
-    if not config["IN_REGISTERS"] and any(config[k] != v for k, v in REGISTERS_ROUTE_KNOBS.items()):
-        return f"{', '.join(REGISTERS_ROUTE_KNOBS)} are choices of the registers route"
-    if config["IN_REGISTERS"] and any(config[k] != v for k, v in WORKSPACE_ROUTE_KNOBS.items()):
-        return f"{', '.join(WORKSPACE_ROUTE_KNOBS)} are choices of the workspace route"
-    if config["num_stages"] * config["UNROLL"] * (bm + bn) * bk > 200 * 1024:
-        return "x and w tiles of all pipeline stages (twice unrolled: twice as many) exceed 200 KB of shared memory"
-    if bm * bn > 128 * 32 * config["num_warps"]:
-        return "accumulator over 128 fp32 registers per thread"
-    if bm > max(16, bucket(shape["M"])):
-        return "BLOCK_M exceeds the routed rows"
-    if config["EXPERTS_PER_STAGE"] > bucket(shape["E"]):
-        return "a stage larger than the expert count"
-    if 2 * config["EXPERTS_PER_STAGE"] * shape["N"] * shape["K"] > WORKSPACE_LIMIT:
-        return "workspace (two stages of FP8 experts) over 4 GiB"
-    return None
-
-
-REGISTERS_TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-WORKSPACE_TILE = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
-
-
-def _default(phase, shape):
-    """Measured on the H200 (2026-11-30): the registers route for up to 256 routed rows per expert, with 128 x 128
-    tiles and 4 warps from 128 rows per expert (session 6, after the interleaved k order: T = 4096 gate_up 3879 vs
-    4651 us at 64 x 128, down 2083 vs 2495; tiles-probe-...-1325), 64 x 128 below (session 4's winner over 13 tiles,
-    moe-prefill-sweep-...-0542; fewer wasted rows in an expert's last tile). Above 256 rows per expert (T = 16384)
-    the row-scaled workspace route with :data:`WORKSPACE_TILE`: its GEMM alone ran 1.16-1.20x
-    torch._scaled_grouped_mm there, its conversion 2.0-4.3 ms (plain-fp8-gemm-probe-...-1110); with the conversion
-    0.73-0.76 of torch (tune-...-1112), 0.77-0.87 after session 6's stage sizes (overlap-probe-...-1305)."""
-    rows_tile = max(16, bucket(shape["M"]))  # the constraint's bound on BLOCK_M (few routed rows)
-    if shape["M"] * shape["N"] * shape["K"] < 2**24:  # interpreter-sized: few programs, still two stages
-        return route_config({"BLOCK_M": min(32, rows_tile), "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
-                             "num_warps": 4, "num_stages": 2, "EXPERTS_PER_STAGE": min(2, bucket(shape["E"])),
-                             **REGISTERS_ROUTE_KNOBS}, 1)
-    stage = min(8, bucket(shape["E"]))
-    while stage > 1 and 2 * stage * shape["N"] * shape["K"] > WORKSPACE_LIMIT:  # the constraint's bound
-        stage //= 2
-    rows_per_expert = shape["M"] / max(1, shape["E"])
-    config = route_config({**REGISTERS_TILE, **REGISTERS_ROUTE_KNOBS, "EXPERTS_PER_STAGE": stage,
-                           "BLOCK_M": min(128 if rows_per_expert >= 128 else 64, rows_tile)}, 1)
-    if rows_per_expert > 256:
-        config = {**route_config(config, 0, row_scaled=1), **WORKSPACE_TILE}
-    return config
-
-
-def _bench_shapes(phase, gpu):
-    if gpu:  # DeepSeek-V3.2, T = 4096 routed top-8 over 256 experts: gate_up and down
-        return [{"M": 4096 * 8, "E": 256, "N": 4096, "K": 7168}, {"M": 4096 * 8, "E": 256, "N": 7168, "K": 2048}]
-    return [{"M": 40, "E": 5, "N": 48, "K": 96}]
-
-
-def random_offsets(rows: int, experts: int, device, gen: torch.Generator) -> torch.Tensor:
-    """CSR offsets ``[E + 1]`` int32 of ``rows`` routed uniformly at random over ``experts``."""
-    counts = torch.bincount(torch.randint(0, experts, (rows,), generator=gen, device=device), minlength=experts)
-    return torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
-
-
-_fp8_copies: "weakref.WeakKeyDictionary[ExpertWeights, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _make_inputs(phase, shape, device, seed):
-    device = torch.device(device)
-    gen = torch.Generator(device).manual_seed(seed)
-    offsets = random_offsets(shape["M"], shape["E"], device, gen)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16  # no bf16 tl.dot in the interpreter
-    x = torch.randn(shape["M"], shape["K"], generator=gen, device=device).to(dtype)
-    return {"x": x, "offsets": offsets, "weights": ExpertWeights.random(shape["E"], shape["N"], shape["K"], device),
-            "spans": prefill_baselines.active_spans(offsets)}
-
-
-def _run(inputs, config):
-    """As the MoE layer calls it: offsets unchecked (the registers route then plans on the device: no host sync,
-    so the tuner and the bench time it in CUDA graphs; the workspace routes still sync)."""
-    w = inputs["weights"]
-    return fp8_grouped_gemm(inputs["x"], inputs["offsets"], w.blocks, w.scales, config=config, check_values=False)
-
-
-def _reference(inputs):
-    w = inputs["weights"]
-    return fp8_grouped_gemm_torch(inputs["x"], inputs["offsets"], w.blocks, w.scales)
-
-
-def _baseline(inputs):
-    """cuBLAS FP8 on an offline FP8 copy of every expert (per-tensor scales; x quantized beforehand, untimed)."""
-    w, x = inputs["weights"], inputs["x"]
-    if w not in _fp8_copies:
-        _fp8_copies[w] = prefill_baselines.offline_fp8_experts(w.blocks, w.scales)
-    if "xq" not in inputs:
-        inputs["xq"] = prefill_baselines.tensorwise_fp8(x)
-    if x.is_cuda:  # one cuBLAS grouped call (the loop of torch._scaled_mm failed on the H200 stack, 2026-11-30)
-        return prefill_baselines.scaled_grouped_mm(*inputs["xq"], *_fp8_copies[w], inputs["offsets"])
-    return prefill_baselines.scaled_mm_loop(*inputs["xq"], *_fp8_copies[w], inputs["spans"])
-
-
-def _cost(phase, shape) -> Cost:
-    """Floor: the MXFP4 bytes of every expert (all get rows at these sizes), x read once, y written once."""
-    m, e, n, k = shape["M"], shape["E"], shape["N"], shape["K"]
-    return Cost(bytes=e * n * k * 17 / 32 + m * k * 2 + m * n * 2, flops=2.0 * m * n * k, flop_dtype="fp8")
-
-
-SPEC = registry.register(registry.KernelSpec(
-    name="moe_workspace_gemm",
-    phases=("prefill",),
-    space=SPACE,
-    default=_default,
-    fixed_dims=("E", "N", "K"),
-    bucketed_dims=("M",),
-    make_inputs=_make_inputs,
-    run=_run,
-    reference=_reference,
-    compare=compare_rows,
-    cost=_cost,
-    bench_shapes=_bench_shapes,
-    constraint=_constraint,
-    baseline=_baseline,
-    baseline_name="torch._scaled_grouped_mm (CPU: _scaled_mm per expert) on an offline FP8 copy, per-tensor scales",
-    source_modules=(sys.modules[__name__], fp8_grouped_gemm_reference, prefill_baselines),
-))

@@ -46,7 +46,8 @@ from ..hostmath import cdiv
 from ..registry import Cost, bucket
 from .activation_reference import class_major
 from .fused_moe_reference import fused_moe_gemm_torch
-from .mxfp4 import mxfp4_dequantize, random_mxfp4
+from .mxfp4 import mxfp4_dequantize
+from .mxfp4_spec import random_mxfp4
 from . import permute
 from .permute import ExpertSort, sort_by_expert
 

@@ -18,7 +18,7 @@ from typing import Iterable, Iterator
 import torch
 
 from ..hostmath import cdiv
-from .convert_reference import n_groups
+from .mxfp4_to_fp8_reference import n_groups
 from .mxfp4_reference import BLOCK
 
 ALIGN = 256  # slot starts aligned to 256 bytes (16-byte vector loads, TMA-friendly)

@@ -14,7 +14,7 @@ top-8, random routing, trained-layer-like MXFP4 scales) one row:
 - ``registers_us``: the registers route (weights converted on their way to the tensor cores, no workspace;
   unchecked, as ours);
 - ``workspace_us``: the workspace route end to end (the config's when it names that route, else the row-scaled
-  workspace route with :data:`.fp8_grouped_gemm.WORKSPACE_TILE`; the registers route likewise with
+  workspace route with :data:`.fp8_grouped_gemm_spec.WORKSPACE_TILE`; the registers route likewise with
   ``REGISTERS_TILE``); its stages' conversions alone (``convert_us``), GEMMs alone
   (``gemm_us``), both on one stream (``serial_us``) and with conversions on the side stream (``pipelined_us``);
   ``hidden`` = (serial - pipelined) / min(convert, gemm), the part of the shorter one the overlap hides;
@@ -43,12 +43,13 @@ import time
 import torch
 
 from dsa_triton.bench.harness import floor_us, graph_time_or_nan, time_us
-from dsa_triton.moe.fp8_grouped_gemm import (SPEC, REGISTERS_TILE, WORKSPACE_TILE, fp8_grouped_gemm, interleaves, prefill_call,
-                               quantize_activations_fp8, route_config)
+from dsa_triton.moe.fp8_grouped_gemm import fp8_grouped_gemm, interleaves, prefill_call, quantize_activations_fp8
+from dsa_triton.moe.fp8_grouped_gemm_baselines import (active_spans, grouped_mm, mm_loop, offline_fp8_experts,
+                                                       scaled_grouped_mm, scaled_mm_loop, tensorwise_fp8)
+from dsa_triton.moe.fp8_grouped_gemm_spec import REGISTERS_TILE, SPEC, WORKSPACE_TILE, route_config
 from dsa_triton.moe.fused_moe import random_routing
-from dsa_triton.moe.mxfp4 import mxfp4_dequantize, realistic_mxfp4
-from dsa_triton.moe.prefill_baselines import (active_spans, grouped_mm, mm_loop, offline_fp8_experts, tensorwise_fp8,
-                                scaled_grouped_mm, scaled_mm_loop)
+from dsa_triton.moe.mxfp4 import mxfp4_dequantize
+from dsa_triton.moe.mxfp4_spec import realistic_mxfp4
 from dsa_triton.moe.workspace import shared_workspace
 
 MOE_LAYERS = 58  # DeepSeek-V3.2: 61 layers, the first 3 dense

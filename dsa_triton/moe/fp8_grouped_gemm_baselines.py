@@ -1,12 +1,11 @@
-"""What a user would run instead of the workspace grouped GEMM, on the same routed rows (CSR over experts):
-torch on expert weights converted ahead of time.
+"""The baselines of the prefill grouped GEMM (``moe_workspace_gemm``'s spec and the ``moe_prefill`` report): what a
+user would run instead on the same routed rows (CSR over experts), torch on expert weights converted ahead of time.
 
 - FP8: an offline e4m3 copy of every expert with one fp32 scale per expert, activations quantized with one
   scale, then ``torch._scaled_mm`` per active expert (cuBLASLt, fast accumulation), or ``torch._scaled_grouped_mm``
-  in one call where this torch has it. Per-tensor scales because rowwise ``_scaled_mm`` failed on the H200
-  (CUBLAS_STATUS_NOT_SUPPORTED, torch 2.11 + CUDA 13, 2026-11-30); the per-expert loop failed there with
-  per-tensor scales too (error not recorded), so the measured FP8 figure is ``_scaled_grouped_mm``'s. The speed
-  of the product should not depend on the scale granularity (expected, not measured);
+  in one call where this torch has it. Per-tensor scales because rowwise ``_scaled_mm`` is not supported on every
+  cuBLAS stack (results/ records where it failed); the speed of the product should not depend on the scale
+  granularity (expected, not measured);
 - bf16: a bf16 copy of every expert, ``torch.mm`` per active expert (cuBLAS), or ``torch._grouped_mm``.
 
 Each takes the active experts as host ``spans`` ``[(expert, first row, end row)]`` computed beforehand, so the

@@ -1,0 +1,175 @@
+"""Kernels of the prefill grouped GEMM (:mod:`.fp8_grouped_gemm`): the activation quantization and the two routes.
+
+- :func:`_quantize_rows_kernel`: ``x`` to e4m3 with one power-of-two scale per row (oracle
+  :func:`.fp8_grouped_gemm_reference.quantize_rows_fp8_torch`, bit for bit), optionally in the registers route's
+  interleaved k order (:func:`.mxfp4_to_fp8_kernels.interleave_blocks`);
+- :func:`_grouped_gemm_kernel`: the workspace route's FP8 GEMM of one stage, weights from workspace slots;
+- :func:`_fused_gemm_kernel`: the registers route, MXFP4 codes converted to e4m3 on their way to the tensor cores.
+
+Both GEMMs take row tiles of ``BLOCK_M`` rows of one expert x ``BLOCK_N`` output columns from a schedule
+``tiles`` (slot, first row, end row), ``GROUP_M`` row tiles per N column for L2 reuse.
+
+The kernels keep their leading underscore: profiles and recorded launches name them so.
+"""
+import triton
+import triton.language as tl
+
+from .mxfp4_kernels import widen_to_fp32
+from .mxfp4_to_fp8_kernels import e4m3_words, interleave_blocks, reference_scale, words_to_fp8
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """fp32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still fp32 (so the cast is exact);
+    the sign survives a rounding to zero (-0.0, as the cast itself gives)."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    subnormal = (tl.abs(v) + 24576.0) - 24576.0  # below 2^-6 e4m3 steps by 2^-9, the ulp of 1.5 * 2^14
+    subnormal = (subnormal.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # v's sign
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _store_e4m3(q_ptrs, scaled, mask, INTERLEAVED: tl.constexpr):
+    q = round_to_e4m3(scaled).to(tl.float8e4nv)
+    if INTERLEAVED:  # K a multiple of 128: ``mask`` is the same over each 128-k group, interleaved or not
+        q = interleave_blocks(q, 4)
+    tl.store(q_ptrs, q, mask=mask)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                          ONE_PASS: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """``BLOCK_M`` rows per program; ``ONE_PASS`` (``BLOCK_K >= K``): each row tile is read once and kept in
+    registers, else read twice, ``BLOCK_K`` at a time (the row maximum, then the quantization)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows64 = rows.to(tl.int64)[:, None]
+    if ONE_PASS:
+        k = tl.arange(0, BLOCK_K)
+        inside = (rows < M)[:, None] & (k < K)[None, :]
+        x = widen_to_fp32(tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=inside, other=0.0))
+        amax = tl.max(tl.abs(x), axis=1)
+    else:
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=(rows < M)[:, None] & (k < K)[None, :],
+                        other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(widen_to_fp32(x)), axis=1))
+    bits = amax.to(tl.int32, bitcast=True)
+    # smallest e with amax <= 448 * 2^e: amax = 1.f * 2^E gives E - 8, one more when 1.f > 1.75
+    e = tl.maximum(((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32), -126)
+    inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]
+    if ONE_PASS:
+        _store_e4m3(q_ptr + rows64 * stride_q + k[None, :], x * inv_scale, inside, INTERLEAVED)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            inside = (rows < M)[:, None] & (k < K)[None, :]
+            x = widen_to_fp32(tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=inside, other=0.0))
+            _store_e4m3(q_ptr + rows64 * stride_q + k[None, :], x * inv_scale, inside, INTERLEAVED)
+    tl.store(s_ptr + rows, ((e + 127) << 23).to(tl.float32, bitcast=True), mask=rows < M)
+
+
+@triton.jit
+def _tile(tiles_ptr, n_mtiles, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's row tile ``(slot, first row, end row)`` and N tile: ``GROUP_M`` row tiles per N column."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(n_mtiles - first_m, GROUP_M)
+    mt = first_m + (pid % per_group) % group_m
+    slot = tl.load(tiles_ptr + mt * 3).to(tl.int64)
+    return slot, tl.load(tiles_ptr + mt * 3 + 1), tl.load(tiles_ptr + mt * 3 + 2), (pid % per_group) // group_m
+
+
+@triton.jit
+def _grouped_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, tiles_ptr, n_mtiles, N, K,
+                         stride_xm, stride_we, stride_wn, stride_swe, stride_swn, stride_swg, stride_ym,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, ROW_SCALED: tl.constexpr):
+    """``ROW_SCALED``: the weights' group scales are equal along each row (converted against the row's reference):
+    the tensor cores accumulate all of K and the row scale applies once, after the loop."""
+    slot, row0, row_end, nt = _tile(tiles_ptr, n_mtiles, N, BLOCK_N, GROUP_M)  # slot: in this stage's half
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_in = tl.minimum(rows, row_end - 1).to(tl.int64)  # clamped: no row or column masks on the loads
+    cols_in = tl.minimum(cols, N - 1).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows_in[:, None] * stride_xm + kk[None, :]
+    w_ptrs = w_ptr + slot * stride_we + cols_in[None, :] * stride_wn + kk[:, None]  # [BLOCK_K, BLOCK_N]
+    sw_ptrs = sw_ptr + slot * stride_swe + cols_in * stride_swn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            k_in = k0 + kk < K
+            a = tl.load(x_ptrs, mask=k_in[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
+        if ROW_SCALED:
+            acc = tl.dot(a, b, acc)
+        else:
+            acc += tl.dot(a, b) * tl.load(sw_ptrs + (k0 // 128) * stride_swg)[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if ROW_SCALED:
+        acc *= tl.load(sw_ptrs)[None, :]
+    acc *= tl.load(sx_ptr + rows_in)[:, None]
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, tiles_ptr, experts_ptr, n_mtiles,
+                       N, K, KB, stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_re, stride_ym,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                       W_SMEM: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, UNROLL: tl.constexpr):
+    """``acc[BLOCK_N, BLOCK_M]`` = weights (converted in registers: the MMA's register operand) x tokens^T, or with
+    ``W_SMEM`` ``acc[BLOCK_M, BLOCK_N]`` = tokens x weights^T (the converted tile stored to shared memory as the
+    second operand: sm_90 SASS then issues a k-step's four wgmma back to back instead of waiting after each).
+    ``UNROLL=2`` unrolls the k loop twice: with software pipelining, ptxas then issues the register-operand
+    wgmmas of a step back to back too (unrolled once, 2-4 stages serialize them at 64 x 128 / 4 warps: advisory
+    C7515)."""
+    slot, row0, row_end, nt = _tile(tiles_ptr, n_mtiles, N, BLOCK_N, GROUP_M)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    y_mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+    if slot < 0:  # rows of no expert (a schedule planned on the device): zeros; its padding tiles have no rows
+        tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), y_ptr.dtype.element_ty), mask=y_mask)
+        return
+    expert = tl.load(experts_ptr + slot).to(tl.int64)
+    rows_in = tl.minimum(rows, row_end - 1).to(tl.int64)  # clamped: the loads need no masks
+    cols_in = tl.minimum(cols, N - 1).to(tl.int64)
+    ref = tl.load(ref_ptr + expert * stride_re + cols_in).to(tl.int32)  # each weight row's largest block scale
+    code_rows = codes_ptr + expert * stride_ce + cols_in[:, None] * stride_cn  # int16: four codes each
+    scale_rows = scales_ptr + expert * stride_se + cols_in[:, None] * stride_sn
+    x_rows = x_ptr + rows_in[:, None] * stride_xm
+    j, b, kk = tl.arange(0, 32), tl.arange(0, 4), tl.arange(0, 128)
+    if W_SMEM:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for g in tl.range(0, tl.cdiv(KB, 4), loop_unroll_factor=UNROLL):  # one 128-k group (four 32-blocks) per step
+        if EVEN_K:  # x_ptr then holds :func:`interleave_blocks` order: the codes are read into it
+            codes = interleave_blocks(tl.load(code_rows + g * 32 + j[None, :]), 1)
+            s = tl.load(scale_rows + g * 4 + b[None, :])
+            xt = tl.load(x_rows + g * 128 + kk[None, :])
+        else:
+            codes = tl.load(code_rows + g * 32 + j[None, :], mask=(g * 32 + j < KB * 8)[None, :], other=0)
+            s = tl.load(scale_rows + g * 4 + b[None, :], mask=(g * 4 + b < KB)[None, :], other=0)
+            xt = tl.load(x_rows + g * 128 + kk[None, :], mask=(g * 128 + kk < K)[None, :], other=0.0)
+        d = tl.minimum(ref[:, None] - s.to(tl.int32), 11)  # the clamp only touches padding blocks (codes 0)
+        w8 = words_to_fp8(e4m3_words(codes.to(tl.int32), d, PTX, EVEN_K), PTX)
+        if W_SMEM:
+            acc = tl.dot(xt, tl.trans(w8), acc)
+        else:
+            acc = tl.dot(w8, tl.trans(xt), acc)
+    sx = tl.load(sx_ptr + rows_in)
+    if W_SMEM:
+        out = acc * sx[:, None] * reference_scale(ref)[None, :]
+    else:
+        out = tl.trans(acc * reference_scale(ref)[:, None] * sx[None, :])
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)

@@ -1,0 +1,132 @@
+"""Online MXFP4 -> FP8 conversion: ``dt.mxfp4_to_fp8``, and the launcher the prefill GEMM pipelines.
+
+Semantics and oracle: :mod:`.mxfp4_to_fp8_reference`; the kernel and its register-side helpers:
+:mod:`.mxfp4_to_fp8_kernels`. Launch configs: registry entry ``mxfp4_to_fp8`` (:mod:`.mxfp4_to_fp8_spec`).
+:func:`row_references` picks each weight row's reference exponent and the experts whose every block is within
+reach of it (the prefill GEMM's registers route and row-scaled workspace route take those).
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from ..checks import check_kernel_device, check_tensor
+from ..hostmath import cdiv
+from .mxfp4_reference import BLOCK, validate_mxfp4
+from .mxfp4_to_fp8_kernels import _convert_kernel
+from .mxfp4_to_fp8_reference import BLOCKS_PER_GROUP, n_groups
+from .mxfp4_to_fp8_spec import SPEC
+
+
+def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torch.Tensor, w_out: torch.Tensor,
+                    s_out: torch.Tensor, unfit: torch.Tensor | None, config: dict,
+                    row_ref: torch.Tensor | None = None) -> None:
+    """Launch only (arguments already checked): experts ``expert_ids[j]`` of ``blocks[E, N, K/32, 16]`` into
+    ``w_out[j]`` ([G, N, K] e4m3, rows contiguous) and ``s_out[j]`` ([G, N, ceil(K/128)] fp32, any strides); adds the
+    count of unfit blocks to ``unfit`` (int32 [1]) when given. ``row_ref`` (uint8 ``[E, N]``, from
+    :func:`row_references`): every group of a row takes the row's reference instead of its own top block, so the
+    row's group scales are all equal (exact for experts that ``fits``). Enqueued on the current stream.
+    """
+    n, kb = blocks.shape[1], blocks.shape[2]
+    count = expert_ids.numel()
+    if count == 0 or n == 0:
+        return
+    groups = config["GROUPS"]
+    grid = (count, cdiv(n, config["BLOCK_N"]), cdiv(kb, groups * BLOCKS_PER_GROUP))
+    codes, words = blocks.view(torch.int16), w_out.view(torch.int32)  # [E, N, K/32, 8], [G, N, K/4]
+    refs = scales if row_ref is None else row_ref  # (any tensor when unused)
+    _convert_kernel[grid](
+        codes, scales, expert_ids, refs, words, s_out, unfit if unfit is not None else expert_ids, n, kb,
+        s_out.shape[2], codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), refs.stride(0),
+        words.stride(0), words.stride(1), s_out.stride(0), s_out.stride(1), s_out.stride(2),
+        BLOCK_N=config["BLOCK_N"], GROUPS=groups, COUNT_UNFIT=unfit is not None, ROW_REF=row_ref is not None,
+        PTX=blocks.device.type == "cuda" and torch.version.hip is None, num_warps=config["num_warps"],
+    )
+
+
+FAST_SHIFT = 11  # binades below the reference within which every E2M1 value is a normal e4m3 number
+
+_row_refs: dict[int, tuple] = {}
+
+
+def row_references(scales: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+    """``scales[E, N, K/32]`` -> ``(ref uint8 [E, N], fits)``: each row's largest block scale, and per expert whether
+    every block of every row lies within :data:`FAST_SHIFT` binades of its row's (so the fused GEMM converts it in
+    registers with one table per block and no per-group rescaling). Cached per tensor (until it is modified in
+    place or freed); the first call per weight reads the scales once and syncs."""
+    key = id(scales)
+    hit = _row_refs.get(key)
+    if hit is not None and hit[0]() is scales and hit[1] == scales._version:
+        return hit[2], hit[3]
+    ref = scales.amax(-1)
+    fits = ((ref - scales.amin(-1)) <= FAST_SHIFT).all(-1).tolist()
+    _row_refs[key] = (weakref.ref(scales, lambda _, key=key: _row_refs.pop(key, None)), scales._version, ref, fits)
+    return ref, fits
+
+
+def check_experts_layout(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    """``blocks[E, N, K/32, 16]`` / ``scales[E, N, K/32]`` with each block row's bytes contiguous (any E, N strides)
+    and ``blocks`` 4-byte aligned (the kernel reads it as int32 words)."""
+    if blocks.stride(-1) != 1 or blocks.stride(-2) != 16 or scales.stride(-1) != 1:
+        raise ValueError(f"{name}_blocks / {name}_scales: the last dimensions must be contiguous, got strides "
+                         f"{blocks.stride()} and {scales.stride()}")
+    if blocks.data_ptr() % 4 or any(st % 4 for st in blocks.stride()[:-2]):
+        raise ValueError(f"{name}_blocks: must be 4-byte aligned with strides in multiples of 4, got offset "
+                         f"{blocks.storage_offset()} and strides {blocks.stride()}")
+
+
+def mxfp4_to_fp8(blocks: torch.Tensor, scales: torch.Tensor,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None, *, name: str = "mxfp4",
+                 config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Convert MXFP4 ``blocks[..., N, K/32, 16]`` / ``scales[..., N, K/32]`` (uint8) to FP8.
+
+    Returns ``(w float8_e4m3fn [..., N, K], scale fp32 [..., N, ceil(K/128)], n_unfit)`` with
+    ``w * scale`` (scale repeated over each 128-k group) equal to the MXFP4 values in every block that
+    fits; ``n_unfit`` counts the blocks that do not (too far below their group's top block, see
+    :mod:`.mxfp4_to_fp8_reference`). ``out`` = ``(w, scale)`` writes into given tensors, e.g. a workspace slot
+    (``FP8Workspace`` lease views). Reading ``n_unfit`` syncs the device.
+    """
+    validate_mxfp4(name, blocks, scales)
+    device = check_kernel_device(f"{name}_blocks", blocks)
+    lead, n, kb = tuple(blocks.shape[:-3]), blocks.shape[-3], blocks.shape[-2]
+    k, ng = kb * BLOCK, n_groups(kb * BLOCK)
+    experts = math.prod(lead)  # not -1: reshape cannot infer it when a dimension is 0
+    blocks3, scales3 = blocks.reshape(experts, n, kb, 16), scales.reshape(experts, n, kb)
+    check_experts_layout(name, blocks3, scales3)
+    if out is None:
+        w = torch.empty(*lead, n, k, dtype=torch.float8_e4m3fn, device=device)
+        s = torch.empty(*lead, n, ng, dtype=torch.float32, device=device)
+    else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ValueError("out: expected a (w, scale) pair")
+        w = check_tensor("out[0]", out[0], dtype=torch.float8_e4m3fn, shape=(*lead, n, k), device=device)
+        s = check_tensor("out[1]", out[1], dtype=torch.float32, shape=(*lead, n, ng), device=device,
+                         contiguous_last=False)
+        if w.data_ptr() % 4 or any(st % 4 for st in w.stride()[:-1]):
+            raise ValueError(f"out[0]: must be 4-byte aligned with strides in multiples of 4, got {w.stride()}")
+    try:
+        w3, s3 = w.view(experts, n, k), s.view(experts, n, ng)
+    except RuntimeError:
+        raise ValueError(f"out: must be viewable as [E, N, K] / [E, N, G], got strides {w.stride()}, {s.stride()}") from None
+    if w.numel() == 0:
+        return w, s, 0
+    config = config or conversion_config(experts, n, k, device)
+    return w, s, int(convert_all(blocks3, scales3, w3, s3, config).item())
+
+
+def convert_all(blocks: torch.Tensor, scales: torch.Tensor, w: torch.Tensor, s: torch.Tensor, config: dict
+                ) -> torch.Tensor:
+    """Every expert of ``blocks[E, N, K/32, 16]`` into ``w[E, N, K]`` / ``s[E, N, G]``, launch only (no checks, no
+    sync: the registry times this); returns the unfit count as an int32 ``[1]`` tensor."""
+    unfit = torch.zeros(1, dtype=torch.int32, device=blocks.device)
+    ids = torch.arange(blocks.shape[0], dtype=torch.int32, device=blocks.device)
+    convert_experts(blocks, scales, ids, w, s, unfit, config)
+    return unfit
+
+
+def conversion_config(experts: int, n: int, k: int, device: torch.device) -> dict:
+    """The conversion's launch config for ``experts`` matrices of ``[n, k]`` (the tuning database's, else the
+    default): what :func:`convert_experts` is given by the callers that pipeline it."""
+    return SPEC.launch_config("prefill", {"G": experts, "N": n, "K": k}, device)
