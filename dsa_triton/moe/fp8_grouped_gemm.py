@@ -60,7 +60,8 @@ from . import fp8_grouped_gemm_reference, prefill_baselines
 from .convert import (CONVERT, check_experts_layout, convert_experts, e4m3_words, interleave_blocks,
                       reference_scale, row_references, words_to_fp8)
 from .fp8_grouped_gemm_reference import fp8_grouped_gemm_torch
-from .fused_moe import ExpertWeights, compare_rows
+from .fused_moe import ExpertWeights
+from .fused_moe_spec import compare_rows
 from .mxfp4 import widen_to_fp32
 from .workspace import FP8Workspace, shared_workspace
 

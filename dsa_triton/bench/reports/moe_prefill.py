@@ -45,7 +45,7 @@ import torch
 from dsa_triton.bench.harness import floor_us, graph_time_or_nan, time_us
 from dsa_triton.moe.fp8_grouped_gemm import (SPEC, REGISTERS_TILE, WORKSPACE_TILE, fp8_grouped_gemm, interleaves, prefill_call,
                                quantize_activations_fp8, route_config)
-from dsa_triton.moe.fused_moe import random_routing
+from dsa_triton.moe.sort_and_align_spec import random_routing
 from dsa_triton.moe.mxfp4 import mxfp4_dequantize, realistic_mxfp4
 from dsa_triton.moe.prefill_baselines import (active_spans, grouped_mm, mm_loop, offline_fp8_experts, tensorwise_fp8,
                                 scaled_grouped_mm, scaled_mm_loop)
