@@ -4,11 +4,13 @@ import torch
 
 from dsa_triton import ConfigError, registry
 from dsa_triton.moe import fused_moe
-from dsa_triton.moe.fused_moe import SPEC, fused_moe_gemm, random_routing
+from dsa_triton.moe.fused_moe import fused_moe_gemm
+from dsa_triton.moe.fused_moe_spec import SPEC
 from dsa_triton.moe.activation_reference import class_major
 from dsa_triton.moe.fused_moe_reference import fused_moe_gemm_torch
 from dsa_triton.moe.mxfp4_reference import mxfp4_dequantize_torch, mxfp4_quantize_torch
 from dsa_triton.moe.permute import combine_rows, max_padded_rows, sort_by_expert
+from dsa_triton.moe.sort_and_align_spec import random_routing
 from tests.poison import poisoned_allocations
 
 CPU = torch.device("cpu")

@@ -1,13 +1,15 @@
 """The MoE layer (interpreter): moe_forward against the all-fp32 oracle, path choice, argument checks, and the
 decode path's host work (no syncing op, five or six launches)."""
+import importlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 import dsa_triton as dt
-from dsa_triton.moe import activation, fused_moe, permute_kernel, routing_kernel
+from dsa_triton.moe import activation, fused_moe
 from dsa_triton.bench.reports.moe_decode import AtenOpCounter
-from dsa_triton.moe.layer import PATH, compare_layer
+from dsa_triton.moe.layer_spec import PATH, compare_layer
 from dsa_triton.moe.layer_reference import moe_forward_torch
 from dsa_triton.moe.mxfp4_reference import mxfp4_quantize_torch
 from dsa_triton.moe.routing import RoutingConfig
@@ -126,11 +128,13 @@ def test_decode_path_runs_no_syncing_op_and_five_launches(monkeypatch, routing, 
                     real_permute[grid](*args, **meta)
             return launch
 
-    real_permute = permute_kernel._permute_kernel
+    route_topk, sort_and_align = (importlib.import_module(f"dsa_triton.moe.{name}")  # the modules, not the functions
+                                  for name in ("route_topk", "sort_and_align"))
+    real_permute = sort_and_align._permute_kernel
     monkeypatch.setattr(fused_moe, "_fused_moe_kernel", StubKernel())
     monkeypatch.setattr(activation, "_swiglu_kernel", StubKernel())
-    monkeypatch.setattr(routing_kernel, "_route_kernel", StubRoute())
-    monkeypatch.setattr(permute_kernel, "_permute_kernel", HiddenPermute())
+    monkeypatch.setattr(route_topk, "_route_kernel", StubRoute())
+    monkeypatch.setattr(sort_and_align, "_permute_kernel", HiddenPermute())
     args, kwargs = layer(1, 6, 64, 32, routing, shared, seed=5)
     first = AtenOpCounter()
     with first:

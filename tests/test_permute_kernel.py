@@ -3,14 +3,19 @@ every output tensor equal, bit for bit, on fresh random routings (experts withou
 expert, E = 256 / 7 / 1, top_k 1 / 2 / 8, T = 0 / 1 / 5 / 64, block_m 1 / 8 / 16, int32 / int64 ids,
 weights None / fp32 / fp16 / bf16, strided inputs), the torch fallbacks, the plan cache and argument checks.
 The one output buffer comes from a poisoned allocation (-2), so an element the kernel misses shows."""
+import importlib
+
 import pytest
 import torch
 
 from dsa_triton import ConfigError
 from dsa_triton.checks import PlanCache
-from dsa_triton.moe import permute, permute_kernel
+from dsa_triton.moe import permute
 from dsa_triton.moe.permute import sort_by_expert
-from dsa_triton.moe.permute_kernel import SPEC, compare_permutations, permutation_tensors, sort_and_align
+from dsa_triton.moe.sort_and_align import sort_and_align
+from dsa_triton.moe.sort_and_align_spec import SPEC, compare_permutations, permutation_tensors
+
+op_module = importlib.import_module("dsa_triton.moe.sort_and_align")  # the module: dsa_triton.moe exports the function
 from tests.poison import poisoned_allocations
 
 WEIGHT_DTYPES = {"none": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -91,17 +96,17 @@ def test_unchecked_out_of_range_ids_stay_in_bounds():
 
 
 def test_zero_tokens_take_the_torch_path(monkeypatch):
-    monkeypatch.setattr(permute_kernel, "_permute_kernel", None)  # a launch would fail
+    monkeypatch.setattr(op_module, "_permute_kernel", None)  # a launch would fail
     ids, w = routing(0, 8, 2, torch.int32, "fp32", seed=0)
     assert_matches_torch(ids, w, 8, 8)
 
 
 def test_above_the_bounds_the_torch_functions_run_without_a_launch(monkeypatch):
-    monkeypatch.setattr(permute_kernel, "_permute_kernel", None)
-    monkeypatch.setattr(permute_kernel, "_PLANS", PlanCache())
+    monkeypatch.setattr(op_module, "_permute_kernel", None)
+    monkeypatch.setattr(op_module, "_PLANS", PlanCache())
     ids, w = routing(513, 16, 8, torch.int32, "fp32", seed=4)  # 4104 slots > MAX_ROWS
     assert_matches_torch(ids, w, 16, 8)
-    monkeypatch.setattr(permute_kernel, "MAX_EXPERTS", 8)
+    monkeypatch.setattr(op_module, "MAX_EXPERTS", 8)
     ids, w = routing(3, 9, 2, torch.int64, "none", seed=5)
     assert_matches_torch(ids, w, 9, 4)
 
@@ -145,7 +150,7 @@ def test_plan_cache_hit_and_configs():
     (lambda ids, w: dict(block_m=True), "block_m"),
 ])
 def test_bad_arguments_raise_naming_them(monkeypatch, make, name):
-    monkeypatch.setattr(permute_kernel, "_permute_kernel", None)  # raised before any launch
+    monkeypatch.setattr(op_module, "_permute_kernel", None)  # raised before any launch
     ids, w = routing(4, 10, 2, torch.int32, "fp32", seed=10)
     kwargs = dict(topk_ids=ids, topk_weights=w, num_experts=10, block_m=8) | make(ids, w)
     with pytest.raises(ValueError, match=name):

@@ -1,13 +1,15 @@
 """route_topk (one Triton launch) against routing.route (torch), in the interpreter: DeepSeek group-limited and
 softmax routing, odd and non-power-of-two E, fp32/bf16/fp16 logits, strided rows, the torch fallbacks, ties and
 NaN, configs, and argument checks. Outputs come from poisoned allocations (NaN weights, -2 ids)."""
+import importlib
+
 import pytest
 import torch
 
 import dsa_triton as dt
-from dsa_triton.moe import routing_kernel
+from dsa_triton.moe.route_topk import MAX_BLOCK, route_shape, route_topk
+from dsa_triton.moe.route_topk_spec import SPEC, compare_routes
 from dsa_triton.moe.routing import RoutingConfig, route
-from dsa_triton.moe.routing_kernel import SPEC, compare_routes, route_shape, route_topk
 from tests.poison import poisoned_allocations
 
 
@@ -88,10 +90,10 @@ def test_strided_rows_and_every_config():
 @pytest.mark.parametrize("routing, experts", [
     (RoutingConfig("deepseek", top_k=20, n_group=4, topk_group=2, routed_scaling_factor=2.5), 64),  # top_k > 16
     (RoutingConfig("softmax", top_k=17), 40),
-    (RoutingConfig("softmax", top_k=2), routing_kernel.MAX_BLOCK + 1),  # more experts than the kernel holds
+    (RoutingConfig("softmax", top_k=2), MAX_BLOCK + 1),  # more experts than the kernel holds
 ])
 def test_outside_the_kernel_falls_back_to_torch(monkeypatch, routing, experts):
-    monkeypatch.setattr(routing_kernel, "_route_kernel", None)  # a launch would fail
+    monkeypatch.setattr(importlib.import_module("dsa_triton.moe.route_topk"), "_route_kernel", None)  # no launch
     logits = router_logits(3, experts, torch.float32, seed=experts)
     bias = torch.randn(experts) * 0.1 if routing.mode == "deepseek" else None
     assert_routes_like_torch(logits, routing, bias)

@@ -2,9 +2,9 @@
 from .mxfp4 import mxfp4_dequantize, mxfp4_quantize  # first: later ops' specs draw inputs from its spec
 from .mxfp4_to_fp8 import mxfp4_to_fp8
 from .routing import RoutingConfig, deepseek_topk, route, softmax_topk
-from .routing_kernel import route_topk
+from .route_topk import route_topk
 from .permute import ExpertSort, sort_by_expert
-from .permute_kernel import sort_and_align
+from .sort_and_align import sort_and_align
 from .fused_moe import fused_moe_gemm
 from .activation import swiglu
 from .layer import moe_forward

@@ -18,7 +18,8 @@ from .. import registry
 from ..registry import Cost, bucket
 from . import fp8_grouped_gemm_baselines, fp8_grouped_gemm_kernels, fp8_grouped_gemm_reference
 from .fp8_grouped_gemm_reference import fp8_grouped_gemm_torch
-from .fused_moe import ExpertWeights, compare_rows
+from .fused_moe import ExpertWeights
+from .fused_moe_spec import compare_rows
 
 op = importlib.import_module(f"{__package__}.fp8_grouped_gemm")  # the module (the package's attribute is the op)
 

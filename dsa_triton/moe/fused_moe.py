@@ -15,8 +15,8 @@ run on mma.sync m16n8k16, 16 and more on wgmma where the tile allows).
   per class, against the activations of that class: from class-major activations ``x[rows, 4, K/4]``
   (:func:`.activation_reference.class_major`; given so by the caller, as the layer's down GEMM gets them from
   :func:`.activation.swiglu`, or copied so per call, ``X_COPY=1``: one small transpose kernel) or split in
-  registers from a contiguous load of ``x[rows, K]`` itself (``X_COPY=0``: no second kernel, ~10-55 more
-  registers a thread on sm_90; H200 T = 1 down: kernel 29.0 us vs 23.6 on class-major rows);
+  registers from a contiguous load of ``x[rows, K]`` itself (``X_COPY=0``: no second kernel, but ~10-55 more
+  registers a thread on sm_90 and a slower GEMM kernel than on class-major rows);
 - bf16 activations on the GPU: two neighbouring quarters are one 32-bit register, and a few integer ops per
   class (inline PTX) turn it into a bf16x2 pair ``code * 2^-126`` (exact: the E2M1 subnormal 0.5 lands on a
   bf16 subnormal); one bf16x2 multiply by ``2^(s - 1 - 64)`` scales it, and the fp32 result is multiplied by
@@ -29,145 +29,27 @@ run on mma.sync m16n8k16, 16 and more on wgmma where the tile allows).
   tensor and version);
 - ``SPLIT_K > 1`` splits K over the grid and adds fp32 partials with atomics (fills the GPU when there are
   few row blocks and N tiles).
+
+The kernels are in :mod:`.fused_moe_kernels`, the registry entry ``moe_fused_gemm`` (space, default, inputs,
+baseline) in :mod:`.fused_moe_spec`, the oracle in :mod:`.fused_moe_reference`.
 """
 from __future__ import annotations
 
-import math
-import sys
 import weakref
 
 import torch
-import triton
-import triton.language as tl
 
-from .. import registry
 from ..checks import PlanCache, check_kernel_device, check_tensor
 from ..hostmath import cdiv
-from ..registry import Cost, bucket
 from .activation_reference import class_major
-from .fused_moe_reference import fused_moe_gemm_torch
+from .fused_moe_kernels import _fused_moe_kernel
+from .fused_moe_spec import SPEC, random_experts
 from .mxfp4 import mxfp4_dequantize
-from .mxfp4_spec import random_mxfp4
-from . import permute
-from .permute import ExpertSort, sort_by_expert
+from .permute import ExpertSort
 
-GPU_SMS = 132  # H200: the default config splits K until the grid has a program per SM
-
-
-FAST_SHIFT = tl.constexpr(64)  # bf16 path: weights computed as W * 2^-64 (in bf16 range), the fp32 sums scaled back
 SCALE_MAX = {True: 192, False: 240}  # largest scale byte of the bf16 GPU path (FAST) and of the other path
 
-# Nibble c (the tuple's index) of both halves of a 32-bit register (two int16 quarters) -> a bf16x2 pair
-# ``code * 2^-126``: the magnitude bits go to bits 6..8 (exponent low bits + mantissa top bit) of each half,
-# the sign to bit 15.
-_E2M1_BF16X2 = tl.constexpr((
-    "{.reg .b32 t; and.b32 t, $1, 0x000F000F; mul.lo.u32 t, t, 0x1040; and.b32 $0, t, 0x81C081C0;}",
-    "{.reg .b32 t; and.b32 t, $1, 0x00F000F0; mul.lo.u32 t, t, 0x104; and.b32 $0, t, 0x81C081C0;}",
-    "{.reg .b32 t; shr.b32 t, $1, 2; and.b32 t, t, 0x03C003C0; mul.lo.u32 t, t, 0x41; and.b32 $0, t, 0x81C081C0;}",
-    "{.reg .b32 t, u; shr.b32 t, $1, 6; and.b32 t, t, 0x01C001C0; and.b32 u, $1, 0x80008000; or.b32 $0, t, u;}",
-))
 
-
-@triton.jit
-def _class_weights(quarters, scales, c: tl.constexpr, dtype: tl.constexpr, FAST: tl.constexpr):
-    """Weights of class ``c`` (k = 4q + c) of int16 ``quarters[BLOCK_N, Q]`` with their E8M0 ``scales`` (uint8,
-    same shape), in ``dtype``: times 2^-64 on the FAST path (bf16, inline PTX), exact otherwise."""
-    if FAST:
-        code = tl.inline_asm_elementwise(_E2M1_BF16X2[c], "=r,r", [quarters], dtype=tl.bfloat16, is_pure=True,
-                                         pack=2)
-        factor = ((scales.to(tl.int16) + (126 - FAST_SHIFT)) << 7).to(tl.bfloat16, bitcast=True)  # 2^(s-1-64)
-        w = code * factor
-    else:
-        nibble = quarters >> (4 * c)
-        bits = ((nibble & 7) << 9) | ((nibble & 8) << 12)  # fp16 code * 2^-14 (the sign lands on bit 15)
-        multiplier = ((scales.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 113)
-        w = (bits.to(tl.float16, bitcast=True).to(tl.float32) * multiplier).to(dtype)
-    return w
-
-
-@triton.jit
-def _x_classes_in_place(x_cols, k0, k_end, row_ok, Q: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr):
-    """The four classes ``x[:, 4q + c]`` (c = 0..3) of the K tile at quarter ``k0``, each ``[Q, BLOCK_M]``, split
-    in registers from one contiguous load of ``x`` (``x_cols``: the rows' starts, ``[1, BLOCK_M]``)."""
-    kk = tl.max_contiguous(tl.multiple_of(4 * k0 + tl.arange(0, 4 * Q), 4 * Q), 4 * Q)
-    if EVEN_K:
-        mask = row_ok[None, :] & (k0 < k_end)
-    else:
-        mask = (kk < 4 * k_end)[:, None] & row_ok[None, :]
-    x = tl.load(x_cols + kk[:, None], mask=mask, other=0.0)  # [4Q, BLOCK_M]
-    x = tl.permute(tl.reshape(x, (Q, 2, 2, BLOCK_M)), (0, 3, 1, 2))  # [q, row, a, b]: k = 4q + 2a + b
-    even, odd = tl.split(x)  # b = 0, 1
-    x0, x2 = tl.split(even)
-    x1, x3 = tl.split(odd)
-    return x0, x1, x2, x3
-
-
-@triton.jit
-def _fused_moe_kernel(
-    x_ptr, x_row_ptr, w_ptr, s_ptr, y_ptr, padded_rows_ptr, block_expert_ptr,
-    N, K_QUARTERS,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-    GATHER: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr,
-    X_COPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-):
-    expert = tl.load(block_expert_ptr + tl.program_id(0) * BLOCK_M)  # a strided view: each block's first position
-    if expert < 0:
-        return
-    Q: tl.constexpr = BLOCK_K // 4  # quarters (int16) per row of a K tile
-    G: tl.constexpr = BLOCK_K // 32  # scale groups per row of a K tile
-    rows = tl.load(padded_rows_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))  # sorted row, -1 = pad
-    row_ok = rows >= 0
-    if GATHER:
-        x_rows = tl.load(x_row_ptr + rows, mask=row_ok, other=0)  # the token of each sorted row
-    else:
-        x_rows = rows
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    split = tl.cdiv(K_QUARTERS, SPLIT_K * Q) * Q
-    k_begin = tl.program_id(2) * split
-    k_end = tl.minimum(k_begin + split, K_QUARTERS)
-
-    w_rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
-    s_rows = s_ptr + expert.to(tl.int64) * stride_se + offs_n[:, None] * stride_sn
-    x_cols = x_ptr + x_rows.to(tl.int64)[None, :] * stride_xm  # [1, BLOCK_M]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, Q):
-        kq = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, Q), Q), Q)
-        kg = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, G), G), G)
-        if EVEN_K:  # a mask constant along k keeps the loads vectors
-            w_mask = n_ok[:, None] & (k0 < k_end)
-            s_mask = w_mask
-            x_mask = row_ok[None, :] & (k0 < k_end)
-        else:
-            w_mask = n_ok[:, None] & (kq < k_end)[None, :]
-            s_mask = n_ok[:, None] & (kg < tl.cdiv(k_end, 8))[None, :]
-            x_mask = (kq < k_end)[:, None] & row_ok[None, :]
-        quarters = tl.load(w_rows + kq[None, :], mask=w_mask, other=0)
-        group_scales = tl.load(s_rows + kg[None, :], mask=s_mask, other=0)
-        scales = tl.reshape(tl.broadcast_to(group_scales[:, :, None], (BLOCK_N, G, 8)), (BLOCK_N, Q))
-        if not X_COPY:
-            x_classes = _x_classes_in_place(x_cols, k0, k_end, row_ok, Q, BLOCK_M, EVEN_K)
-        for c in tl.static_range(4):
-            if X_COPY:  # class-major copy [rows, 4, K/4]
-                x = tl.load(x_cols + c * K_QUARTERS + kq[:, None], mask=x_mask, other=0.0)
-            else:
-                x = x_classes[c]
-            w = _class_weights(quarters, scales, c, x_ptr.dtype.element_ty, FAST)
-            if DOT_F32:  # the interpreter's bf16 tl.dot is wrong; fp32 of the same bf16 values is exact
-                acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc)
-            else:
-                acc = tl.dot(w, x, acc)
-    if FAST:
-        acc = acc * (2.0 ** FAST_SHIFT)
-    y_ptrs = y_ptr + rows[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
-    y_mask = n_ok[:, None] & row_ok[None, :]
-    if ATOMIC:
-        tl.atomic_add(y_ptrs, acc, mask=y_mask)
-    else:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
-
-
-# -- the public op ---------------------------------------------------------------------------------
 def gemm_shape(tokens: int, experts: int, top_k: int, n: int, k: int, gather_tokens: bool) -> dict[str, int]:
     """The registry shape of one grouped GEMM: tokens, experts, top_k, N, K and whether rows gather tokens."""
     return {"T": tokens, "E": experts, "top_k": top_k, "N": n, "K": k, "gather": int(gather_tokens)}
@@ -176,6 +58,12 @@ def gemm_shape(tokens: int, experts: int, top_k: int, n: int, k: int, gather_tok
 def problem_shape(sort: ExpertSort, n: int, k: int, gather_tokens: bool) -> dict[str, int]:
     """:func:`gemm_shape` of a sort's routing."""
     return gemm_shape(sort.num_rows // sort.top_k, sort.num_experts, sort.top_k, n, k, gather_tokens)
+
+
+def launch_config(shape: dict[str, int], device: torch.device) -> dict:
+    """The ``moe_fused_gemm`` config a call without ``config`` launches with for ``shape`` (:func:`gemm_shape`):
+    the tuning database's, else the registry default."""
+    return SPEC.launch_config("decode", shape, device)
 
 
 def _check(x, sort, blocks, scales, gather_tokens) -> tuple[int, int]:
@@ -228,8 +116,7 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
         key, plan = None, None
     if plan is None:
         shape = problem_shape(sort, *_check(x, sort, blocks, scales, gather_tokens), gather_tokens)
-        plan = _PLANS.put(key, SPEC.launch_config("decode", shape, x.device) if config is None
-                          else SPEC.validate(dict(config), shape))
+        plan = _PLANS.put(key, launch_config(shape, x.device) if config is None else SPEC.validate(dict(config), shape))
     if blocks.data_ptr() % 4:  # not in the plan's key
         raise ValueError("blocks: the data must be 4-byte aligned (read as int16 pairs)")
     out_dtype = x.dtype if out_dtype is None else out_dtype
@@ -294,86 +181,6 @@ def _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype) -> torch.
     return y.to(out_dtype)
 
 
-# -- registry entry --------------------------------------------------------------------------------
-SPACE = {
-    "BLOCK_M": (8, 16, 32, 64),  # routed rows per block, padded (8: mma.sync m16n8k16; 16+: wgmma where it fits)
-    "BLOCK_N": (16, 32, 64, 128, 256),
-    "BLOCK_K": (64, 128, 256, 512),
-    "SPLIT_K": (1, 2, 4, 8),
-    "num_warps": (2, 4, 8),
-    "num_stages": (1, 2, 3, 4, 5, 6),
-    # [rows, K] activations: 1 copied class-major per call; 0 classes split in registers (one kernel less). H200
-    # T = 1 down, graphs: 0 33.3 us at 8x64x256 vs 1 34.6 at the default (kernels alone 29.0 vs 23.6 us).
-    # No effect on class-major activations (the registry's down-GEMM inputs, as the layer passes them)
-    "X_COPY": (0, 1),
-}
-
-
-def _constraint(config, shape) -> str | None:
-    bm, bn, bk, warps = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["num_warps"]
-    if bm > max(16, bucket(shape["T"] * shape["top_k"])):
-        return "BLOCK_M exceeds the routed rows"
-    if bn > max(16, bucket(shape["N"])) or bk > max(64, bucket(shape["K"])):
-        return "BLOCK_N or BLOCK_K exceeds the matrix"
-    if config["SPLIT_K"] > cdiv(shape["K"], bk):
-        return "SPLIT_K leaves a split without a K tile"
-    if config["num_stages"] * (2 * bk * bm + bn * bk // 2 + bn * bk // 32) > 200 * 1024:
-        return "pipelined x, weight and scale tiles exceed 200 KB of shared memory"
-    if bn * bk > 256 * 32 * warps or bn * bm > 64 * 32 * warps:
-        return "tile too large for the registers of num_warps warps"
-    if bn * bk < 8 * 32 * warps or bn * bm < 128 * warps:
-        return "tile too small for num_warps warps (a 16 x 8 mma tile and pairs of code quarters per thread)"
-    return None
-
-
-def expected_active_experts(shape) -> float:
-    """Experts that get at least one of T * top_k routes when each token picks top_k distinct ones uniformly."""
-    e, k, t = shape["E"], shape["top_k"], shape["T"]
-    return e * (1.0 - (1.0 - k / e) ** t)
-
-
-def _default(phase, shape):
-    """8-row blocks (mma.sync m16n8k16) while experts average up to 8 rows, 64 x 512 weight tiles, 4 warps,
-    3 stages; K split only when the grid would leave SMs idle.
-
-    H200 sweep (results/h200/sweep-moe-fused-gemm-20261130.json, E=256 top-8, 24 configs at T >= 8, 22 at
-    T = 1): 8 x 64 x 512 / 4 warps / 3 stages was the fastest or within 1.3% of it for gate_up and down at
-    T = 8, 32, 128 (74-83% of copy bandwidth on the MXFP4 bytes); the best 16-row blocks (wgmma, serialized by
-    ptxas since the A registers are rewritten between wgmmas) were 12-25% slower, 8-row 64 x 128 and 128 x 128
-    tiles 31-77% slower, split-K 2 slower everywhere. At T = 1 every config timed 119-180 us, the host's launch
-    path rather than the kernel. 32-row blocks: 2 configs, 39-94% slower; 64-row blocks not measured.
-    """
-    routed = shape["T"] * shape["top_k"]
-    per_expert = routed / max(expected_active_experts(shape), 1.0)
-    block_m = 8 if per_expert <= 8 else 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    blocks = expected_active_experts(shape) * math.ceil(per_expert / block_m)
-    block_n, block_k = min(64, max(16, bucket(shape["N"]))), min(512, max(64, bucket(shape["K"])))
-    if block_m == 64:  # 3 stages of 64 x 512 x tiles exceed the shared memory
-        block_k = min(block_k, 256)
-    programs = blocks * cdiv(shape["N"], block_n)
-    split = 1
-    while programs * split < GPU_SMS and 2 * split <= min(8, cdiv(shape["K"], block_k)):
-        split *= 2
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
-            "num_warps": 4, "num_stages": 3, "X_COPY": 1}
-
-
-def _cost(phase, shape) -> Cost:
-    """Floor: the MXFP4 bytes of the experts expected to get rows (4.25 bits per weight), x once, y once."""
-    rows = shape["T"] * shape["top_k"]
-    weight_bytes = expected_active_experts(shape) * shape["N"] * shape["K"] * 17 / 32
-    x_bytes = (shape["T"] if shape.get("gather", 1) else rows) * shape["K"] * 2
-    return Cost(bytes=weight_bytes + x_bytes + rows * shape["N"] * 2, flops=2.0 * rows * shape["N"] * shape["K"])
-
-
-def _bench_shapes(phase, gpu):
-    if gpu:  # DeepSeek-V3.2: 256 experts, top-8, hidden 7168, moe_intermediate 2048
-        return [{"T": t, "E": 256, "top_k": 8, "N": n, "K": k, "gather": g}
-                for n, k, g in ((4096, 7168, 1), (7168, 2048, 0)) for t in (1, 8, 32, 128)]
-    return [{"T": 3, "E": 5, "top_k": 2, "N": 48, "K": 96, "gather": 1},
-            {"T": 1, "E": 7, "top_k": 3, "N": 40, "K": 64, "gather": 0}]
-
-
 class ExpertWeights:
     """Random MXFP4 expert weights shared by every input set of one shape (they dwarf the L2 anyway) and,
     for the baselines, their dense copy made on first use. Held weakly: freed with the last input set."""
@@ -386,11 +193,12 @@ class ExpertWeights:
 
     @classmethod
     def random(cls, experts: int, n: int, k: int, device: torch.device) -> "ExpertWeights":
+        """The weights of ``experts`` x ``[n, k]`` on ``device`` (:func:`.fused_moe_spec.random_experts`), made
+        once while an input set holds them."""
         key = (experts, n, k, str(device))
         found = cls._live.get(key)
         if found is None:
-            blocks, scales = random_mxfp4((experts, n), k, device, seed=7, spread=2)
-            found = cls(blocks, scales - 6)  # scales 2^-8 .. 2^-4: weights of a trained layer's magnitude
+            found = cls(*random_experts(experts, n, k, device))
             cls._live[key] = found
         return found
 
@@ -399,79 +207,3 @@ class ExpertWeights:
         if dtype not in self._dense:
             self._dense[dtype] = mxfp4_dequantize(self.blocks, self.scales, dtype)
         return self._dense[dtype]
-
-
-def random_routing(tokens: int, experts: int, top_k: int, device: torch.device, gen: torch.Generator):
-    """``(weights [T, top_k] fp32, ids [T, top_k] int32)``: top_k distinct experts per token, uniformly."""
-    ids = torch.rand(tokens, experts, generator=gen, device=device).topk(top_k, dim=1).indices.to(torch.int32)
-    return torch.rand(tokens, top_k, generator=gen, device=device).softmax(dim=1), ids
-
-
-def _make_inputs(phase, shape, device, seed):
-    device = torch.device(device)
-    gen = torch.Generator(device).manual_seed(seed)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
-    weights, ids = random_routing(shape["T"], shape["E"], shape["top_k"], device, gen)
-    sort = sort_by_expert(ids, weights, shape["E"], check_ids=False)
-    gather = bool(shape.get("gather", 1))
-    rows = shape["T"] if gather else sort.num_rows
-    x = torch.randn(rows, shape["K"], generator=gen, device=device).to(dtype)
-    bounds = sort.expert_offsets.tolist()
-    active = [(e, a, b) for e, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
-    # the down GEMM gets class-major rows, as the layer's swiglu writes them; the baseline reads x_rows
-    return {"x": x if gather else class_major(x), "x_rows": x, "sort": sort, "gather": gather, "active": active,
-            "weights": ExpertWeights.random(shape["E"], shape["N"], shape["K"], device)}
-
-
-def _run(inputs, config):
-    w = inputs["weights"]
-    return fused_moe_gemm(inputs["x"], inputs["sort"], w.blocks, w.scales, gather_tokens=inputs["gather"], config=config)
-
-
-def _reference(inputs):
-    w = inputs["weights"]
-    return fused_moe_gemm_torch(inputs["x"], inputs["sort"], w.blocks, w.scales, inputs["gather"])
-
-
-def compare_rows(out: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-2) -> str | None:
-    """None when ``out`` matches ``ref`` (fp32) to ``rtol`` of the reference's largest magnitude."""
-    if out.shape != ref.shape:
-        return f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
-    out = out.float()
-    if not torch.isfinite(out).all():
-        return "non-finite values in the output"
-    err = (out - ref).abs().max().item() if out.numel() else 0.0
-    scale = ref.abs().max().item() if ref.numel() else 0.0
-    return None if err <= rtol * scale + 1e-3 else f"max abs error {err:.3g} vs reference max {scale:.3g}"
-
-
-def bf16_expert_loop(inputs) -> torch.Tensor:
-    """Baseline: per active expert, ``torch.mm`` (cuBLAS) on pre-dequantized bf16 weights."""
-    x = inputs["x_rows"]
-    w = inputs["weights"].dense(x.dtype)
-    sort = inputs["sort"]
-    rows = x[sort.sorted_token] if inputs["gather"] else x
-    y = rows.new_empty(sort.num_rows, w.shape[1])
-    for e, start, end in inputs["active"]:
-        torch.mm(rows[start:end], w[e].t(), out=y[start:end])
-    return y
-
-
-SPEC = registry.register(registry.KernelSpec(
-    name="moe_fused_gemm",
-    phases=("decode",),
-    space=SPACE,
-    default=_default,
-    fixed_dims=("E", "top_k", "N", "K"),  # "gather" (1: gate_up, 0: down) is only an input detail
-    bucketed_dims=("T",),
-    make_inputs=_make_inputs,
-    run=_run,
-    reference=_reference,
-    compare=compare_rows,
-    cost=_cost,
-    bench_shapes=_bench_shapes,
-    constraint=_constraint,
-    baseline=bf16_expert_loop,
-    baseline_name="cuBLAS bf16 mm per active expert (pre-dequantized)",
-    source_modules=(sys.modules[__name__], permute),
-))

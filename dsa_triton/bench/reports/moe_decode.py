@@ -9,7 +9,7 @@ weight, counted from the routing of the timed input sets), and the speedup over 
 pre-dequantized weights of the same experts, timed on the same input sets. Pass: >= 50% of copy bandwidth
 (goal 75%) and >= 2x over bf16. On the GPU also: both in CUDA graphs, and the GEMM kernel's own time from
 torch.profiler over the rotated sets (``kernel_us``: no launch path, no activation copy), to tell the kernel
-from the fixed costs of a call at T = 1, and
+from the fixed costs of a call at T = 1 (the part of the call that does not scale with the bytes), and
 ``steady_us``: per call in graphs of 8 calls on consecutive input sets (the graph's launch shared, the gaps
 between kernels kept: a call inside a decode step's graph).
 The down GEMM reads class-major rows, as the layer's :func:`.activation.swiglu` writes them (no copy in its
@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsa_triton.bench.harness import floor_us, graph_time_us, rotation, time_rotating
 from dsa_triton.registry import Cost
-from dsa_triton.moe.fused_moe import SPEC
-from dsa_triton.moe.layer import PATH
+from dsa_triton.moe.fused_moe_spec import SPEC
+from dsa_triton.moe.layer_spec import PATH
 
 MIN_COPY_FRACTION, GOAL_COPY_FRACTION, MIN_SPEEDUP = 0.5, 0.75, 2.0
 STEADY_CALLS = 8  # calls per CUDA graph of the steady_us column

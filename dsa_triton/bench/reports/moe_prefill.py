@@ -47,7 +47,7 @@ from dsa_triton.moe.fp8_grouped_gemm import fp8_grouped_gemm, interleaves, prefi
 from dsa_triton.moe.fp8_grouped_gemm_baselines import (active_spans, grouped_mm, mm_loop, offline_fp8_experts,
                                                        scaled_grouped_mm, scaled_mm_loop, tensorwise_fp8)
 from dsa_triton.moe.fp8_grouped_gemm_spec import REGISTERS_TILE, SPEC, WORKSPACE_TILE, route_config
-from dsa_triton.moe.fused_moe import random_routing
+from dsa_triton.moe.sort_and_align_spec import random_routing
 from dsa_triton.moe.mxfp4 import mxfp4_dequantize
 from dsa_triton.moe.mxfp4_spec import realistic_mxfp4
 from dsa_triton.moe.workspace import shared_workspace
