@@ -3,7 +3,7 @@ user would run instead on the same routed rows (CSR over experts), torch on expe
 
 - FP8: an offline e4m3 copy of every expert with one fp32 scale per expert, activations quantized with one
   scale, then ``torch._scaled_mm`` per active expert (cuBLASLt, fast accumulation), or ``torch._scaled_grouped_mm``
-  in one call where this torch has it. Per-tensor scales because rowwise ``_scaled_mm`` is not supported on every
+  in one call where this torch has it; the faster of the two is the baseline. Per-tensor scales because rowwise ``_scaled_mm`` is not supported on every
   cuBLAS stack (results/ records where it failed); the speed of the product should not depend on the scale
   granularity (expected, not measured);
 - bf16: a bf16 copy of every expert, ``torch.mm`` per active expert (cuBLAS), or ``torch._grouped_mm``.
@@ -43,13 +43,29 @@ def offline_fp8_experts(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[tor
     return w8, s8
 
 
+def padded_spans(spans: Spans, multiple: int = 16) -> tuple[Spans, list[int]]:
+    """The rows of each active expert moved to a start that is a multiple of ``multiple`` and padded to one:
+    ``torch._scaled_mm`` takes FP8 operands whose dims are all multiples of 16, so a per-expert loop runs on such a
+    layout (an expert sort that pads its blocks gives it for free). Returns the padded spans and, for every row
+    of ``spans`` in order, its row in the padded layout."""
+    padded, rows, at = [], [], 0
+    for e, a, b in spans:
+        padded.append((e, at, at + b - a))
+        rows += range(at, at + b - a)
+        at += -(-(b - a) // multiple) * multiple
+    return padded, rows
+
+
 def scaled_mm_loop(xq: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, s8: torch.Tensor, spans: Spans,
                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``torch._scaled_mm`` per active expert: ``xq[M, K]`` e4m3 with scale ``sx[]``, ``w8[E, N, K]`` with ``s8[E]``."""
-    y = torch.zeros(xq.shape[0], w8.shape[1], dtype=out_dtype, device=xq.device)
+    """``torch._scaled_mm`` per active expert: ``xq[M, K]`` e4m3 with scale ``sx[]``, ``w8[E, N, K]`` with ``s8[E]``;
+    ``spans`` as :func:`padded_spans` gives them (each span's start and length rounded up to a multiple of 16 rows
+    of ``xq``, the padding rows computed and left in ``y``)."""
+    y = torch.empty(xq.shape[0], w8.shape[1], dtype=out_dtype, device=xq.device)
     for e, a, b in spans:
-        torch._scaled_mm(xq[a:b], w8[e].t(), scale_a=sx, scale_b=s8[e], out_dtype=out_dtype, use_fast_accum=True,
-                         out=y[a:b])
+        end = a - (-(b - a) // 16) * 16
+        torch._scaled_mm(xq[a:end], w8[e].t(), scale_a=sx, scale_b=s8[e], out_dtype=out_dtype, use_fast_accum=True,
+                         out=y[a:end])
     return y
 
 
