@@ -1,4 +1,6 @@
 """Expert sort, block alignment and the fused MXFP4 grouped GEMM (interpreter) against their references."""
+import itertools
+
 import pytest
 import torch
 
@@ -273,3 +275,23 @@ def test_registry_inputs_run_reference_and_baseline_agree():
         assert SPEC.compare(out, ref) is None
         assert SPEC.compare(SPEC.baseline(inputs), ref) is None
         assert SPEC.compare(out * 1.05, ref) is not None
+
+
+def test_the_default_config_is_valid_for_every_shape_the_op_takes():
+    """Any N (narrow ones included: 1, 16, 17, 32), any K that is a multiple of 32, any token count and routing."""
+    for n, k, tokens, (experts, top_k) in itertools.product((1, 16, 17, 23, 32, 33, 48, 100, 4096),
+                                                             (32, 64, 96, 2048, 7168), (0, 1, 3, 64, 5000),
+                                                             ((1, 1), (5, 2), (256, 8))):
+        shape = {"T": tokens, "E": experts, "top_k": top_k, "N": n, "K": k}
+        SPEC.validate(dict(SPEC.default("decode", shape)), shape)
+
+
+@pytest.mark.parametrize("n", [16, 32, 23])
+def test_narrow_n_runs_with_the_default_config(n):
+    weights, ids = routing(3, 5, 2, seed=n)
+    sort = sort_by_expert(ids, weights, 5)
+    blocks, scales = experts_mxfp4(5, n, 64, seed=n)
+    x = torch.randn(3, 64, generator=gen(n)).half()
+    with poisoned_allocations():
+        y = fused_moe_gemm(x, sort, blocks, scales)
+    torch.testing.assert_close(y.float(), fused_moe_gemm_torch(x, sort, blocks, scales), rtol=2e-3, atol=2e-3)

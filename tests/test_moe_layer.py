@@ -94,6 +94,30 @@ def test_bad_inputs_raise_naming_the_argument():
             dt.moe_forward(*a, **{**kwargs, **override})
 
 
+def test_hidden_32_runs_with_the_default_configs():
+    """The down GEMM's N is the hidden size: 32 columns take the fused GEMM's narrowest default tile."""
+    args, kwargs = layer(2, 6, 32, 32, DEEPSEEK, seed=3)
+    assert_matches_oracle(args, kwargs)
+
+
+@pytest.mark.parametrize("path", ["fused", "workspace"])
+def test_weight_errors_name_the_weight(path):
+    """A NaN scale byte (0xFF), blocks off 4-byte alignment or with rows that are not contiguous: the error names
+    gate_up or down, on either path, before any launch."""
+    args, kwargs = layer(16, 6, 64, 32, DEEPSEEK, seed=11)
+    for i, name in ((2, "gate_up"), (4, "down")):
+        blocks, scales = args[i], args[i + 1]
+        nan_scale = scales.clone()
+        nan_scale[1, 3, 0] = 0xFF
+        misaligned = torch.empty(blocks.numel() + 2, dtype=torch.uint8)[2:].view(blocks.shape).copy_(blocks)
+        spread = torch.zeros(*blocks.shape[:-1], 32, dtype=torch.uint8)[..., :16].copy_(blocks)  # rows 32 bytes apart
+        for j, bad, what in ((i + 1, nan_scale, "scales"), (i, misaligned, "blocks"), (i, spread, "blocks")):
+            bad_args = list(args)
+            bad_args[j] = bad
+            with pytest.raises(ValueError, match=f"^{name}_{what}: "):
+                dt.moe_forward(*bad_args, **kwargs, config={"path": path})
+
+
 def test_zero_tokens_give_an_empty_output():
     args, kwargs = layer(0, 6, 64, 32, DEEPSEEK)
     y = dt.moe_forward(*args, **kwargs)

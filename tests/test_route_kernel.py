@@ -126,11 +126,50 @@ def test_constraint_caps_the_experts_a_thread_holds():
 
 @pytest.mark.parametrize("routing", [RoutingConfig("deepseek", top_k=2, n_group=2, topk_group=1),
                                      RoutingConfig("softmax", top_k=2)])
-def test_nan_logit_is_chosen_first_as_in_torch(routing):
+def test_non_finite_logits_or_bias_are_rejected_with_value_checks(routing):
     logits = router_logits(2, 8, torch.float32, seed=8)
+    bias = torch.zeros(8) if routing.mode == "deepseek" else None
     logits[0, 5] = float("nan")
-    _, ids = route_topk(logits, routing)
-    assert torch.equal(ids, route(logits, routing)[1]) and ids[0, 0] == 5
+    with pytest.raises(ValueError, match="^logits: .*NaN"):
+        route_topk(logits, routing, bias)
+    logits[0, 5] = float("inf")
+    with pytest.raises(ValueError, match="^logits: .*inf"):
+        route_topk(logits, routing, bias)
+    if bias is not None:
+        logits[0, 5] = 0.0
+        bias[2] = float("nan")
+        with pytest.raises(ValueError, match="^bias: .*NaN"):
+            route_topk(logits, routing, bias)
+
+
+@pytest.mark.parametrize("routing, with_bias", [
+    (RoutingConfig("deepseek", top_k=3, n_group=4, topk_group=2, routed_scaling_factor=2.5), True),
+    (RoutingConfig("deepseek", top_k=2), False),
+    (RoutingConfig("softmax", top_k=3), False),
+    (RoutingConfig("deepseek", top_k=8), True),  # every expert chosen: the NaN keys last, their weights NaN
+    (RoutingConfig("softmax", top_k=3, norm_topk_prob=False), False),  # a full softmax over a NaN: NaN weights
+])
+def test_with_value_checks_off_a_nan_never_ranks_first(routing, with_bias):
+    """NaN keys rank as -inf (never before a finite one) and the weights that depend on a NaN are NaN, as in the
+    torch routing: NaN logits at token 0 expert 5 and token 2 experts 0 and 1, a NaN bias at expert 3."""
+    logits = router_logits(3, 8, torch.float32, seed=9)
+    logits[:, 3] = 4.0
+    logits[0, 5] = logits[2, 0] = logits[2, 1] = float("nan")
+    bias = torch.randn(8, generator=torch.Generator().manual_seed(10)) * 0.1 if with_bias else None
+    if with_bias:
+        bias[3] = float("nan")
+    with poisoned_allocations():
+        weights, ids = route_topk(logits, routing, bias, check_values=False)
+    ref_w, ref_ids = route(logits, routing, bias, check_values=False)
+    nan_keys = [{5}, set(), {0, 1}] if not with_bias else [{3, 5}, {3}, {0, 1, 3}]
+    for t in range(3):
+        chosen = ids[t].tolist()
+        finite = [e for e in chosen if e not in nan_keys[t]]
+        assert chosen[:len(finite)] == finite  # NaN keys only after every finite one
+        assert chosen[:len(finite)] == ref_ids[t, :len(finite)].tolist()
+        assert sorted(chosen[len(finite):]) == sorted(ref_ids[t, len(finite):].tolist())  # ties at -inf
+    assert torch.equal(weights.isnan(), ref_w.isnan())
+    torch.testing.assert_close(weights.nan_to_num(), ref_w.nan_to_num(), rtol=1e-6, atol=1e-7)
 
 
 def test_bad_arguments_name_the_argument():

@@ -100,3 +100,73 @@ def test_half_precision_logits_are_routed_in_fp32():
 def test_bad_inputs_raise_naming_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call(torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("factor", [float("nan"), float("inf"), float("-inf"), 0.0, -2.5, True, "2.5", None])
+def test_routed_scaling_factor_must_be_a_finite_positive_number(factor):
+    with pytest.raises(ValueError, match="routed_scaling_factor"):
+        RoutingConfig("deepseek", routed_scaling_factor=factor)
+    assert RoutingConfig("deepseek", routed_scaling_factor=2).routed_scaling_factor == 2  # an int is a number
+
+
+DEEPSEEK = RoutingConfig("deepseek", top_k=3, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["logits", "bias"])
+def test_non_finite_router_input_is_rejected_with_value_checks(where, bad):
+    logits, bias = torch.randn(3, 8, generator=gen(6)), torch.randn(8, generator=gen(7)) * 0.1
+    (logits[1] if where == "logits" else bias)[5] = bad
+    with pytest.raises(ValueError, match=f"^{where}: .*(NaN|inf)"):
+        route(logits, DEEPSEEK, bias)
+    if where == "logits":
+        for call in (lambda: deepseek_topk(logits, None, 2), lambda: softmax_topk(logits, 2),
+                     lambda: route(logits, RoutingConfig("softmax", top_k=2))):
+            with pytest.raises(ValueError, match="^logits: "):
+                call()
+
+
+def nan_rows(experts=8, seed=8):
+    """Router logits with a NaN at expert 5 of token 0 and at experts 0 and 1 of token 2; a bias with a NaN at expert 3
+    (every token would choose it: it holds the largest logit)."""
+    logits = torch.randn(3, experts, generator=gen(seed))
+    logits[:, 3] = 4.0
+    logits[0, 5] = logits[2, 0] = logits[2, 1] = float("nan")
+    bias = torch.randn(experts, generator=gen(seed + 1)) * 0.1
+    bias[3] = float("nan")
+    return logits, bias
+
+
+NAN_LOGITS = [{5}, set(), {0, 1}]  # the experts of each token of nan_rows() with a NaN logit
+
+
+@pytest.mark.parametrize("routing, with_bias", [(DEEPSEEK, True), (DEEPSEEK, False),
+                                                (RoutingConfig("deepseek", top_k=2), True),
+                                                (RoutingConfig("softmax", top_k=3), False)])
+def test_with_value_checks_off_a_nan_never_ranks_first(routing, with_bias):
+    """NaN selection keys rank as -inf: never chosen while a finite key is available; the weights of the others
+    are what they are without the NaN experts (the oracle treats NaN keys the same way)."""
+    logits, bias = nan_rows()
+    bias = bias if with_bias else None
+    weights, ids = route(logits, routing, bias, check_values=False)
+    ref_w, ref_ids = route_torch(logits, routing, bias)
+    assert torch.equal(ids, ref_ids)
+    for t, row in enumerate(ids.tolist()):
+        assert not set(row) & (NAN_LOGITS[t] | ({3} if with_bias else set()))
+    torch.testing.assert_close(weights, ref_w)
+    assert torch.isfinite(weights).all()
+
+
+def test_with_value_checks_off_nan_enters_the_weights_that_depend_on_it():
+    """NaN in, NaN out: a softmax over every logit (not renormalized) of a row with a NaN, and a token made to choose
+    an expert whose key is NaN (top_k = E: NaN keys last), get NaN weights; rows without a NaN stay finite."""
+    logits, bias = nan_rows()
+    weights, ids = route(logits, RoutingConfig("softmax", top_k=2, norm_topk_prob=False), check_values=False)
+    assert weights.isnan().all(1).tolist() == [True, False, True] and torch.isfinite(weights[1]).all()
+    assert all(not set(row) & NAN_LOGITS[t] for t, row in enumerate(ids.tolist()))
+    for routing, b in ((RoutingConfig("deepseek", top_k=8), bias), (RoutingConfig("softmax", top_k=8), None)):
+        weights, ids = route(logits, routing, b, check_values=False)
+        assert weights.isnan().all(1).tolist() == [True, routing.mode == "deepseek", True]
+        for t, row in enumerate(ids.tolist()):
+            last = NAN_LOGITS[t] | ({3} if b is not None else set())
+            assert sorted(row) == list(range(8)) and set(row[8 - len(last):]) == last

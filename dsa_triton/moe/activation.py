@@ -41,6 +41,7 @@ def swiglu(h: torch.Tensor, dtype: torch.dtype | None = None, class_major: bool 
     """``h`` fp32/fp16/bf16 ``[M, 2I]`` (gate | up, last dim contiguous) -> ``silu(gate) * up`` in ``dtype``
     (None: ``h``'s; fp32/fp16/bf16): ``[M, I]``, or ``[M, 4, I/4]`` with ``y[m, c, q]`` = column ``4q + c``
     when ``class_major`` (then ``I`` must be a multiple of 4). Reference: :func:`.activation_reference.swiglu_torch`.
+    Nothing is read on the host: a NaN or infinity in ``h`` propagates through the arithmetic (NaN in, NaN out).
     """
     check_tensor("h", h, dtype=DTYPES, ndim=2)
     check_kernel_device("h", h)

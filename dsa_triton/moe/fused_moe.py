@@ -108,6 +108,10 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
 
     Returns ``y_sorted [M, N]`` in ``out_dtype``, rows in ``sort``'s expert order. No host sync after the first
     call per scales tensor (its range check), so a warmed-up call can be captured in a CUDA graph.
+
+    Non-finite input: a scale byte above :data:`SCALE_MAX` (0xFF is NaN in E8M0) is rejected by that range check
+    (``ValueError`` naming ``scales``); ``x`` is not read on the host: a NaN or infinity in it propagates to the
+    output rows that read it (NaN in, NaN out, never a finite wrong number).
     """
     if isinstance(sort, ExpertSort):  # checks and config once per (tensor metadata, sort sizes, gather, config)
         key, plan = _PLANS.find((x, blocks, scales, sort.expert_offsets),
@@ -129,25 +133,30 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
 _PLANS = PlanCache(1024)  # the launch config by tensor metadata, sort sizes, gather and the caller's config
 
 
-_scales_checked: dict[int, tuple] = {}  # id(scales) -> (weakref to it, version, path) once its range was read
+_scales_checked: dict[int, tuple] = {}  # id(scales) -> (weakref to it, version, bound) once its range was read
 
 
-def check_scale_range(scales: torch.Tensor, fast: bool) -> None:
-    """Raise ``ValueError`` naming ``scales`` if a byte exceeds the path's :data:`SCALE_MAX`. Reads the tensor
-    (one sync) once per tensor, in-place version and path; skipped inside a CUDA-graph capture."""
+def check_scale_bytes(scales: torch.Tensor, bound: int, name: str = "scales") -> None:
+    """Raise ``ValueError`` naming ``name`` if a byte of the E8M0 ``scales`` exceeds ``bound`` (0xFF is NaN). Reads
+    the tensor (one sync) once per tensor, in-place version and bound; skipped inside a CUDA-graph capture."""
     seen = _scales_checked.get(id(scales))
-    if seen is not None and seen[0]() is scales and seen[1:] == (scales._version, fast):
+    if seen is not None and seen[0]() is scales and seen[1:] == (scales._version, bound):
         return
     if scales.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     if scales.numel():
         largest = int(scales.max())
-        if largest > SCALE_MAX[fast]:
-            raise ValueError(f"scales: bytes must be at most {SCALE_MAX[fast]} on this path (blocks up to "
-                             f"2^{SCALE_MAX[fast] - 127}), got {largest}")
+        if largest > bound:
+            raise ValueError(f"{name}: bytes must be at most {bound} on this path (blocks up to 2^{bound - 127}; "
+                             f"0xFF is NaN), got {largest}")
     if len(_scales_checked) > 4096:
         _scales_checked.clear()
-    _scales_checked[id(scales)] = (weakref.ref(scales), scales._version, fast)
+    _scales_checked[id(scales)] = (weakref.ref(scales), scales._version, bound)
+
+
+def check_scale_range(scales: torch.Tensor, fast: bool, name: str = "scales") -> None:
+    """:func:`check_scale_bytes` against the path's :data:`SCALE_MAX` (``fast``: :func:`fast_path`)."""
+    check_scale_bytes(scales, SCALE_MAX[fast], name)
 
 
 def fast_path(x: torch.Tensor) -> bool:

@@ -75,12 +75,16 @@ def _default(phase, shape):
 
     Decode is bound by the MXFP4 bytes: 16-row blocks run on wgmma, which ptxas serializes (the A registers are
     rewritten between wgmmas), and narrower weight tiles or a split K add work without reading the weights faster.
+    N under 64 narrows the weight tile to N (16 or 32 columns), and the warps to those that keep 128 of the tile's
+    rows x columns each (the constraint's 16 x 8 mma tile per warp): 2 or more, so 16 columns take 16-row blocks.
     """
     routed = shape["T"] * shape["top_k"]
     per_expert = routed / max(expected_active_experts(shape), 1.0)
     block_m = 8 if per_expert <= 8 else 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    blocks = expected_active_experts(shape) * math.ceil(per_expert / block_m)
     block_n, block_k = min(64, max(16, bucket(shape["N"]))), min(512, max(64, bucket(shape["K"])))
+    block_m = max(block_m, 256 // block_n)  # a 16 x 8 mma tile for each of 2 warps at least
+    warps = min(4, block_n * block_m // 128)
+    blocks = expected_active_experts(shape) * math.ceil(per_expert / block_m)
     if block_m == 64:  # 3 stages of 64 x 512 x tiles exceed the shared memory
         block_k = min(block_k, 256)
     programs = blocks * cdiv(shape["N"], block_n)
@@ -88,7 +92,7 @@ def _default(phase, shape):
     while programs * split < GPU_SMS and 2 * split <= min(8, cdiv(shape["K"], block_k)):
         split *= 2
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
-            "num_warps": 4, "num_stages": 3, "X_COPY": 1}
+            "num_warps": warps, "num_stages": 3, "X_COPY": 1}
 
 
 def _cost(phase, shape) -> Cost:

@@ -21,7 +21,7 @@ from ..checks import PlanCache, check_kernel_device, check_tensor
 from . import fused_moe
 from .activation import swiglu
 from .fp8_grouped_gemm import fp8_grouped_gemm
-from .fused_moe import fused_moe_gemm
+from .fused_moe import SCALE_MAX, check_scale_bytes, fast_path, fused_moe_gemm
 from .layer_spec import PATH
 from .permute import combine_rows
 from .route_topk import route_topk
@@ -29,6 +29,7 @@ from .routing import RoutingConfig, check_routing
 from .sort_and_align import sort_and_align
 
 DECODE_MAX_TOKENS = 256  # moe_forward's phase when none is given: decode up to this many tokens
+NAN_SCALE = 0xFF  # the E8M0 scale byte that is NaN: rejected on either path
 
 
 def shared_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act=swiglu) -> torch.Tensor:
@@ -52,6 +53,11 @@ def _check(x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_b
     check_tensor("gate_up_scales", gate_up_scales, dtype=torch.uint8, shape=(experts, two_i, groups), device=device)
     check_tensor("down_blocks", down_blocks, dtype=torch.uint8, shape=(experts, hidden, inter // 32, 16), device=device)
     check_tensor("down_scales", down_scales, dtype=torch.uint8, shape=(experts, hidden, inter // 32), device=device)
+    for name, blocks in (("gate_up_blocks", gate_up_blocks), ("down_blocks", down_blocks)):
+        # what both paths' kernels read (int16 and int32 words), so that no token count changes what is accepted
+        if blocks.stride(-2) != 16 or any(stride % 4 for stride in blocks.stride()[:-2]):
+            raise ValueError(f"{name}: each row's K/32 x 16 bytes must be contiguous and the other strides multiples "
+                             f"of 4 (the kernels read 32-bit words), got strides {blocks.stride()}")
     check_tensor("router_weight", router_weight, dtype=(torch.float32, torch.float16, torch.bfloat16),
                  shape=(experts, hidden), device=device)
     check_routing(routing, experts, router_bias, device, bias_name="router_bias")
@@ -97,6 +103,13 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
     router, gate_up's activation copy, the shared expert's matmuls and the combine. The grouped-GEMM path
     ("workspace") has no host sync either where its config takes the registers route and every expert fits it
     (tiles planned on the device); its workspace routes read the expert offsets on the host (one sync a GEMM).
+
+    Errors about an expert weight name it (``gate_up_blocks``, ``down_scales``, ...), on either path, before any
+    launch. Non-finite input: a NaN scale byte (0xFF) is rejected on either path, and on the fused path any byte
+    above its :data:`.fused_moe.SCALE_MAX` (the range read once per scales tensor and in-place version); ``x`` and
+    the router are not read on the host: a NaN or infinity propagates (a NaN router logit or bias never ranks first,
+    :func:`.route_topk.route_topk` with ``check_values=False``; a token that reads a NaN gets NaN outputs), never
+    a finite wrong number.
     """
     if type(routing) is RoutingConfig:  # the checks read only metadata and these routing fields: run once
         key, sizes = _PLANS.find((x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_blocks,
@@ -113,9 +126,15 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
     phase = phase or ("decode" if tokens <= DECODE_MAX_TOKENS else "prefill")
     shape = {"T": tokens, "E": experts, "top_k": routing.top_k, "hidden": hidden, "I": inter}
     config = PATH.launch_config(phase, shape, x.device) if config is None else PATH.validate(dict(config), shape)
+    bound = SCALE_MAX[fast_path(x)] if config["path"] == "fused" else NAN_SCALE - 1
+    for name, blocks, scales in (("gate_up", gate_up_blocks, gate_up_scales), ("down", down_blocks, down_scales)):
+        if blocks.data_ptr() % 4:  # (not in the plan's key)
+            raise ValueError(f"{name}_blocks: the data must be 4-byte aligned (the kernels read 32-bit words)")
+        check_scale_bytes(scales, bound, f"{name}_scales")  # (once per tensor and in-place version)
 
     logits = F.linear(x.float(), router_weight.float())
-    weights, ids = route_topk(logits, routing, router_bias)  # one launch at any T (lowest expert first on ties)
+    # one launch at any T (lowest expert first on ties); non-finite logits propagate (a NaN never ranks first)
+    weights, ids = route_topk(logits, routing, router_bias, check_values=False)
     sort = sort_and_align(ids, weights, experts, block_m if config["path"] == "fused" else None, check_ids=False)
     if config["path"] == "fused":  # fp32 GEMM outputs: no conversion op before swiglu and the combine
         h = fused_moe_gemm(x, sort, gate_up_blocks, gate_up_scales, gather_tokens=True, out_dtype=torch.float32)

@@ -77,7 +77,8 @@ def sort_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor | None, nu
     -> :class:`ExpertSort`.
 
     ``check_ids`` reads the ids' range on the host (one sync); callers passing ids straight from a
-    router (valid by construction) turn it off on the decode path.
+    router (valid by construction) turn it off on the decode path. Non-finite weights are copied as they are
+    (NaN in, NaN out); the permutation reads only the ids.
     """
     check_routing(topk_ids, topk_weights, num_experts)
     if check_ids:

@@ -7,7 +7,12 @@ of the routing time. Here one program routes ``TOKENS`` tokens (:mod:`.route_top
 ``moe_route``, is :mod:`.route_topk_spec`.
 
 Outside the kernel's range (``top_k`` > :data:`MAX_TOP_K`, or a padded row over :data:`MAX_BLOCK` experts) the
-op falls back to the torch functions of :mod:`.routing`. No host sync and no data-dependent shape: capturable.
+op falls back to the torch functions of :mod:`.routing`. With ``check_values=False`` no host sync and no
+data-dependent shape: capturable.
+
+Non-finite input, as :mod:`.routing`: ``check_values=True`` rejects a NaN or infinite logit or bias (``ValueError``
+naming it, one host read); ``check_values=False`` propagates: a NaN key ranks as -inf (never before a finite one),
+a weight computed from a NaN is NaN. Never a finite wrong weight, never a NaN that ranks first.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from ..checks import PlanCache, check_kernel_device
 from ..hostmath import cdiv, next_pow2
 from .route_topk_kernels import _route_kernel, ranked_groups, tile_of
 from .route_topk_spec import SPEC
-from .routing import RoutingConfig, check_route, route
+from .routing import RoutingConfig, check_route, check_route_values, route
 
 MAX_TOP_K = 16  # top_k up to this runs in the kernel (one argmax pass per expert chosen); above: torch
 MAX_BLOCK = 4096  # padded experts per token (groups x group block) the kernel holds in registers; above: torch
@@ -45,7 +50,7 @@ class RouteLaunch:
 
     def __call__(self, logits, bias, routing):
         if self.fallback:
-            return route(logits, routing, bias)
+            return route(logits, routing, bias, check_values=False)  # (checked by route_topk)
         weights = torch.empty(self.shape, dtype=torch.float32, device=logits.device)
         ids = torch.empty(self.shape, dtype=torch.int32, device=logits.device)
         if self.shape[0]:
@@ -65,12 +70,14 @@ def route_shape(tokens: int, experts: int, routing: RoutingConfig) -> dict[str, 
 
 
 def route_topk(logits: torch.Tensor, routing: RoutingConfig, bias: torch.Tensor | None = None, *,
-               config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               check_values: bool = True, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`.routing.route` in one launch: ``logits [T, E]`` -> ``(weights [T, top_k] fp32, ids [T, top_k] int32)``.
 
     - ``logits``: fp32/fp16/bf16 ``[T, E]``, any row stride, last dim contiguous;
     - ``routing``: :class:`.routing.RoutingConfig` (mode, top_k, groups, normalization, scaling factor);
     - ``bias``: fp32/fp16/bf16 ``[E]``, DeepSeek's e_score_correction_bias (selection only), None in softmax mode;
+    - ``check_values``: reject non-finite logits or bias (one host read; skipped inside a CUDA-graph capture), or
+      propagate them (the module docstring);
     - ``config``: ``{"num_warps", "TOKENS"}`` (default: the tuning database / the registry default).
 
     Experts of a token in descending order of their selection score, the lowest expert first among exact ties.
@@ -81,6 +88,8 @@ def route_topk(logits: torch.Tensor, routing: RoutingConfig, bias: torch.Tensor 
     key, launch = _PLANS.find((logits, bias), routing.plan_ints(), config)
     if launch is None:
         launch = _PLANS.put(key, _plan(logits, routing, bias, config))
+    if check_values:
+        check_route_values(logits, bias)
     return launch(logits, bias, routing)
 
 

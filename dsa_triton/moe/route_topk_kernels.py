@@ -3,9 +3,11 @@
 One program routes ``TOKENS`` tokens; a token's logits sit in registers as a ``[groups, group block]`` tile
 (power-of-two blocks, masked, so E need not be a power of two). DeepSeek mode: sigmoid, bias for the selection
 key, each group's top-2 sum, the ``topk_group`` best groups by repeated argmax, then ``top_k`` repeated argmaxes
-over the kept experts (lowest expert on exact ties, NaN keys first as in ``torch.topk``), the weights normalized
-and scaled in registers. Softmax mode: the same top-k on the logits, then the softmax of the chosen logits
-(``NORM``) or their full-softmax probabilities.
+over the kept experts (lowest expert on exact ties), the weights normalized and scaled in registers. Softmax mode:
+the same top-k on the logits, then the softmax of the chosen logits (``NORM``) or their full-softmax probabilities.
+A NaN key (and a NaN group key: +inf + -inf) ranks as -inf, last; a chosen expert whose key is NaN has a NaN
+weight (a NaN bias makes it so explicitly: the weight itself does not read the bias), and the normalization
+spreads it over the token, as :mod:`.routing` does.
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, stride_t, n_gro
         key = x
         if HAS_BIAS:
             key = key + tl.load(bias_ptr + expert, mask=real, other=0.0).to(tl.float32)
-    key = tl.where(key != key, float("inf"), key)  # NaN ranks first, as in torch.topk
+            x = tl.where(key == key, x, key)  # a NaN key's weight is NaN
+    key = tl.where(key != key, float("-inf"), key)  # NaN ranks last
     avail = valid
     if GROUPED:  # keep the topk_group groups with the best top-2 key sums
         in_group = tl.where(valid, key, float("-inf"))
@@ -53,7 +56,7 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, stride_t, n_gro
         first = tl.min(tl.where(in_group == top1[:, :, None], j[None, None, :], GROUP_BLOCK), 2)
         top2 = tl.max(tl.where(j[None, None, :] == first[:, :, None], float("-inf"), in_group), 2)
         group_key = tl.where(group_size > 1, top1 + top2, top1)
-        group_key = tl.where(group_key != group_key, float("inf"), group_key)[:, :, None]  # [TOKENS, GROUPS, 1]
+        group_key = tl.where(group_key != group_key, float("-inf"), group_key)[:, :, None]  # [TOKENS, GROUPS, 1]
         group = g[None, :, None]
         open_group = (tok < T)[:, None, None] & (group < n_group)
         kept = tl.zeros([TOKENS, GROUPS, 1], tl.int1)

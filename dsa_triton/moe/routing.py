@@ -11,11 +11,19 @@ Two modes, both from router logits ``[T, E]`` (computed in fp32 by the caller or
   (``renormalize``, gpt-oss) or the full softmax probabilities of the chosen experts (not renormalized).
 
 Every function returns ``(topk_weights [T, top_k] fp32, topk_ids [T, top_k] int32)``, experts of a token
-in descending order of their selection score. Plain PyTorch, no host synchronisation; the
-loop-per-token oracle is :mod:`.routing_reference`.
+in descending order of their selection score. Plain PyTorch; the loop-per-token oracle is :mod:`.routing_reference`.
+
+Non-finite input. ``check_values=True`` (the default) rejects a NaN or infinite logit or bias with a
+``ValueError`` naming it (one host read). ``check_values=False`` reads nothing on the host (capturable) and
+propagates: a NaN selection key (a NaN logit, or a NaN bias in DeepSeek mode) ranks as -inf, below every finite
+key, so it is chosen only when a token has fewer than ``top_k`` other experts to choose; a weight computed from a
+NaN is NaN (the chosen expert's own weight, and through the normalization or the full softmax every weight of its
+token that depends on it). Never a finite wrong weight, never a NaN that ranks first.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +54,9 @@ class RoutingConfig:
             raise ValueError(f"routing.mode: must be one of {MODES}, got {self.mode!r}")
         for name in ("top_k", "n_group", "topk_group"):
             check_positive(f"routing.{name}", getattr(self, name))
+        factor = self.routed_scaling_factor
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"routing.routed_scaling_factor: must be a finite number > 0, got {factor!r}")
 
     def plan_ints(self) -> tuple[int, ...]:
         """The integer fields a cached plan depends on (the scaling factor is a launch argument)."""
@@ -72,6 +83,29 @@ def check_grouping(num_experts: int, top_k: int, n_group: int, topk_group: int) 
     return group_size
 
 
+def check_finite(name: str, t: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` naming ``name`` if ``t`` holds a NaN or an infinity (reads it: one host sync; skipped
+    inside a CUDA-graph capture, where nothing may be read)."""
+    if t is None or not t.numel() or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    finite = torch.isfinite(t)
+    if not bool(finite.all()):
+        nans = int(t.isnan().sum())
+        raise ValueError(f"{name}: must be finite, got {nans} NaN and {int((~finite).sum()) - nans} inf values "
+                         "(check_values=False propagates them instead)")
+
+
+def check_route_values(logits: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """The value checks of ``check_values=True``: every logit and bias entry finite."""
+    check_finite("logits", logits)
+    check_finite("bias", bias)
+
+
+def _nan_last(keys: torch.Tensor) -> torch.Tensor:
+    """Selection keys with NaN as -inf: a NaN never ranks before a finite key (``torch.topk`` would rank it first)."""
+    return keys.masked_fill(keys.isnan(), float("-inf"))
+
+
 def deepseek_topk(
     logits: torch.Tensor,
     bias: torch.Tensor | None,
@@ -80,22 +114,30 @@ def deepseek_topk(
     topk_group: int = 1,
     norm_topk_prob: bool = True,
     routed_scaling_factor: float = 1.0,
+    *,
+    check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 routing. ``logits[T, E]``, ``bias[E]`` (the e_score_correction_bias, or None)
-    -> ``(weights [T, top_k] fp32, ids [T, top_k] int32)``."""
+    -> ``(weights [T, top_k] fp32, ids [T, top_k] int32)``. ``check_values``: the module docstring."""
     num_experts = _check_logits(logits, top_k)
     group_size = check_grouping(num_experts, top_k, n_group, topk_group)
     check_bias(bias, "deepseek", num_experts, logits.device)
+    if check_values:
+        check_route_values(logits, bias)
     scores = logits.float().sigmoid()
     choice = scores if bias is None else scores + bias.float()
+    unknown = choice.isnan()  # (with a bias: a chosen expert's weight is NaN where its key is)
+    choice = choice.masked_fill(unknown, float("-inf"))
     if topk_group < n_group:
         grouped = choice.view(-1, n_group, group_size)
-        group_score = grouped.topk(min(2, group_size), dim=-1).values.sum(dim=-1)  # [T, n_group]
+        group_score = _nan_last(grouped.topk(min(2, group_size), dim=-1).values.sum(dim=-1))  # [T, n_group]
         kept = group_score.topk(topk_group, dim=-1).indices
         dropped = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, kept, False)
         choice = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(-1, num_experts)
     ids = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
+    if bias is not None:
+        weights = weights.masked_fill(unknown.gather(1, ids), float("nan"))
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights * routed_scaling_factor, ids.to(torch.int32)
@@ -112,16 +154,21 @@ def check_bias(bias: torch.Tensor | None, mode: str, num_experts: int, device: t
                  device=device)
 
 
-def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True, *,
+                 check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k routing (gpt-oss with ``renormalize``). ``logits[T, E]``
-    -> ``(weights [T, top_k] fp32, ids [T, top_k] int32)``."""
+    -> ``(weights [T, top_k] fp32, ids [T, top_k] int32)``. ``check_values``: the module docstring."""
     _check_logits(logits, top_k)
-    top = logits.float().topk(top_k, dim=-1)
+    if check_values:
+        check_route_values(logits, None)
+    x = logits.float()
+    ids = _nan_last(x).topk(top_k, dim=-1).indices
+    chosen = x.gather(1, ids)
     if renormalize:
-        weights = top.values.softmax(dim=-1)
+        weights = chosen.softmax(dim=-1)
     else:
-        weights = (top.values - logits.float().logsumexp(dim=-1, keepdim=True)).exp()
-    return weights, top.indices.to(torch.int32)
+        weights = (chosen - x.logsumexp(dim=-1, keepdim=True)).exp()
+    return weights, ids.to(torch.int32)
 
 
 def check_routing(routing: RoutingConfig, num_experts: int, bias: torch.Tensor | None, device: torch.device,
@@ -144,10 +191,14 @@ def check_route(logits: torch.Tensor, routing: RoutingConfig, bias: torch.Tensor
     return logits.shape[1]
 
 
-def route(logits: torch.Tensor, routing: RoutingConfig, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch on ``routing.mode``: ``logits[T, E]`` (+ DeepSeek ``bias[E]``) -> ``(weights fp32, ids int32)``."""
+def route(logits: torch.Tensor, routing: RoutingConfig, bias: torch.Tensor | None = None, *,
+          check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch on ``routing.mode``: ``logits[T, E]`` (+ DeepSeek ``bias[E]``) -> ``(weights fp32, ids int32)``.
+    ``check_values``: reject non-finite logits or bias (one host read), or propagate them (the module docstring)."""
     check_route(logits, routing, bias)
+    if check_values:
+        check_route_values(logits, bias)
     if routing.mode == "deepseek":
         return deepseek_topk(logits, bias, routing.top_k, routing.n_group, routing.topk_group,
-                             routing.norm_topk_prob, routing.routed_scaling_factor)
-    return softmax_topk(logits, routing.top_k, routing.norm_topk_prob)
+                             routing.norm_topk_prob, routing.routed_scaling_factor, check_values=False)
+    return softmax_topk(logits, routing.top_k, routing.norm_topk_prob, check_values=False)

@@ -115,6 +115,7 @@ def sort_and_align(topk_ids: torch.Tensor, topk_weights: torch.Tensor | None, nu
     Returns the :class:`.permute.ExpertSort` of the torch functions, bit for bit, its ``aligned(block_m)``
     already computed (on first use instead when ``E x block_m``, padded, exceeds :data:`MAX_PAD_TILE`).
     No slot, over :data:`MAX_ROWS` slots or over :data:`MAX_EXPERTS` experts: the torch functions.
+    Non-finite weights are copied as they are (NaN in, NaN out); the permutation reads only the ids.
     """
     key, launch = _PLANS.find((topk_ids, topk_weights), (num_experts, block_m), config)
     if launch is None:
