@@ -241,6 +241,11 @@ def main(device: str | None = None) -> None:
     print(f"eager decode step on {device}: every stage matches its reference")
     if device.type != "cuda":
         return
+    side = torch.cuda.Stream()  # warm up on a side stream too, as torch.cuda.graph asks (the append is idempotent)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer_step()
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g_step, g_x, g_y = layer_step()

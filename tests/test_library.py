@@ -249,6 +249,25 @@ def test_compiled_graph_equals_eager():
     torch.testing.assert_close(compiled, eager, rtol=2e-3, atol=2e-3)
 
 
+def test_block_path_recipe_equals_the_token_path():
+    """docs/integration.md's block-level recipe: with every page selected it attends to what the token path does."""
+    g, cache, q_idx, w_idx, limits = attention_inputs(seed=5)
+    q = torch.randn(2, 4, D, generator=g).half()
+    fast = dict(cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), max_q=1, check_values=False)
+    ops = torch.ops.dsa
+    logits, positions, _ = ops.block_indexer_logits(q_idx, w_idx, cache.ik, cache.ik_scale, cache.pmax, cache.pmin,
+                                                    cache.block_table, cache.seq_lens, limits, 4, 64, **fast)
+    cols = ops.topk_indices(logits, 16, check_values=False)
+    pos = torch.where(cols >= 0, positions.gather(1, cols.clamp_min(0).long()), -1)
+    dense = ops.indexer_logits(q_idx, w_idx, cache.ik, cache.ik_scale, limits, 64, block_table=cache.block_table,
+                               seq_lens=cache.seq_lens, **fast)
+    token_pos = ops.topk_indices(dense, 16, limits, check_values=False)
+    assert torch.equal(pos.sort(1).values, token_pos.sort(1).values)
+    attend = lambda idx: ops.sparse_attention_decode(q, cache.kv, idx, D ** -0.5, DV, cache.block_table,  # noqa: E731
+                                                     check_values=False)[0]
+    torch.testing.assert_close(attend(pos), attend(token_pos), rtol=1e-3, atol=1e-3)
+
+
 def test_config_strings():
     args, kwargs = case_swiglu()
     assert config_json(None) is None and json.loads(config_json({"path": "fused"})) == {"path": "fused"}
