@@ -220,38 +220,29 @@ def _(scores, k, out, *args, **kwargs):
     return None
 
 
-def _sparse(fn, q, kv_cache, indices, sm_scale, d_v, block_table, check_values, config):
-    return fn(q, kv_cache, indices, sm_scale, d_v, block_table, config=_config(config), **{_SPARSE_CHECK: check_values})
+def _attention_op(name: str, fn, doc: str):
+    """The custom op of a sparse-attention function (decode and prefill take the same arguments)."""
+    def op(q: Tensor, kv_cache: Tensor, indices: Tensor, sm_scale: float, d_v: int = 512,
+           block_table: Optional[Tensor] = None, check_values: bool = True,
+           config: Optional[str] = None) -> tuple[Tensor, Tensor]:
+        return fn(q, kv_cache, indices, sm_scale, d_v, block_table, config=_config(config),
+                  **{_SPARSE_CHECK: check_values})
+
+    op.__doc__ = doc
+    registered = _op(name)(op)
+
+    @registered.register_fake
+    def _(q, kv_cache, indices, sm_scale, d_v=512, *args, **kwargs):
+        rows = q.shape[:-1]  # [B, Hq], [B, S, Hq] (one index set per sequence or per token) or [T, Hq]
+        return q.new_empty((*rows, d_v)), q.new_empty(rows, dtype=torch.float32)
+
+    return registered
 
 
-@_op("sparse_attention_decode")
-def sparse_attention_decode_op(q: Tensor, kv_cache: Tensor, indices: Tensor, sm_scale: float, d_v: int = 512,
-                               block_table: Optional[Tensor] = None, check_values: bool = True,
-                               config: Optional[str] = None) -> tuple[Tensor, Tensor]:
-    """:func:`dt.sparse_attention_decode`: ``(out [B, (S,) Hq, d_v] q's dtype, lse [B, (S,) Hq] fp32)``."""
-    return _sparse(sparse_attention_decode, q, kv_cache, indices, sm_scale, d_v, block_table, check_values, config)
-
-
-@sparse_attention_decode_op.register_fake
-def _(q, kv_cache, indices, sm_scale, d_v=512, *args, **kwargs):
-    if q.dim() == 3:
-        shape = (q.shape[0], q.shape[1])
-    else:  # [B, S, Hq, D]: one index set per sequence or per token, the same output shape
-        shape = (q.shape[0], q.shape[1], q.shape[2])
-    return q.new_empty((*shape, d_v)), q.new_empty(shape, dtype=torch.float32)
-
-
-@_op("sparse_attention_prefill")
-def sparse_attention_prefill_op(q: Tensor, kv_cache: Tensor, indices: Tensor, sm_scale: float, d_v: int = 512,
-                                block_table: Optional[Tensor] = None, check_values: bool = True,
-                                config: Optional[str] = None) -> tuple[Tensor, Tensor]:
-    """:func:`dt.sparse_attention_prefill`: ``(out [T, Hq, d_v] q's dtype, lse [T, Hq] fp32)``."""
-    return _sparse(sparse_attention_prefill, q, kv_cache, indices, sm_scale, d_v, block_table, check_values, config)
-
-
-@sparse_attention_prefill_op.register_fake
-def _(q, kv_cache, indices, sm_scale, d_v=512, *args, **kwargs):
-    return q.new_empty((q.shape[0], q.shape[1], d_v)), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+sparse_attention_decode_op = _attention_op("sparse_attention_decode", sparse_attention_decode, """\
+:func:`dt.sparse_attention_decode`: ``(out [B, (S,) Hq, d_v] q's dtype, lse [B, (S,) Hq] fp32)``.""")
+sparse_attention_prefill_op = _attention_op("sparse_attention_prefill", sparse_attention_prefill, """\
+:func:`dt.sparse_attention_prefill`: ``(out [T, Hq, d_v] q's dtype, lse [T, Hq] fp32)``.""")
 
 
 # -- MXFP4 --------------------------------------------------------------------------------------------------------
