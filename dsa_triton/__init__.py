@@ -25,6 +25,8 @@ from .moe import (FP8Workspace, RoutingConfig, deepseek_topk, fp8_grouped_gemm, 
                   moe_forward, mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8, route, route_topk,
                   softmax_topk, swiglu)
 
+from . import library  # noqa: E402  (every public op as a custom op under torch.ops.dsa)
+
 __all__ = [
     "registry", "ConfigError",
     # attention
