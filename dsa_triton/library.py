@@ -61,7 +61,7 @@ from .checks import check_tensor
 from .hostmath import cdiv
 from .moe import ExpertSort
 # the launch-only entry points of the load-time MXFP4 ops (what their registry entries time): check_values=False
-from .moe.convert import convert_all
+from .moe.mxfp4_to_fp8 import convert_all
 from .moe.mxfp4 import dequantize_launch, quantize_launch
 
 NAMESPACE = "dsa"
