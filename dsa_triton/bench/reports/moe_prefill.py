@@ -69,6 +69,11 @@ def _timed(fn, device) -> float:
     return (time.perf_counter() - start) * 1e6
 
 
+def _nanmin(*xs: float) -> float:
+    finite = [x for x in xs if x == x]
+    return min(finite) if finite else math.nan
+
+
 def _baseline(name: str, fn, expected: torch.Tensor, device, errors: list[str], rows=None) -> float:
     """Median microseconds of a baseline after checking its output (its ``rows``, when given) against ``expected``;
     a baseline that fails or differs adds its error to ``errors`` (the row fails, naming it) and returns NaN."""
