@@ -45,7 +45,7 @@ class KernelOps:
 
     def attention(self, q, kv_cache, slots, sm_scale: float, d_v: int, decode: bool) -> torch.Tensor:
         op = dt.sparse_attention_decode if decode else dt.sparse_attention_prefill
-        return op(q, kv_cache, slots, sm_scale, d_v, check_indices=self.check_values)[0]
+        return op(q, kv_cache, slots, sm_scale, d_v, check_values=self.check_values)[0]
 
     @staticmethod
     def moe(x, *args, **kwargs) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Sparse paged attention (Triton interpreter on CPU, fp16) against the fp32 PyTorch reference.
+"""Sparse paged attention (Triton interpreter on CPU; fp16, and bf16 in one test) against the fp32 PyTorch reference.
 
 Every cache slot no sequence owns is NaN, and every buffer the op allocates (out, lse, split partials)
 starts as NaN: a stray read or an unwritten element shows up in the result.
@@ -40,14 +40,17 @@ def pick(rows: int, L: int, k: int, valid: list[int], g: torch.Generator) -> tor
     return idx.gather(1, torch.rand(rows, k, generator=g).argsort(dim=1)).to(torch.int32)
 
 
-def check(out, lse, ref_out, ref_lse):
-    assert out.dtype == torch.float16 and lse.dtype == torch.float32
+def check(out, lse, ref_out, ref_lse, dtype=torch.float16):
+    """Against the fp32 reference: out within 1e-3 + 2e-3 |ref| for fp16 (5e-3 + 1e-2 |ref| for bf16, whose
+    probabilities are rounded to 8 bits before the value dot), lse within 2e-5."""
+    assert out.dtype == dtype and lse.dtype == torch.float32
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
     assert not out.isnan().any() and not lse.isnan().any()
     empty = ref_lse == float("-inf")
     assert torch.equal(lse == float("-inf"), empty)
     assert bool((out[empty] == 0).all())
-    torch.testing.assert_close(out.float(), ref_out, atol=1e-3, rtol=2e-3)
+    atol, rtol = (5e-3, 1e-2) if dtype == torch.bfloat16 else (1e-3, 2e-3)
+    torch.testing.assert_close(out.float(), ref_out, atol=atol, rtol=rtol)
     torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=2e-5, rtol=0)
 
 
@@ -150,7 +153,7 @@ def test_out_of_range_indices_rejected_or_skipped():
     bad_slots[0, 3], bad_slots[1, 0] = num_slots, -7
     with pytest.raises(ValueError, match="indices"):
         dt.sparse_attention_decode(q, kv, bad_slots, 0.2, d_v=DV)
-    out, lse = dt.sparse_attention_decode(q, kv, bad_slots, 0.2, d_v=DV, config=CFG, check_indices=False)
+    out, lse = dt.sparse_attention_decode(q, kv, bad_slots, 0.2, d_v=DV, config=CFG, check_values=False)
     skipped = torch.where((bad_slots >= 0) & (bad_slots < num_slots), bad_slots, -1)
     check(out, lse, *sparse_attention_decode_torch(q, kv, skipped, 0.2, DV))
 
@@ -167,8 +170,92 @@ def test_out_of_range_indices_rejected_or_skipped():
         dt.sparse_attention_decode(q, kv, idx, 0.2, d_v=DV, block_table=bad_table)
     for indices, bt, skip in ((bad_pos, table, bad_pos >= table.shape[1] * P), (idx, bad_table, used)):
         out, lse = dt.sparse_attention_decode(q, kv, indices, 0.2, d_v=DV, block_table=bt, config=CFG,
-                                              check_indices=False)
+                                              check_values=False)
         check(out, lse, *sparse_attention_decode_torch(q, kv, torch.where(skip, -1, indices), 0.2, DV, table))
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_bf16_against_the_reference(decode):
+    """bf16 (a documented dtype) through both ops; in the interpreter the kernels upcast bf16 dot operands to fp32
+    (its bf16 ``tl.dot`` returns garbage)."""
+    g = torch.Generator().manual_seed(21)
+    B, H, L, k, P = 3, 4, 48, 24, 16
+    kv, table = random_paged_cache(B if decode else 1, L, P, D, torch.bfloat16, g)
+    q = torch.randn(B, H, D, generator=g).bfloat16()
+    idx = pick(B, L, k, [k, 7, 0], g)
+    bt = table if decode else table.expand(B, -1)
+    slots = slots_from_indices(idx, bt, P).to(torch.int32)
+    config = {**CFG, "num_splits": 2}
+    if decode:
+        out, lse = dt.sparse_attention_decode(q, kv, idx, 0.2, d_v=DV, block_table=table, config=config)
+        ref = sparse_attention_decode_torch(q, kv, idx, 0.2, DV, table)
+    else:
+        out, lse = dt.sparse_attention_prefill(q, kv, slots, 0.2, d_v=DV, config=config)
+        ref = sparse_attention_prefill_torch(q, kv, slots, 0.2, DV)
+    check(out, lse, *ref, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("d, d_v", [(72, 40), (100, 64)])  # value part, then rope part, not a power of two
+@pytest.mark.parametrize("decode", [True, False])
+def test_head_dims_that_are_not_powers_of_two(d, d_v, decode):
+    """Padded head-dim blocks: the tile mask's column term keeps q, the cache rows and out inside each row
+    (without it the padding reads the next part or row and out writes into the next row)."""
+    g = torch.Generator().manual_seed(d + d_v)
+    B, H, L, k, P = 3, 5, 40, 20, 16
+    kv, table = random_paged_cache(1, L, P, d, torch.float16, g)
+    q = torch.randn(B, H, d, generator=g).half()
+    slots = slots_from_indices(pick(B, L, k, [k, 6, 0], g), table.expand(B, -1), P).to(torch.int32)
+    op, oracle = ((dt.sparse_attention_decode, sparse_attention_decode_torch) if decode else
+                  (dt.sparse_attention_prefill, sparse_attention_prefill_torch))
+    out, lse = op(q, kv, slots, 0.2, d_v=d_v, config=CFG)
+    check(out, lse, *oracle(q, kv, slots, 0.2, d_v))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_nan_in_q_or_a_read_cache_row_gives_nan(num_splits):
+    """NaN in, NaN out (value checks off or on: they look at indices only): a NaN in q makes its row's out and lse
+    NaN; a NaN in a cache row makes NaN every row that reads it. An lse of -inf would claim an empty row."""
+    g = torch.Generator().manual_seed(num_splits)
+    B, H, L, k, P = 3, 4, 48, 32, 16
+    kv, table = paged_cache(1, L, P, g)
+    q = torch.randn(B, H, D, generator=g).half()
+    slots = slots_from_indices(pick(B, L, k, [k, 5, 0], g), table.expand(B, -1), P).to(torch.int32)
+    q[0, 1, 3] = float("nan")
+    read_by_1_only = int(next(s for s in slots[1].tolist() if s >= 0 and s not in slots[0].tolist()))
+    kv.view(-1, D)[read_by_1_only, D - 2] = float("nan")  # a rope dim: it enters the score only
+    config = {**CFG, "num_splits": num_splits}
+    for out, (ref_out, ref_lse) in (
+            (dt.sparse_attention_decode(q, kv, slots, 0.2, d_v=DV, config=config, check_values=False),
+             sparse_attention_decode_torch(q, kv, slots, 0.2, DV)),
+            (dt.sparse_attention_prefill(q, kv, slots, 0.2, d_v=DV, config=config),
+             sparse_attention_prefill_torch(q, kv, slots, 0.2, DV))):
+        out, lse = out
+        nan_rows = torch.zeros(B, H, dtype=torch.bool)
+        nan_rows[0, 1] = nan_rows[1] = True
+        assert torch.equal(ref_lse.isnan(), nan_rows)  # the reference's policy, the same
+        assert torch.equal(lse.isnan(), nan_rows) and bool(out[nan_rows].isnan().all())
+        check(out[~nan_rows], lse[~nan_rows], ref_out[~nan_rows], ref_lse[~nan_rows])
+
+
+def test_out_of_range_indices_raise_before_launch(monkeypatch):
+    """With check_values on (the default) an index outside the cache raises a ValueError naming ``indices``
+    before any launch; off, nothing is checked on the host."""
+    from dsa_triton.attention import sparse_attention
+
+    g = torch.Generator().manual_seed(4)
+    kv, table = paged_cache(1, 32, 16, g)
+    q = torch.randn(2, 3, D, generator=g).half()
+    slots = slots_from_indices(pick(2, 32, 8, [8], g), table.expand(2, -1), 16).to(torch.int32)
+    slots[1, 2] = kv.shape[0] * 16
+    launched, launch = [], sparse_attention.sparse_attention_fwd
+    monkeypatch.setattr(sparse_attention, "sparse_attention_fwd", lambda *args: launched.append(1) or launch(*args))
+    for op in (dt.sparse_attention_decode, dt.sparse_attention_prefill):
+        with pytest.raises(ValueError, match="indices"):
+            op(q, kv, slots, 0.2, d_v=DV, config=CFG)
+        assert not launched
+        op(q, kv, slots, 0.2, d_v=DV, config=CFG, check_values=False)
+        assert len(launched) == 1
+        launched.clear()
 
 
 def test_bad_inputs():

@@ -204,6 +204,38 @@ def test_zero_signs_at_the_bound(candidate_counts):
     assert (scores.gather(1, out.long()).view(torch.int32) == 0).all()  # only +0.0 taken
 
 
+def nan_ranked_above_a_number(scores, idx, lengths):
+    """Rows whose selection holds a NaN while a score it leaves out is neither NaN nor -inf."""
+    bad = []
+    for t, n in enumerate(lengths.tolist()):
+        row, sel = scores[t, :n], idx[t][idx[t] >= 0].long()
+        left = torch.ones(n, dtype=torch.bool)
+        left[sel] = False
+        if bool(row[sel].isnan().any()) and bool((row[left] > float("-inf")).any()):
+            bad.append(t)
+    return bad
+
+
+@pytest.mark.parametrize("config", [SMALL, cfg(ROUTE_MIN=2, HIST_BITS=8)])
+def test_nan_never_ranks_above_a_number(config):
+    """NaN of either sign and any payload ranks as -inf on every route (value checks look at lengths and tables
+    only, so the same with them off). Checked directly on the kernel and on the oracle, which could share a
+    wrong NaN order."""
+    g = torch.Generator().manual_seed(13)
+    L, k = 3000, 24
+    scores = torch.randn(6, L, generator=g)
+    bits = scores.view(torch.int32)
+    for t, pattern in enumerate((0x7FC00000, -4194304, 0x7F800001, -1, 0x7FFFFFFF, 0x7FC00000)):
+        bits[t, torch.rand(L, generator=g) < (0.2, 0.5, 0.9, 0.99, 0.1, 0.5)[t]] = pattern
+    scores[0, :100] = float("nan")  # the head of a row, and every sample piece's first score
+    scores[4, :: L // 32] = float("nan")
+    scores[5, 1::2] = float("-inf")
+    lengths = torch.tensor([L, L, 2000, L, 300, 1500], dtype=torch.int32)
+    out = run_and_check(scores, k, lengths, config=config)
+    assert nan_ranked_above_a_number(scores, out, lengths) == []
+    assert nan_ranked_above_a_number(scores, topk_indices_torch(scores, k, lengths), lengths) == []
+
+
 def test_unchecked_lengths_are_clamped():
     """With check_values=False a negative or too long length must still not read or write out of bounds."""
     g = torch.Generator().manual_seed(10)

@@ -6,11 +6,18 @@ sequence, or a prefill token) attends to the ``k`` rows its index set names:
 
 - ``indices`` are physical slots of ``kv_cache`` viewed as ``[num_pages * P, D]``, or, with ``block_table``,
   logical positions ``i`` that map to slot ``block_table[row, i // P] * P + i % P``;
-- ``-1`` is skipped; a query row without any valid index gets out 0 and lse -inf;
-- an index outside the cache (``>= num_pages * P``, a logical position past the block table, or a block-table
-  entry outside ``[0, num_pages)``) is never read: with ``check_indices=True`` (the default) the op raises a
-  ValueError before launch (one host sync); with ``check_indices=False`` (CUDA-graph capture, hot loops) the
-  kernel skips it like -1.
+- ``-1`` is skipped (padding); a query row without any valid index gets out 0 and lse -inf;
+- ``check_values=True`` (the default) range-checks the indices on the host (one sync) and raises a ValueError
+  naming the argument (``indices``, or ``block_table`` for a table entry in use) before any launch when an
+  index is below -1 or outside the cache (``>= num_pages * P``, a logical position past the block table, or one
+  whose block-table entry is outside ``[0, num_pages)``);
+- ``check_values=False`` (CUDA-graph capture, hot loops) checks nothing on the host: the caller promises every
+  index is -1 or in range (and the block-table entries it uses in ``[0, num_pages)``). The kernels still never
+  read outside the cache: an index that breaks the promise is skipped like -1.
+
+Non-finite values (checked or not: the checks look at indices only): NaN in, NaN out. A NaN in a query row
+makes that row's out and lse NaN; a NaN in a cache row makes NaN every query row whose index set reads it
+(never -inf, which would claim an empty row). Cache rows no index names are never read and may hold anything.
 
 Launch configs come from the tuning database through the registry (kernels ``sparse_attention_decode`` and
 ``sparse_attention_prefill``, see :mod:`.sparse_attention_spec`) unless ``config`` is given.
@@ -82,8 +89,8 @@ def _launch_config(spec: KernelSpec, shape: dict[str, int], device: torch.device
 
 
 def _attend(plan: "_Plan", q4: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, block_table: torch.Tensor | None,
-            sm_scale: float, check_indices: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if check_indices and idx.numel():
+            sm_scale: float, check_values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if check_values and idx.numel():
         _check_index_range(idx, block_table, plan.bt_div, kv.shape[0], plan.page_size)
     if block_table is not None:
         idx = logical_to_slots(idx, block_table, plan.bt_div, plan.page_size, kv.shape[0] // plan.page_size)
@@ -112,7 +119,7 @@ def _check_sm_scale(sm_scale) -> None:
 
 def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                             d_v: int = 512, block_table: torch.Tensor | None = None, config: dict | None = None,
-                            check_indices: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                            check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MQA decode: every head of a sequence shares each gathered cache tile.
 
     Args:
@@ -125,7 +132,8 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
         d_v: value width (<= D).
         block_table: ``[B, max_pages]`` int32 (needs the paged cache form), or None.
         config: an explicit launch config (validated), else the tuning database's / the default.
-        check_indices: validate the index range on the host (a sync; see the module docstring).
+        check_values: range-check the indices on the host (one sync) and raise a ValueError naming the argument
+            before launch; False: the caller promises they are -1 or in range (see the module docstring).
 
     Returns:
         ``out`` ``[B, (S,) Hq, d_v]`` in q's dtype and ``lse`` ``[B, (S,) Hq]`` fp32 (natural log).
@@ -140,7 +148,7 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
         q4, idx = q.reshape(B * S, 1, *q.shape[2:]), indices.reshape(B * S, -1)
     else:
         q4, idx = (q if q.dim() == 4 else q[:, None]), indices
-    return _attend(plan, q4, kv, idx, block_table, sm_scale, check_indices)
+    return _attend(plan, q4, kv, idx, block_table, sm_scale, check_values)
 
 
 def _checked_decode_plan(q, kv_cache, indices, block_table, d_v, config) -> _Plan:
@@ -165,7 +173,7 @@ def _checked_decode_plan(q, kv_cache, indices, block_table, d_v, config) -> _Pla
 
 def sparse_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                              d_v: int = 512, block_table: torch.Tensor | None = None, config: dict | None = None,
-                             check_indices: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                             check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MQA prefill: each query token attends to its own index set; rows are gathered inside the kernel
     (nothing of size ``[T, k, D]`` is built).
 
@@ -173,7 +181,7 @@ def sparse_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: t
         q: ``[T, Hq, D]`` bf16 / fp16.
         kv_cache: ``[num_pages, P, D]`` or ``[num_slots, D]``, q's dtype.
         indices: ``[T, k]`` int32 / int64: physical slots, or logical positions with ``block_table``; -1 skipped.
-        sm_scale, d_v, config, check_indices: as in :func:`sparse_attention_decode`.
+        sm_scale, d_v, config, check_values: as in :func:`sparse_attention_decode`.
         block_table: ``[T, max_pages]`` (the row of each token's sequence; ``bt[seq].expand(T, -1)`` for one
             sequence costs nothing) or ``[1, max_pages]`` shared by every token, or None.
 
@@ -187,7 +195,7 @@ def sparse_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: t
     kv = kv_cache.flatten(0, 1) if kv_cache.dim() == 3 else kv_cache
     if block_table is not None:
         block_table = block_table.expand(q.shape[0], -1)
-    return _attend(plan, q[:, None], kv, indices, block_table, sm_scale, check_indices)
+    return _attend(plan, q[:, None], kv, indices, block_table, sm_scale, check_values)
 
 
 def _checked_prefill_plan(q, kv_cache, indices, block_table, d_v, config) -> _Plan:

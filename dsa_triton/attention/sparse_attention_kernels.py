@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..hostmath import cdiv, next_pow2
+from ..runtime import interpreting
 
 LOG2E = 1.4426950408889634
 COMBINE_ELEMENTS = 4096  # fp32 partials one combine program loads at once (32 registers a thread at 4 warps)
@@ -63,10 +64,13 @@ def _sparse_attention_fwd(
     M, H, k_len, tokens_per_split, num_slots, qk_scale,
     s_qr, s_qs, s_qh, s_kv, s_ir,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     """Query row (r, m) is ``q_ptr + r*s_qr + (m // H)*s_qs + (m % H)*s_qh``; outputs are contiguous
-    ``[R, M, NUM_SPLITS, D_V]`` and lse ``[R, M, NUM_SPLITS]`` (with one split: the final out and lse)."""
+    ``[R, M, NUM_SPLITS, D_V]`` and lse ``[R, M, NUM_SPLITS]`` (with one split: the final out and lse).
+    ``DOT_FP32``: upcast the dot operands to fp32 (bf16 in the interpreter, whose bf16 ``tl.dot`` is wrong);
+    the probabilities are rounded to the cache dtype first either way. A NaN score makes ``l_i`` NaN, and
+    out and lse NaN with it (only ``l_i == 0`` is an empty row)."""
     pid = tl.program_id(0)
     num_hb = tl.cdiv(M, BLOCK_H)
     hb = pid % num_hb
@@ -95,23 +99,32 @@ def _sparse_attention_fwd(
         ok = (slot >= 0) & (slot < num_slots)
         rows = kv_ptr + tl.where(ok, slot, 0).to(tl.int64) * s_kv
         k_nope = tl.load(rows[:, None] + offs_dv[None, :], mask=_tile_mask(ok, offs_dv, D_V, BLOCK_DV), other=0.0)
-        qk = tl.dot(q_nope, tl.trans(k_nope))
+        if DOT_FP32:
+            qk = tl.dot(q_nope.to(tl.float32), tl.trans(k_nope.to(tl.float32)))
+        else:
+            qk = tl.dot(q_nope, tl.trans(k_nope))
         if D_R > 0:
             k_rope = tl.load(rows[:, None] + D_V + offs_dr[None, :], mask=_tile_mask(ok, offs_dr, D_R, BLOCK_DR),
                              other=0.0)
-            qk = tl.dot(q_rope, tl.trans(k_rope), qk)
+            if DOT_FP32:
+                qk = tl.dot(q_rope.to(tl.float32), tl.trans(k_rope.to(tl.float32)), qk)
+            else:
+                qk = tl.dot(q_rope, tl.trans(k_rope), qk)
         qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while nothing is valid yet
         p = tl.exp2(qk - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope)
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype).to(tl.float32), k_nope.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope)
         m_i = m_new
 
-    seen = l_i > 0
-    l_ref = tl.where(seen, l_i, 1.0)
-    lse = tl.where(seen, (m_i + tl.log2(l_ref)) * _LN2, float("-inf"))
+    empty = l_i == 0  # not NaN: a NaN score propagates to out and lse
+    l_ref = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_ref)) * _LN2)
     out = acc / l_ref[:, None]
     out_row = (r * M + offs_m) * NUM_SPLITS + split
     tl.store(out_ptr + out_row[:, None] * D_V + offs_dv[None, :], out.to(out_ptr.dtype.element_ty),
@@ -124,7 +137,8 @@ def _combine_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, D_V: tl.conste
                     BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
     """Grid (rows, cdiv(D_V, BLOCK_C)): ``part_out[rows, NUM_SPLITS, D_V]`` fp32, ``part_lse[rows, NUM_SPLITS]``
     (natural log, -inf for an empty split) -> ``out[rows, D_V]``, ``lse[rows]``; every split of a column chunk
-    is loaded at once (one memory round trip). A row with every split empty gives 0, -inf."""
+    is loaded at once (one memory round trip). A row with every split empty gives 0, -inf; a NaN split lse
+    gives NaN."""
     row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < NUM_SPLITS
@@ -135,11 +149,12 @@ def _combine_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, D_V: tl.conste
     m = tl.max(lse_s, 0)
     w = tl.exp(lse_s - tl.where(m == float("-inf"), 0.0, m))  # 0 for empty splits
     total = tl.sum(w, 0)
-    seen = total > 0
-    acc = tl.sum(part * (w / tl.where(seen, total, 1.0))[:, None], 0)
+    empty = total == 0  # not NaN
+    total_ref = tl.where(empty, 1.0, total)
+    acc = tl.sum(part * (w / total_ref)[:, None], 0)
     tl.store(out_ptr + row * D_V + offs_c, acc.to(out_ptr.dtype.element_ty), mask=offs_c < D_V)
     if tl.program_id(1) == 0:
-        tl.store(lse_ptr + row, tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), float("-inf")))
+        tl.store(lse_ptr + row, tl.where(empty, float("-inf"), m + tl.log(total_ref)))
 
 
 def head_blocks(d: int, d_v: int) -> tuple[int, int]:
@@ -187,6 +202,7 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), slots.stride(0),
         D_V=d_v, D_R=D - d_v, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
         NUM_SPLITS=num_splits, BLOCK_H=config["BLOCK_H"], BLOCK_N=block_n,
+        DOT_FP32=q.dtype == torch.bfloat16 and interpreting(),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     if num_splits > 1:

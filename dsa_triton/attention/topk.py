@@ -154,16 +154,24 @@ def topk_indices(
             default row t -> sequence t (then ``B >= T``).
         num_pages: optional size of the paged cache: block-table entries in use must be below it.
         check_values: range-check ``lengths``, ``row_to_seq`` and the block-table entries in use
-            (one device-to-host copy). Skipped inside CUDA-graph capture; pass False in hot loops
-            when the inputs are known good. The kernels never read out of bounds either way.
+            (one device-to-host copy) and raise a ValueError naming the argument before launch.
+            Skipped inside CUDA-graph capture; pass False in hot loops when the inputs are known good.
+            Off, the caller promises ``lengths`` in ``[0, L]``, ``row_to_seq`` in ``[0, B)`` and the
+            block-table entries in use in ``[0, num_pages)``: lengths are clamped to ``[0, L]`` either
+            way, but a ``row_to_seq`` entry outside ``[0, B)`` makes the kernel read outside
+            ``block_table``, and a bad table entry gives slots outside the cache.
         config: launch parameters (default: the tuning database's, else the registered default).
         out: optional ``[T, k]`` int32 contiguous tensor to write (and return).
 
     Returns:
         ``idx[T, k]`` int32. Row t holds ``min(k, lengths[t])`` indices first, in no particular order
         (it may differ between runs), then -1. Exact: the multiset of selected scores equals that of
-        a sorted top-k; among equal scores any may be taken. ``-inf`` inside the valid range is a
-        valid, lowest score (taken only when fewer than k larger ones exist); NaN ranks as ``-inf``.
+        a sorted top-k; among equal scores any may be taken.
+
+    Non-finite scores (inside a row's length; not rejected, with value checks on or off): ``+inf`` is
+    the highest score and ``-inf`` a valid, lowest one (taken only when fewer than k larger ones exist).
+    NaN, of either sign and any payload, ranks as ``-inf``: a NaN is never taken over a score that is
+    not ``-inf`` or NaN, and among NaN and ``-inf`` any may be taken.
     """
     key, plan = _PLANS.find((scores, lengths, block_table, row_to_seq, out), (k, page_size, num_pages), config)
     if plan is None:

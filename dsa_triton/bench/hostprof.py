@@ -85,9 +85,9 @@ def cases(device: torch.device) -> Iterator[tuple[str, Callable[[], object]]]:
         qd = torch.empty(b, 128, 576, dtype=torch.bfloat16, **e)
         idx = torch.zeros(b, 2048, dtype=torch.int32, **e)
         yield f"sparse_attention_decode B={b}", (lambda qd=qd, idx=idx: dt.sparse_attention_decode(
-            qd, kv, idx, 0.1352, check_indices=False))
+            qd, kv, idx, 0.1352, check_values=False))
         yield f"sparse_attention_decode B={b} block_table", (lambda qd=qd, idx=idx, bt=table[:b]: dt.sparse_attention_decode(
-            qd, kv, idx, 0.1352, block_table=bt, check_indices=False))
+            qd, kv, idx, 0.1352, block_table=bt, check_values=False))
 
 
 def host_times(device: torch.device, names: list[str] = (), calls: int = 200, rounds: int = 15) -> list[dict]:
