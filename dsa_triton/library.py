@@ -46,7 +46,6 @@ switch for uniformity; it changes nothing for them. ``fused_moe_gemm`` checks th
 (offsets rising within the rows, tokens and experts in range: one transfer).
 """
 import functools
-import inspect
 import json
 from typing import Optional
 
@@ -65,9 +64,6 @@ from .moe.mxfp4_to_fp8 import convert_all
 from .moe.mxfp4 import dequantize_launch, quantize_launch
 
 NAMESPACE = "dsa"
-# the sparse-attention ops' name for the switch (``check_indices`` until its rename to ``check_values`` lands)
-_SPARSE_CHECK = "check_values" if "check_values" in inspect.signature(sparse_attention_decode).parameters \
-    else "check_indices"
 
 
 def _op(name: str, mutates_args: tuple = ()):
@@ -226,7 +222,7 @@ def _attention_op(name: str, fn, doc: str):
            block_table: Optional[Tensor] = None, check_values: bool = True,
            config: Optional[str] = None) -> tuple[Tensor, Tensor]:
         return fn(q, kv_cache, indices, sm_scale, d_v, block_table, config=_config(config),
-                  **{_SPARSE_CHECK: check_values})
+                  check_values=check_values)
 
     op.__doc__ = doc
     registered = _op(name)(op)
