@@ -7,7 +7,10 @@ import torch
 import dsa_triton as dt
 from dsa_triton import registry
 from dsa_triton.attention.block_scores_reference import gather_selected_torch, page_bounds_torch
+from dsa_triton.attention.indexer_reference import indexer_logits_torch
 from dsa_triton.attention.indexer_spec import compare_logits, random_queries
+from dsa_triton.attention.page_select_reference import select_pages_torch
+from dsa_triton.runtime import default_device, interpreting
 
 from .poison import poisoned_allocations
 from .test_indexer import decode_rows, paged_cache
@@ -166,6 +169,8 @@ def test_page_select_ties_and_nan():
     assert dt.select_pages(bounds, 3).tolist() == [[1, 2, 3]]  # ties: the lower pages first
     assert dt.select_pages(bounds, 6).tolist() == [[0, 1, 2, 3, 4, 6]]
     assert dt.select_pages(bounds, 9).tolist() == [[0, 1, 2, 3, 4, 6, -1, -1, -1]]  # -inf and NaN never
+    for n in (6, 9):  # the reference agrees: NaN ranks as -inf, not first (torch.topk's order)
+        assert select_pages_torch(bounds, n).tolist() == dt.select_pages(bounds, n).tolist()
     with pytest.raises(ValueError, match="^n_select"):
         dt.select_pages(bounds, 0)
     with pytest.raises(ValueError, match="^bounds: dtype"):
@@ -234,3 +239,47 @@ def test_hostprof_stubs_every_launch():
     assert torch.empty is empty
     assert rows["block_indexer_logits"]["launches"] == 3 and rows["topk_indices T=1"]["launches"] == 3
     assert all(r["host_us"] > 0 for r in rows.values())
+
+
+def test_non_finite_keys_and_queries_give_nan_never_a_score():
+    """Value checks off: a key appended with an inf or a NaN has NaN logits for every row that sees it and its page a
+    NaN bound, which select_pages never takes, so the block path never returns it; every other logit and bound
+    equals the reference. On a GPU, a NaN in one query head makes that row's logits and bounds NaN (relu keeps NaN)."""
+    device = default_device()  # runs on a GPU where there is one: the GPU's max drops NaN unless told not to
+    P, DK, H, lens = 16, 32, 8, [40, 20]
+    g = torch.Generator().manual_seed(0)
+    cache = dt.PagedCache(8, P, 2, kv_dim=0, index_dim=DK, device=device, poison=True)
+    keys = torch.randn(60, DK, generator=g)
+    keys[21, 5], keys[45, 0] = float("inf"), float("nan")  # sequence 0's page 1, sequence 1's page 0
+    cache.append([0, 1], lens, None, keys.to(device), check_values=False)
+    limits, cu = (t.to(device) for t in decode_rows(lens, [2, 1]))
+    q, w = (t.to(device) for t in random_queries(3, H, DK, g))
+    table, seq_lens = cache.block_table, cache.seq_lens
+    nan_at = torch.zeros(3, 40, dtype=torch.bool)
+    nan_at[:2, 21] = nan_at[2, 5] = True
+    out = dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, cu_seqlens_q=cu, block_table=table,
+                            seq_lens=seq_lens).cpu()
+    ref = indexer_logits_torch(*(t.cpu() for t in (q, w, cache.ik, cache.ik_scale, limits)), 40, cu_seqlens_q=cu.cpu(),
+                               block_table=table.cpu())
+    assert torch.equal(out.isnan(), nan_at) and torch.equal(ref.isnan(), nan_at)
+    assert compare_logits(out.where(~nan_at, 0.0), ref.where(~nan_at, 0.0), rtol=1e-5) is None
+    bounds = dt.block_scores(q, w, cache.pmax, cache.pmin, table, seq_lens, limits, P, cu_seqlens_q=cu).cpu()
+    ref_bounds = page_bounds_torch(*(t.cpu() for t in (q, w, cache.pmax, cache.pmin, table, limits)), P, 3, cu.cpu())
+    bad_page = torch.tensor([[False, True, False]] * 2 + [[True, False, False]])
+    assert torch.equal(bounds.isnan(), bad_page) and torch.equal(ref_bounds.isnan(), bad_page)
+    assert compare_logits(bounds.where(~bad_page, 0.0), ref_bounds.where(~bad_page, 0.0), rtol=1e-5) is None
+    assert dt.select_pages(bounds.to(device), 3).tolist() == [[0, 2, -1], [0, 2, -1], [1, -1, -1]]
+    logits, pos = dt.block_indexer_logits(q, w, cache.ik, cache.ik_scale, cache.pmax, cache.pmin, table, seq_lens,
+                                          limits, 3, cu_seqlens_q=cu)
+    assert not bool(logits.isnan().any())
+    assert not bool(((pos // P == 1)[:2]).any()) and not bool(((pos >= 0) & (pos < 16))[2].any())
+    if interpreting():
+        return  # the interpreter reads the e4m3 NaN byte as 480: the query half runs on a GPU only
+    q_nan = q.clone()
+    q_nan.view(torch.uint8)[1, 3, 7] = 0x7F  # e4m3 NaN in one head of row 1
+    out = dt.indexer_logits(q_nan, w, cache.ik, cache.ik_scale, limits, cu_seqlens_q=cu, block_table=table,
+                            seq_lens=seq_lens).cpu()
+    assert bool(out[1, :40].isnan().all()) and torch.equal(out[[0, 2]].isnan(), nan_at[[0, 2]])
+    bounds = dt.block_scores(q_nan, w, cache.pmax, cache.pmin, table, seq_lens, limits, P, cu_seqlens_q=cu).cpu()
+    assert bool(bounds[1].isnan().all()) and torch.equal(bounds[[0, 2]].isnan(), bad_page[[0, 2]])
+    assert dt.select_pages(bounds.to(device), 3)[1].tolist() == [-1, -1, -1]

@@ -138,9 +138,21 @@ def test_bad_inputs():
         call(*args, num_cols=-1)
     with pytest.raises(ValueError, match="^max_q: a sequence has more than"):
         call(*args, cu_seqlens_q=torch.tensor([0, 2, 2], dtype=torch.int32), max_q=1)
+    for name, bad in (("cu_seqlens_q", dict(cu_seqlens_q=torch.tensor([0, 1, 1], dtype=torch.int32))),  # ends before T
+                      ("cu_seqlens_q", dict(cu_seqlens_q=torch.tensor([1, 1, 2], dtype=torch.int32))),
+                      ("seq_lens", dict(seq_lens=torch.tensor([20, -1], dtype=torch.int32))),
+                      ("seq_lens", dict(seq_lens=torch.tensor([20, 16 * cache.block_table.shape[1] + 1],
+                                                              dtype=torch.int32))),
+                      ("block_table", dict(block_table=cache.block_table.clone().index_fill_(1, torch.tensor([0]), -1)))):
+        with pytest.raises(ValueError, match=f"^{name}"):
+            call(*args, **bad)
     k8, scale = cache.ik.view(-1, 32)[16:40], cache.ik_scale.view(-1)[16:40]
     with pytest.raises(ValueError, match="^limits: key_starts"):
         dt.indexer_logits(q, w, k8, scale, limits, cu_seqlens_q=cu, key_starts=torch.tensor([0, 22], dtype=torch.int32))
+    for starts in ([-1, 0], [0, 25]):
+        with pytest.raises(ValueError, match="^key_starts"):
+            dt.indexer_logits(q, w, k8, scale, limits * 0, cu_seqlens_q=cu, key_starts=torch.tensor(starts,
+                                                                                                  dtype=torch.int32))
 
 
 def test_cached_plan_of_the_fast_path():

@@ -106,8 +106,15 @@ def block_scores(
     defaults to ``ceil(max(limits) / P)``; max_q and check_values as in
     :func:`~dsa_triton.indexer_logits`. ``config``: the ``indexer_block_path`` config.
 
+    The value checks (``check_values=True``; else the caller's promise), as in :func:`~dsa_triton.indexer_logits`:
+    ``cu_seqlens_q`` rises from 0 to ``T``, at most ``max_q`` rows a sequence, ``limits >= 0`` and at most the
+    sequence's ``seq_lens``, ``seq_lens[b]`` in ``[0, max_pages * page_size]``, every block-table entry of a used
+    page in ``[0, num_pages)``. A broken promise makes the kernel read outside the block table or the summaries.
+
     On the GPU the summaries enter bf16 tensor-core dots; dequantized FP8 keys are exact in bf16, so
-    the bound stays a bound up to fp32 rounding of the sums.
+    the bound stays a bound up to fp32 rounding of the sums. A NaN in ``q``, a weight or a page's summaries (a page
+    holding a key appended with a NaN or an inf) makes the page's bound NaN, never a finite number;
+    :func:`~dsa_triton.select_pages` never takes such a page.
     """
     key = plan = None
     if not check_values and num_cols is not None and (cu_seqlens_q is None or max_q is not None):  # no device value
@@ -146,7 +153,9 @@ def selected_page_logits(
     the page is -1 or the position is at or past ``limits[t]``).
 
     k ``[num_pages, P, DK]`` e4m3, k_scale ``[num_pages, P]`` fp32, pages ``[T, n_sel]`` int32 logical
-    page indices (-1 = none, e.g. from :func:`select_pages`); the rest as in :func:`block_scores`.
+    page indices (-1 = none, e.g. from :func:`~dsa_triton.select_pages`); the rest as in :func:`block_scores`.
+    The value checks add, for ``pages``: every entry is -1 or a page below its row's sequence length (a broken
+    promise reads outside the block table). Non-finite values as in :func:`~dsa_triton.indexer_logits`.
     """
     key = plan = None
     if not check_values and (cu_seqlens_q is None or max_q is not None):  # no device value
@@ -189,6 +198,9 @@ def block_indexer_logits(
     ``return_bounds``. ``max_len``: at least ``max(limits)`` (sizes the bound matrix; default read off
     ``limits``). Everything is checked once, up front (one device-to-host transfer); with
     ``check_values=False``, ``max_len`` and ``max_q`` given, none (CUDA-graph safe). Three launches.
+    The value checks are those of :func:`block_scores` and ``max_len >= max(limits)``; a ``max_len`` below a
+    limit (checks off) reads nothing outside, but pages past ``max_len`` are never scored. A key appended with a
+    NaN or an inf is never returned: its page's bound is NaN, and NaN bounds are never selected.
     """
     check_positive("n_select", n_select)
     if max_len is not None:

@@ -19,6 +19,7 @@ through the registry (kernel ``paged_append``, see :mod:`.cache_spec`) unless ``
 """
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import torch
@@ -107,21 +108,36 @@ def append_tokens(
 
     kv_cache ``[num_pages, P, D]``, kv ``[N, D]`` same dtype; ik ``[num_pages, P, DK]`` e4m3,
     ik_scale ``[num_pages, P]`` fp32, summaries ``[num_pages, 2, DK]`` bf16 or fp32, index_k ``[N, DK]`` float.
-    ``items[n, 4]`` int32: (first row of kv/index_k, token count, physical page, first slot in the page);
-    an item may not cross a page and pages must be distinct across items. Either the latent or the
-    index part may be ``None`` (both its cache and its new tokens). ``check_values``: check the items'
-    ranges and distinct pages on the device (one transfer); ``False`` (CUDA graphs, hot loops with items
-    built by a trusted planner) skips them. Shapes, dtypes and devices are always checked (once per
-    tensor metadata and config).
+    ``items[n, 4]`` int32: (first row of kv/index_k, token count, physical page, first slot in the page).
+    Either the latent or the index part may be ``None`` (both its cache and its new tokens). Shapes, dtypes,
+    devices and ``config`` are always checked (once per tensor metadata and config), before anything is written.
+
+    ``check_values=True`` also checks on the device, in one transfer, what the kernel relies on, and raises a
+    ValueError naming the argument before any write: every item's rows ``src .. src + count`` lie in ``[0, N)``
+    (``count >= 0``), its page in ``[0, num_pages)``, its slots ``first .. first + count`` in ``[0, P]``, no page
+    appears in two items; and every value of ``kv`` and ``index_k`` is finite. ``check_values=False`` (CUDA
+    graphs, hot loops with items built by a trusted planner) skips these checks and never waits on the device:
+    the caller then promises the item conditions above, and an item that breaks them makes the kernel read
+    outside ``kv`` / ``index_k`` or write outside the caches.
+
+    Non-finite values with ``check_values=False``: they propagate as NaN, never as a finite wrong number. A
+    ``kv`` row is copied as it is. An ``index_k`` row with a NaN or an inf gets a NaN scale and NaN key bytes
+    (so every logit of that key is NaN), and its page's summaries turn NaN in every dimension and stay NaN
+    until the page is written again from slot 0 (so the page's bound is NaN, which page selection never takes).
     """
+    P, n, num_pages, config = _append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config)
+    if check_values:
+        _check_values(kv, index_k, items, n, num_pages, P)
+    launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config)
+
+
+def _append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config) -> tuple:
+    """The checked plan of an append, ``(P, N, num_pages, config)``: cached per tensor metadata and config."""
     key, plan = _APPEND_PLANS.find((kv_cache, ik, ik_scale, summaries, kv, index_k, items), (), config)
     if plan is None:
         plan = _APPEND_PLANS.put(key, _checked_append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items,
                                                            config))
-    P, n, num_pages, config = plan
-    if check_values and items.shape[0]:
-        _check_items(items, n, num_pages, P)
-    launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config)
+    return plan
 
 
 _APPEND_PLANS = PlanCache()
@@ -143,23 +159,40 @@ def _checked_append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items, 
     return P, n, num_pages, config
 
 
-def _check_items(items: torch.Tensor, n: int, num_pages: int, P: int) -> None:
-    """Token ranges in ``[0, n)``, pages in ``[0, num_pages)``, slots inside a page, distinct pages: one transfer."""
-    src, count, page, first = items.long().unbind(1)
-    pages = page.sort().values
-    bad = torch.stack([((src < 0) | (count < 0) | (src + count > n)).any(), ((page < 0) | (page >= num_pages)).any(),
-                       ((first < 0) | (first + count > P)).any(), (pages[1:] == pages[:-1]).any()]).tolist()
-    messages = (f"items: token ranges must lie in [0, {n})", f"items: pages must lie in [0, {num_pages})",
-                f"items: slots must stay inside a page of {P}", "items: each page may appear in one item only")
-    for failed, message in zip(bad, messages):
-        if failed:
-            raise ValueError(message)
+def _check_values(kv, index_k, items: torch.Tensor | None, n: int, num_pages: int, P: int) -> None:
+    """Token ranges in ``[0, n)``, pages in ``[0, num_pages)``, slots inside a page, distinct pages (when ``items``
+    is given); finite new tokens: one transfer."""
+    checks = []
+    if items is not None and items.shape[0]:
+        src, count, page, first = items.long().unbind(1)
+        pages = page.sort().values
+        checks += [(((src < 0) | (count < 0) | (src + count > n)).any(), f"items: token ranges must lie in [0, {n})"),
+                   (((page < 0) | (page >= num_pages)).any(), f"items: pages must lie in [0, {num_pages})"),
+                   (((first < 0) | (first + count > P)).any(), f"items: slots must stay inside a page of {P}"),
+                   ((pages[1:] == pages[:-1]).any(), "items: each page may appear in one item only")]
+    checks += [((~t.isfinite()).any(), f"{name}: every value must be finite (NaN or inf found)")
+               for name, t in (("kv", kv), ("index_k", index_k)) if t is not None and t.numel()]
+    if checks:
+        for failed, (_, message) in zip(torch.stack([bad for bad, _ in checks]).tolist(), checks):
+            if failed:
+                raise ValueError(message)
 
 
 def _append_shape(kv_cache, ik, n_tokens: int, n_items: int) -> dict[str, int]:
     cache = kv_cache if kv_cache is not None else ik
     return {"P": cache.shape[1], "D": kv_cache.shape[-1] if kv_cache is not None else 0,
             "DK": ik.shape[-1] if ik is not None else 0, "N": n_tokens, "B": n_items}
+
+
+def as_index(name: str, value) -> int:
+    """``value`` as an ``int`` if it is an integer (Python, NumPy or a one-element integer tensor), not a bool;
+    else a ValueError naming ``name`` (``int()`` would truncate ``1.7`` and parse ``"1"``)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{name}: must be integers, got {value!r}")
 
 
 def page_items(row: int, start: int, n: int, pages: Sequence[int], P: int) -> list[tuple[int, int, int, int]]:
@@ -175,30 +208,52 @@ def page_items(row: int, start: int, n: int, pages: Sequence[int], P: int) -> li
 
 
 class PageAllocator:
-    """A free list of physical pages: ``allocate(n)`` hands out pages, ``free(pages)`` takes them back."""
+    """A free list of physical pages: ``allocate(n)`` hands out pages, ``free(pages)`` takes them back.
+
+    A call that raises changes nothing."""
 
     def __init__(self, num_pages: int):
         check_positive("num_pages", num_pages)
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))
+        self._is_free = bytearray([1]) * num_pages
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` (>= 0) free pages off the list; returns their ids."""
-        if not isinstance(n, int) or n < 0:
+    def peek(self, n: int) -> list[int]:
+        """The ``n`` pages the next ``allocate(n)`` hands out, without taking them."""
+        n = as_index("n", n)
+        if n < 0:
             raise ValueError(f"n: must be an integer >= 0, got {n!r}")
         if n > len(self._free):
             raise ValueError(f"n: {n} pages requested, {len(self._free)} free")
-        pages = self._free[len(self._free) - n:][::-1]
-        del self._free[len(self._free) - n:]
+        return self._free[len(self._free) - n:][::-1]
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` (>= 0) free pages off the list; returns their ids. ``allocate(a + b)`` hands out the pages of
+        ``allocate(a)`` and then ``allocate(b)``, in that order."""
+        pages = self.peek(n)
+        del self._free[len(self._free) - len(pages):]
+        for p in pages:
+            self._is_free[p] = 0
         return pages
 
     def free(self, pages: Sequence[int]) -> None:
-        """Return ``pages`` to the free list (the next ``allocate`` hands them out first)."""
-        self._free.extend(reversed(list(pages)))
+        """Return ``pages`` (distinct, allocated page ids) to the free list (the next ``allocate`` hands them out
+        first)."""
+        pages = [as_index("pages", p) for p in pages]
+        for p in pages:
+            if not 0 <= p < self.num_pages:
+                raise ValueError(f"pages: must lie in [0, {self.num_pages}), got {p}")
+            if self._is_free[p]:
+                raise ValueError(f"pages: page {p} is free already")
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"pages: must be distinct, got {pages}")
+        for p in pages:
+            self._is_free[p] = 1
+        self._free.extend(reversed(pages))
 
 
 class PagedCache:
@@ -206,8 +261,10 @@ class PagedCache:
 
     ``kv_dim`` or ``index_dim`` may be 0 to leave that cache out. ``poison=True`` fills every slot with
     NaN (tests: a slot that was never written must never reach an output). ``summary_dtype``: bf16
-    (exact, the default) or fp32. Host-side bookkeeping
-    (lengths, pages) lives in Python lists, so ``append`` never waits on the device.
+    (exact, the default) or fp32. ``max_pages_per_seq`` (default ``num_pages``) is the block table's width.
+    Host-side bookkeeping (lengths, pages) lives in Python lists, so ``append`` with ``check_values=False``
+    never waits on the device. A call that raises changes nothing: not the lengths, the block table, the
+    allocator or the caches.
     """
 
     def __init__(
@@ -227,13 +284,17 @@ class PagedCache:
 
         check_positive("num_pages", num_pages)
         check_positive("max_seqs", max_seqs)
-        if page_size not in PAGE_SIZES:
-            raise ValueError(f"page_size: must be one of {PAGE_SIZES}, got {page_size}")
-        if kv_dim < 0 or index_dim < 0 or kv_dim + index_dim == 0:
-            raise ValueError(f"kv_dim, index_dim: must be >= 0 and not both 0, got {kv_dim}, {index_dim}")
+        if type(page_size) is not int or page_size not in PAGE_SIZES:  # 16.0 == 16 would reach torch.full
+            raise ValueError(f"page_size: must be one of {PAGE_SIZES}, got {page_size!r}")
+        for name, dim in (("kv_dim", kv_dim), ("index_dim", index_dim)):
+            if type(dim) is not int or dim < 0:
+                raise ValueError(f"{name}: must be an integer >= 0, got {dim!r}")
+        if kv_dim + index_dim == 0:
+            raise ValueError("kv_dim, index_dim: must not both be 0")
         if summary_dtype not in SUMMARY_DTYPES:
             raise ValueError(f"summary_dtype: must be one of {SUMMARY_DTYPES}, got {summary_dtype}")
-        max_pages_per_seq = check_positive("max_pages_per_seq", max_pages_per_seq or num_pages)
+        max_pages_per_seq = num_pages if max_pages_per_seq is None else check_positive("max_pages_per_seq",
+                                                                                      max_pages_per_seq)
         device = torch.device(device) if device is not None else default_device()
         self.page_size, self.max_seqs, self.max_pages_per_seq = page_size, max_seqs, max_pages_per_seq
         fill = float("nan") if poison else 0.0
@@ -275,12 +336,19 @@ class PagedCache:
         index_k: torch.Tensor | None = None,
         *,
         config: dict | None = None,
+        check_values: bool = True,
     ) -> None:
         """Append ``lens[i]`` tokens to sequence ``seq_ids[i]``; rows of ``kv[N, kv_dim]`` and
         ``index_k[N, index_dim]`` are packed in that order (``N = sum(lens)``). A decode step is
-        ``lens = [1] * len(seq_ids)``. Pages are allocated as needed; nothing changes on a bad input.
+        ``lens = [1] * len(seq_ids)``. Pages are allocated as needed.
+
+        Everything is checked before anything changes (ids, lengths, tensors, free pages, ``config``), so a call
+        that raises leaves the cache as it was. ``check_values=True`` also checks that ``kv`` and ``index_k`` are
+        finite (one device-to-host transfer); with ``False`` the call never waits on the device and non-finite
+        keys propagate as NaN (see :func:`append_tokens`).
         """
-        seq_ids, lens = [int(s) for s in seq_ids], [int(n) for n in lens]
+        seq_ids = [as_index("seq_ids", s) for s in seq_ids]
+        lens = [as_index("lens", n) for n in lens]
         if len(seq_ids) != len(lens):
             raise ValueError(f"lens: {len(lens)} entries for {len(seq_ids)} seq_ids")
         if len(set(seq_ids)) != len(seq_ids) or any(not 0 <= s < self.max_seqs for s in seq_ids):
@@ -292,40 +360,51 @@ class PagedCache:
         P = self.page_size
         if any(self._lens[s] + n > self.max_pages_per_seq * P for s, n in zip(seq_ids, lens)):
             raise ValueError(f"lens: a sequence would exceed max_pages_per_seq * page_size = {self.max_pages_per_seq * P}")
-        new_pages = {s: cdiv(self._lens[s] + n, P) - len(self._pages[s]) for s, n in zip(seq_ids, lens)}
-        if sum(new_pages.values()) > self.allocator.num_free:
-            raise ValueError(f"lens: needs {sum(new_pages.values())} new pages, {self.allocator.num_free} free")
+        new_pages = [cdiv(self._lens[s] + n, P) - len(self._pages[s]) for s, n in zip(seq_ids, lens)]
+        if sum(new_pages) > self.allocator.num_free:
+            raise ValueError(f"lens: needs {sum(new_pages)} new pages, {self.allocator.num_free} free")
         _, n_rows, _ = _check_cache_tensors(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k)
         if n_rows != sum(lens):
             raise ValueError(f"kv, index_k: {n_rows} rows, but sum(lens) = {sum(lens)}")
-        if config is not None:
-            SPEC.validate(config, _append_shape(self.kv, self.ik, n_rows, len(seq_ids)))
+        if check_values:
+            _check_values(kv, index_k, None, n_rows, 0, P)
 
+        # the plan: each sequence's new pages (the allocator's next ones, in order), work items, table entries
+        fresh = iter(self.allocator.peek(sum(new_pages)))
+        taken = [[next(fresh) for _ in range(n)] for n in new_pages]
         items, table_updates, row = [], [], 0
-        for s, n in zip(seq_ids, lens):
-            fresh = self.allocator.allocate(new_pages[s])
-            table_updates += [(s, len(self._pages[s]) + j, p) for j, p in enumerate(fresh)]
-            self._pages[s] += fresh
-            items += page_items(row, self._lens[s], n, self._pages[s], P)
+        for s, n, mine in zip(seq_ids, lens, taken):
+            table_updates += [(s, len(self._pages[s]) + j, p) for j, p in enumerate(mine)]
+            items += page_items(row, self._lens[s], n, self._pages[s] + mine, P)
             row += n
-            self._lens[s] += n
         # one host-to-device copy: work items, new block-table entries, new lengths
         flat = [x for item in items for x in item] + [x for u in table_updates for x in u]
-        flat += [x for s in seq_ids for x in (s, self._lens[s])]
+        flat += [x for s, n in zip(seq_ids, lens) for x in (s, self._lens[s] + n)]
         meta = torch.tensor(flat, dtype=torch.int32).to(self.device)
         n_items, n_upd = 4 * len(items), 3 * len(table_updates)
         items_t = meta[:n_items].view(-1, 4)
+        config = _append_plan(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k, items_t, config)[3]
+        launch_append(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k, items_t, config)
+
+        # the launch is queued: commit the bookkeeping (the kernel reads none of it)
+        self.allocator.allocate(sum(new_pages))
+        for s, n, mine in zip(seq_ids, lens, taken):
+            self._pages[s] += mine
+            self._lens[s] += n
         upd = meta[n_items:n_items + n_upd].view(-1, 3).long()
         self.block_table[upd[:, 0], upd[:, 1]] = upd[:, 2].int()
         new_lens = meta[n_items + n_upd:].view(-1, 2)
         self.seq_lens[new_lens[:, 0].long()] = new_lens[:, 1]
-        append_tokens(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k, items_t, config=config,
-                      check_values=False)  # the items come from this cache's own bookkeeping
+
+    def _seq_id(self, seq_id) -> int:
+        seq_id = as_index("seq_id", seq_id)
+        if not 0 <= seq_id < self.max_seqs:
+            raise ValueError(f"seq_id: must be in [0, {self.max_seqs}), got {seq_id}")
+        return seq_id
 
     def release(self, seq_id: int) -> None:
         """Free sequence ``seq_id``'s pages and set its length to 0."""
-        if not 0 <= seq_id < self.max_seqs:
-            raise ValueError(f"seq_id: must be in [0, {self.max_seqs}), got {seq_id}")
+        seq_id = self._seq_id(seq_id)
         self.allocator.free(self._pages[seq_id])
         self._pages[seq_id], self._lens[seq_id] = [], 0
         self.block_table[seq_id] = -1
@@ -333,11 +412,9 @@ class PagedCache:
 
     def slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
         """Physical slots (int64) of logical ``positions`` of one sequence: ``table[i // P] * P + i % P``."""
-        if not 0 <= seq_id < self.max_seqs:
-            raise ValueError(f"seq_id: must be in [0, {self.max_seqs}), got {seq_id}")
+        seq_id = self._seq_id(seq_id)
         P = self.page_size
         positions = positions.to(self.device, torch.int64)
         if bool(((positions < 0) | (positions >= self._lens[seq_id])).any()):
             raise ValueError(f"positions: must lie in [0, {self._lens[seq_id]})")
         return self.block_table[seq_id].long()[positions // P] * P + positions % P
-

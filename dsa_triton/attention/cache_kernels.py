@@ -68,19 +68,29 @@ def append_kernel(
                 mask = tmask[:, None] & dmask[None, :]
                 x = tl.load(ix_src_ptr + (src + rows)[:, None] * stride_ix_src + offs_d[None, :], mask=mask, other=0.0)
                 x = x.to(tl.float32)
+                # a row with a NaN or an inf gets scale NaN and NaN keys; counted in integers, because a float
+                # max or min on the GPU returns the other operand of a NaN
+                bad = tl.sum((mask & ~(tl.abs(x) < float("inf"))).to(tl.int32), axis=1) > 0
                 amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
                 # scale = 2^ceil(log2(amax / 448)) from the bits: 448 = 1.75 * 2^8, so the exponent is
                 # exponent(amax) - 8, plus one when amax's mantissa exceeds 1.75 (exact, no division)
                 bits = amax.to(tl.int32, bitcast=True)
                 exp = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-                scale = (exp << 23).to(tl.float32, bitcast=True)
+                scale = tl.where(bad, float("nan"), (exp << 23).to(tl.float32, bitcast=True))
                 inv_scale = ((254 - exp) << 23).to(tl.float32, bitcast=True)
-                x8 = round_to_e4m3(x * inv_scale[:, None]).to(tl.float8e4nv)
+                x8 = round_to_e4m3(x * inv_scale[:, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+                x8 = tl.where(bad[:, None], 0x7F, x8).to(tl.uint8).to(tl.float8e4nv, bitcast=True)  # 0x7F: NaN
                 slot = page * P + first + rows
                 tl.store(ik_ptr + slot[:, None] * DK + offs_d[None, :], x8, mask=mask)
                 tl.store(iks_ptr + slot, scale, mask=tmask)
                 deq = x8.to(tl.float32) * scale[:, None]
+                # a page with a NaN key (now or in its old summary) keeps NaN summaries
+                tile_bad = tl.sum((bad & tmask).to(tl.int32), axis=0) > 0
+                nan_max = tile_bad | (run_max != run_max)
+                nan_min = tile_bad | (run_min != run_min)
                 run_max = tl.maximum(run_max, tl.max(tl.where(mask, deq, float("-inf")), axis=0))
                 run_min = tl.minimum(run_min, tl.min(tl.where(mask, deq, float("inf")), axis=0))
+                run_max = tl.where(nan_max, float("nan"), run_max)
+                run_min = tl.where(nan_min, float("nan"), run_min)
             tl.store(sum_ptr + page * 2 * DK + offs_d, run_max, mask=dmask)
             tl.store(sum_ptr + page * 2 * DK + DK + offs_d, run_min, mask=dmask)

@@ -2,6 +2,8 @@
 
 The quantization is DeepSeek-V3.2's (``act_quant`` with ue8m0 scales): per row ``amax = max|x|``
 clamped to 1e-4, ``scale = 2^ceil(log2(amax / 448))``, ``x8 = e4m3(x / scale)`` (round to nearest even).
+A row holding a NaN or an inf gets scale NaN and every ``x8`` NaN: it dequantizes to NaN, never to a finite
+wrong number.
 """
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ AMAX_FLOOR = 1e-4
 def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x[..., D]`` float -> ``(x8[..., D] float8_e4m3fn, scale[...] fp32)``, one power-of-two scale per row.
 
-    ``x8.float() * scale[..., None]`` approximates ``x`` (3 mantissa bits).
+    ``x8.float() * scale[..., None]`` approximates ``x`` (3 mantissa bits); a row with a NaN or an inf gets
+    scale NaN (and ``x8`` NaN).
     """
     amax = x.float().abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
     mant, exp = torch.frexp(amax / FP8_MAX)  # value = mant * 2^exp, mant in [0.5, 1)
     scale = torch.ldexp(torch.ones_like(amax), exp - (mant == 0.5).to(exp.dtype))  # 2^ceil(log2(value))
+    scale = scale.where(amax.isfinite(), float("nan"))
     x8 = (x.float() / scale[..., None]).to(torch.float8_e4m3fn)
     return x8, scale
 

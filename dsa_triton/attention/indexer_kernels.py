@@ -19,7 +19,8 @@ One kernel, :func:`logits_kernel`, serves three jobs (a constexpr ``MODE``):
 
 The chunk's pages are loaded before the tile loop and gathered per tile, so no key load depends on
 another load in the loop and Triton pipelines them ``num_stages`` deep. Everything outside ``[0, limit[t])``
-is ``-inf``. Every size (heads, head dim, page size) is a parameter.
+is ``-inf``. Every size (heads, head dim, page size) is a parameter. A NaN in q, a weight, a key, a key scale or a
+summary makes the scores it enters NaN (relu keeps NaN), never a finite number.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import triton
 import triton.language as tl
 
 DENSE, SELECTED, BOUND = 0, 1, 2  # the kernel's MODE
+NAN = tl.constexpr(tl.PropagateNan.ALL)  # relu and sign splits keep NaN (the GPU's plain max returns the other operand)
 
 
 @triton.jit
@@ -88,7 +90,7 @@ def logits_kernel(
         w = tl.load(w_ptr + q_row.to(tl.int64) * stride_wt + head, mask=r_ok, other=0.0)
         if MODE == 2:  # BOUND: q split by sign (exact in bf16), the parts swapped where the weight is < 0
             qf = q.to(tl.float32)
-            q_pos, q_neg = tl.maximum(qf, 0.0), tl.minimum(qf, 0.0)
+            q_pos, q_neg = tl.maximum(qf, 0.0, propagate_nan=NAN), tl.minimum(qf, 0.0, propagate_nan=NAN)
             up = (w >= 0.0)[:, None]
             q_max = tl.trans(tl.where(up, q_pos, q_neg).to(BOUND_DTYPE))  # multiplies pmax
             q_min = tl.trans(tl.where(up, q_neg, q_pos).to(BOUND_DTYPE))  # multiplies pmin
@@ -136,14 +138,14 @@ def logits_kernel(
                 k_max = tl.load(k_ptr + k_off, mask=k_mask, other=0.0).to(BOUND_DTYPE)
                 k_min = tl.load(k2_ptr + k_off, mask=k_mask, other=0.0).to(BOUND_DTYPE)
                 # w >= 0: ub = q+ . pmax + q- . pmin; w < 0: lb = q- . pmax + q+ . pmin (exact products)
-                s = tl.maximum(tl.dot(k_min, q_min, tl.dot(k_max, q_max)), 0.0) * w[None, :]
+                s = tl.maximum(tl.dot(k_min, q_min, tl.dot(k_max, q_max)), 0.0, propagate_nan=NAN) * w[None, :]
             else:
                 k = tl.load(k_ptr + k_off, mask=k_mask, other=0.0)
                 k_scale = next_scale
                 _, next_ok, _, next_krow = _tile_keys(n0 + BLOCK_N, c0, c_active, phys, lpages, key_start,
                                                       max_limit, MODE, PAGED, P, BLOCK_N)
                 next_scale = tl.load(ks_ptr + next_krow, mask=next_ok, other=0.0)
-                s = tl.maximum(tl.dot(k, q_t), 0.0) * w[None, :]  # [BLOCK_N, BLOCK_M * HP]
+                s = tl.maximum(tl.dot(k, q_t), 0.0, propagate_nan=NAN) * w[None, :]  # [BLOCK_N, BLOCK_M * HP]
             if BLOCK_M == 1:  # heads are the dot's N axis: the sum stays within a thread and its quad
                 s = tl.sum(s, axis=1)[:, None]
             else:

@@ -93,8 +93,9 @@ _PLANS = PlanCache()
 
 def select_pages(bounds: torch.Tensor, n_select: int, *, config: dict | None = None) -> torch.Tensor:
     """The ``n_select`` logical pages with the highest bounds per row: ``[T, n_select]`` int32 in
-    ascending order, -1 after the last valid page (bounds of ``-inf`` are never taken; among equal
-    bounds the lower page is taken first).
+    ascending order, -1 after the last valid page (bounds of ``-inf`` or NaN are never taken: NaN ranks as
+    ``-inf``, never first; among equal bounds the lower page is taken first). Any bound values are safe: the
+    kernel reads only ``bounds``.
 
     ``bounds``: ``[T, n_pages]`` fp32 (e.g. from :func:`~dsa_triton.block_scores`), last dim contiguous.
     ``config``: ``{"TILE", "num_warps"}`` (default: the tuning database / the registry default).

@@ -75,7 +75,7 @@ def cases(device: torch.device) -> Iterator[tuple[str, Callable[[], object]]]:
     kv = torch.empty(8192, P, 576, dtype=torch.bfloat16, **e)
     ik, ik_scale = torch.empty(8192, P, DK, dtype=torch.float8_e4m3fn, **e), torch.empty(8192, P, **e)
     cache = (kv, ik, ik_scale, torch.empty(8192, 2, DK, dtype=torch.bfloat16, **e))
-    new = (torch.empty(B, 576, dtype=torch.bfloat16, **e), torch.empty(B, DK, dtype=torch.bfloat16, **e))
+    new = (torch.zeros(B, 576, dtype=torch.bfloat16, **e), torch.zeros(B, DK, dtype=torch.bfloat16, **e))  # finite: checked
     items = torch.stack([torch.arange(B), torch.ones(B, dtype=torch.long), torch.arange(B) * 7, torch.arange(B) % P],
                         1).int().to(device)  # decode: one token per sequence, each on its own page
     for check in (True, False):
