@@ -342,3 +342,62 @@ def test_offsets_are_read_on_the_host_after_the_quantization_is_launched(config,
         y = fp8_grouped_gemm(x, offsets, blocks, scales, config=config)
     assert calls == ["quantize", "read"]
     check_against_reference(y, x, offsets, blocks, scales)
+
+
+@pytest.mark.parametrize("config", [CONFIG, REGISTERS, ROWS])
+@pytest.mark.parametrize("whole_row", [False, True])  # one block (the per-group route), or a row that still fits
+def test_a_nan_scale_is_rejected_when_checked_and_gives_nan_unchecked(config, whole_row):
+    """E8M0 0xFF is NaN: the checked call names the block; the unchecked one (no scan) turns the weight row's
+    outputs to NaN for the rows of its expert instead of a finite number, and leaves every other output as it was."""
+    x, offsets, blocks, scales = problem([6, 9, 5], 40, 160, seed=21)
+    clean = fp8_grouped_gemm(x, offsets, blocks, scales, config=config)
+    if whole_row:
+        scales[1, 3] = 0xFF
+    else:
+        scales[1, 3, 2] = 0xFF
+    with pytest.raises(ValueError, match=r"scales: block \(1, 3, [02]\) \(k (0|64)\.\..*0xFF"):
+        fp8_grouped_gemm(x, offsets, blocks, scales, config=config)
+    with poisoned_allocations():
+        y = fp8_grouped_gemm(x, offsets, blocks, scales, config=config, check_values=False)
+    expected = torch.zeros_like(y, dtype=torch.bool)
+    expected[6:15, 3] = True
+    assert torch.equal(y.isnan(), expected)
+    assert torch.equal(y[~expected], clean[~expected])
+
+
+@pytest.mark.parametrize("tile", [8192, 64])  # one pass, or two
+def test_a_non_finite_activation_row_quantizes_to_a_nan_scale(tile, monkeypatch):
+    monkeypatch.setattr(fp8_grouped_gemm_module, "QUANTIZE_TILE", tile)
+    monkeypatch.setattr(fp8_grouped_gemm_module, "QUANTIZE_STEP", (4, 64))
+    x = torch.randn(6, 160, generator=torch.Generator().manual_seed(8)).half()
+    x[1, 100], x[3, 7], x[4, 159] = float("nan"), float("inf"), -float("inf")
+    q, s = quantize_activations_fp8(x)
+    ref_q, ref_s = quantize_rows_fp8_torch(x)
+    bad = torch.tensor([False, True, False, True, True, False])
+    assert torch.equal(s.isnan(), bad) and torch.equal(ref_s.isnan(), bad)
+    assert torch.equal(s[~bad], ref_s[~bad]) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert not q[bad].view(torch.uint8).any()  # the row's elements are 0, its scale NaN
+
+
+@pytest.mark.parametrize("config", [CONFIG, REGISTERS, ROWS])
+def test_a_nan_activation_gives_a_nan_output_row(config):
+    x, offsets, blocks, scales = problem([6, 9, 5], 40, 160, seed=22)
+    clean = fp8_grouped_gemm(x, offsets, blocks, scales, config=config)
+    x[7, 33] = float("nan")
+    y = fp8_grouped_gemm(x, offsets, blocks, scales, config=config)
+    assert bool(y[7].isnan().all()) and not y[torch.arange(20) != 7].isnan().any()
+    assert torch.equal(y[torch.arange(20) != 7], clean[torch.arange(20) != 7])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled code only: the interpreter takes no PTX path")
+@pytest.mark.parametrize("k", [96, 160, 256])
+def test_registers_route_default_is_right_on_the_gpu_at_ragged_k(k):
+    """Issue 19: at K = 96 and 160 (not a multiple of 128) the registers route's default config (64-wide N tiles,
+    2 stages) gave wrong sums on the H200 while the interpreter passed: the converted words were reread as bytes
+    by a packed inline ``mov`` whose grouping of registers the compiler's layout did not keep."""
+    spec = registry.get("moe_workspace_gemm")
+    shape = {"M": 40, "E": 5, "N": 48, "K": k}
+    inputs = spec.make_inputs("prefill", shape, torch.device("cuda"), 0)
+    config = spec.default("prefill", shape)
+    assert config["IN_REGISTERS"] == 1
+    assert spec.compare(spec.run(inputs, config), spec.reference(inputs)) is None

@@ -114,3 +114,23 @@ def test_registry_entry_checks_out_on_its_cpu_shapes(name):
             assert spec.compare(spec.run(inputs, config), spec.reference(inputs)) is None
             broken = {"w": inputs["w"] * 3} if "w" in inputs else {**inputs, "scales": inputs["scales"] + 1}
             assert spec.compare(spec.run(broken, config), spec.reference(inputs)) is not None
+
+
+BAD_CONFIGS = [{}, {"BLOCK_B": 16, "num_warps": 2, "extra": 1}, {"BLOCK_B": 16, "num_warps": 0},
+               {"BLOCK_B": -1, "num_warps": 2}, {"BLOCK_B": 16}, {"BLOCK_B": 0, "num_warps": 2},
+               {"BLOCK_B": 16.0, "num_warps": 2}, {"BLOCK_B": True, "num_warps": 2}]
+
+
+@pytest.mark.parametrize("config", BAD_CONFIGS)
+def test_a_config_given_by_hand_is_validated(config):
+    w = torch.randn(4, 64)
+    blocks, scales = dt.mxfp4_quantize(w)
+    with pytest.raises(dt.ConfigError, match="mxfp4_quantize"):
+        dt.mxfp4_quantize(w, config=config)
+    with pytest.raises(dt.ConfigError, match="mxfp4_dequantize"):
+        dt.mxfp4_dequantize(blocks, scales, config=config)
+    with pytest.raises(dt.ConfigError, match="mxfp4_quantize"):  # also with nothing to launch
+        dt.mxfp4_quantize(torch.randn(0, 64), config=config)
+    good = {"BLOCK_B": 8, "num_warps": 1}
+    assert torch.equal(dt.mxfp4_dequantize(*dt.mxfp4_quantize(w, config=good), config=good),
+                       dt.mxfp4_dequantize(blocks, scales))

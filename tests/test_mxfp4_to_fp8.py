@@ -103,6 +103,20 @@ def test_bad_arguments_raise_before_launch():
         dt.mxfp4_to_fp8(blocks.transpose(0, 1).contiguous().transpose(0, 1), scales)
 
 
+@pytest.mark.parametrize("config", [
+    {}, {"BLOCK_N": 8, "GROUPS": 2, "num_warps": 4, "extra": 1}, {"BLOCK_N": 8, "GROUPS": 2, "num_warps": 0},
+    {"BLOCK_N": -8, "GROUPS": 2, "num_warps": 4}, {"BLOCK_N": 8, "GROUPS": 2}, {"BLOCK_N": 0, "GROUPS": 2, "num_warps": 4},
+    {"BLOCK_N": 8.0, "GROUPS": 2, "num_warps": 4}])
+def test_a_config_given_by_hand_is_validated(config):
+    blocks, scales = random_mxfp4((4,), 64, "cpu", seed=1)
+    with pytest.raises(dt.ConfigError, match="mxfp4_to_fp8"):
+        dt.mxfp4_to_fp8(blocks, scales, config=config)
+    with pytest.raises(dt.ConfigError, match="mxfp4_to_fp8"):  # also with nothing to launch
+        dt.mxfp4_to_fp8(blocks[:0], scales[:0], config=config)
+    w, s, n = dt.mxfp4_to_fp8(blocks, scales, config={"BLOCK_N": 4, "GROUPS": 1, "num_warps": 1})
+    assert torch.equal(w.view(torch.uint8), dt.mxfp4_to_fp8(blocks, scales)[0].view(torch.uint8))
+
+
 def test_registry_entry_checks_out_and_catches_a_wrong_result():
     spec = registry.get("mxfp4_to_fp8")
     (shape,) = spec.bench_shapes("prefill", False)

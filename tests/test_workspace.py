@@ -72,6 +72,34 @@ def test_acquire_waits_then_times_out_and_rejects_bad_counts():
     t.join()
 
 
+@pytest.mark.parametrize("count, timeout, match", [
+    (1.5, 1.0, "count"), (True, 1.0, "count"), (0, None, "count"), (3, None, "count"), ("1", None, "count"),
+    (1, -1.0, "timeout"), (1, "soon", "timeout"),
+])
+def test_a_bad_acquire_raises_at_once_and_changes_nothing(count, timeout, match):
+    """A count that is not a whole number of slots can never be met: it raises instead of waiting (timeout 1 s
+    bounds the wait where it would not); the slots stay free."""
+    ws = FP8Workspace(2, [(4, 32)], "cpu")
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=match):
+        with ws.acquire(count, timeout=timeout):
+            pass
+    assert time.perf_counter() - start < 0.5
+    assert ws._busy == [False, False] and ws._released == [None, None]
+    with ws.acquire(2) as lease:
+        assert (lease.first, lease.count) == (0, 2)
+
+
+@pytest.mark.parametrize("slots, shapes, match", [
+    (2.5, [(4, 32)], "slots"), (True, [(4, 32)], "slots"), (0, [(4, 32)], "slots"), ("2", [(4, 32)], "slots"),
+    (2, [(4.5, 32)], "shapes"), (2, [(4, 0)], "shapes"), (2, [], "shapes"), (2, [(4, 32, 1)], "shapes"),
+    (2, 4, "shapes"),
+])
+def test_bad_workspace_sizes_raise_naming_the_argument(slots, shapes, match):
+    with pytest.raises(ValueError, match=match):
+        FP8Workspace(slots, shapes, "cpu")
+
+
 def test_views_fit_every_sized_shape_and_conversion_writes_into_them():
     ws = FP8Workspace(3, [(12, 96), (20, 32)], "cpu")
     with ws.acquire(2) as lease:

@@ -54,7 +54,7 @@ from ..checks import check_kernel_device, check_tensor
 from ..hostmath import cdiv
 from .fp8_grouped_gemm_kernels import _fused_gemm_kernel, _grouped_gemm_kernel, _quantize_rows_kernel
 from .fp8_grouped_gemm_spec import SPEC
-from .mxfp4_to_fp8 import check_experts_layout, conversion_config, convert_experts, row_references
+from .mxfp4_to_fp8 import check_experts_layout, check_scales, conversion_config, convert_experts, row_references
 from .workspace import FP8Workspace, shared_workspace
 
 
@@ -65,8 +65,8 @@ QUANTIZE_STEP = (4, 1024)
 
 
 def interleaves(k: int, kb: int) -> bool:
-    """Whether the registers route reads ``x`` in :func:`.mxfp4_to_fp8_kernels.interleave_blocks` order: K of whole 128-k groups
-    (``K = 32 kb``, ``kb`` a multiple of 4), its ``EVEN_K``."""
+    """Whether the registers route reads ``x`` in :func:`.mxfp4_to_fp8_kernels.interleave_blocks` order: K of whole
+    128-k groups (``K = 32 kb``, ``kb`` a multiple of 4), its ``EVEN_K``."""
     return k == 32 * kb and kb % 4 == 0
 
 
@@ -285,8 +285,10 @@ def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, block
 
     - ``x_sorted`` bf16/fp16 ``[M, K]`` (rows contiguous), rows of expert ``e`` at
       ``expert_offsets[e] : expert_offsets[e + 1]`` (int32/int64 ``[E + 1]``, non-decreasing in ``[0, M]``);
-    - ``blocks`` uint8 ``[E, N, K_w/32, 16]``, ``scales`` uint8 ``[E, N, K_w/32]`` (validated at load:
-      :func:`validate_mxfp4`); ``K_w`` is ``K`` rounded up to 32 (the padding columns are ignored);
+    - ``blocks`` uint8 ``[E, N, K_w/32, 16]``, ``scales`` uint8 ``[E, N, K_w/32]``; ``K_w`` is ``K`` rounded up to 32
+      (the padding columns are ignored). A 0xFF (NaN) scale: ``ValueError`` naming its block with ``check_values``
+      (the scan is cached per tensor and in-place version), else NaN in the outputs of that weight row for the
+      rows of its expert;
     - ``config``: a ``moe_workspace_gemm`` config (None: the tuning database's for this shape);
     - ``workspace``: default the device's :func:`shared_workspace` (leased only when an expert takes the
       workspace route, whose conversions run on a side stream);
@@ -295,17 +297,20 @@ def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, block
 
     - ``check_values`` (default): read ``expert_offsets`` on the host (one sync, behind the activation
       quantization: the GPU quantizes while the host plans), check them and plan the tiles there. False, on the
-      registers route with every expert fitting it (trained weights: see :func:`.mxfp4_to_fp8_kernels.row_references`, whose
-      first call per weight syncs once): plan on the device (:func:`plan_on_device`), no sync, so the call can be
+      registers route with every expert fitting it (trained weights: see :func:`.mxfp4_to_fp8.row_references`,
+      whose first call per weight syncs once): plan on the device (:func:`plan_on_device`), no sync, so the call can be
       captured in a CUDA graph and an eager caller's host work overlaps the GPU's; the offsets are trusted (kept in
       bounds, not checked). Otherwise as True.
 
-    Returns ``y_sorted [M, N]`` in ``x_sorted``'s dtype (rows outside every expert are 0).
+    Returns ``y_sorted [M, N]`` in ``x_sorted``'s dtype (rows outside every expert are 0; a row of ``x_sorted``
+    holding NaN or inf gives a NaN row).
     """
     device = _check(x_sorted, expert_offsets, blocks, scales, workspace, unfit_counter)
     m, (e, n, kb) = x_sorted.shape[0], scales.shape
     shape = {"M": m, "E": e, "N": n, "K": 32 * kb}
     config = SPEC.launch_config("prefill", shape, device) if config is None else SPEC.validate(dict(config), shape)
+    if check_values:
+        check_scales("scales", scales)
     y = torch.empty(m, n, dtype=x_sorted.dtype, device=device)
     with prefill_call(x_sorted, expert_offsets, blocks, scales, y, config, workspace, unfit_counter,
                       trusted=not check_values) as run:

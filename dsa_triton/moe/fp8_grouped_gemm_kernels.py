@@ -38,10 +38,18 @@ def _store_e4m3(q_ptrs, scaled, mask, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
+def _non_finite_rows(x):
+    """int32 ``[R]``: 1 where the fp32 row ``x[R, C]`` holds NaN or inf (exponent bits all set; a bit test, which no
+    NaN-dropping maximum or compiler folding can lose)."""
+    return tl.max(((x.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32), axis=1)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                           ONE_PASS: tl.constexpr, INTERLEAVED: tl.constexpr):
     """``BLOCK_M`` rows per program; ``ONE_PASS`` (``BLOCK_K >= K``): each row tile is read once and kept in
-    registers, else read twice, ``BLOCK_K`` at a time (the row maximum, then the quantization)."""
+    registers, else read twice, ``BLOCK_K`` at a time (the row maximum, then the quantization). A row holding NaN
+    or inf gets scale NaN and elements 0: every product of it is NaN, as the exact one would be."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows64 = rows.to(tl.int64)[:, None]
     if ONE_PASS:
@@ -49,26 +57,32 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_M
         inside = (rows < M)[:, None] & (k < K)[None, :]
         x = widen_to_fp32(tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=inside, other=0.0))
         amax = tl.max(tl.abs(x), axis=1)
+        bad = _non_finite_rows(x)
     else:
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        bad = tl.zeros([BLOCK_M], dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=(rows < M)[:, None] & (k < K)[None, :],
-                        other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(widen_to_fp32(x)), axis=1))
+            x = widen_to_fp32(tl.load(x_ptr + rows64 * stride_x + k[None, :],
+                                      mask=(rows < M)[:, None] & (k < K)[None, :], other=0.0))
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+            bad = tl.maximum(bad, _non_finite_rows(x))
     bits = amax.to(tl.int32, bitcast=True)
     # smallest e with amax <= 448 * 2^e: amax = 1.f * 2^E gives E - 8, one more when 1.f > 1.75
     e = tl.maximum(((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32), -126)
     inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]
+    zero = (bad > 0)[:, None]
     if ONE_PASS:
-        _store_e4m3(q_ptr + rows64 * stride_q + k[None, :], x * inv_scale, inside, INTERLEAVED)
+        _store_e4m3(q_ptr + rows64 * stride_q + k[None, :], tl.where(zero, 0.0, x * inv_scale), inside, INTERLEAVED)
     else:
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             inside = (rows < M)[:, None] & (k < K)[None, :]
             x = widen_to_fp32(tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=inside, other=0.0))
-            _store_e4m3(q_ptr + rows64 * stride_q + k[None, :], x * inv_scale, inside, INTERLEAVED)
-    tl.store(s_ptr + rows, ((e + 127) << 23).to(tl.float32, bitcast=True), mask=rows < M)
+            _store_e4m3(q_ptr + rows64 * stride_q + k[None, :], tl.where(zero, 0.0, x * inv_scale), inside,
+                        INTERLEAVED)
+    scale = tl.where(bad > 0, float("nan"), ((e + 127) << 23).to(tl.float32, bitcast=True))
+    tl.store(s_ptr + rows, scale, mask=rows < M)
 
 
 @triton.jit
@@ -162,7 +176,7 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
             s = tl.load(scale_rows + g * 4 + b[None, :], mask=(g * 4 + b < KB)[None, :], other=0)
             xt = tl.load(x_rows + g * 128 + kk[None, :], mask=(g * 128 + kk < K)[None, :], other=0.0)
         d = tl.minimum(ref[:, None] - s.to(tl.int32), 11)  # the clamp only touches padding blocks (codes 0)
-        w8 = words_to_fp8(e4m3_words(codes.to(tl.int32), d, PTX, EVEN_K), PTX)
+        w8 = words_to_fp8(e4m3_words(codes.to(tl.int32), d, PTX, EVEN_K))
         if W_SMEM:
             acc = tl.dot(xt, tl.trans(w8), acc)
         else:

@@ -27,7 +27,8 @@ def mxfp4_quantize(w: torch.Tensor, *, config: dict | None = None) -> tuple[torc
     """Quantize ``w[..., N, K]`` (fp32 / bf16 / fp16, finite, K % 32 == 0; pad with ``pad_k``) to MXFP4.
 
     Returns ``(blocks uint8 [..., N, K/32, 16], scales uint8 [..., N, K/32])``, bit-identical to
-    :func:`mxfp4_quantize_torch`. A load-time op: it checks finiteness (one device sync).
+    :func:`mxfp4_quantize_torch`. A load-time op: it checks finiteness (one device sync). ``config``: an
+    ``mxfp4_quantize`` config (None: the tuning database's), validated (:class:`~dsa_triton.ConfigError`).
     """
     check_tensor("w", w, dtype=WEIGHT_DTYPES, contiguous_last=False)
     device = check_kernel_device("w", w)
@@ -35,9 +36,11 @@ def mxfp4_quantize(w: torch.Tensor, *, config: dict | None = None) -> tuple[torc
         raise ValueError(f"w: expected [..., N, K], got shape {tuple(w.shape)}")
     if w.shape[-1] % BLOCK:
         raise ValueError(f"w: K = {w.shape[-1]} must be a multiple of {BLOCK} (pad with zeros: pad_k)")
+    shape = _flat_shape(tuple(w.shape))
+    config = QUANTIZE.launch_config("load", shape, device) if config is None else QUANTIZE.validate(dict(config), shape)
     if not bool(torch.isfinite(w).all()):
         raise ValueError("w: holds NaN or inf, which MXFP4 cannot represent")
-    return quantize_launch(w, config or QUANTIZE.launch_config("load", _flat_shape(tuple(w.shape)), device))
+    return quantize_launch(w, config)
 
 
 def quantize_launch(w: torch.Tensor, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,14 +60,19 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     """``blocks[..., N, K/32, 16]``, ``scales[..., N, K/32]`` (uint8) -> ``w[..., N, K]`` in ``dtype`` (fp32/bf16/fp16).
 
     Bit-identical to :func:`mxfp4_dequantize_torch` (values past ``dtype``'s range overflow to inf or flush,
-    as a single rounding would). ``name`` labels the tensors in errors; a 0xFF scale is rejected.
+    as a single rounding would). ``name`` labels the tensors in errors; a 0xFF scale is rejected. ``config``: an
+    ``mxfp4_dequantize`` config (None: the tuning database's), validated (:class:`~dsa_triton.ConfigError`).
     """
     validate_mxfp4(name, blocks, scales)
     device = check_kernel_device(f"{name}_blocks", blocks)
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"dtype: must be float32, bfloat16 or float16, got {dtype}")
     shape = _flat_shape(tuple(blocks.shape[:-2]) + (blocks.shape[-2] * BLOCK,))
-    return dequantize_launch(blocks, scales, dtype, config or DEQUANTIZE.launch_config("load", shape, device))
+    if config is None:
+        config = DEQUANTIZE.launch_config("load", shape, device)
+    else:
+        config = DEQUANTIZE.validate(dict(config), shape)
+    return dequantize_launch(blocks, scales, dtype, config)
 
 
 def dequantize_launch(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, config: dict) -> torch.Tensor:

@@ -96,12 +96,18 @@ def validate_mxfp4(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> Non
         )
     if scales.device != blocks.device:
         raise ValueError(f"{name}_scales: on {scales.device}, but {name}_blocks is on {blocks.device}")
+    check_no_nan_scale(f"{name}_scales", scales)
+
+
+def check_no_nan_scale(label: str, scales: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming ``label``, the first 0xFF (NaN) block and their count, if ``scales`` holds one
+    (reads every scale once: a sync)."""
     bad = (scales == SCALE_NAN).flatten().nonzero()
     if bad.numel():
         flat = int(bad[0])
         index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(scales.shape)))
         k0 = index[-1] * BLOCK
         raise ValueError(
-            f"{name}_scales: block {index} (k {k0}..{k0 + BLOCK - 1}) has scale 0xFF, which is NaN in E8M0 "
+            f"{label}: block {index} (k {k0}..{k0 + BLOCK - 1}) has scale 0xFF, which is NaN in E8M0 "
             f"({bad.numel()} such block(s) in all)"
         )

@@ -14,7 +14,7 @@ import torch
 
 from ..checks import check_kernel_device, check_tensor
 from ..hostmath import cdiv
-from .mxfp4_reference import BLOCK, validate_mxfp4
+from .mxfp4_reference import BLOCK, SCALE_NAN, check_no_nan_scale, validate_mxfp4
 from .mxfp4_to_fp8_kernels import _convert_kernel
 from .mxfp4_to_fp8_reference import BLOCKS_PER_GROUP, n_groups
 from .mxfp4_to_fp8_spec import SPEC
@@ -48,7 +48,21 @@ def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torc
 
 FAST_SHIFT = 11  # binades below the reference within which every E2M1 value is a normal e4m3 number
 
-_row_refs: dict[int, tuple] = {}
+_facts: dict[int, tuple] = {}  # id(scales) -> (weakref to it, version, ref, fits, has a 0xFF)
+
+
+def _scale_facts(scales: torch.Tensor) -> tuple[torch.Tensor, list[bool], bool]:
+    """``(ref, fits, any 0xFF)`` of ``scales[E, N, K/32]``, read once per tensor and in-place version (one sync)."""
+    key = id(scales)
+    hit = _facts.get(key)
+    if hit is not None and hit[0]() is scales and hit[1] == scales._version:
+        return hit[2:]
+    ref = scales.amax(-1)
+    fits = ((ref - scales.amin(-1)) <= FAST_SHIFT).all(-1)
+    host = torch.cat([fits, (ref == SCALE_NAN).any().view(1)]).tolist()  # a 0xFF is its row's largest byte
+    facts = (ref, host[:-1], host[-1])
+    _facts[key] = (weakref.ref(scales, lambda _, key=key: _facts.pop(key, None)), scales._version, *facts)
+    return facts
 
 
 def row_references(scales: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
@@ -56,14 +70,15 @@ def row_references(scales: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
     every block of every row lies within :data:`FAST_SHIFT` binades of its row's (so the fused GEMM converts it in
     registers with one table per block and no per-group rescaling). Cached per tensor (until it is modified in
     place or freed); the first call per weight reads the scales once and syncs."""
-    key = id(scales)
-    hit = _row_refs.get(key)
-    if hit is not None and hit[0]() is scales and hit[1] == scales._version:
-        return hit[2], hit[3]
-    ref = scales.amax(-1)
-    fits = ((ref - scales.amin(-1)) <= FAST_SHIFT).all(-1).tolist()
-    _row_refs[key] = (weakref.ref(scales, lambda _, key=key: _row_refs.pop(key, None)), scales._version, ref, fits)
+    ref, fits, _ = _scale_facts(scales)
     return ref, fits
+
+
+def check_scales(label: str, scales: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming ``label`` and the first 0xFF (NaN) block of ``scales[E, N, K/32]``; the scan is
+    :func:`row_references`'s (cached per tensor and version: the first call per weight syncs once)."""
+    if _scale_facts(scales)[2]:
+        check_no_nan_scale(label, scales)
 
 
 def check_experts_layout(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
@@ -86,13 +101,16 @@ def mxfp4_to_fp8(blocks: torch.Tensor, scales: torch.Tensor,
     ``w * scale`` (scale repeated over each 128-k group) equal to the MXFP4 values in every block that
     fits; ``n_unfit`` counts the blocks that do not (too far below their group's top block, see
     :mod:`.mxfp4_to_fp8_reference`). ``out`` = ``(w, scale)`` writes into given tensors, e.g. a workspace slot
-    (``FP8Workspace`` lease views). Reading ``n_unfit`` syncs the device.
+    (``FP8Workspace`` lease views). Reading ``n_unfit`` syncs the device. ``config``: an ``mxfp4_to_fp8`` config
+    (None: the tuning database's), validated (:class:`~dsa_triton.ConfigError`).
     """
     validate_mxfp4(name, blocks, scales)
     device = check_kernel_device(f"{name}_blocks", blocks)
     lead, n, kb = tuple(blocks.shape[:-3]), blocks.shape[-3], blocks.shape[-2]
     k, ng = kb * BLOCK, n_groups(kb * BLOCK)
     experts = math.prod(lead)  # not -1: reshape cannot infer it when a dimension is 0
+    shape = {"G": experts, "N": n, "K": k}
+    config = SPEC.launch_config("prefill", shape, device) if config is None else SPEC.validate(dict(config), shape)
     blocks3, scales3 = blocks.reshape(experts, n, kb, 16), scales.reshape(experts, n, kb)
     check_experts_layout(name, blocks3, scales3)
     if out is None:
@@ -112,7 +130,6 @@ def mxfp4_to_fp8(blocks: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"out: must be viewable as [E, N, K] / [E, N, G], got strides {w.stride()}, {s.stride()}") from None
     if w.numel() == 0:
         return w, s, 0
-    config = config or conversion_config(experts, n, k, device)
     return w, s, int(convert_all(blocks3, scales3, w3, s3, config).item())
 
 

@@ -15,7 +15,7 @@ with one atomic add per program.
 For the fused prefill GEMM (:mod:`.fp8_grouped_gemm_kernels`), which converts weight tiles on their way to the
 tensor cores instead of through a workspace: :func:`e4m3_words` turns 16-bit groups of four codes into four e4m3
 bytes with two byte permutes (PTX ``prmt`` against an 8-byte table of the block's E2M1 values),
-:func:`words_to_fp8` reinterprets those words as an FP8 tile, :func:`interleave_blocks` gives the k order the
+:func:`words_to_fp8` turns those words into an FP8 tile, :func:`interleave_blocks` gives the k order the
 registers route reads.
 
 The kernels keep their leading underscore: profiles and recorded launches name them so.
@@ -29,9 +29,11 @@ from .mxfp4_kernels import e2m1_bits
 @triton.jit
 def reference_scale(top):
     """fp32 ``2^(top - 133)`` of int32 ``top`` (a block scale byte, 0..254): the scale of e4m3 values whose reference
-    is ``top - 6``; a subnormal fp32 for top < 7, so built from two normal factors."""
-    return ((tl.maximum(top, 7) - 6) << 23).to(tl.float32, bitcast=True) \
+    is ``top - 6``; a subnormal fp32 for top < 7, so built from two normal factors. ``top`` 255 (E8M0 0xFF, NaN)
+    gives NaN, so a NaN block that reaches a kernel unchecked makes its row's products NaN, not finite."""
+    scale = ((tl.maximum(top, 7) - 6) << 23).to(tl.float32, bitcast=True) \
         * ((tl.minimum(top, 7) + 120) << 23).to(tl.float32, bitcast=True)
+    return tl.where(top > 254, float("nan"), scale)
 
 
 @triton.jit
@@ -123,20 +125,16 @@ def unfit_blocks(codes, lossy):
 
 
 @triton.jit
-def words_to_fp8(words, PTX: tl.constexpr):
-    """int32 ``[R, W]`` of four e4m3 bytes each (first k in the low byte) -> float8e4nv ``[R, 4 W]``. On PTX each word
-    is repeated four times and one ``mov`` per word re-reads it as four bytes (no data moves); elsewhere the bytes
-    are shifted out and interleaved."""
+def words_to_fp8(words):
+    """int32 ``[R, W]`` of four e4m3 bytes each (first k in the low byte) -> float8e4nv ``[R, 4 W]``: the bytes
+    shifted out and interleaved. Tensor operations only, so any layout the compiler picks keeps the k order; a
+    packed inline-asm reread of the words as bytes depends on which registers the layout groups (it broke at K
+    not a multiple of 128 with 64-wide N tiles and pipelining, where the interpreter, which takes no PTX, passed)."""
     rows: tl.constexpr = words.shape[0]
     width: tl.constexpr = words.shape[1] * 4
-    if PTX:
-        repeated = tl.reshape(tl.join(tl.join(words, words), tl.join(words, words)), [rows, width])
-        out = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [repeated], dtype=tl.int8, is_pure=True,
-                                        pack=4)
-    else:
-        b0, b1 = (words & 0xFF).to(tl.int8), ((words >> 8) & 0xFF).to(tl.int8)
-        b2, b3 = ((words >> 16) & 0xFF).to(tl.int8), ((words >> 24) & 0xFF).to(tl.int8)
-        out = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [rows, width])
+    b0, b1 = (words & 0xFF).to(tl.int8), ((words >> 8) & 0xFF).to(tl.int8)
+    b2, b3 = ((words >> 16) & 0xFF).to(tl.int8), ((words >> 24) & 0xFF).to(tl.int8)
+    out = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [rows, width])
     return out.to(tl.float8e4nv, bitcast=True)
 
 

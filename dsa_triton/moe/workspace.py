@@ -11,6 +11,7 @@ peak of the largest grouped GEMM asked of it.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -49,17 +50,21 @@ class FP8Workspace:
     """``slots`` expert slots, each big enough for every ``(N, K)`` in ``shapes``, on ``device``."""
 
     def __init__(self, slots: int, shapes: Iterable[tuple[int, int]], device: torch.device | str):
-        self.shapes = tuple(sorted({(int(n), int(k)) for n, k in shapes}))
-        if slots <= 0 or not self.shapes or min(min(s) for s in self.shapes) <= 0:
-            raise ValueError(f"FP8Workspace: needs slots > 0 and positive shapes, got {slots}, {self.shapes}")
-        self.slots = slots
+        self.slots = _whole("slots", slots)
+        try:
+            pairs = [tuple(shape) for shape in shapes]
+            self.shapes = tuple(sorted({(_whole("n", n), _whole("k", k)) for n, k in pairs}))
+        except (TypeError, ValueError):
+            raise ValueError(f"shapes: expected (N, K) pairs of positive integers, got {shapes!r}") from None
+        if not self.shapes:
+            raise ValueError("shapes: needs at least one (N, K) pair")
         self.device = torch.device(device)
         self.slot_elems = cdiv(max(n * k for n, k in self.shapes), ALIGN) * ALIGN
         self.slot_scales = cdiv(max(n * n_groups(k) for n, k in self.shapes), ALIGN // 4) * (ALIGN // 4)
-        self.weights = torch.empty(slots, self.slot_elems, dtype=torch.float8_e4m3fn, device=self.device)
-        self.scales = torch.empty(slots, self.slot_scales, dtype=torch.float32, device=self.device)
-        self._busy = [False] * slots
-        self._released: list[torch.cuda.Event | None] = [None] * slots
+        self.weights = torch.empty(self.slots, self.slot_elems, dtype=torch.float8_e4m3fn, device=self.device)
+        self.scales = torch.empty(self.slots, self.slot_scales, dtype=torch.float32, device=self.device)
+        self._busy = [False] * self.slots
+        self._released: list[torch.cuda.Event | None] = [None] * self.slots
         self._cond = threading.Condition()
 
     @property
@@ -81,12 +86,17 @@ class FP8Workspace:
     @contextlib.contextmanager
     def acquire(self, count: int = 1, timeout: float | None = None) -> Iterator[WorkspaceLease]:
         """Lease ``count`` adjacent slots (waiting up to ``timeout`` seconds for them; ``TimeoutError`` after).
+        A ``count`` that is not an integer in ``1..slots`` or a negative ``timeout`` raises ``ValueError`` before
+        anything is taken.
 
         On CUDA the current stream first waits for the GPU work of the slots' previous holders, and the
         release records where this holder's work ends on the current stream.
         """
-        if not 0 < count <= self.slots:
-            raise ValueError(f"acquire: count must be in 1..{self.slots}, got {count}")
+        if not _is_whole(count) or not 0 < count <= self.slots:
+            raise ValueError(f"count: must be an integer in 1..{self.slots}, got {count!r}")
+        if timeout is not None and (not isinstance(timeout, numbers.Real) or isinstance(timeout, bool)
+                                    or not timeout >= 0):
+            raise ValueError(f"timeout: must be None or a number of seconds >= 0, got {timeout!r}")
         with self._cond:
             if not self._cond.wait_for(lambda: self._free_run(count) is not None, timeout):
                 raise TimeoutError(f"acquire: no {count} adjacent free slots within {timeout} s")
@@ -123,6 +133,17 @@ class FP8Workspace:
             "bf16_bytes": layers * per_layer(lambda n, k: 2 * n * k),
             "workspace_fraction_of_offline_fp8": self.nbytes / offline_fp8,
         }
+
+
+def _is_whole(value) -> bool:
+    """An integer proper (numpy's too), not a bool: a float count of slots can never be met."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _whole(name: str, value) -> int:
+    if not _is_whole(value) or value <= 0:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+    return int(value)
 
 
 _shared: dict[str, FP8Workspace] = {}
