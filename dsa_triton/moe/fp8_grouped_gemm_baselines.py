@@ -56,11 +56,17 @@ def padded_spans(spans: Spans, multiple: int = 16) -> tuple[Spans, list[int]]:
     return padded, rows
 
 
-def scaled_mm_loop(xq: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, s8: torch.Tensor, spans: Spans,
+def expert_scales(s8: torch.Tensor) -> list[torch.Tensor]:
+    """One 0-d scale tensor per expert, each its own allocation: cuBLASLt refuses an FP8 product whose scale pointer
+    sits at an odd offset inside a tensor (``s8[e]``), with CUBLAS_STATUS_NOT_SUPPORTED."""
+    return [s8[e].clone() for e in range(s8.shape[0])]
+
+
+def scaled_mm_loop(xq: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, s8: list[torch.Tensor], spans: Spans,
                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``torch._scaled_mm`` per active expert: ``xq[M, K]`` e4m3 with scale ``sx[]``, ``w8[E, N, K]`` with ``s8[E]``;
-    ``spans`` as :func:`padded_spans` gives them (each span's start and length rounded up to a multiple of 16 rows
-    of ``xq``, the padding rows computed and left in ``y``)."""
+    """``torch._scaled_mm`` per active expert: ``xq[M, K]`` e4m3 with scale ``sx[]``, ``w8[E, N, K]`` with the
+    scales of :func:`expert_scales`; ``spans`` as :func:`padded_spans` gives them (each span's start and length
+    rounded up to a multiple of 16 rows of ``xq``, the padding rows computed and left in ``y``)."""
     y = torch.empty(xq.shape[0], w8.shape[1], dtype=out_dtype, device=xq.device)
     for e, a, b in spans:
         end = a - (-(b - a) // 16) * 16
