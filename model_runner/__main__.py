@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -67,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def generate(args) -> None:
+    if not Path(args.model, "config.json").is_file():
+        raise RunnerError(f"model: {args.model} is not a checkpoint folder (no config.json)")
     tokenizer = load_tokenizer(args.model)
     stop = () if args.ignore_eos else eos_token_ids(args.model)
     defaults = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, stop)

@@ -90,6 +90,8 @@ class RopeConfig:
     def from_config(cls, values: dict) -> "RopeConfig":
         """From ``rope_parameters`` (v5) or top-level ``rope_theta`` + ``rope_scaling``; ``rope_theta`` inside
         ``rope_parameters`` wins over a top-level one."""
+        if values.get("rope_parameters") and values.get("rope_scaling"):
+            raise RunnerError("config: both rope_parameters and rope_scaling are given (one RoPE form, please)")
         params = dict(values.get("rope_parameters") or values.get("rope_scaling") or {})
         unknown = sorted(set(params) - ROPE_KEYS)
         if unknown:
