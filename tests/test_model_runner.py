@@ -19,6 +19,7 @@ from model_runner import (ModelConfig, RopeConfig, RunnerError, SamplingParams, 
                           save_random_checkpoint, tiny_config)
 import model_runner.engine as engine_module
 from model_runner.engine import sample
+from model_runner.model import hadamard
 from model_runner.ops import KernelOps, ReferenceOps
 from model_runner.tiny import random_tensors
 
@@ -325,3 +326,22 @@ def test_sample_greedy_and_top_p():
     nucleus = set(order[: int((probs.cumsum(0) < 0.7).sum()) + 1].tolist())
     drawn = {t for _ in range(200) for t in sample(logits[:1], [SamplingParams(temperature=1.0, top_p=0.7)], g)}
     assert drawn <= nucleus and len(drawn) > 1
+
+
+def test_hadamard_rotation():
+    """DeepSeek's rotate_activation: x @ H_n / sqrt(n), H_n Sylvester's (symmetric, orthonormal after scaling)."""
+    h = hadamard(32)
+    assert torch.equal(h, h.t()) and torch.allclose(h @ h, torch.eye(32), atol=1e-6)
+    assert torch.equal(hadamard(4) * 2, torch.tensor([[1., 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1]]))
+
+
+def test_activation_index_precision_kernel_mode(checkpoint):
+    """Indexer keys kept in the activation dtype (no FP8 indexer cache): the kernel mode's prefill logits equal
+    the reference mode's (prompt 0 is longer than top-k, so the selection matters)."""
+    logits = []
+    for mode in ("kernel", "reference"):
+        eng = engine(checkpoint, mode=mode, index_precision="activation", max_num_batched_tokens=64)
+        logits.append(record_logits(eng))
+        assert eng.cache.layers[0].ik is None and eng.cache.index_keys[0] is not None
+        eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=1), progress=False)
+    torch.testing.assert_close(logits[0][0], logits[1][0], rtol=0, atol=3e-2)
