@@ -4,7 +4,7 @@
     python -m model_runner make-tiny DIR [--experts mxfp4|bf16|fp8] [--dense bf16|fp8]
 
 ``generate`` prints what loading did and the memory plan, shows a progress bar of generated tokens and closes with
-prefill and decode throughput. File formats: :mod:`.requests`. Any error is one line on stderr, exit status 2.
+prefill and decode throughput. File formats: :mod:`.batch_io`. Any error is one line on stderr, exit status 2.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from . import build_engine
 from .engine import SamplingParams
 from .errors import RunnerError
 from .memory import format_plan
-from .requests import read_requests, write_results
+from .batch_io import read_requests, write_results
 from .tiny import DENSE_FORMATS, EXPERT_FORMATS, make_tiny
 from .tokenizer import eos_token_ids, load_tokenizer
 

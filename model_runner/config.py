@@ -31,7 +31,8 @@ from .errors import RunnerError
 
 NO_EFFECT = {  # keys that do not change inference
     "architectures", "auto_map", "transformers_version", "dtype", "torch_dtype", "_name_or_path", "initializer_range",
-    "attention_dropout", "use_cache", "output_router_logits", "bos_token_id", "eos_token_id", "pad_token_id",
+    "attention_dropout", "use_cache", "output_router_logits", "bos_token_id", "pad_token_id",
+    "eos_token_id",  # read by .tokenizer: generation stops there
     "aux_loss_alpha", "seq_aux", "router_aux_loss_coef", "ep_size",
     "head_dim",  # Hugging Face sets it to qk_rope_head_dim whatever the file says
 }
@@ -85,6 +86,8 @@ class RopeConfig:
             raise RunnerError(f"config: rope type {self.type!r} is not implemented (default, yarn)")
         if self.type == "yarn" and not (self.factor and self.factor >= 1):
             raise RunnerError(f"config: YaRN rope needs factor >= 1, got {self.factor!r}")
+        if self.type == "yarn" and not self.original_max_position_embeddings:
+            raise RunnerError("config: YaRN rope needs original_max_position_embeddings (or max_position_embeddings)")
 
     @classmethod
     def from_config(cls, values: dict) -> "RopeConfig":
