@@ -113,7 +113,7 @@ class RopeConfig:
         """The v5 ``rope_parameters`` dict."""
         out = {"rope_type": self.type, "rope_theta": self.theta}
         out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                    if f.name not in ("theta", "type", "truncate") and getattr(self, f.name) is not None})
+                    if f.name not in ("theta", "type") and getattr(self, f.name) not in (None, f.default)})
         return out
 
     @property

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsa_triton.linear.fp8_linear_reference import dequantize_fp8_blockwise
-from model_runner import (ModelConfig, RunnerError, SamplingParams, build_engine, load_checkpoint,
+from model_runner import (ModelConfig, RopeConfig, RunnerError, SamplingParams, build_engine, load_checkpoint,
                           save_random_checkpoint, tiny_config)
 from model_runner.__main__ import main
 from model_runner.ops import FP8Weight
@@ -132,6 +132,20 @@ def test_mtp_layers_are_skipped_with_a_note(fp8_checkpoint, tmp_path):
                  model__layers__3__enorm__weight=torch.ones(2))
     assert load(folder).notes[-1] == ("multi-token-prediction layers 3..3 (num_nextn_predict_layers = 1): 2 tensors "
                                       "skipped (not used for generation)")
+
+
+def test_tied_embeddings(fp8_checkpoint, tmp_path):
+    folder = shutil.copytree(fp8_checkpoint, tmp_path / "ckpt")
+    edit_config(folder, tie_word_embeddings=True)
+    edit_tensors(folder, drop=["lm_head.weight"])
+    weights = load(folder).weights
+    assert weights["lm_head.weight"] is weights["model.embed_tokens.weight"]
+
+
+def test_rope_round_trip():
+    rope = RopeConfig(5e5, "yarn", factor=8, original_max_position_embeddings=64, mscale=0.5, truncate=False)
+    config = tiny_config(rope=rope)
+    assert ModelConfig.from_dict(config.to_dict()) == config
 
 
 def test_prompt_token_ids_are_checked(fp8_checkpoint):
