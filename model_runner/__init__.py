@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from dsa_triton.runtime import interpreting
+
 from .cache_manager import CacheManager
 from .config import ModelConfig, RopeConfig, tiny_config
 from .engine import Engine, SamplingParams
@@ -33,6 +35,9 @@ def build_engine(folder: str | Path, *, mode: str = "kernel", dtype: torch.dtype
     if mode == "kernel" and dtype not in KERNEL_DTYPES:
         raise RunnerError(f"dtype: kernel mode runs in bfloat16 or float16 (the attention and MoE kernels), got "
                           f"{str(dtype).replace('torch.', '')}; the reference mode takes float32")
+    if mode == "kernel" and dtype == torch.bfloat16 and interpreting():
+        raise RunnerError("dtype: bfloat16 kernels give wrong results in the Triton interpreter (its bf16 tl.dot); "
+                          "use float16 there")
     if index_precision not in INDEX_PRECISIONS:
         raise RunnerError(f"index_precision: must be one of {INDEX_PRECISIONS}, got {index_precision!r}")
     config = ModelConfig.from_json(Path(folder) / "config.json")

@@ -199,6 +199,7 @@ def test_cli_generate(tiny, tmp_path, capsys):
     ([[1, -2]], (), r"line 1: token 1 is -2"),
     ([{"prompt_token_ids": [1], "top_p": 0}], (), "line 1: sampling: need"),
     ([[1]], ("--mode", "kernel", "--dtype", "float32"), "dtype: kernel mode runs in bfloat16 or float16"),
+    ([[1]], ("--mode", "kernel", "--dtype", "bfloat16"), "bfloat16 kernels give wrong results in the Triton interp"),
     ([[1]], ("--index-precision", "activation", "--page-size", "20"), "page_size: must be one of"),
 ])
 def test_cli_errors_are_one_line(tiny, tmp_path, capsys, lines, extra, message):
