@@ -19,6 +19,7 @@ from .attention.block_scores import block_indexer_logits, block_scores, selected
 from .attention.page_select import select_pages  # noqa: E402
 from .attention.sparse_attention import sparse_attention_decode, sparse_attention_prefill  # noqa: E402
 from .attention.topk import topk_indices  # noqa: E402
+from .linear import fp8_blockwise_linear  # noqa: E402  (dense layers on blockwise-FP8 weights)
 
 # moe: MXFP4 format and conversion, workspace, routing, grouped GEMMs, the layer
 from .moe import (FP8Workspace, RoutingConfig, deepseek_topk, fp8_grouped_gemm, fused_moe_gemm,  # noqa: E402
@@ -37,4 +38,6 @@ __all__ = [
     "mxfp4_quantize", "mxfp4_dequantize", "mxfp4_to_fp8", "FP8Workspace", "fp8_grouped_gemm",
     "RoutingConfig", "deepseek_topk", "softmax_topk", "route", "route_topk", "fused_moe_gemm", "swiglu",
     "moe_forward",
+    # linear
+    "fp8_blockwise_linear",
 ]

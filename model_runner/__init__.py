@@ -1,32 +1,59 @@
-"""A minimal DeepSeek-V3.2-style model runner on the dsa_triton ops: config, checkpoint loader, model (kernel or
-reference backend), paged cache manager and an offline batch engine. ``python -m model_runner --help``."""
+"""A minimal DeepSeek-V3.2 model runner on the dsa_triton ops: config, checkpoint loader (Hugging Face layout,
+FP8 / MXFP4 / bf16 weights), model (kernel or reference backend), paged cache manager and an offline batch engine.
+``python -m model_runner --help``."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
+from dsa_triton.runtime import interpreting
+
 from .cache_manager import CacheManager
-from .config import ModelConfig, tiny_config
+from .config import ModelConfig, RopeConfig, tiny_config
 from .engine import Engine, SamplingParams
-from .loader import load_checkpoint, save_random_checkpoint
-from .model import Model
+from .errors import RunnerError
+from .loader import Checkpoint, load_checkpoint
+from .memory import memory_plan
+from .model import INDEX_PRECISIONS, Model
 from .ops import KernelOps, ReferenceOps
+from .tiny import make_tiny, save_random_checkpoint
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what the attention and MoE kernels take
 
 
-def build_engine(config: ModelConfig, checkpoint: str | Path, *, mode: str = "kernel", dtype: torch.dtype,
-                 device, num_pages: int = 64, page_size: int = 16, max_seqs: int = 8, max_seq_len: int = 256,
-                 max_num_batched_tokens: int = 256, seed: int = 0, poison: bool = False,
-                 check_values: bool = True) -> Engine:
-    """Load ``checkpoint`` into a model on the ``mode`` backend ("kernel" or "reference") with its caches;
-    ``check_values``: see :class:`.ops.KernelOps`."""
+def build_engine(folder: str | Path, *, mode: str = "kernel", dtype: torch.dtype, device, num_pages: int = 64,
+                 page_size: int = 16, max_seqs: int = 8, max_seq_len: int = 256, max_num_batched_tokens: int = 256,
+                 seed: int = 0, poison: bool = False, check_values: bool = True, index_precision: str = "fp8",
+                 dequantize_fp8: bool = False) -> Engine:
+    """Load the checkpoint ``folder`` (its config.json) into a model on the ``mode`` backend ("kernel" or
+    "reference") with its caches. ``check_values``: see :class:`.ops.KernelOps`; ``index_precision``: see
+    :mod:`.model`; ``dequantize_fp8``: FP8 projections to ``dtype`` at load instead of the FP8 GEMM.
+    The engine's ``notes`` say what loading did, its ``memory`` is the :func:`.memory.memory_plan`."""
     if mode not in ("kernel", "reference"):
-        raise ValueError(f"mode: must be 'kernel' or 'reference', got {mode!r}")
+        raise RunnerError(f"mode: must be 'kernel' or 'reference', got {mode!r}")
+    if mode == "kernel" and dtype not in KERNEL_DTYPES:
+        raise RunnerError(f"dtype: kernel mode runs in bfloat16 or float16 (the attention and MoE kernels), got "
+                          f"{str(dtype).replace('torch.', '')}; the reference mode takes float32")
+    if mode == "kernel" and dtype == torch.bfloat16 and interpreting():
+        raise RunnerError("dtype: bfloat16 kernels give wrong results in the Triton interpreter (its bf16 tl.dot); "
+                          "use float16 there")
+    if index_precision not in INDEX_PRECISIONS:
+        raise RunnerError(f"index_precision: must be one of {INDEX_PRECISIONS}, got {index_precision!r}")
+    config = ModelConfig.from_json(Path(folder) / "config.json")
+    if index_precision == "fp8" and config.index_head_dim & (config.index_head_dim - 1):
+        raise RunnerError(f"index_precision: fp8 rotates by a Hadamard matrix, which needs a power-of-two "
+                          f"index_head_dim, got {config.index_head_dim}")
     ops = KernelOps(check_values) if mode == "kernel" else ReferenceOps()
-    model = Model(config, load_checkpoint(checkpoint, config, dtype, device), ops)
-    cache = CacheManager(config, num_pages, page_size, max_seqs, max_seq_len, dtype, device, poison=poison)
-    return Engine(model, cache, max_num_batched_tokens, seed)
+    checkpoint = load_checkpoint(folder, config, dtype, device, dequantize_fp8=dequantize_fp8)
+    model = Model(config, checkpoint.weights, ops, index_precision)
+    cache = CacheManager(config, num_pages, page_size, max_seqs, max_seq_len, dtype, device, poison=poison,
+                         index_precision=index_precision)
+    engine = Engine(model, cache, max_num_batched_tokens, seed)
+    engine.notes = checkpoint.notes
+    engine.memory = memory_plan(checkpoint.weights, cache, config, max_num_batched_tokens)
+    return engine
 
 
-__all__ = ["ModelConfig", "tiny_config", "load_checkpoint", "save_random_checkpoint", "Model", "CacheManager",
-           "Engine", "SamplingParams", "build_engine"]
+__all__ = ["ModelConfig", "RopeConfig", "tiny_config", "RunnerError", "Checkpoint", "load_checkpoint",
+           "save_random_checkpoint", "make_tiny", "Model", "CacheManager", "Engine", "SamplingParams", "build_engine"]

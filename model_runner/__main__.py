@@ -1,58 +1,109 @@
-"""``python -m model_runner --config config.json --checkpoint folder --prompts 1,2,3 4,5``: greedy (or sampled)
-generation for token-id prompts. Without ``--checkpoint`` a tiny random model is written to a temporary folder
-(so it runs on a CPU in the Triton interpreter)."""
+"""``python -m model_runner``: offline batch generation from a checkpoint folder, and tiny random checkpoints.
+
+    python -m model_runner generate --model DIR --prompts IN.jsonl --out OUT.jsonl
+    python -m model_runner make-tiny DIR [--experts mxfp4|bf16|fp8] [--dense bf16|fp8]
+
+``generate`` prints what loading did and the memory plan, shows a progress bar of generated tokens and closes with
+prefill and decode throughput. File formats: :mod:`.batch_io`. Any error is one line on stderr, exit status 2.
+"""
 from __future__ import annotations
 
 import argparse
-import tempfile
+import sys
+from pathlib import Path
 
 import torch
 
+from dsa_triton.hostmath import cdiv
 from dsa_triton.runtime import default_device
 
-from . import ModelConfig, SamplingParams, build_engine, save_random_checkpoint, tiny_config
+from . import build_engine
+from .engine import SamplingParams
+from .errors import RunnerError
+from .memory import format_plan
+from .batch_io import read_requests, write_results
+from .tiny import DENSE_FORMATS, EXPERT_FORMATS, make_tiny
+from .tokenizer import eos_token_ids, load_tokenizer
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m model_runner", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate for every prompt of a JSON-lines file")
+    gen.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer.json)")
+    gen.add_argument("--prompts", required=True, help="JSON lines: token ids, text, or objects with settings")
+    gen.add_argument("--out", required=True, help="JSON lines written here, one per prompt")
+    gen.add_argument("--mode", choices=("kernel", "reference"), default="kernel",
+                     help="Triton kernels, or their pure-PyTorch references")
+    gen.add_argument("--dtype", choices=DTYPES, default=None,
+                     help="activation dtype (default bfloat16 on a GPU, float16 in the interpreter)")
+    gen.add_argument("--index-precision", choices=("fp8", "activation"), default="fp8",
+                     help="indexer q/k: FP8 after a Hadamard rotation (DeepSeek), or the activation dtype (HF)")
+    gen.add_argument("--dequantize-fp8", action="store_true",
+                     help="dequantize FP8 projections at load (default: keep FP8, blockwise-FP8 GEMM)")
+    gen.add_argument("--max-new-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the checkpoint's EOS ids")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--page-size", type=int, default=16)
+    gen.add_argument("--max-seqs", type=int, default=16, help="sequences running at once")
+    gen.add_argument("--max-seq-len", type=int, default=None, help="default: the longest prompt + its new tokens")
+    gen.add_argument("--num-pages", type=int, default=None, help="default: enough for --max-seqs such sequences")
+    gen.add_argument("--chunk", type=int, default=256, help="max tokens per prefill step")
+    gen.add_argument("--skip-checks", action="store_true", help="no per-op value checks (host syncs) in kernel mode")
+    gen.add_argument("--no-progress", action="store_true")
+    gen.set_defaults(func=generate)
+    tiny = sub.add_parser("make-tiny", help="write a tiny random checkpoint (Hugging Face layout, tokenizer)")
+    tiny.add_argument("folder")
+    tiny.add_argument("--experts", choices=EXPERT_FORMATS, default="mxfp4")
+    tiny.add_argument("--dense", choices=DENSE_FORMATS, default="bf16")
+    tiny.add_argument("--shards", type=int, default=1, help="1: one model.safetensors; more: shards and an index")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=lambda args: make_tiny(args.folder, args.experts, args.dense, args.shards, args.seed))
+    return ap
+
+
+def generate(args) -> None:
+    if not Path(args.model, "config.json").is_file():
+        raise RunnerError(f"model: {args.model} is not a checkpoint folder (no config.json)")
+    tokenizer = load_tokenizer(args.model)
+    stop = () if args.ignore_eos else eos_token_ids(args.model)
+    defaults = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, stop)
+    requests = read_requests(args.prompts, defaults, tokenizer)
+    device = default_device()
+    dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float16
+    max_seq_len = args.max_seq_len or max(len(r.token_ids) + r.params.max_new_tokens for r in requests)
+    max_seqs = min(args.max_seqs, len(requests))
+    num_pages = args.num_pages or max_seqs * cdiv(max_seq_len, args.page_size)
+    engine = build_engine(args.model, mode=args.mode, dtype=dtype, device=device, num_pages=num_pages,
+                          page_size=args.page_size, max_seqs=max_seqs, max_seq_len=max_seq_len,
+                          max_num_batched_tokens=args.chunk, seed=args.seed, check_values=not args.skip_checks,
+                          index_precision=args.index_precision, dequantize_fp8=args.dequantize_fp8)
+    print(f"model {args.model}: {args.mode} mode, {str(dtype).replace('torch.', '')} on {device}, indexer "
+          f"{args.index_precision}; {len(requests)} prompts")
+    for note in engine.notes:
+        print(f"note: {note}")
+    print("\n".join(format_plan(engine.memory)), flush=True)
+    seqs = engine.run([r.token_ids for r in requests], [r.params for r in requests], progress=not args.no_progress,
+                      names=[r.name for r in requests])
+    write_results(args.out, seqs, tokenizer)
+    for kind, (tokens, seconds) in engine.throughput().items():
+        print(f"{kind}: {tokens} tokens in {seconds:.2f} s ({tokens / seconds if seconds else 0:.1f} tokens/s)")
+    print(f"wrote {len(seqs)} results to {args.out}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m model_runner", description=__doc__)
-    ap.add_argument("--config", help="config.json (default: the checkpoint's, else a tiny random model)")
-    ap.add_argument("--checkpoint", help="folder with model.safetensors.index.json and shards")
-    ap.add_argument("--prompts", nargs="+", default=["1,2,3,4,5,6,7,8,9,10,11,12", "5,4,3"],
-                    help="token-id prompts, comma separated")
-    ap.add_argument("--mode", choices=("kernel", "reference"), default="kernel")
-    ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--eos", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--num-pages", type=int, default=64)
-    ap.add_argument("--max-seq-len", type=int, default=256)
-    ap.add_argument("--chunk", type=int, default=256, help="max tokens per prefill step")
-    ap.add_argument("--skip-checks", action="store_true", help="no per-op value checks (host syncs) in kernel mode")
-    args = ap.parse_args(argv)
-
-    device = default_device()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16  # interpreter: no bf16 tl.dot
-    with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = args.checkpoint
-        if args.config:
-            config = ModelConfig.from_json(args.config)
-        elif checkpoint:
-            config = ModelConfig.from_json(f"{checkpoint}/config.json")
-        else:
-            config = tiny_config()
-        if checkpoint is None:
-            save_random_checkpoint(config, tmp, seed=args.seed)
-            checkpoint = tmp
-        engine = build_engine(config, checkpoint, mode=args.mode, dtype=dtype, device=device,
-                              num_pages=args.num_pages, page_size=args.page_size, max_seqs=len(args.prompts),
-                              max_seq_len=args.max_seq_len, max_num_batched_tokens=args.chunk, seed=args.seed,
-                              check_values=not args.skip_checks)
-        prompts = [[int(t) for t in p.split(",")] for p in args.prompts]
-        params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.eos)
-        for prompt, out in zip(prompts, engine.generate(prompts, params)):
-            print(f"{','.join(map(str, prompt))} -> {','.join(map(str, out))}")
+    args = parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (RunnerError, ValueError, OSError) as exc:  # dsa_triton's argument checks raise ValueError
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -3,8 +3,11 @@
 Every layer holds the same tokens at the same positions, so one page allocator (``dt.PageAllocator``) and one
 block table serve all layers, and a step's write plan is computed once and used by every layer. Each layer's
 storage is a ``dt.PagedCache`` (latent rows ``kv[num_pages, P, kv_lora + rope]``, FP8 indexer keys, key scales and
-page summaries); its own one-row block table is not used. A sequence gets the pages for its prompt plus its
-token budget when it is admitted (no preemption, no allocation mid-decode) and gives them back when it finishes.
+page summaries); its own one-row block table is not used. With the indexer in the activation dtype
+(``index_precision="activation"``) the layer's indexer keys are kept unrounded in ``index_keys[layer]``
+``[num_pages * P, index_head_dim]`` instead of the FP8 indexer cache. A sequence gets the pages for its prompt
+plus its token budget when it is admitted (no preemption, no allocation mid-decode) and gives them back when it
+finishes.
 """
 from __future__ import annotations
 
@@ -52,19 +55,32 @@ class PagedBatch:
 
 class CacheManager:
     """Pages and storage for up to ``max_seqs`` sequences of at most ``max_seq_len`` tokens, in ``num_pages``
-    pages of ``page_size`` tokens per layer. ``poison=True`` fills unwritten slots with NaN (tests)."""
+    pages of ``page_size`` tokens per layer. ``poison=True`` fills unwritten slots with NaN (tests);
+    ``index_precision``: "fp8" (DeepSeek's FP8 indexer cache) or "activation" (keys in ``dtype``)."""
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, max_seqs: int, max_seq_len: int,
-                 dtype: torch.dtype, device, poison: bool = False):
+                 dtype: torch.dtype, device, poison: bool = False, index_precision: str = "fp8"):
         self.page_size, self.device = page_size, torch.device(device)
         self.max_pages = cdiv(max_seq_len, page_size)
         self.allocator = dt.PageAllocator(num_pages)
-        self.layers = [dt.PagedCache(num_pages, page_size, 1, 1, config.latent_dim, config.index_head_dim, dtype,
-                                     device, poison=poison) for _ in range(config.num_hidden_layers)]
+        fp8_index = index_precision == "fp8"
+        self.layers = [dt.PagedCache(num_pages, page_size, 1, 1, config.latent_dim,
+                                     config.index_head_dim if fp8_index else 0, dtype, device, poison=poison)
+                       for _ in range(config.num_hidden_layers)]
+        fill = float("nan") if poison else 0.0
+        self.index_keys = [None if fp8_index else
+                           torch.full((num_pages * page_size, config.index_head_dim), fill, dtype=dtype, device=device)
+                           for _ in range(config.num_hidden_layers)]
         self.block_table = torch.full((max_seqs, self.max_pages), -1, dtype=torch.int32, device=device)
         self._pages: dict[int, list[int]] = {}
         self._lens = [0] * max_seqs
         self._free_ids = list(range(max_seqs - 1, -1, -1))
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of the latent KV cache and of the indexer caches (keys, scales, page summaries), all layers."""
+        size = lambda *ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
+        index = sum(size(c.ik, c.ik_scale, c.summaries) for c in self.layers) + size(*self.index_keys)
+        return {"kv cache": sum(size(c.kv) for c in self.layers), "indexer cache": index}
 
     def can_allocate(self, n_tokens: int) -> bool:
         return bool(self._free_ids) and cdiv(n_tokens, self.page_size) <= min(self.allocator.num_free, self.max_pages)

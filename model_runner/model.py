@@ -1,20 +1,26 @@
-"""A DeepSeek-V3.2-style decoder on the dsa_triton ops (or their references: :mod:`.ops`).
+"""A DeepSeek-V3.2 decoder on the dsa_triton ops (or their references: :mod:`.ops`), following Hugging Face's
+``DeepseekV32ForCausalLM`` and DeepSeek's inference code.
 
 One layer, for the ``T`` new tokens of a step (:class:`.cache_manager.PagedBatch`):
 
     x -> RMSNorm -> MLA: q_lora latent -> q = [q_nope | q_pe] per head; one latent row [RMSNorm(c_kv) | RoPE(k_pe)]
          per token into the paged latent cache (MQA form)
-      -> indexer: q from the q_lora latent, k = LayerNorm(wk(x)), NeoX RoPE on the first rope dims, FP8 with one
-         power-of-two scale per vector; keys into the paged FP8 indexer cache (same append as the latent row)
-      -> indexer logits over each token's causal prefix -> top-k positions -> physical slots (block table)
+      -> indexer: q from the q_lora latent, k = LayerNorm(wk(x)), NeoX RoPE on the first rope dims; scores
+         sum_h w[t, h] relu(q[t, h] . k[s]) / sqrt(index_head_dim) over each token's causal prefix, in one of two
+         precisions (``index_precision``):
+         "fp8": DeepSeek's inference code: q and k rotated by the normalized Hadamard matrix, then e4m3 with one
+                power-of-two scale per vector (keys in the paged FP8 indexer cache; dsa_triton's indexer op);
+         "activation": Hugging Face's: no rotation (it is orthogonal: it changes only the FP8 rounding) and no
+                rounding; keys kept in the activation dtype, scores in PyTorch (a dense [T, L] comparison mode);
+      -> top-k positions -> physical slots (block table)
       -> sparse attention with the absorbed query [q_nope @ W_uk (kv_lora) | RoPE(q_pe)]; values are the first
-         kv_lora dims of the rows; out @ W_uv -> o_proj
-    x -> RMSNorm -> dense SwiGLU MLP (first layers) or the MoE layer (DeepSeek routing + shared expert)
+         kv_lora dims of the rows; out @ W_uv -> o_proj. Softmax scale qk_head_dim^-0.5 times YaRN's mscale^2.
+    x -> RMSNorm -> dense SwiGLU MLP ("dense" layers) or the MoE layer (DeepSeek routing) plus its shared expert
 
-Prefill attends causally within the top-k (all of the prefix while it is shorter than ``index_topk``).
-The indexer's Hadamard rotation is left out (a fixed orthogonal map of q and k; it changes FP8 rounding only);
-the latent cache holds activation-dtype rows (no FP8 latent cache); the indexer is token level (not the block path).
-MLA RoPE is interleaved (DeepSeek's reference code), the indexer's NeoX (FACTS.md).
+Prefill attends causally within the top-k (all of the prefix while it is shorter than ``index_topk``). Projections
+run through ``ops.linear`` (blockwise-FP8 weights on the FP8 GEMM); ``kv_b_proj`` is dense (absorbed per head).
+The latent cache holds activation-dtype rows (no FP8 latent cache); the indexer is token level (not the block path).
+q_a_layernorm and kv_a_layernorm use eps 1e-6 whatever ``rms_norm_eps`` says (as Hugging Face and DeepSeek do).
 """
 from __future__ import annotations
 
@@ -22,92 +28,121 @@ import torch
 import torch.nn.functional as F
 
 import dsa_triton as dt
-from dsa_triton.moe.layer import shared_expert
 
-from .cache_manager import PagedBatch
+from .cache_manager import CacheManager, PagedBatch
 from .config import ModelConfig
+from .rope import Rotary
+
+INDEX_PRECISIONS = ("fp8", "activation")
+LATENT_NORM_EPS = 1e-6
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+    return weight.to(x.dtype) * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, interleaved: bool) -> torch.Tensor:
-    """Rotate ``x[T, ..., d]`` by ``positions[T]``: pairs (2i, 2i+1) when ``interleaved``, else (i, i + d/2)."""
-    d = x.shape[-1]
-    freqs = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angle = (positions.float()[:, None] * freqs).view(x.shape[0], *([1] * (x.dim() - 2)), d // 2)
-    cos, sin = angle.cos(), angle.sin()
-    xf = x.float()
-    a, b = (xf[..., 0::2], xf[..., 1::2]) if interleaved else (xf[..., : d // 2], xf[..., d // 2:])
-    ra, rb = a * cos - b * sin, a * sin + b * cos
-    out = torch.stack([ra, rb], dim=-1).flatten(-2) if interleaved else torch.cat([ra, rb], dim=-1)
-    return out.to(x.dtype)
+def hadamard(n: int) -> torch.Tensor:
+    """The ``n x n`` Sylvester-Hadamard matrix times ``n^-0.5`` (orthonormal, symmetric): DeepSeek's
+    ``rotate_activation`` is ``x @ hadamard(n)``."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h * n ** -0.5
+
+
+def activation_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, batch: PagedBatch,
+                            page_size: int, scale: float) -> torch.Tensor:
+    """Hugging Face's indexer scores ``[T, L]`` fp32 from unrounded ``q[T, IH, ID]``, ``weights[T, IH]`` fp32 and
+    the paged ``keys[num_pages * P, ID]``: ``sum_h w relu(q . k * scale)``, ``-inf`` outside ``[0, limits[t])``."""
+    L = batch.num_cols
+    pos = torch.arange(L, device=q.device)
+    out = torch.empty(q.shape[0], L, dtype=torch.float32, device=q.device)
+    cu = batch.cu_seqlens.tolist()
+    for b in range(len(cu) - 1):
+        pages = batch.block_table[b, pos // page_size].long()
+        k = keys[(pages * page_size + pos % page_size).clamp_min(0)].float()  # [L, ID]
+        scores = F.relu(torch.matmul(q[cu[b]:cu[b + 1]].float(), k.t()) * scale)  # [T_b, IH, L]
+        out[cu[b]:cu[b + 1]] = torch.matmul(weights[cu[b]:cu[b + 1], None, :], scores).squeeze(1)
+    return out.masked_fill(pos >= batch.limits[:, None], float("-inf"))
 
 
 class Indexer:
-    """DSA lightning indexer: FP8 queries and head weights of the new tokens, and their keys."""
+    """DSA lightning indexer: the top-k cache slots of each new token."""
 
-    def __init__(self, c: ModelConfig, w: dict, prefix: str):
-        self.c = c
+    def __init__(self, c: ModelConfig, w: dict, prefix: str, precision: str):
+        self.c, self.precision = c, precision
         self.wq_b, self.wk = w[prefix + "wq_b.weight"], w[prefix + "wk.weight"]
         self.k_norm = (w[prefix + "k_norm.weight"], w[prefix + "k_norm.bias"])
-        self.weights_proj = w[prefix + "weights_proj.weight"]
+        self.weights_proj = w[prefix + "weights_proj.weight"]  # fp32
+        self.rotation = hadamard(c.index_head_dim).to(self.weights_proj.device) if precision == "fp8" else None
 
-    def __call__(self, x, q_latent, positions):
-        """-> ``(q8 [T, IH, ID] e4m3, weights [T, IH] fp32 with the q scales folded in, k [T, ID])``."""
-        c, T = self.c, x.shape[0]
-        r = c.qk_rope_head_dim
-        q = F.linear(q_latent, self.wq_b).view(T, c.index_n_heads, c.index_head_dim)
-        q = torch.cat([rope(q[..., :r], positions, c.rope_theta, False), q[..., r:]], dim=-1)
-        k = F.layer_norm(F.linear(x, self.wk).float(), (c.index_head_dim,), *(t.float() for t in self.k_norm),
+    def project(self, x, q_latent, tables, ops):
+        """-> ``q [T, IH, ID]``, ``k [T, ID]`` (activation dtype, RoPE applied), ``w [T, IH]`` fp32 (times IH^-0.5)."""
+        c, T, r = self.c, x.shape[0], self.c.qk_rope_head_dim
+        q = ops.linear(q_latent, self.wq_b).view(T, c.index_n_heads, c.index_head_dim)
+        q = torch.cat([Rotary.apply(q[..., :r], tables, False), q[..., r:]], dim=-1)
+        k = F.layer_norm(ops.linear(x, self.wk).float(), (c.index_head_dim,), *(t.float() for t in self.k_norm),
                          eps=1e-6).to(x.dtype)
-        k = torch.cat([rope(k[:, :r], positions, c.rope_theta, False), k[:, r:]], dim=-1)
-        q8, q_scale = dt.fp8_quantize_rows(q)
-        head_weights = F.linear(x, self.weights_proj).float() * (c.index_n_heads * c.index_head_dim) ** -0.5
-        return q8, head_weights * q_scale, k
+        k = torch.cat([Rotary.apply(k[:, :r], tables, False), k[:, r:]], dim=-1)
+        return q, k, F.linear(x.float(), self.weights_proj) * c.index_n_heads ** -0.5
+
+    def select(self, x, q_latent, tables, rows, batch: PagedBatch, cache: dt.PagedCache, index_keys, ops):
+        """Append this step's latent ``rows`` and indexer keys to the caches; -> top-k slots ``[T, index_topk]``."""
+        q, k, w = self.project(x, q_latent, tables, ops)
+        scale = self.c.index_head_dim ** -0.5
+        if self.precision == "fp8":
+            rotate = lambda t: (t.float() @ self.rotation).to(t.dtype)  # noqa: E731
+            q8, q_scale = dt.fp8_quantize_rows(rotate(q))
+            ops.append(cache, rows, rotate(k), batch)
+            scores = ops.indexer_logits(q8, w * scale * q_scale, cache, batch)
+        else:
+            ops.append(cache, rows, None, batch)
+            index_keys[batch.slots] = k
+            scores = activation_index_scores(q, w, index_keys, batch, cache.page_size, scale)
+        return ops.topk(scores, self.c.index_topk, cache.page_size, batch)
 
 
 class Attention:
     """MLA in the absorbed MQA form over the paged latent cache, with DSA top-k selection."""
 
-    def __init__(self, c: ModelConfig, w: dict, prefix: str):
+    def __init__(self, c: ModelConfig, w: dict, prefix: str, index_precision: str):
         self.c = c
         take = lambda name: w[prefix + name + ".weight"]  # noqa: E731
+        bias = lambda name: w.get(prefix + name + ".bias")  # noqa: E731
         self.q_a, self.q_a_norm, self.q_b = take("q_a_proj"), take("q_a_layernorm"), take("q_b_proj")
         self.kv_a, self.kv_a_norm, self.o_proj = take("kv_a_proj_with_mqa"), take("kv_a_layernorm"), take("o_proj")
+        self.q_a_bias, self.kv_a_bias, self.o_bias = bias("q_a_proj"), bias("kv_a_proj_with_mqa"), bias("o_proj")
         kv_b = take("kv_b_proj").view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         self.w_uk, self.w_uv = kv_b[:, : c.qk_nope_head_dim], kv_b[:, c.qk_nope_head_dim:]  # [H, nope | v, kv_lora]
-        self.indexer = Indexer(c, w, prefix + "indexer.")
-        self.sm_scale = c.qk_head_dim ** -0.5
+        self.indexer = Indexer(c, w, prefix + "indexer.", index_precision)
 
-    def __call__(self, x, batch: PagedBatch, cache: dt.PagedCache, ops) -> torch.Tensor:
-        c, T, pos = self.c, x.shape[0], batch.positions
-        q_latent = rms_norm(F.linear(x, self.q_a), self.q_a_norm, c.rms_norm_eps)
-        q = F.linear(q_latent, self.q_b).view(T, c.num_attention_heads, c.qk_head_dim)
+    def __call__(self, x, tables, batch: PagedBatch, cache: dt.PagedCache, index_keys, ops) -> torch.Tensor:
+        c, T = self.c, x.shape[0]
+        q_latent = rms_norm(ops.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
+        q = ops.linear(q_latent, self.q_b).view(T, c.num_attention_heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        kv = F.linear(x, self.kv_a)
-        latent = rms_norm(kv[:, : c.kv_lora_rank], self.kv_a_norm, c.rms_norm_eps)
-        rows = torch.cat([latent, rope(kv[:, c.kv_lora_rank:], pos, c.rope_theta, True)], dim=-1)
-        index_q, index_w, index_k = self.indexer(x, q_latent, pos)
-
-        ops.append(cache, rows, index_k, batch)
-        scores = ops.indexer_logits(index_q, index_w, cache, batch)
-        slots = ops.topk(scores, c.index_topk, cache.page_size, batch)
+        kv = ops.linear(x, self.kv_a, self.kv_a_bias)
+        latent = rms_norm(kv[:, : c.kv_lora_rank], self.kv_a_norm, LATENT_NORM_EPS)
+        rows = torch.cat([latent, Rotary.apply(kv[:, c.kv_lora_rank:], tables, True)], dim=-1)
+        slots = self.indexer.select(x, q_latent, tables, rows, batch, cache, index_keys, ops)
         q_abs = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)
-        q_mqa = torch.cat([q_abs, rope(q_pe, pos, c.rope_theta, True)], dim=-1)  # [T, H, kv_lora + rope]
-        out = ops.attention(q_mqa, cache.kv, slots, self.sm_scale, c.kv_lora_rank, batch.decode)
-        return F.linear(torch.einsum("thc,hvc->thv", out, self.w_uv).flatten(1), self.o_proj)
+        q_mqa = torch.cat([q_abs, Rotary.apply(q_pe, tables, True)], dim=-1)  # [T, H, kv_lora + rope]
+        out = ops.attention(q_mqa, cache.kv, slots, c.softmax_scale, c.kv_lora_rank, batch.decode)
+        return ops.linear(torch.einsum("thc,hvc->thv", out, self.w_uv).flatten(1), self.o_proj, self.o_bias)
 
 
 class DenseMLP:
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``; gate and up are one GEMM when both are dense tensors."""
+
     def __init__(self, w: dict, prefix: str):
-        self.gate_up = torch.cat([w[prefix + "gate_proj.weight"], w[prefix + "up_proj.weight"]])
+        gate, up = w[prefix + "gate_proj.weight"], w[prefix + "up_proj.weight"]
+        self.gate_up = [torch.cat([gate, up])] if isinstance(gate, torch.Tensor) else [gate, up]
         self.down = w[prefix + "down_proj.weight"]
 
     def __call__(self, x, ops) -> torch.Tensor:
-        return shared_expert(x, self.gate_up, self.down)
+        parts = [ops.linear(x, w) for w in self.gate_up]
+        return ops.linear(ops.swiglu(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)), self.down)
 
 
 class MoE:
@@ -123,22 +158,24 @@ class MoE:
                                         routed_scaling_factor=c.routed_scaling_factor)
 
     def __call__(self, x, ops) -> torch.Tensor:
-        return ops.moe(x, self.router, *self.experts, routing=self.routing, router_bias=self.bias,
-                       shared_gate_up=self.shared.gate_up, shared_down=self.shared.down)
+        return ops.moe(x, self.router, *self.experts, routing=self.routing, router_bias=self.bias) + self.shared(x, ops)
 
 
 class Model:
-    """Weights from :func:`.loader.load_checkpoint`; ``ops`` a backend of :mod:`.ops`."""
+    """Weights from :func:`.loader.load_checkpoint`; ``ops`` a backend of :mod:`.ops`; ``index_precision`` one of
+    :data:`INDEX_PRECISIONS` (the module docstring)."""
 
-    def __init__(self, config: ModelConfig, weights: dict, ops):
+    def __init__(self, config: ModelConfig, weights: dict, ops, index_precision: str = "fp8"):
         self.config, self.ops = config, ops
         self.embed, self.norm, self.lm_head = (weights[n] for n in ("model.embed_tokens.weight", "model.norm.weight",
                                                                      "lm_head.weight"))
+        self.rotary = Rotary(config.rope, config.qk_rope_head_dim)
         self.layers = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             mlp = MoE(config, weights, p + "mlp.") if config.is_moe_layer(i) else DenseMLP(weights, p + "mlp.")
-            self.layers.append((weights[p + "input_layernorm.weight"], Attention(config, weights, p + "self_attn."),
+            self.layers.append((weights[p + "input_layernorm.weight"],
+                                Attention(config, weights, p + "self_attn.", index_precision),
                                 weights[p + "post_attention_layernorm.weight"], mlp))
 
     @property
@@ -146,11 +183,12 @@ class Model:
         return self.embed.dtype
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, batch: PagedBatch, caches: list[dt.PagedCache]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: PagedBatch, cache: CacheManager) -> torch.Tensor:
         """``input_ids[T]`` (packed as ``batch``) -> fp32 logits ``[B, vocab]`` of each sequence's last token."""
         eps = self.config.rms_norm_eps
+        tables = self.rotary.tables(batch.positions)
         x = self.embed[input_ids]
-        for (attn_norm, attn, mlp_norm, mlp), cache in zip(self.layers, caches):
-            x = x + attn(rms_norm(x, attn_norm, eps), batch, cache, self.ops)
+        for (attn_norm, attn, mlp_norm, mlp), layer, keys in zip(self.layers, cache.layers, cache.index_keys):
+            x = x + attn(rms_norm(x, attn_norm, eps), tables, batch, layer, keys, self.ops)
             x = x + mlp(rms_norm(x, mlp_norm, eps), self.ops)
         return F.linear(rms_norm(x[batch.last_rows], self.norm, eps).float(), self.lm_head.float())

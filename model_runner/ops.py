@@ -5,11 +5,15 @@
   activation dtype, as the kernels return them).
 
 Shapes: ``q8[T, IH, ID]`` e4m3 indexer queries with ``w[T, IH]`` fp32 head weights; ``scores[T, L]`` fp32;
-``slots[T, k]`` int32 physical cache rows (-1 unused); attention ``q[T, H, kv_lora + rope]`` -> ``[T, H, kv_lora]``.
+``slots[T, k]`` int32 physical cache rows (-1 unused); attention ``q[T, H, kv_lora + rope]`` -> ``[T, H, kv_lora]``;
+``linear(x[T, K], w)``: ``w`` a ``[N, K]`` tensor in ``x``'s dtype or an :class:`FP8Weight`.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 
 import dsa_triton as dt
 from dsa_triton.attention.cache_reference import append_torch
@@ -17,9 +21,21 @@ from dsa_triton.attention.indexer_reference import indexer_logits_torch
 from dsa_triton.attention.sparse_attention_reference import (sparse_attention_decode_torch,
                                                              sparse_attention_prefill_torch)
 from dsa_triton.attention.topk_reference import topk_indices_torch
+from dsa_triton.linear.fp8_linear_reference import fp8_blockwise_linear_torch
+from dsa_triton.moe.activation_reference import swiglu_torch
 from dsa_triton.moe.layer_reference import moe_forward_torch
 
 from .cache_manager import PagedBatch
+
+
+class FP8Weight(NamedTuple):
+    """A checkpoint's blockwise-FP8 projection: ``weight[N, K]`` e4m3 and ``scale_inv[ceil(N/128), ceil(K/128)]``."""
+    weight: torch.Tensor
+    scale_inv: torch.Tensor
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
 
 
 class KernelOps:
@@ -29,6 +45,15 @@ class KernelOps:
 
     def __init__(self, check_values: bool = True):
         self.check_values = check_values
+
+    def linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(w, FP8Weight):
+            return _add_bias(dt.fp8_blockwise_linear(x, *w, check_values=self.check_values), bias)
+        return F.linear(x, w, bias)
+
+    @staticmethod
+    def swiglu(h: torch.Tensor) -> torch.Tensor:
+        return dt.swiglu(h)
 
     def append(self, cache: dt.PagedCache, kv: torch.Tensor, index_k: torch.Tensor, batch: PagedBatch) -> None:
         dt.append_tokens(cache.kv, cache.ik, cache.ik_scale, cache.summaries, kv, index_k, batch.items,
@@ -54,6 +79,16 @@ class KernelOps:
 
 class ReferenceOps:
     name = "reference"
+
+    @staticmethod
+    def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(w, FP8Weight):
+            return _add_bias(fp8_blockwise_linear_torch(x, *w), bias)
+        return F.linear(x, w, bias)
+
+    @staticmethod
+    def swiglu(h: torch.Tensor) -> torch.Tensor:
+        return swiglu_torch(h)
 
     @staticmethod
     def append(cache: dt.PagedCache, kv: torch.Tensor, index_k: torch.Tensor, batch: PagedBatch) -> None:
