@@ -403,7 +403,7 @@ def test_model_shapes_overrides_bench_fallbacks_and_errors():
     notes = []
     got = sh.model_shapes(spec, "decode", V32, overrides={"P": 16}, batches=(2,), notes=notes)
     assert got == [{"extra": 3, "H": 64, "D": 128, "P": 16, "qmax": 4, "B": 2}]  # qmax, extra from the bench shape
-    assert notes == ["indexer decode: ['qmax'] from its GPU bench shapes (--set to change)"]
+    assert notes == ["indexer decode: extra=3, qmax=4 from its GPU bench shapes (not model dims; --set to change)"]
     # an unknown dim comes from the bench shape that agrees most with the derived ones
     odd = shaped("odd", ("k", "W"), ("B", "Z"))
     odd = KernelSpec(**{**odd.__dict__, "_cache": {}, "bench_shapes": lambda phase, gpu: [
