@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from .study import Studies
 
 FINALISTS = 3
+NO_PASS = "no config passed the reference check"
 now = time.monotonic  # the budget's clock (tests replace it)
 
 
@@ -224,7 +225,7 @@ class _Run:
                 gc.collect()  # a failed job's tensors can sit in reference cycles through its traceback's frames
                 torch.cuda.empty_cache()
         if record is None:
-            self.fail(i, "no config passed the reference check")
+            self.fail(i, NO_PASS)
             return
         if known:
             self.pass_s[i] = now() - start
@@ -292,7 +293,8 @@ class _Run:
         gaps = {i: search_gap(r.record, self.jobs[i], ceilings) for i, r in enumerate(self.results)
                 if r is not None and r.record is not None}
         top = max(gaps.values(), default=1.0) or 1.0
-        gaps.update({i: top for i, r in enumerate(self.results) if r is not None and r.status == "failed"})
+        # a job none of whose known configs passed the check is first in line (an error is not searched again)
+        gaps.update({i: top for i, r in enumerate(self.results) if r is not None and r.detail == NO_PASS})
         known = sorted(s for i in gaps if (s := self.known_pass_s(i)) is not None)
         typical = known[len(known) // 2] if known else 0.0  # for a job whose known pass is not on record
         pending = sorted((i for i in gaps if gaps[i] > 0), key=lambda i: -gaps[i])
