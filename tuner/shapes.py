@@ -83,6 +83,15 @@ def groups(config: dict[str, Any]) -> int:
 
 SCORING = {"sigmoid": 0, "softmax": 1}  # the routing kernels' ``softmax`` dim
 
+
+def scoring(config: dict[str, Any]) -> int:
+    """The routing kernels' ``softmax`` dim from ``scoring_func`` (missing: sigmoid, DeepSeek-V3's routing)."""
+    func = config.get("scoring_func") or "sigmoid"
+    if func not in SCORING:
+        raise ValueError(f"the model config's scoring_func {func!r} is none of {sorted(SCORING)}")
+    return SCORING[func]
+
+
 FIXED: dict[str, Quantity] = {}
 for names, quantity in [
     (("hidden", "hidden_size", "d_model"), lambda c: need(c, "hidden_size")),
@@ -99,18 +108,11 @@ for names, quantity in [
     (("P", "page", "page_size", "block_size"), lambda c: c.get("page_size") or DEFAULT_PAGE),
     (("n_group", "n_groups"), groups),
     (("topk_group", "topk_groups"), lambda c: need(c, "topk_group") if groups(c) > 1 else 1),
-    (("softmax",), lambda c: _scoring(c)),
+    (("softmax",), scoring),
 ]:
     FIXED.update(dict.fromkeys(names, quantity))
 INDEXER_FIXED = {"H": FIXED["index_heads"], "D": FIXED["index_dim"]}
 ATTENTION_FIXED = {"H": FIXED["heads"], "D": FIXED["head_dim"]}
-
-
-def _scoring(config: dict[str, Any]) -> int:
-    func = config.get("scoring_func") or "sigmoid"
-    if func not in SCORING:
-        raise ValueError(f"the model config's scoring_func {func!r} is none of {sorted(SCORING)}")
-    return SCORING[func]
 
 
 EXPERT_GEMMS: tuple[dict[str, Quantity], ...] = (
