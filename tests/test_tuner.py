@@ -311,21 +311,6 @@ def test_a_stored_record_changes_the_launch_config(toys, tmp_path):
     assert programs == triton.cdiv(200, 32)
 
 
-def test_budget_is_shared_by_the_jobs_left(toys, tmp_path, monkeypatch):
-    """Each job's study gets the time left over the jobs left, so the last job of a list still runs."""
-    from tuner import tune as tune_module
-
-    axpy_spec, _ = toys
-    timeouts = []
-    monkeypatch.setattr(tune_module, "tune_job", lambda job, db, device, timeout, **kw: timeouts.append(timeout))
-    jobs = [Job(axpy_spec, "decode", {"T": t, "D": 40}) for t in (1, 2, 3, 4)]
-    with database(tmp_path / "db") as db:
-        results = tune(jobs, db, DEVICE, total_s=100.0, timeout=30.0, storage_dir=None, log=lambda s: None)
-    assert len(timeouts) == 4 and [r.status for r in results] == ["failed"] * 4  # the stub stores no record
-    # 100 s over 4 jobs: 25 s, then the 30 s cap (the stub takes no time, so ~100/3 is left for the second)
-    assert timeouts[0] == pytest.approx(25.0, abs=0.5) and all(24.0 < t <= 30.0 for t in timeouts), timeouts
-
-
 REAL_KERNELS = [s for s in registry.kernels() if not s.name.startswith("toy_")]
 
 
@@ -403,7 +388,7 @@ def test_model_shapes_overrides_bench_fallbacks_and_errors():
     notes = []
     got = sh.model_shapes(spec, "decode", V32, overrides={"P": 16}, batches=(2,), notes=notes)
     assert got == [{"extra": 3, "H": 64, "D": 128, "P": 16, "qmax": 4, "B": 2}]  # qmax, extra from the bench shape
-    assert notes == ["indexer decode: ['qmax'] from its GPU bench shapes (--set to change)"]
+    assert notes == ["indexer decode: extra=3, qmax=4 from its GPU bench shapes (not model dims; --set to change)"]
     # an unknown dim comes from the bench shape that agrees most with the derived ones
     odd = shaped("odd", ("k", "W"), ("B", "Z"))
     odd = KernelSpec(**{**odd.__dict__, "_cache": {}, "bench_shapes": lambda phase, gpu: [

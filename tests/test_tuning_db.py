@@ -1,4 +1,5 @@
 """Tuning database: record files, lookup order (exact, bucket, nearest, default), staleness, merge, install."""
+import dataclasses
 import math
 import os
 import subprocess
@@ -10,7 +11,7 @@ import pytest
 import tuning_db
 from dsa_triton import registry
 from tuning_db import records as rec
-from tuning_db.database import Database, triton_version
+from tuning_db.database import Database, shape_distance, triton_version
 from dsa_triton.registry import shape_text
 from tuning_db.records import Record, config_text, read_records, write_records
 
@@ -21,13 +22,14 @@ DEV = "cpu-interpreter"
 
 def record(shape: dict, config: dict, median_us: float = 10.0, phase: str = "decode", kernel: str = "toy_axpy",
            source_hash: str | None = None, device: str = DEV, baseline_us: float = 20.0,
-           timing: str = "eager") -> Record:
+           timing: str = "eager", status: str = "tuned") -> Record:
     spec = registry.get(kernel) if kernel in {s.name for s in registry.kernels()} else toy_spec(kernel)
     return Record(device=device, triton=triton_version(), kernel=kernel,
                   source_hash=spec.source_hash() if source_hash is None else source_hash, phase=phase,
                   shape_key=str(spec.shape_key(phase, shape)), shape=shape_text(shape), dtypes="x=float32",
                   config=config_text(config), median_us=median_us, default_us=2 * median_us,
-                  baseline_us=baseline_us, trials=7, date="2026-11-30T00:00:00Z", timing=timing)
+                  baseline_us=baseline_us, trials=7, date="2026-11-30T00:00:00Z", timing=timing,
+                  status=status)
 
 
 B128 = {"BLOCK": 128, "num_warps": 2}
@@ -64,10 +66,21 @@ def test_files_without_the_timing_column_read_as_eager(tmp_path):
     path = tmp_path / "old.csv"
     write_records(path, [record({"T": 4, "D": 40}, B64, timing="graph")])
     header, row = path.read_text().splitlines()
-    assert header.endswith(",timing") and row.endswith(",graph")
-    path.write_text(header.rsplit(",", 1)[0] + "\n" + row.rsplit(",", 1)[0] + "\n")  # a file of before the column
+    assert header.endswith(",timing,status") and row.endswith(",graph,tuned")
+    path.write_text(header.rsplit(",", 2)[0] + "\n" + row.rsplit(",", 2)[0] + "\n")  # a file of before the columns
     (back,) = read_records(path)
     assert back.timing == "eager" and back.config_dict() == B64
+
+
+def test_files_without_the_status_column_read_as_tuned(tmp_path):
+    path = tmp_path / "old.csv"
+    write_records(path, [record({"T": 4, "D": 40}, B64, status="untuned")])
+    header, row = path.read_text().splitlines()
+    assert header.endswith(",timing,status") and row.endswith(",eager,untuned")
+    assert not read_records(path)[0].tuned
+    path.write_text(header.rsplit(",", 1)[0] + "\n" + row.rsplit(",", 1)[0] + "\n")  # a file of before the column
+    (back,) = read_records(path)
+    assert back.status == "tuned" and back.tuned and back.timing == "eager"
 
 
 def test_read_rejects_a_foreign_csv(tmp_path):
@@ -163,6 +176,30 @@ def test_merge_prefers_a_graph_timed_record_over_a_faster_eager_one(spec, tmp_pa
     assert (kept.config_dict(), kept.timing) == (B128, "graph")
     db.add([record({"T": 4, "D": 40}, B16, 4.0, timing="graph")])  # between graph records: the faster
     assert [(r.config_dict(), r.median_us) for r in db.records(DEV)] == [(B16, 4.0)]
+
+
+def test_merge_prefers_a_tuned_record_over_a_faster_untuned_one(spec, tmp_path):
+    db = Database(tmp_path / "db")
+    db.add([record({"T": 4, "D": 40}, B64, 3.0, status="untuned"), record({"T": 4, "D": 40}, B128, 5.0)])
+    assert [(r.config_dict(), r.status) for r in db.records(DEV)] == [(B128, "tuned")]
+    db.add([record({"T": 8, "D": 40}, B64, 3.0, status="untuned")])
+    assert db.match(spec, "decode", {"T": 8, "D": 40}, DEV)[1].config_dict() == B64  # untuned records are used
+
+
+def test_seeds_come_from_any_fixed_dims_nearest_over_every_dim(tmp_path):
+    # BLOCK must not exceed D here, so a config of a wider shape may be invalid for a narrower one
+    narrow = dataclasses.replace(toy_spec(), _cache={}, constraint=lambda c, s: None if c["BLOCK"] <= s["D"] else "BLOCK > D")
+    with registered(narrow) as (spec,), database(tmp_path) as db:
+        db.add([record({"T": 4, "D": 128}, B128), record({"T": 64, "D": 48}, DEFAULT),
+                record({"T": 4, "D": 64}, B16, status="untuned"), record({"T": 4, "D": 32}, {"BLOCK": 32, "num_warps": 2})])
+        assert db.match(spec, "decode", {"T": 4, "D": 40}, DEV) is None  # the lookup keeps fixed dims exact
+        # distance to T=4,D=40: D=32 and D=64 1 (a differing dim costs at least 1; the tuned one first),
+        # D=128 1.68 (but BLOCK=128 > 40), T=64,D=48 5
+        assert db.nearest_configs(spec, "decode", {"T": 4, "D": 40}, DEV) == [
+            {"BLOCK": 32, "num_warps": 2}, B16, DEFAULT]
+        assert db.nearest_configs(spec, "decode", {"T": 4, "D": 40}, DEV, n=1) == [{"BLOCK": 32, "num_warps": 2}]
+        assert db.nearest_configs(spec, "prefill", {"T": 4, "D": 40}, DEV) == []  # another phase
+    assert shape_distance({"a": 0, "b": 8}, {"a": 1, "b": 2}, ("a", "b")) == 3.0  # a differing flag costs 1
 
 
 def test_write_is_atomic(spec, tmp_path, monkeypatch):

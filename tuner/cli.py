@@ -5,7 +5,8 @@
 - ``show``: the stored records, with tuned-over-default speedups;
 - ``bench``: every stored record re-timed: tuned vs default vs baseline (a table and a results file);
 - ``merge``: record files into the database (atomic);
-- ``compare``: exhaustive best vs the TPE sampler on one space (trials to come within 5%).
+- ``compare``: exhaustive best vs the TPE sampler on one space (trials to come within 5%);
+- ``day0``: a new model's config.json to tuned kernels within a budget, then a few generated tokens.
 
 Without a GPU everything runs in the Triton interpreter on the kernels' tiny bench shapes with few trials.
 """
@@ -25,6 +26,20 @@ def _setup(args: argparse.Namespace):
     from dsa_triton.runtime import default_device
 
     return default_device(), tuning_db.use(args.db)
+
+
+UNITS = {"s": 1, "m": 60, "h": 3600}
+DURATION_PART = r"(\d+(?:\.\d*)?|\.\d+)\s*([smh]?)"
+
+
+def duration(text: str) -> float:
+    """Seconds from ``"20m"``, ``"90s"``, ``"1h"``, ``"1h30m"`` or plain seconds (``"450"``, ``"7.5"``)."""
+    import re
+
+    text = text.strip().lower()
+    if not re.fullmatch(rf"(?:{DURATION_PART}\s*)+", text):
+        raise argparse.ArgumentTypeError(f"expected a duration like 20m, 90s, 1h or seconds, got {text!r}")
+    return sum(float(number) * UNITS[unit or "s"] for number, unit in re.findall(DURATION_PART, text))
 
 
 def _names(text: str) -> list[str]:
@@ -121,10 +136,6 @@ def run_on_gpus(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from dsa_triton.bench.results import dict_table
-
-    from .tune import summary_rows, tune
-
     if args.gpus > 1:
         return run_on_gpus(args)
     device, db = _setup(args)
@@ -134,13 +145,81 @@ def cmd_tune(args: argparse.Namespace) -> int:
             print(job)
         print(f"{len(jobs)} jobs")
         return 0
+    return run_tune(args, jobs, device, db)
+
+
+def run_tune(args: argparse.Namespace, jobs: list, device, db) -> int:
+    """Tune ``jobs`` as the arguments say and print the summary; 1 when a job failed."""
+    from dsa_triton.bench.results import dict_table
+
+    from .tune import summary_rows, tune
+
     trials = args.trials or (40 if device.type == "cuda" else 4)
-    print(f"tuning {len(jobs)} jobs on {device} into {db.folder} (sampler {args.sampler}, {trials} configs each)")
+    budget = "" if args.budget is None else f", budget {args.budget:.0f} s"
+    print(f"tuning {len(jobs)} jobs on {device} into {db.folder} (sampler {args.sampler}, {trials} configs each"
+          f"{budget})", flush=True)
     results = tune(jobs, db, device, sampler=args.sampler, trials=trials, timeout=args.timeout, total_s=args.budget,
                    storage_dir=None if args.storage == "none" else args.storage, retune=args.retune,
                    seed=args.seed, progress=not args.no_progress, workers=args.workers)
     print(dict_table(summary_rows(results)))
     return 1 if any(r.status == "failed" for r in results) else 0
+
+
+DAY0_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [5, 4, 3], [7] * 40)  # token ids: any vocabulary has them
+
+
+def cmd_day0(args: argparse.Namespace) -> int:
+    """Tune a new model's kernels within a budget, then (with ``--checkpoint``) generate a few tokens with the
+    model runner in a subprocess, which reads the database just tuned; prints each stage's time."""
+    import json
+    import os
+    import subprocess
+    import time
+    from pathlib import Path
+
+    from dsa_triton.runtime import device_name
+
+    if not args.model:
+        if not args.checkpoint:
+            raise ValueError("--model or --checkpoint: the config.json to derive the shapes from")
+        args.model = str(Path(args.checkpoint) / "config.json")
+    times: list[tuple[str, float, str]] = []
+    start = time.monotonic()
+    device, db = _setup(args)
+    jobs = build_jobs(args, device)
+    times.append(("plan", time.monotonic() - start, f"{len(jobs)} jobs from {args.model}"))
+    print(f"day0 plan: {len(jobs)} jobs ({times[-1][1]:.1f} s)", flush=True)
+
+    start = time.monotonic()
+    rc = run_tune(args, jobs, device, db)
+    records = sum(1 for j in jobs if (m := db.match(j.spec, j.phase, j.shape, device_name(device))) and m[0] == "exact")
+    times.append(("tune", time.monotonic() - start, f"budget {args.budget:.0f} s; {records} of {len(jobs)} jobs have "
+                  f"a record in {db.folder}"))
+    print(f"day0 tune: {times[-1][2]} ({times[-1][1]:.1f} s)", flush=True)
+
+    if not args.checkpoint:
+        times.append(("generate", 0.0, "skipped: no --checkpoint given (the runner needs the model's weights)"))
+        print(f"day0 generate: {times[-1][2]}", flush=True)
+    else:
+        start = time.monotonic()
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        prompts = args.prompts
+        if not prompts:
+            prompts = str(out.with_name(out.stem + "-prompts.jsonl"))
+            Path(prompts).write_text("".join(json.dumps(p) + "\n" for p in DAY0_PROMPTS))
+        command = [sys.executable, "-m", "model_runner", "generate", "--model", args.checkpoint, "--prompts", prompts,
+                   "--out", str(out), "--max-new-tokens", str(args.max_new_tokens), *args.runner_args]
+        print(f"day0 generate: {' '.join(command)}", flush=True)
+        env = {**os.environ, "DSA_TUNING_DB": str(db.folder.resolve())}  # the runner's ops read this database
+        generated = subprocess.run(command, env=env).returncode
+        rc = rc or generated
+        times.append(("generate", time.monotonic() - start, f"exit status {generated}, results in {out}"))
+        print(f"day0 generate: {times[-1][2]} ({times[-1][1]:.1f} s)", flush=True)
+    for stage, seconds, what in times:
+        print(f"{stage:>8}: {seconds:8.1f} s  {what}")
+    print(f"{'total':>8}: {sum(t for _, t, _ in times):8.1f} s")
+    return rc
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -153,7 +232,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     rows = [{"device": r.device, "kernel": r.kernel, "phase": r.phase, "shape": r.shape, "config": r.config,
              "us": r.median_us, "default us": r.default_us, "tuned/default": r.speedup(),
              "baseline/tuned": r.baseline_us / r.median_us, "timing": r.timing, "configs run": r.trials,
-             "code": "fresh" if db.is_fresh(r) else "stale", "date": r.date}
+             "status": r.status, "code": "fresh" if db.is_fresh(r) else "stale", "date": r.date}
             for r in records if not kernels or r.kernel in kernels]
     print(f"{len(rows)} records in {db.folder}")
     others = [d for d in db.devices() if args.device != "all" and d != (args.device or device_name(device))]
@@ -235,6 +314,24 @@ def _job_args(p: argparse.ArgumentParser) -> None:
                         "(default: up to 8; 1: none)")
 
 
+BUDGET_HELP = ("time for the whole run (20m, 90s, 1h or seconds): first a record for every shape from the configs "
+               "known for it (nearest tuned shape, default), then searches where the default is furthest from the "
+               "floor; runs resume, so budgets of several runs add up (tuning_db/README.md)")
+
+
+def _tune_args(p: argparse.ArgumentParser, db_help: str) -> None:
+    """The job and search options of ``tune`` and ``day0``."""
+    _job_args(p)
+    p.add_argument("--db", default=None, help=db_help)
+    p.add_argument("--sampler", default="auto",
+                   help="auto (exhaustive when the valid space fits in --trials, else tpe), tpe, exhaustive, random")
+    p.add_argument("--trials", type=int, default=0, help="configs to run per shape (default 40; interpreter 4)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per shape")
+    p.add_argument("--storage", default=".optuna", help='Optuna journal folder ("none": in memory)')
+    p.add_argument("--retune", action="store_true", help="tune shapes that already have a fresh record too")
+    p.add_argument("--seed", type=int, default=0, help="sampler seed")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsa-tune", description="Tune dsa-triton kernels per device, phase and shape.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -244,22 +341,29 @@ def build_parser() -> argparse.ArgumentParser:
     env.set_defaults(func=cmd_env)
 
     tune = sub.add_parser("tune", help="tune kernels and store the best configs")
-    _job_args(tune)
-    tune.add_argument("--db", default=None, help=db_help)
-    tune.add_argument("--sampler", default="auto",
-                      help="auto (exhaustive when the valid space fits in --trials, else tpe), tpe, exhaustive, random")
-    tune.add_argument("--trials", type=int, default=0, help="configs to run per shape (default 40; interpreter 4)")
-    tune.add_argument("--timeout", type=float, default=None, help="seconds per shape")
-    tune.add_argument("--budget", type=float, default=None, help="seconds for the whole run, shared fairly: each shape may use the time left over the shapes left "
-                           "(no new shape after)")
-    tune.add_argument("--storage", default=".optuna", help='Optuna journal folder ("none": in memory)')
-    tune.add_argument("--retune", action="store_true", help="tune shapes that already have a fresh record too")
-    tune.add_argument("--seed", type=int, default=0, help="sampler seed")
+    _tune_args(tune, db_help)
+    tune.add_argument("--budget", type=duration, default=None, help=BUDGET_HELP)
     tune.add_argument("--list", action="store_true", help="only list the jobs")
     tune.add_argument("--gpus", type=int, default=1,
                       help="run N processes, one per visible GPU, each on its shard of the jobs (one database); "
                            "on a 2-GPU H200 host they slowed each other's compute-bound kernels (tuning_db/README.md)")
     tune.set_defaults(func=cmd_tune)
+
+    day0 = sub.add_parser("day0", help="a new model: tune its kernels within a budget, then generate a few tokens",
+                          description="Tune every kernel and shape a model needs within --budget (as tune --model "
+                                      "--budget), then, given --checkpoint, run `python -m model_runner generate` on "
+                                      "it in a subprocess with the database just tuned; prints each stage's time.")
+    _tune_args(day0, db_help)
+    day0.add_argument("--budget", type=duration, default=duration("20m"), help=BUDGET_HELP + " (default 20m)")
+    day0.add_argument("--checkpoint", default="", help="the model's checkpoint folder (Hugging Face layout); without "
+                      "it the generate stage is skipped; --model defaults to its config.json")
+    day0.add_argument("--prompts", default="", help="JSON-lines prompts for the runner (default: a few token-id "
+                      "prompts written beside --out)")
+    day0.add_argument("--out", default="day0/generated.jsonl", help="the runner's results (JSON lines)")
+    day0.add_argument("--max-new-tokens", type=int, default=16)
+    day0.add_argument("--runner-args", nargs=argparse.REMAINDER, default=[],
+                      help="the rest of the command line goes to model_runner generate as it is")
+    day0.set_defaults(func=cmd_day0)
 
     show = sub.add_parser("show", help="table of stored records")
     show.add_argument("--db", default=None, help=db_help)

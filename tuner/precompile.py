@@ -1,6 +1,8 @@
 """Compile many configs at once: worker processes run each config's correctness check, which fills Triton's
 on-disk cache, so the timing process (one at a time, so timings do not disturb each other) finds every
-kernel compiled. Used before an exhaustive search on a GPU, where compiling dominates.
+kernel compiled. Used on a GPU, where compiling dominates: before an exhaustive search (the configs of one job,
+:func:`precompile`), and before a budgeted run's pass over the known configs of every job (one job per task,
+:func:`precompile_jobs`).
 
 Each worker is a spawned process (CUDA does not survive a fork) with its own inputs and reference. A
 config that breaks a worker's CUDA context is reported ``fatal`` and the timing process never runs it;
@@ -39,6 +41,56 @@ def _check(item: tuple[str, dict]) -> tuple[str, Outcome | None]:
     outcome = _worker["evaluator"].check(config)
     _worker["broken"] = outcome is not None and outcome.status == "fatal"
     return text, outcome
+
+
+def _check_job(item: tuple[str, str, dict[str, int], str, list[dict]]) -> dict[str, Outcome | None]:
+    """One job's configs in this worker: config JSON -> the check's outcome (None: passed); empty when the
+    worker's CUDA context broke earlier or the job's inputs cannot be built here."""
+    import gc
+
+    import torch
+
+    from tuning_db.records import config_text
+
+    kernel, phase, shape, device, configs = item
+    if _worker.get("broken"):
+        return {}
+    import dsa_triton  # noqa: F401  (registers the kernels in this process)
+    from dsa_triton import registry
+
+    try:
+        evaluator = Evaluator(registry.get(kernel), phase, shape, device, rotate=False)
+    except Exception:  # e.g. out of memory beside the other workers: the timing process checks it itself
+        return {}
+    out: dict[str, Outcome | None] = {}
+    for config in configs:
+        out[config_text(config)] = outcome = evaluator.check(config)
+        if outcome is not None and outcome.status == "fatal":
+            _worker["broken"] = True
+            break
+    del evaluator
+    gc.collect()
+    if torch.device(device).type == "cuda" and not _worker.get("broken"):
+        torch.cuda.empty_cache()  # the next job's inputs need the memory
+    return out
+
+
+def precompile_jobs(jobs: list[tuple[str, str, dict[str, int], list[dict]]], device: str, workers: int | None = None
+                    ) -> list[dict[str, Outcome]]:
+    """On a GPU, check the configs of many jobs ``(kernel, phase, shape, configs)`` in worker processes, one job per
+    task; returns per job the configs to skip (JSON -> fatal outcome). Elsewhere nothing is compiled ahead."""
+    workers = workers or default_workers()
+    if not str(device).startswith("cuda") or workers < 2 or len(jobs) < 2:
+        return [{} for _ in jobs]
+    items = [(kernel, phase, shape, str(device), configs) for kernel, phase, shape, configs in jobs]
+    pool = ProcessPoolExecutor(min(workers, len(items)), mp_context=multiprocessing.get_context("spawn"))
+    try:
+        checked = list(pool.map(_check_job, items))
+    except BrokenProcessPool:  # a worker died: the caller checks everything itself
+        return [{} for _ in jobs]
+    finally:
+        pool.shutdown(cancel_futures=True)
+    return [{t: o for t, o in c.items() if o is not None and o.status == "fatal"} for c in checked]
 
 
 def default_workers() -> int:

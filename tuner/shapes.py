@@ -3,7 +3,7 @@
 A kernel names its shape dimensions (``spec.fixed_dims`` / ``spec.bucketed_dims``); this module maps those
 names onto a DeepSeek-V3.2-style ``config.json`` (Hugging Face field names) with the vocabulary below.
 
-Fixed dims (any of the names on a row): ::
+Model dims (any of the names on a row; fixed dims of a shape key, or dims outside it): ::
 
     hidden_size                    hidden, hidden_size, d_model
     num_attention_heads            Hq, heads, num_heads, n_heads, num_attention_heads   (H outside indexer kernels)
@@ -17,7 +17,12 @@ Fixed dims (any of the names on a row): ::
     num_experts_per_tok            top_k, experts_per_token, num_experts_per_tok
     moe_intermediate_size          I, inter, moe_intermediate_size
     page size (not in config: 64)  P, page, page_size, block_size
-    n_group, topk_group            n_group, n_groups; topk_group, topk_groups
+    n_group (missing, null: 1)     n_group, n_groups
+    topk_group (1 without groups)  topk_group, topk_groups
+    scoring_func (default sigmoid) softmax                                              (1 for softmax routing)
+
+A config without expert groups (``n_group`` missing, null or 1) has one group and ``topk_group`` 1. A field the
+vocabulary needs that the config lacks (or holds null) is an error naming it, unless ``--set`` gives the dim.
 
 Expert weights (kernels named *mxfp4*, *moe*, *gemm*, *expert*): ``N``, ``K`` and ``gather``, fixed or
 bucketed, take both GEMMs: gate_up (N = 2 x moe_intermediate_size, K = hidden_size, gather = 1) and down
@@ -31,9 +36,11 @@ queries per sequence, see below); context names (L, context, ctx, seq_len, kv_le
 (at least the chunk in prefill); page-count names (pages, n_pages, num_pages) the context lengths over
 the page size (``--set P=...`` or 64). A phase that is neither decode nor prefill (``any``) gets both.
 
-Any other dimension (and any the kernel's shape carries outside its key) takes its value from the kernel's
-GPU bench shape (its realistic DeepSeek-V3.2 shape) that agrees most with the derived dims; those are
-reported as notes, and ``--set NAME=VALUE`` overrides or supplies any dimension.
+The vocabulary applies to every dim a shape carries, inside its key or outside it (dims that only size the inputs,
+such as the MoE layer path's ``n_group``: :func:`shape_dims`). Any other dimension is one no config has (queries
+per decode step, pages selected, an alignment, ...): it takes its value from the kernel's GPU bench shape (its
+realistic DeepSeek-V3.2 shape) that agrees most with the derived dims, and is reported as a note with its value;
+``--set NAME=VALUE`` overrides or supplies any dimension.
 """
 from __future__ import annotations
 
@@ -59,29 +66,58 @@ WEIGHT_KERNELS = ("mxfp4", "moe", "gemm", "expert")
 ROUTED_ROWS = "M"  # in a weight kernel: tokens x experts per token
 
 Quantity = Callable[[dict[str, Any]], int]
+
+
+def need(config: dict[str, Any], name: str) -> Any:
+    """``config[name]``; a missing or null field raises KeyError (the caller names it)."""
+    value = config.get(name)
+    if value is None:
+        raise KeyError(name)
+    return value
+
+
+def groups(config: dict[str, Any]) -> int:
+    """Expert groups: ``n_group`` missing, null or 1 means no groups (one group)."""
+    return int(config.get("n_group") or 1)
+
+
+SCORING = {"sigmoid": 0, "softmax": 1}  # the routing kernels' ``softmax`` dim
+
+
+def scoring(config: dict[str, Any]) -> int:
+    """The routing kernels' ``softmax`` dim from ``scoring_func`` (missing: sigmoid, DeepSeek-V3's routing)."""
+    func = config.get("scoring_func") or "sigmoid"
+    if func not in SCORING:
+        raise ValueError(f"the model config's scoring_func {func!r} is none of {sorted(SCORING)}")
+    return SCORING[func]
+
+
 FIXED: dict[str, Quantity] = {}
 for names, quantity in [
-    (("hidden", "hidden_size", "d_model"), lambda c: c["hidden_size"]),
-    (("Hq", "heads", "num_heads", "n_heads", "num_attention_heads"), lambda c: c["num_attention_heads"]),
-    (("Dqk", "head_dim", "qk_dim"), lambda c: c["kv_lora_rank"] + c["qk_rope_head_dim"]),
-    (("Dv", "v_dim", "kv_lora_rank"), lambda c: c["kv_lora_rank"]),
-    (("Dr", "rope_dim", "qk_rope_head_dim"), lambda c: c["qk_rope_head_dim"]),
-    (("Hi", "index_heads", "index_n_heads"), lambda c: c["index_n_heads"]),
-    (("DK", "Di", "index_dim", "index_head_dim"), lambda c: c["index_head_dim"]),
-    (("k", "topk", "index_topk"), lambda c: c["index_topk"]),
-    (("E", "experts", "num_experts", "n_routed_experts"), lambda c: c["n_routed_experts"]),
-    (("top_k", "experts_per_token", "num_experts_per_tok"), lambda c: c["num_experts_per_tok"]),
-    (("I", "inter", "moe_intermediate_size"), lambda c: c["moe_intermediate_size"]),
-    (("P", "page", "page_size", "block_size"), lambda c: c.get("page_size", DEFAULT_PAGE)),
-    (("n_group", "n_groups"), lambda c: c["n_group"]),
-    (("topk_group", "topk_groups"), lambda c: c["topk_group"]),
+    (("hidden", "hidden_size", "d_model"), lambda c: need(c, "hidden_size")),
+    (("Hq", "heads", "num_heads", "n_heads", "num_attention_heads"), lambda c: need(c, "num_attention_heads")),
+    (("Dqk", "head_dim", "qk_dim"), lambda c: need(c, "kv_lora_rank") + need(c, "qk_rope_head_dim")),
+    (("Dv", "v_dim", "kv_lora_rank"), lambda c: need(c, "kv_lora_rank")),
+    (("Dr", "rope_dim", "qk_rope_head_dim"), lambda c: need(c, "qk_rope_head_dim")),
+    (("Hi", "index_heads", "index_n_heads"), lambda c: need(c, "index_n_heads")),
+    (("DK", "Di", "index_dim", "index_head_dim"), lambda c: need(c, "index_head_dim")),
+    (("k", "topk", "index_topk"), lambda c: need(c, "index_topk")),
+    (("E", "experts", "num_experts", "n_routed_experts"), lambda c: need(c, "n_routed_experts")),
+    (("top_k", "experts_per_token", "num_experts_per_tok"), lambda c: need(c, "num_experts_per_tok")),
+    (("I", "inter", "moe_intermediate_size"), lambda c: need(c, "moe_intermediate_size")),
+    (("P", "page", "page_size", "block_size"), lambda c: c.get("page_size") or DEFAULT_PAGE),
+    (("n_group", "n_groups"), groups),
+    (("topk_group", "topk_groups"), lambda c: need(c, "topk_group") if groups(c) > 1 else 1),
+    (("softmax",), scoring),
 ]:
     FIXED.update(dict.fromkeys(names, quantity))
 INDEXER_FIXED = {"H": FIXED["index_heads"], "D": FIXED["index_dim"]}
 ATTENTION_FIXED = {"H": FIXED["heads"], "D": FIXED["head_dim"]}
+
+
 EXPERT_GEMMS: tuple[dict[str, Quantity], ...] = (
-    {"N": lambda c: 2 * c["moe_intermediate_size"], "K": lambda c: c["hidden_size"], "gather": lambda c: 1},
-    {"N": lambda c: c["hidden_size"], "K": lambda c: c["moe_intermediate_size"], "gather": lambda c: 0},
+    {"N": lambda c: 2 * need(c, "moe_intermediate_size"), "K": lambda c: need(c, "hidden_size"), "gather": lambda c: 1},
+    {"N": lambda c: need(c, "hidden_size"), "K": lambda c: need(c, "moe_intermediate_size"), "gather": lambda c: 0},
 )
 
 
@@ -119,13 +155,26 @@ def _value(spec: KernelSpec, dim: str, quantity: Quantity, config: dict[str, Any
         raise ValueError(f"{spec.name}: the model config lacks {exc} (for dim {dim}); give it with --set {dim}=...") from None
 
 
-def derived_dims(spec: KernelSpec, config: dict[str, Any]) -> list[dict[str, int]]:
-    """The dims the vocabulary derives from the model: one dict, or one per expert GEMM (gate_up, down)."""
+def shape_dims(spec: KernelSpec, phase: str) -> tuple[str, ...]:
+    """Every dim a shape of ``phase`` carries: the shape key's, then the others of the GPU bench shapes (dims that
+    only size the inputs, such as ``n_group`` of the MoE layer path)."""
+    key = (*spec.fixed_dims, *spec.bucketed_dims)
+    others = {d for s in spec.bench_shapes(phase, True) for d in s} - set(key)
+    return (*key, *sorted(others))
+
+
+def derived_dims(spec: KernelSpec, config: dict[str, Any], dims: tuple[str, ...] | None = None,
+                 given: dict[str, int] | None = None) -> list[dict[str, int]]:
+    """The dims of ``dims`` (default: the shape key's) that the vocabulary derives from the model, counts
+    (bucketed dims) aside: one dict, or one per expert GEMM (gate_up, down). Dims in ``given`` (``--set``)
+    are not read from the model, so a config lacking one is no error."""
     table = {**FIXED, **(INDEXER_FIXED if "index" in spec.name else ATTENTION_FIXED)}
-    dims = (*spec.fixed_dims, *spec.bucketed_dims)
+    dims = (*spec.fixed_dims, *spec.bucketed_dims) if dims is None else dims
+    given = given or {}
     weights = any(w in spec.name for w in WEIGHT_KERNELS)
-    gemm = [d for d in dims if weights and d in EXPERT_GEMMS[0]]
-    fixed = {d: _value(spec, d, table[d], config) for d in spec.fixed_dims if d in table and d not in gemm}
+    gemm = [d for d in dims if weights and d in EXPERT_GEMMS[0] and d not in given]
+    fixed = {d: _value(spec, d, table[d], config) for d in dims
+             if d in table and d not in gemm and d not in spec.bucketed_dims and d not in given}
     if not gemm:
         return [fixed]
     alternatives = [{**fixed, **{d: _value(spec, d, g[d], config) for d in gemm}} for g in EXPERT_GEMMS]
@@ -170,14 +219,15 @@ def closest_bench(spec: KernelSpec, phase: str, derived: dict[str, int]) -> dict
 def model_shapes(spec: KernelSpec, phase: str, config: dict[str, Any], overrides: dict[str, int] | None = None,
                  batches: tuple[int, ...] = DECODE_BATCHES, contexts: tuple[int, ...] = CONTEXTS,
                  chunks: tuple[int, ...] = PREFILL_CHUNKS, notes: list[str] | None = None) -> list[dict[str, int]]:
-    """Every shape of ``phase`` the model needs from this kernel; ``notes`` gets the dims taken from bench shapes."""
+    """Every shape of ``phase`` the model needs from this kernel; ``notes`` gets the dims taken from bench shapes
+    (with their values): only dims the vocabulary cannot derive from a config."""
     overrides = overrides or {}
     key_dims = (*spec.fixed_dims, *spec.bucketed_dims)
     routed = any(w in spec.name for w in WEIGHT_KERNELS) and ROUTED_ROWS in key_dims
     page = overrides.get("P") or _value(spec, "P", FIXED["P"], config)  # --set wins over the model
     rows_per_token = (overrides.get("top_k") or _value(spec, "top_k", FIXED["top_k"], config)) if routed else 1
-    shapes, borrowed = [], set()
-    for fixed in derived_dims(spec, config):
+    shapes, borrowed = [], {}
+    for fixed in derived_dims(spec, config, shape_dims(spec, phase), overrides):
         for counts in counted_dims(spec, phase, set(fixed), batches, contexts, chunks):
             for dim in PAGE_NAMES:
                 if dim in counts:
@@ -186,11 +236,16 @@ def model_shapes(spec: KernelSpec, phase: str, config: dict[str, Any], overrides
                 counts[ROUTED_ROWS] *= rows_per_token
             derived = {**fixed, **counts, **overrides}
             bench = closest_bench(spec, phase, derived)
-            borrowed |= {d for d in key_dims if d not in derived}
+            for dim in bench.keys() - derived.keys():
+                borrowed.setdefault(dim, set()).add(bench[dim])
+            for dim in set(key_dims) - derived.keys() - bench.keys():
+                raise ValueError(f"{spec.name} {phase}: no value for dim {dim}; give it with --set {dim}=...")
             shapes.append({**bench, **derived})
     if notes is not None and borrowed:
-        notes.append(f"{spec.name} {phase}: {sorted(borrowed)} from its GPU bench shapes (--set to change)")
+        taken = ", ".join(f"{d}={'/'.join(map(str, sorted(v)))}" for d, v in sorted(borrowed.items()))
+        notes.append(f"{spec.name} {phase}: {taken} from its GPU bench shapes (not model dims; --set to change)")
     return dedupe(shapes)
+
 
 def job_shapes(spec: KernelSpec, phase: str, *, given: list[dict[str, int]], templates: list[dict[str, int]],
                overrides: dict[str, int]) -> list[dict[str, int]]:

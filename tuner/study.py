@@ -89,6 +89,38 @@ def journal_storage(folder: str | Path, device: str, kernel: str) -> "optuna.sto
     return JournalStorage(JournalFileBackend(str(path)))
 
 
+class Studies:
+    """Where the studies of one run live: a journal file per (device, kernel) under ``folder`` (resumable across
+    runs), or, without a folder, one in-memory storage for the run (a job's studies still see each other's trials).
+    Also a small per-study note pad (``note`` / ``noted``: study user attributes, e.g. how long a pass took)."""
+
+    def __init__(self, folder: str | Path | None):
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.folder = None if folder is None else Path(folder)
+        self._storages: dict[tuple[str, str] | None, "optuna.storages.BaseStorage"] = {}
+
+    def storage(self, device: str, kernel: str) -> "optuna.storages.BaseStorage":
+        key = None if self.folder is None else (device, kernel)
+        if key not in self._storages:
+            self._storages[key] = (optuna.storages.InMemoryStorage() if key is None
+                                   else journal_storage(self.folder, device, kernel))
+        return self._storages[key]
+
+    def note(self, device: str, kernel: str, name: str, key: str, value: Any) -> None:
+        """Note ``key = value`` on the study ``name`` (created when it does not exist yet)."""
+        storage = self.storage(device, kernel)
+        study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True)
+        study.set_user_attr(key, value)
+
+    def noted(self, device: str, kernel: str, name: str, key: str) -> Any:
+        """The value noted for the study ``name`` (None when the study or the note does not exist)."""
+        storage = self.storage(device, kernel)
+        try:
+            return storage.get_study_user_attrs(storage.get_study_id_from_name(name)).get(key)
+        except KeyError:
+            return None
+
+
 def valid_configs(spec: KernelSpec, shape: dict[str, int]) -> list[Config] | None:
     """Every valid config (None when the space is too large to enumerate)."""
     return list(spec.configs(shape)) if spec.space_size() <= MAX_ENUMERATED else None
@@ -153,9 +185,11 @@ def search(
     seed: int = 0,
     progress: bool = True,
     stop_below: float | None = None,
+    only_seeds: bool = False,
 ) -> SearchResult:
     """Run (or resume) the study ``name`` until ``trials`` new configs ran, the valid space is exhausted,
-    ``timeout`` seconds passed or a config ran in at most ``stop_below`` us; ``seeds`` are tried first."""
+    ``timeout`` seconds passed or a config ran in at most ``stop_below`` us; ``seeds`` are tried first.
+    ``only_seeds``: run the seeds the study has not measured yet and nothing else (``trials`` aside)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     valid = valid_configs(spec, shape)
@@ -164,12 +198,14 @@ def search(
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
                                 sampler=make_sampler(kind, None if valid is None else len(valid), seed))
     known: dict[str, Outcome] = {s.config: s.outcome for t in study.trials if (s := _step(t)) and s.new}
-    queue = {config_text(c): c for c in [*seeds, *(valid if kind == "exhaustive" else [])]}
-    for text, config in queue.items():
-        if text not in known and in_space(config, spec.space):
-            study.enqueue_trial(encode(config, spec.space), skip_if_exists=True)
+    queue = {config_text(c): c for c in [*seeds, *(valid if kind == "exhaustive" and not only_seeds else [])]}
+    queued = [text for text, config in queue.items() if text not in known and in_space(config, spec.space)]
+    for text in queued:
+        study.enqueue_trial(encode(queue[text], spec.space), skip_if_exists=True)
     valid_texts = None if valid is None else [config_text(c) for c in valid]
     goal = trials if valid is None else min(trials, sum(t not in known for t in valid_texts))
+    if only_seeds:  # the enqueued seeds run first, one call each: stop after them
+        goal = min(goal, len(queued))
     counts = {"new": 0, "calls": 0}
     lost: list[str] = []
     bar = _progress(goal, name, progress)
@@ -200,7 +236,8 @@ def search(
     def budget(study: "optuna.Study", trial: "optuna.trial.FrozenTrial") -> None:
         exhausted = valid is not None and all(t in known for t in valid_texts)
         reached = stop_below is not None and any(o.ok and o.us <= stop_below for o in known.values())
-        if lost or counts["new"] >= goal or exhausted or reached or counts["calls"] >= 20 * max(goal, 1) + 100:
+        seeded = only_seeds and counts["calls"] >= len(queued)
+        if lost or counts["new"] >= goal or exhausted or reached or seeded or counts["calls"] >= 20 * max(goal, 1) + 100:
             study.stop()
         elif trial.user_attrs.get("repeat") and valid is not None:
             fresh = [c for c, t in zip(valid, valid_texts) if t not in known]

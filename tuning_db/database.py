@@ -13,8 +13,11 @@ A record made by other code (its kernel source hash or Triton version differs fr
 *stale*: it is still used, since every config of the space is a correct one and only its speed may have
 moved, but within each level a fresh record wins, ``dsa-tune show`` flags it and ``dsa-tune tune``
 re-tunes it. A stored config that is no longer valid for the shape (the space changed) is skipped.
-Merging keeps one record per (device, kernel, phase, exact shape): a fresh one over a stale one, else
-the faster.
+Merging keeps one record per (device, kernel, phase, exact shape): a fresh one over a stale one, then a
+graph-timed one over an eager one, then a tuned one over an untuned one (``status``), else the faster.
+
+A study's seeds (:meth:`Database.nearest_configs`) look further than the lookup: any record of the kernel and
+phase, whatever its fixed dims (another model's), nearest over every dim of the shape key.
 """
 from __future__ import annotations
 
@@ -45,6 +48,11 @@ def triton_version() -> str:
 def log_distance(a: dict[str, int], b: dict[str, int], dims: Iterable[str]) -> float:
     """Sum over ``dims`` of |log2 a - log2 b| (counts below 1 count as 1)."""
     return sum(abs(math.log2(max(a[d], 1)) - math.log2(max(b[d], 1))) for d in dims)
+
+
+def shape_distance(a: dict[str, int], b: dict[str, int], dims: Iterable[str]) -> float:
+    """:func:`log_distance` where a dim that differs costs at least 1 (flags such as ``softmax`` 0 / 1 count)."""
+    return sum(max(log_distance(a, b, (d,)), float(a[d] != b[d])) for d in dims)
 
 
 class Database:
@@ -105,8 +113,9 @@ class Database:
 
     def prefer(self, record: Record) -> tuple:
         """Merge order: fresh before stale, graph-timed before eager (device time, not the host's launch path),
-        then faster."""
-        return (not self.is_fresh(record), record.timing != "graph", record.median_us)
+        tuned before untuned (a searched shape stays searched, so a later run does not search it again), then
+        faster."""
+        return (not self.is_fresh(record), record.timing != "graph", not record.tuned, record.median_us)
 
     # -- writing ------------------------------------------------------------------------------
     def add(self, records: Iterable[Record]) -> None:
@@ -159,9 +168,23 @@ class Database:
         return None if found is None else found[1].config_dict()
 
     def nearest_configs(self, spec: KernelSpec, phase: str, shape: dict[str, int], device: str, n: int = 3) -> list[dict]:
-        """Up to ``n`` distinct stored configs valid for ``shape``, nearest first (seeds for a study)."""
+        """Up to ``n`` distinct stored configs valid for ``shape``, nearest first: the seeds of a study.
+
+        Unlike the run-time lookup, fixed dims need not match (another model's records seed a new model's
+        shapes): records rank by :func:`shape_distance` over every dim of the shape key, then searched before
+        untuned, then fresh before stale; a config not valid for ``shape`` is passed over.
+        """
+        key = spec.shape_key(phase, shape).as_dict()
+        dims = (*spec.fixed_dims, *spec.bucketed_dims)
+        ranked = []
+        for r in self._index(device).get((spec.name, phase), []):
+            r_shape = r.shape_dict()
+            if ShapeKey.parse(r.shape_key).as_dict().keys() != key.keys() or not set(dims) <= r_shape.keys():
+                continue  # made when the kernel had other dims
+            ranked.append(((shape_distance(r_shape, shape, dims), not r.tuned, not self.is_fresh(r), r.sort_key()), r))
+        ranked.sort(key=lambda item: item[0])
         out: list[dict] = []
-        for _, r in self.matches(spec, phase, shape, device):
+        for _, r in ranked:
             config = r.config_dict()
             if config not in out and spec.is_valid(config, shape):
                 out.append(config)

@@ -41,6 +41,12 @@ class Record:
     trials: int
     date: str
     timing: str = "eager"  # how the three times were taken: "graph" (CUDA-graph replay) or "eager"
+    status: str = "tuned"  # "tuned": a search ran; "untuned": the best known config only (nearest seed or default)
+
+    @property
+    def tuned(self) -> bool:
+        """A search ran for this shape (an ``untuned`` record holds the best config known without one)."""
+        return self.status != "untuned"
 
     @property
     def key(self) -> tuple[str, str, str, str]:
@@ -93,7 +99,8 @@ def read_records(path: str | Path) -> list[Record]:
     if not path.exists():
         return []
     frame = pd.read_csv(path, dtype=str, keep_default_na=False)
-    for f in fields(Record):  # a column added after a file was written: its default (timing: all eager then)
+    for f in fields(Record):  # a column added after a file was written: its default (timing: all eager then;
+        # status: every record was searched then)
         if f.name not in frame.columns and f.default is not MISSING:
             frame[f.name] = str(f.default)
     missing = [c for c in COLUMNS if c not in frame.columns]

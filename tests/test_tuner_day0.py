@@ -1,0 +1,302 @@
+"""Day 0 with a model that is not DeepSeek-V3.2: every job's dims come from its config.json where the config has them
+(other head, expert and group counts, another hidden size), only dims no config has come from bench shapes, and
+the CLI names those."""
+import argparse
+import json
+
+import pytest
+
+from dsa_triton import registry  # noqa: F401  (first: registers the kernels, interpreter on before triton)
+from tuner import shapes as sh
+from tuner.cli import build_jobs, build_parser, main
+from dsa_triton.runtime import default_device
+
+# 64 heads, 384 experts top-6 without expert groups, hidden 6144, a narrower latent and a smaller indexer
+OTHER = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "hidden_size": 6144,
+         "num_hidden_layers": 4, "first_k_dense_replace": 1, "num_attention_heads": 64, "q_lora_rank": 1024,
+         "kv_lora_rank": 384, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+         "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 6, "moe_intermediate_size": 1536,
+         "n_group": None, "topk_group": None, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+         "index_n_heads": 32, "index_head_dim": 128, "index_topk": 1024}
+BATCHES, CONTEXTS, CHUNKS = (1, 8, 64), (8192, 32768, 131072), (2048, 8192)
+# what the config gives each dim name (H and D: the indexer's in kernels named *index*, else attention's)
+MODEL = {"hidden": 6144, "E": 384, "top_k": 6, "I": 1536, "n_group": 1, "topk_group": 1, "softmax": 0, "k": 1024,
+         "DK": 128, "Dv": 384, "P": 64}
+GEMMS = {(3072, 6144, 1), (6144, 1536, 0)}  # (N, K, gather): gate_up and down
+GEMMS_GATHER = {(n, k): g for n, k, g in GEMMS}  # the MXFP4 kernels have no gather dim
+# dims no config has (decode queries per sequence, selected pages, alignment, experts per conversion, cached
+# tokens before an append, index form, a context outside the shape key)
+NOT_MODEL = {"Q", "S", "SEL", "block_m", "G", "ctx", "logical", "L"}
+
+
+def jobs_for(config, tmp_path, *extra):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    args = build_parser().parse_args(["tune", "--model", str(path), "--batches", ",".join(map(str, BATCHES)),
+                                      "--contexts", ",".join(map(str, CONTEXTS)),
+                                      "--chunks", ",".join(map(str, CHUNKS)), *extra])
+    return build_jobs(args, default_device())
+
+
+def test_every_job_carries_the_configs_dims(tmp_path, capsys):
+    jobs = jobs_for(OTHER, tmp_path)
+    notes = capsys.readouterr().err
+    assert {j.spec.name for j in jobs} == {s.name for s in registry.kernels() if not s.name.startswith("toy_")}
+    counts = {"B": set(BATCHES) | {1}, "T": set(BATCHES) | set(CHUNKS), "N": set(BATCHES) | set(CHUNKS),
+              "L": set(CONTEXTS), "pages": {c // 64 for c in CONTEXTS},
+              "M": {6 * c for c in CHUNKS}, "Q": set(CHUNKS)}
+    for job in jobs:
+        name, shape = job.spec.name, job.shape
+        model = {**MODEL, "H": 32 if "index" in name else 64, "D": 128 if "index" in name else 448}
+        weights = name.startswith(("moe_fused", "moe_workspace", "mxfp4"))
+        if weights:
+            assert (shape["N"], shape["K"], shape.get("gather", GEMMS_GATHER[(shape["N"], shape["K"])])) in GEMMS, str(job)
+        for dim, value in shape.items():
+            if weights and dim in ("N", "K", "gather"):
+                continue
+            if dim in job.spec.bucketed_dims and value in counts.get(dim, ()):
+                continue
+            if dim in model:
+                assert value == model[dim], (str(job), dim)
+            else:
+                assert dim in NOT_MODEL, (str(job), dim)
+                assert f"{name} {job.phase}: " in notes and f"{dim}={value}" in notes, (str(job), dim)  # named
+    path = [j.shape for j in jobs if j.spec.name == "moe_path"]
+    assert path and all((s["n_group"], s["topk_group"]) == (1, 1) for s in path)  # outside its shape key
+    route = [j.shape for j in jobs if j.spec.name == "moe_route"]
+    assert route and all((s["n_group"], s["topk_group"], s["softmax"]) == (1, 1, 0) for s in route)
+    assert "n_group" not in notes and "topk_group" not in notes and "softmax" not in notes
+
+
+@pytest.mark.parametrize("groups, expected", [({}, (1, 1)), ({"n_group": None, "topk_group": None}, (1, 1)),
+                                              ({"n_group": 1, "topk_group": 4}, (1, 1)),
+                                              ({"n_group": 8, "topk_group": 3}, (8, 3))])
+def test_expert_groups_from_the_config(groups, expected):
+    config = {k: v for k, v in OTHER.items() if k not in ("n_group", "topk_group")} | groups
+    for name, phase in (("moe_path", "prefill"), ("moe_route", "decode")):
+        shapes = sh.model_shapes(registry.get(name), phase, config, batches=(8,), chunks=(2048,))
+        assert {(s["n_group"], s["topk_group"]) for s in shapes} == {expected}, name
+
+
+def test_missing_model_dims_are_errors_unless_set(tmp_path, capsys):
+    grouped = {**OTHER, "n_group": 4, "topk_group": None}
+    with pytest.raises(ValueError, match="lacks 'topk_group'.*--set topk_group="):
+        sh.model_shapes(registry.get("moe_path"), "decode", grouped)
+    assert {s["topk_group"] for s in sh.model_shapes(registry.get("moe_path"), "decode", grouped,
+                                                     overrides={"topk_group": 2}, batches=(1,))} == {2}
+    with pytest.raises(ValueError, match="scoring_func 'relu'"):
+        sh.model_shapes(registry.get("moe_route"), "decode", {**OTHER, "scoring_func": "relu"})
+    no_topk = {k: v for k, v in OTHER.items() if k != "index_topk"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(no_topk))
+    assert main(["tune", "--kernels", "topk_indices", "--model", str(path), "--list"]) == 2
+    assert "lacks 'index_topk'" in capsys.readouterr().err
+    assert main(["tune", "--kernels", "topk_indices", "--model", str(path), "--set", "k=512", "--batches", "1",
+                 "--contexts", "8192", "--chunks", "2048", "--list"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["topk_indices any L=8192,T=1,k=512",
+                                                    "topk_indices any L=8192,T=2048,k=512", "2 jobs"]
+
+
+# -- budgets ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, seconds", [("20m", 1200), ("90s", 90), ("1h", 3600), ("450", 450), ("7.5", 7.5),
+                                           ("1h30m", 5400), (" 2M ", 120)])
+def test_durations(text, seconds):
+    from tuner.cli import duration
+
+    assert duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "m", "20q", "-5", "ten"])
+def test_bad_durations(text, capsys):
+    from tuner.cli import duration
+
+    with pytest.raises(argparse.ArgumentTypeError, match="20m, 90s, 1h"):
+        duration(text)
+    with pytest.raises(SystemExit):
+        main(["tune", "--budget", text, "--list"])
+    assert "--budget" in capsys.readouterr().err
+
+
+def test_affordable_is_the_longest_prefix_whose_shares_cover_their_costs():
+    from tuner.tune import affordable
+
+    none = [0, 0, 0, 0]
+    assert affordable([40, 30, 20, 10], [2, 2, 2, 2], none, 6) == 2  # 6 * 30/70 = 2.6 >= 2; 6 * 20/90 = 1.3 < 2
+    assert affordable([40, 30, 20, 10], [2, 2, 2, 2], none, 20) == 4
+    assert affordable([40, 30, 20, 10], none, none, 0.1) == 4
+    assert affordable([40, 30], [5, 0], [0, 0], 4) == 0  # the first cannot afford it: no search at all
+    assert affordable([40, 30, 20, 10], [2, 2, 2, 2], [4, 2, 0, 0], 6) == 3  # what earlier runs used counts too
+    assert affordable([], [], [], 10) == 0
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_the_budget_goes_where_the_default_is_furthest_from_the_floor(tmp_path, monkeypatch):
+    """Known pass for every job first (each "takes" 1 s here), then searches in falling gap (the default's time on
+    the CPU), each with its gap's share of the time less its fixed cost, while the shares cover twice the known
+    pass; the jobs the budget does not reach keep their untuned records. Two runs of 10 s give each job the search
+    time one run of 20 s would."""
+    from tuner import tune as tune_module
+    from tuner.tune import Job, tune
+
+    from .test_tuner_toys import database, registered, toy_spec
+    from .test_tuning_db import record
+
+    clock, calls = FakeClock(), []
+    default_us = {1: 20.0, 2: 40.0, 3: 10.0, 4: 30.0}  # by T: gaps 40 (T=2), 30 (T=4), 20 (T=1), 10 (T=3)
+
+    def fake(job, db, device, *, timeout, known, **kw):
+        calls.append((job.shape["T"], known, timeout))
+        clock.t += 1.0 if known else timeout + 1.0  # a search uses its whole share (timeout + its fixed cost)
+        return record(job.shape, {"BLOCK": 32, "num_warps": 1}, median_us=default_us[job.shape["T"]] / 2,
+                      status="untuned" if known else "tuned", kernel=job.spec.name)
+
+    def run(total_s, storage):
+        calls.clear()
+        with registered(toy_spec()) as (spec,), database(tmp_path / storage) as db:
+            jobs = [Job(spec, "decode", {"T": t, "D": 40}) for t in (1, 2, 3, 4)]
+            return tune(jobs, db, default_device(), total_s=total_s, storage_dir=tmp_path / storage,
+                        log=lambda s: None)
+
+    def searched():  # seconds each job's searches used (timeout + fixed cost), by T
+        return {t: timeout + 1.0 for t, known, timeout in calls if not known}
+
+    monkeypatch.setattr(tune_module, "now", clock)
+    monkeypatch.setattr(tune_module, "tune_job", fake)
+    results = run(10.0, "two")
+    assert [(t, known) for t, known, _ in calls[:4]] == [(1, True), (2, True), (3, True), (4, True)]
+    # 6 s left, costs 2 s: T=2 and T=4 can afford a search (6 * 30/70 >= 2, 6 * 20/90 < 2): T=2 gets 6 * 40/70
+    # less its fixed cost 1; then 10 - 4 - 6 * 40/70 = 2.57 s are left, all for T=4 (less 1)
+    assert [(t, known) for t, known, _ in calls[4:]] == [(2, False), (4, False)]
+    assert calls[4][2] == pytest.approx(6 * 40 / 70 - 1) and calls[5][2] == pytest.approx(6 - 6 * 40 / 70 - 1)
+    assert [r.status for r in results] == ["untuned", "tuned", "untuned", "tuned"]
+    assert all(r.record is not None for r in results)
+    first = searched()
+
+    results = run(10.0, "two")  # records exist: no known pass; 10 s of searches on top of the 6 s used
+    assert all(known is False for _, known, _ in calls)
+    second = searched()
+    assert [r.status for r in results] == ["tuned", "tuned", "untuned", "tuned"]
+
+    run(20.0, "one")  # one run of 20 s: 16 s for searches, T=2, T=4 and T=1 (16 * 10/100 < 2 for T=3)
+    once = searched()
+    assert once == pytest.approx({2: 16 * 40 / 90, 4: 16 * 30 / 90, 1: 16 * 20 / 90})
+    assert {t: first.get(t, 0) + second.get(t, 0) for t in once} == pytest.approx(once)
+
+
+def test_a_tiny_budget_leaves_a_record_for_every_job_and_the_next_run_goes_on(tmp_path, capsys, monkeypatch):
+    """Interpreter, real toy kernels and one real kernel: a budget too small for any search still leaves a checked
+    record for every job (``untuned``); a later run with time searches on from the journal, measuring no config
+    twice, and its records are ``tuned``."""
+    from dsa_triton.registry import shape_text
+    from tuner.objective import Evaluator
+    from tuning_db import Database
+    from tuning_db.records import config_text
+
+    from .test_tuner_toys import buggy_spec, registered, toy_spec
+
+    measured = []
+    real = Evaluator.evaluate
+    monkeypatch.setattr(Evaluator, "evaluate", lambda self, config: measured.append(
+        (self.spec.name, self.phase, shape_text(self.shape), config_text(config))) or real(self, config))
+    db, storage = tmp_path / "db", tmp_path / "optuna"
+    args = ["tune", "--kernels", "toy_axpy,toy_buggy,mxfp4_dequantize", "--db", db, "--storage", storage,
+            "--trials", "3", "--no-progress"]
+    with registered(toy_spec(bench=((3, 40), (9, 40))), buggy_spec()):
+        try:
+            assert main([str(a) for a in [*args, "--budget", "0.01"]]) == 0
+            out = capsys.readouterr().out
+            records = Database(db).records("cpu-interpreter")
+            assert "known configs: 7 of 7 jobs have a record" in out and "searched 0 jobs" in out
+            assert len(records) == 7 and {r.status for r in records} == {"untuned"}
+            assert all(r.median_us > 0 and r.trials == 1 for r in records)  # the default only: nothing stored before
+            first = len(measured)
+
+            assert main([str(a) for a in [*args, "--budget", "2m"]]) == 0
+            out = capsys.readouterr().out
+            records = Database(db).records("cpu-interpreter")
+            assert "searched 7 jobs" in out and len(records) == 7 and {r.status for r in records} == {"tuned"}
+            assert len(measured) > first and len(set(measured)) == len(measured)  # resumed, nothing measured twice
+            assert all(r.trials >= 2 for r in records)  # the known pass's config and the new ones
+        finally:
+            import tuning_db
+
+            tuning_db.use()
+
+
+def test_a_job_whose_known_configs_all_fail_is_searched_first(tmp_path):
+    import dataclasses
+
+    from tuner.tune import Job, tune
+
+    from .test_tuner_toys import buggy_spec, database, registered
+
+    # BLOCK=64 drops the tail of 120 elements: the default is wrong here, only a search finds a config
+    wrong_default = dataclasses.replace(buggy_spec(), _cache={}, default=lambda phase, shape: {"BLOCK": 64, "num_warps": 1})
+    with registered(wrong_default) as (spec,), database(tmp_path / "db") as db:
+        logs = []
+        [result] = tune([Job(spec, "decode", {"T": 3, "D": 40})], db, default_device(), trials=3, total_s=60.0,
+                        storage_dir=None, log=logs.append, progress=False)
+    assert any("no config passed the reference check" in line for line in logs)
+    assert result.status == "tuned" and json.loads(result.record.config)["BLOCK"] != 64
+
+
+def test_known_configs_of_many_jobs_compile_in_workers(monkeypatch):
+    from tuner import precompile as pc
+    from tuning_db.records import config_text
+
+    from .test_tuner_toys import buggy_spec, registered
+
+    monkeypatch.setattr(pc, "_worker", {})  # a fresh worker's state
+    with registered(buggy_spec()):
+        good, wrong = {"BLOCK": 32, "num_warps": 1}, {"BLOCK": 64, "num_warps": 1}
+        out = pc._check_job(("toy_buggy", "decode", {"T": 3, "D": 40}, "cpu", [good, wrong]))
+        assert out[config_text(good)] is None and out[config_text(wrong)].status == "wrong"
+        assert pc._check_job(("toy_buggy", "decode", {"T": -1, "D": 40}, "cpu", [good])) == {}  # no inputs: none
+        jobs = [("toy_buggy", "decode", {"T": 3, "D": 40}, [good])] * 2
+        assert pc.precompile_jobs(jobs, "cpu", workers=4) == [{}, {}]  # the interpreter compiles nothing
+
+
+# -- day0 -------------------------------------------------------------------------------------------
+def test_day0_tunes_then_generates_with_the_runner_and_times_each_stage(tmp_path, capsys, monkeypatch):
+    import subprocess
+    import sys
+
+    import tuning_db
+
+    from .test_tuner_toys import registered, toy_spec
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(OTHER))
+    runs = []
+    monkeypatch.setattr(subprocess, "run", lambda command, env: runs.append((command, env)) or
+                        subprocess.CompletedProcess(command, 0))
+    db, out = tmp_path / "db", tmp_path / "day0" / "gen.jsonl"
+    common = ["--kernels", "toy_axpy", "--phases", "decode", "--batches", "2", "--budget", "1s", "--db", str(db),
+              "--storage", "none", "--no-progress"]
+    with registered(toy_spec()):
+        try:
+            assert main(["day0", *common, "--checkpoint", str(checkpoint), "--out", str(out)]) == 0
+            text = capsys.readouterr().out
+            [(command, env)] = runs
+            prompts = out.with_name("gen-prompts.jsonl")
+            assert command == [sys.executable, "-m", "model_runner", "generate", "--model", str(checkpoint),
+                               "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "16"]
+            assert all(isinstance(json.loads(line), list) for line in prompts.read_text().splitlines())
+            assert env["DSA_TUNING_DB"] == str(db.resolve())  # the runner reads the database just tuned
+            assert [r.shape for r in tuning_db.Database(db).records("cpu-interpreter")] == ["D=448,T=2"]  # config's D
+            for stage in ("plan:", "tune:", "generate:", "total:"):
+                assert stage in text
+            assert "1 of 1 jobs have a record" in text
+
+            assert main(["day0", *common, "--model", str(checkpoint / "config.json")]) == 0  # no checkpoint
+            assert "generate: skipped: no --checkpoint given" in capsys.readouterr().out and len(runs) == 1
+        finally:
+            tuning_db.use()
