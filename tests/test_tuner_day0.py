@@ -17,13 +17,17 @@ OTHER = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v3
          "kv_lora_rank": 384, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
          "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 6, "moe_intermediate_size": 1536,
          "n_group": None, "topk_group": None, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
-         "index_n_heads": 32, "index_head_dim": 128, "index_topk": 1024}
+         "index_n_heads": 32, "index_head_dim": 128, "index_topk": 1024, "intermediate_size": 12288}
 BATCHES, CONTEXTS, CHUNKS = (1, 8, 64), (8192, 32768, 131072), (2048, 8192)
 # what the config gives each dim name (H and D: the indexer's in kernels named *index*, else attention's)
 MODEL = {"hidden": 6144, "E": 384, "top_k": 6, "I": 1536, "n_group": 1, "topk_group": 1, "softmax": 0, "k": 1024,
          "DK": 128, "Dv": 384, "P": 64}
 GEMMS = {(3072, 6144, 1), (6144, 1536, 0)}  # (N, K, gather): gate_up and down
 GEMMS_GATHER = {(n, k): g for n, k, g in GEMMS}  # the MXFP4 kernels have no gather dim
+# (N, K) of the dense projections: q_a, q_b, kv_a, kv_b, o, and the shared expert's two (no intermediate_size:
+# the dense MLP's are absent from this config, so they would raise: given below)
+LINEAR = {(1024, 6144), (64 * 192, 1024), (384 + 64, 6144), (64 * 256, 384), (6144, 64 * 128), (1536, 6144),
+          (6144, 1536), (12288, 6144), (6144, 12288)}
 # dims no config has (decode queries per sequence, selected pages, alignment, experts per conversion, cached
 # tokens before an append, index form, a context outside the shape key)
 NOT_MODEL = {"Q", "S", "SEL", "block_m", "G", "ctx", "logical", "L"}
@@ -49,10 +53,13 @@ def test_every_job_carries_the_configs_dims(tmp_path, capsys):
         name, shape = job.spec.name, job.shape
         model = {**MODEL, "H": 32 if "index" in name else 64, "D": 128 if "index" in name else 448}
         weights = name.startswith(("moe_fused", "moe_workspace", "mxfp4"))
+        linear = "linear" in name
         if weights:
             assert (shape["N"], shape["K"], shape.get("gather", GEMMS_GATHER[(shape["N"], shape["K"])])) in GEMMS, str(job)
+        if linear:
+            assert (shape["N"], shape["K"]) in LINEAR and shape["M"] in set(BATCHES) | set(CHUNKS), str(job)
         for dim, value in shape.items():
-            if weights and dim in ("N", "K", "gather"):
+            if (weights and dim in ("N", "K", "gather")) or (linear and dim in ("N", "K", "M")):
                 continue
             if dim in job.spec.bucketed_dims and value in counts.get(dim, ()):
                 continue
@@ -61,6 +68,7 @@ def test_every_job_carries_the_configs_dims(tmp_path, capsys):
             else:
                 assert dim in NOT_MODEL, (str(job), dim)
                 assert f"{name} {job.phase}: " in notes and f"{dim}={value}" in notes, (str(job), dim)  # named
+    assert {(j.shape["N"], j.shape["K"]) for j in jobs if "linear" in j.spec.name} == LINEAR
     path = [j.shape for j in jobs if j.spec.name == "moe_path"]
     assert path and all((s["n_group"], s["topk_group"]) == (1, 1) for s in path)  # outside its shape key
     route = [j.shape for j in jobs if j.spec.name == "moe_route"]

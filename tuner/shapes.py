@@ -24,6 +24,9 @@ Model dims (any of the names on a row; fixed dims of a shape key, or dims outsid
 A config without expert groups (``n_group`` missing, null or 1) has one group and ``topk_group`` 1. A field the
 vocabulary needs that the config lacks (or holds null) is an error naming it, unless ``--set`` gives the dim.
 
+Dense weights (kernels named *linear*): ``N`` and ``K`` take every dense projection of a layer
+(:func:`linear_gemms`); ``M`` counts tokens.
+
 Expert weights (kernels named *mxfp4*, *moe*, *gemm*, *expert*): ``N``, ``K`` and ``gather``, fixed or
 bucketed, take both GEMMs: gate_up (N = 2 x moe_intermediate_size, K = hidden_size, gather = 1) and down
 (N = hidden_size, K = moe_intermediate_size, gather = 0). Their ``M`` counts routed rows: the tokens times
@@ -63,6 +66,7 @@ TOKEN_NAMES = ("T", "M", "Q", "N", "tokens", "num_tokens", "rows")
 CONTEXT_NAMES = ("L", "context", "ctx", "seq_len", "kv_len", "keys")
 PAGE_NAMES = ("pages", "n_pages", "num_pages")  # context / page size
 WEIGHT_KERNELS = ("mxfp4", "moe", "gemm", "expert")
+LINEAR_KERNELS = ("linear",)  # dense GEMMs: N and K of each projection of a layer (:func:`linear_gemms`)
 ROUTED_ROWS = "M"  # in a weight kernel: tokens x experts per token
 
 Quantity = Callable[[dict[str, Any]], int]
@@ -121,6 +125,28 @@ EXPERT_GEMMS: tuple[dict[str, Quantity], ...] = (
 )
 
 
+def linear_gemms(c: dict[str, Any]) -> list[dict[str, Quantity]]:
+    """``N`` and ``K`` of every dense projection of a layer (the weights a blockwise-FP8 checkpoint keeps in FP8):
+    q (through ``q_lora_rank`` when the config has one), the latent kv, its up-projection, the output, and the dense
+    MLP and the shared experts when the config has them."""
+    heads = lambda c: need(c, "num_attention_heads")  # noqa: E731
+    qk = lambda c: need(c, "qk_nope_head_dim") + need(c, "qk_rope_head_dim")  # noqa: E731
+    hidden = lambda c: need(c, "hidden_size")  # noqa: E731
+    q = ([{"N": lambda c: need(c, "q_lora_rank"), "K": hidden},
+          {"N": lambda c: heads(c) * qk(c), "K": lambda c: need(c, "q_lora_rank")}] if c.get("q_lora_rank")
+         else [{"N": lambda c: heads(c) * qk(c), "K": hidden}])
+    shared = c.get("n_shared_experts") or 0
+    return q + [
+        {"N": lambda c: need(c, "kv_lora_rank") + need(c, "qk_rope_head_dim"), "K": hidden},
+        {"N": lambda c: heads(c) * (need(c, "qk_nope_head_dim") + need(c, "v_head_dim")),
+         "K": lambda c: need(c, "kv_lora_rank")},
+        {"N": hidden, "K": lambda c: heads(c) * need(c, "v_head_dim")},
+    ] + ([{"N": lambda c: need(c, "intermediate_size"), "K": hidden},
+          {"N": hidden, "K": lambda c: need(c, "intermediate_size")}] if c.get("intermediate_size") else []) + (
+         [{"N": lambda c: shared * need(c, "moe_intermediate_size"), "K": hidden},
+          {"N": hidden, "K": lambda c: shared * need(c, "moe_intermediate_size")}] if shared else [])
+
+
 def parse_shapes(texts: list[str]) -> list[dict[str, int]]:
     """``["B=64,L=131072", "B=1,L=4096;B=8,L=4096"]`` -> shapes (``;`` separates shapes within one text)."""
     return [shape_from_text(s) for text in texts for s in text.split(";") if s.strip()]
@@ -166,18 +192,19 @@ def shape_dims(spec: KernelSpec, phase: str) -> tuple[str, ...]:
 def derived_dims(spec: KernelSpec, config: dict[str, Any], dims: tuple[str, ...] | None = None,
                  given: dict[str, int] | None = None) -> list[dict[str, int]]:
     """The dims of ``dims`` (default: the shape key's) that the vocabulary derives from the model, counts
-    (bucketed dims) aside: one dict, or one per expert GEMM (gate_up, down). Dims in ``given`` (``--set``)
+    (bucketed dims) aside: one dict, or one per expert GEMM (gate_up, down) or dense projection. Dims in ``given`` (``--set``)
     are not read from the model, so a config lacking one is no error."""
     table = {**FIXED, **(INDEXER_FIXED if "index" in spec.name else ATTENTION_FIXED)}
     dims = (*spec.fixed_dims, *spec.bucketed_dims) if dims is None else dims
     given = given or {}
-    weights = any(w in spec.name for w in WEIGHT_KERNELS)
-    gemm = [d for d in dims if weights and d in EXPERT_GEMMS[0] and d not in given]
+    matrices = (linear_gemms(config) if any(w in spec.name for w in LINEAR_KERNELS)
+                else EXPERT_GEMMS if any(w in spec.name for w in WEIGHT_KERNELS) else ())
+    gemm = [d for d in dims if matrices and d in matrices[0] and d not in given]
     fixed = {d: _value(spec, d, table[d], config) for d in dims
              if d in table and d not in gemm and d not in spec.bucketed_dims and d not in given}
     if not gemm:
         return [fixed]
-    alternatives = [{**fixed, **{d: _value(spec, d, g[d], config) for d in gemm}} for g in EXPERT_GEMMS]
+    alternatives = [{**fixed, **{d: _value(spec, d, g[d], config) for d in gemm}} for g in matrices]
     return dedupe(alternatives)
 
 
