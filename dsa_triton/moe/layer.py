@@ -10,7 +10,8 @@ else a crossover on the average routed rows per expert): ``fused`` (:func:`.fuse
 MXFP4 dequantized in registers: decode and small batches) and ``workspace``
 (:func:`.fp8_grouped_gemm.fp8_grouped_gemm`: online MXFP4 -> FP8 conversion into the shared workspace plus an
 FP8 GEMM with e4m3 activations: large batches; it reads the expert offsets on the host, one sync). The
-``moe_path`` entry (its default crossover, inputs, baseline) is :mod:`.layer_spec`.
+``moe_path`` entry (its default crossover, inputs, baseline) is :mod:`.layer_spec`. :func:`moe_experts` is the layer
+after its routing (given expert ids and weights): what an expert-parallel rank runs on the rows sent to it.
 """
 from __future__ import annotations
 
