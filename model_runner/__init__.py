@@ -9,6 +9,7 @@ import torch
 
 from dsa_triton.runtime import interpreting
 
+from . import distributed
 from .cache_manager import CacheManager
 from .config import ModelConfig, RopeConfig, tiny_config
 from .engine import Engine, SamplingParams
@@ -45,13 +46,20 @@ def build_engine(folder: str | Path, *, mode: str = "kernel", dtype: torch.dtype
         raise RunnerError(f"index_precision: fp8 rotates by a Hadamard matrix, which needs a power-of-two "
                           f"index_head_dim, got {config.index_head_dim}")
     ops = KernelOps(check_values) if mode == "kernel" else ReferenceOps()
-    checkpoint = load_checkpoint(folder, config, dtype, device, dequantize_fp8=dequantize_fp8)
+    parallel = distributed.active()  # expert parallel: this rank reads and holds only its experts
+    owned = (parallel.owned(config.n_routed_experts) if parallel is not None
+             and any(map(config.is_moe_layer, range(config.num_hidden_layers))) else None)
+    checkpoint = load_checkpoint(folder, config, dtype, device, dequantize_fp8=dequantize_fp8, experts=owned)
     model = Model(config, checkpoint.weights, ops, index_precision)
     cache = CacheManager(config, num_pages, page_size, max_seqs, max_seq_len, dtype, device, poison=poison,
                          index_precision=index_precision)
     engine = Engine(model, cache, max_num_batched_tokens, seed)
     engine.notes = checkpoint.notes
     engine.memory = memory_plan(checkpoint.weights, cache, config, max_num_batched_tokens)
+    if owned is not None:
+        engine.notes.append(f"expert parallel: rank {parallel.rank} of {parallel.world_size} holds experts "
+                            f"{owned.start}..{owned.stop - 1} of {config.n_routed_experts} in each MoE layer")
+        engine.memory.update(parallel.memory(config, max_num_batched_tokens, dtype))
     return engine
 
 

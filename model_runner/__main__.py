@@ -5,6 +5,10 @@
 
 ``generate`` prints what loading did and the memory plan, shows a progress bar of generated tokens and closes with
 prefill and decode throughput. File formats: :mod:`.batch_io`. Any error is one line on stderr, exit status 2.
+
+Under ``torchrun --nproc-per-node N`` ``generate`` runs expert parallel and data parallel (:mod:`.distributed`):
+each rank loads its experts and runs its share of the prompts; rank 0 prints (its memory plan, every rank's
+throughput and time in collectives) and writes the one output file, all prompts in order.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import torch
 from dsa_triton.hostmath import cdiv
 from dsa_triton.runtime import default_device
 
-from . import build_engine
+from . import build_engine, distributed
 from .engine import SamplingParams
 from .errors import RunnerError
 from .memory import format_plan
@@ -56,6 +60,8 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--chunk", type=int, default=256, help="max tokens per prefill step")
     gen.add_argument("--skip-checks", action="store_true", help="no per-op value checks (host syncs) in kernel mode")
     gen.add_argument("--no-progress", action="store_true")
+    gen.add_argument("--time-collectives", action="store_true",
+                     help="under torchrun: synchronize the device around each collective to time them")
     gen.set_defaults(func=generate)
     tiny = sub.add_parser("make-tiny", help="write a tiny random checkpoint (Hugging Face layout, tokenizer)")
     tiny.add_argument("folder")
@@ -74,25 +80,55 @@ def generate(args) -> None:
     stop = () if args.ignore_eos else eos_token_ids(args.model)
     defaults = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, stop)
     requests = read_requests(args.prompts, defaults, tokenizer)
-    device = default_device()
+    parallel = distributed.setup()  # None unless launched by torchrun with more than one process
+    try:
+        _generate(args, requests, tokenizer, parallel)
+    finally:
+        distributed.shutdown()
+
+
+def _generate(args, requests, tokenizer, parallel) -> None:
+    device = parallel.device if parallel else default_device()
     dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float16
     max_seq_len = args.max_seq_len or max(len(r.token_ids) + r.params.max_new_tokens for r in requests)
-    max_seqs = min(args.max_seqs, len(requests))
+    here = len(distributed.share(len(requests), parallel)) if parallel else len(requests)  # this rank's prompts
+    max_seqs = max(1, min(args.max_seqs, here))
     num_pages = args.num_pages or max_seqs * cdiv(max_seq_len, args.page_size)
     engine = build_engine(args.model, mode=args.mode, dtype=dtype, device=device, num_pages=num_pages,
                           page_size=args.page_size, max_seqs=max_seqs, max_seq_len=max_seq_len,
                           max_num_batched_tokens=args.chunk, seed=args.seed, check_values=not args.skip_checks,
                           index_precision=args.index_precision, dequantize_fp8=args.dequantize_fp8)
-    print(f"model {args.model}: {args.mode} mode, {str(dtype).replace('torch.', '')} on {device}, indexer "
-          f"{args.index_precision}; {len(requests)} prompts")
-    for note in engine.notes:
-        print(f"note: {note}")
-    print("\n".join(format_plan(engine.memory)), flush=True)
-    seqs = engine.run([r.token_ids for r in requests], [r.params for r in requests], progress=not args.no_progress,
-                      names=[r.name for r in requests])
+    lead = parallel is None or parallel.rank == 0  # the process that prints and writes
+    totals = parallel.all_gather(sum(engine.memory.values())) if parallel else []
+    if lead:
+        ranks = f" (rank 0 of {parallel.world_size} shown)" if parallel else ""
+        print(f"model {args.model}: {args.mode} mode, {str(dtype).replace('torch.', '')} on {device}, indexer "
+              f"{args.index_precision}; {len(requests)} prompts{ranks}")
+        for note in engine.notes:
+            print(f"note: {note}")
+        print("\n".join(format_plan(engine.memory)), flush=True)
+        if totals:
+            print("memory plan totals by rank: " + ", ".join(f"{t / 2**20:.2f}" for t in totals) + " MiB", flush=True)
+    prompts, params, names = ([r.token_ids for r in requests], [r.params for r in requests],
+                              [r.name for r in requests])
+    if parallel is None:
+        seqs = engine.run(prompts, params, progress=not args.no_progress, names=names)
+        reports = [(engine.throughput(), None)]
+    else:
+        parallel.timed = args.time_collectives
+        seqs = distributed.generate(engine, prompts, params, names, progress=not args.no_progress)
+        reports = parallel.all_gather((engine.throughput(), dict(parallel.stats)))
+    if not lead:
+        return
     write_results(args.out, seqs, tokenizer)
-    for kind, (tokens, seconds) in engine.throughput().items():
-        print(f"{kind}: {tokens} tokens in {seconds:.2f} s ({tokens / seconds if seconds else 0:.1f} tokens/s)")
+    for rank, (throughput, stats) in enumerate(reports):
+        who = f"rank {rank}: " if parallel else ""
+        for kind, (tokens, seconds) in throughput.items():
+            print(f"{who}{kind}: {tokens} tokens in {seconds:.2f} s ({tokens / seconds if seconds else 0:.1f} "
+                  f"tokens/s)")
+        if stats:
+            timing = f"{stats['seconds']:.2f} s" + ("" if args.time_collectives else " (host time)")
+            print(f"{who}collectives: {stats['collectives']} calls, {stats['bytes'] / 2**20:.2f} MiB sent, {timing}")
     print(f"wrote {len(seqs)} results to {args.out}")
 
 

@@ -28,6 +28,10 @@ MXFP4 experts are used as shipped. Multi-token-prediction layers (``L`` with ``i
 ``num_nextn_predict_layers`` of them) are skipped with a note. Any other tensor, a missing or misshaped one, an FP8
 weight without its scales: a :class:`.errors.RunnerError` naming it.
 
+Expert parallel (:mod:`.distributed`): given ``experts``, a range of expert ids, only those experts of each MoE
+layer are read (stacked MXFP4 tensors: the rows of that range, read as a slice of the file; experts one by one:
+only theirs; the others are not read, so not checked, on this rank).
+
 :func:`load_checkpoint` returns the weights the model uses (dense tensors in the activation dtype; the router,
 its bias and ``weights_proj`` in fp32; per MoE layer ``L.mlp.experts.{gate_up,down}_{blocks,scales}``) and notes.
 """
@@ -140,13 +144,21 @@ class TensorFiles:
         return name in self.weight_map
 
     def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def get_rows(self, name: str, rows: range) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """Rows ``rows`` of dimension 0 (only those bytes are read) and the whole tensor's shape."""
+        part = self._handle(name).get_slice(name)
+        return part[rows.start:rows.stop], tuple(part.get_shape())
+
+    def _handle(self, name: str):
         file = self.weight_map[name]
         if file not in self._files:
             self._files[file] = self._open(file)
         handle = self._files[file]
         if name not in handle.keys():
             raise RunnerError(f"checkpoint: tensor {name} is in the weight_map but not in {file}")
-        return handle.get_tensor(name)
+        return handle
 
 
 @dataclass
@@ -162,12 +174,13 @@ class _Reader:
     def __init__(self, files: TensorFiles, config: ModelConfig):
         self.files, self.config, self.taken = files, config, set()
 
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def take(self, name: str, shape: tuple[int, ...], rows: range | None = None) -> torch.Tensor:
+        """The tensor ``name`` of ``shape``, or only ``rows`` of its dimension 0."""
         if name not in self.files:
             raise RunnerError(f"checkpoint: tensor {name} is missing")
-        t = self.files.get(name)
-        if tuple(t.shape) != shape:
-            raise RunnerError(f"checkpoint: tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+        t, full = self.files.get_rows(name, rows) if rows is not None else (self.files.get(name), None)
+        if (full or tuple(t.shape)) != shape:
+            raise RunnerError(f"checkpoint: tensor {name} has shape {full or tuple(t.shape)}, expected {shape}")
         self.taken.add(name)
         return t
 
@@ -194,8 +207,9 @@ class _Reader:
 
 
 def load_checkpoint(folder: str | Path, config: ModelConfig, dtype: torch.dtype, device, *,
-                    dequantize_fp8: bool = False) -> Checkpoint:
-    """Read a checkpoint folder (layout and formats: the module docstring) onto ``device``."""
+                    dequantize_fp8: bool = False, experts: range | None = None) -> Checkpoint:
+    """Read a checkpoint folder (layout and formats: the module docstring) onto ``device``; ``experts``: only
+    these experts of each MoE layer (default all)."""
     reader = _Reader(TensorFiles(folder), config)
     out = Checkpoint()
     kept = dequantized = 0
@@ -217,7 +231,7 @@ def load_checkpoint(folder: str | Path, config: ModelConfig, dtype: torch.dtype,
     converted = {}  # source format -> (layers, lossy 32-blocks, 32-blocks)
     for i in range(config.num_hidden_layers):
         if config.is_moe_layer(i):
-            fmt, lossy, blocks = _experts(config, i, reader, device, out.weights)
+            fmt, lossy, blocks = _experts(config, i, reader, device, out.weights, experts)
             if fmt != "mxfp4":
                 layers, lossy_sum, block_sum = converted.get(fmt, (0, 0, 0))
                 converted[fmt] = (layers + 1, lossy_sum + lossy, block_sum + blocks)
@@ -228,17 +242,20 @@ def load_checkpoint(folder: str | Path, config: ModelConfig, dtype: torch.dtype,
     return out
 
 
-def _experts(config: ModelConfig, layer: int, reader: _Reader, device, weights: dict) -> tuple[str, int, int]:
-    """One MoE layer's experts into ``weights`` as MXFP4; -> (source format, lossy 32-blocks, 32-blocks)."""
+def _experts(config: ModelConfig, layer: int, reader: _Reader, device, weights: dict,
+             owned: range | None) -> tuple[str, int, int]:
+    """One MoE layer's experts ``owned`` (None: all) into ``weights`` as MXFP4; -> (source format, lossy
+    32-blocks, 32-blocks)."""
     p = f"model.layers.{layer}.mlp.experts."
+    owned = range(config.n_routed_experts) if owned is None else owned
     stacked = mxfp4_shapes(config, layer)
     if any(name in reader.files for name in stacked):
         if f"{p}0.gate_proj.weight" in reader.files:
             raise RunnerError(f"checkpoint: layer {layer} holds experts both MXFP4 stacked and one by one")
         for proj in ("gate_up", "down"):
             name = f"{p}{proj}_proj"
-            blocks = reader.take(name + "_blocks", stacked[name + "_blocks"])
-            scales = reader.take(name + "_scales", stacked[name + "_scales"])
+            blocks = reader.take(name + "_blocks", stacked[name + "_blocks"], owned)
+            scales = reader.take(name + "_scales", stacked[name + "_scales"], owned)
             try:
                 validate_mxfp4(name, blocks, scales)  # a 0xFF scale names the tensor and the block
             except ValueError as exc:
@@ -249,6 +266,9 @@ def _experts(config: ModelConfig, layer: int, reader: _Reader, device, weights: 
     lossy = total = 0
     fmt = None
     for e in range(config.n_routed_experts):
+        if e not in owned:  # another rank's: not read here
+            reader.taken.update(n for name in expert_shapes(config, layer, e) for n in (name, scale_name(name)))
+            continue
         w = {}
         for name, shape in expert_shapes(config, layer, e).items():
             t = reader.take_weight(name, shape)

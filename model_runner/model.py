@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 import dsa_triton as dt
 
+from . import distributed
 from .cache_manager import CacheManager, PagedBatch
 from .config import ModelConfig
 from .rope import Rotary
@@ -158,6 +159,9 @@ class MoE:
                                         routed_scaling_factor=c.routed_scaling_factor)
 
     def __call__(self, x, ops) -> torch.Tensor:
+        parallel = distributed.active()
+        if parallel is not None:  # this rank holds only its experts: rows go to their experts' ranks and back
+            return parallel.moe(x, self, ops) + self.shared(x, ops)
         return ops.moe(x, self.router, *self.experts, routing=self.routing, router_bias=self.bias) + self.shared(x, ops)
 
 

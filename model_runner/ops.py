@@ -7,6 +7,8 @@
 Shapes: ``q8[T, IH, ID]`` e4m3 indexer queries with ``w[T, IH]`` fp32 head weights; ``scores[T, L]`` fp32;
 ``slots[T, k]`` int32 physical cache rows (-1 unused); attention ``q[T, H, kv_lora + rope]`` -> ``[T, H, kv_lora]``;
 ``linear(x[T, K], w)``: ``w`` a ``[N, K]`` tensor in ``x``'s dtype or an :class:`FP8Weight`.
+Expert parallel (:mod:`.distributed`): ``route(logits[T, E] fp32, routing, bias)`` -> ``(weights [T, top_k] fp32,
+ids [T, top_k])``; ``experts(rows[N, H], ids[N] local expert of each row, *experts)`` -> ``[N, H]`` fp32, unweighted.
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ from dsa_triton.attention.sparse_attention_reference import (sparse_attention_de
 from dsa_triton.attention.topk_reference import topk_indices_torch
 from dsa_triton.linear.fp8_linear_reference import fp8_blockwise_linear_torch
 from dsa_triton.moe.activation_reference import swiglu_torch
-from dsa_triton.moe.layer_reference import moe_forward_torch
+from dsa_triton.moe.layer import moe_experts
+from dsa_triton.moe.layer_reference import moe_experts_torch, moe_forward_torch
+from dsa_triton.moe.routing_reference import route_torch
 
 from .cache_manager import PagedBatch
 
@@ -76,6 +80,14 @@ class KernelOps:
     def moe(x, *args, **kwargs) -> torch.Tensor:
         return dt.moe_forward(x, *args, **kwargs)
 
+    @staticmethod
+    def route(logits, routing, bias) -> tuple[torch.Tensor, torch.Tensor]:
+        return dt.route_topk(logits, routing, bias, check_values=False)  # as dt.moe_forward routes
+
+    def experts(self, rows, ids, *experts) -> torch.Tensor:
+        return moe_experts(rows, ids.view(-1, 1), None, *experts, out_dtype=torch.float32,
+                           check_ids=self.check_values)
+
 
 class ReferenceOps:
     name = "reference"
@@ -113,4 +125,12 @@ class ReferenceOps:
     @staticmethod
     def moe(x, *args, **kwargs) -> torch.Tensor:
         return moe_forward_torch(x, *args, **kwargs).to(x.dtype)
+
+    @staticmethod
+    def route(logits, routing, bias) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_torch(logits, routing, bias)
+
+    @staticmethod
+    def experts(rows, ids, *experts) -> torch.Tensor:
+        return moe_experts_torch(rows, ids.view(-1, 1), None, *experts)
 

@@ -38,16 +38,7 @@ def random_tensors(config: ModelConfig, experts: str = "mxfp4", dense: str = "bf
     for i in moe_layers:
         for e in range(config.n_routed_experts):
             shapes.update(expert_shapes(config, i, e))
-    tensors = {}
-    for name, shape in shapes.items():
-        t = torch.randn(shape, generator=g)
-        if name.endswith("norm.weight"):
-            t = 1 + 0.1 * t
-        elif name.endswith("bias"):
-            t = 0.1 * t
-        elif name != "model.embed_tokens.weight":
-            t = t * shape[-1] ** -0.5
-        tensors[name] = t.to(torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16)
+    tensors = {name: random_tensor(name, shape, g) for name, shape in shapes.items()}
     fp8_names = [n for n in tensors if n.startswith("model.layers.") and tensors[n].dim() == 2
                  and not n.endswith(("mlp.gate.weight", "indexer.weights_proj.weight"))
                  and (".experts." in n and experts == "fp8" or ".experts." not in n and dense == "fp8")]
@@ -61,6 +52,18 @@ def random_tensors(config: ModelConfig, experts: str = "mxfp4", dense: str = "bf
                                  for e in range(config.n_routed_experts)])
                 tensors[f"{p}{proj}_proj_blocks"], tensors[f"{p}{proj}_proj_scales"] = mxfp4_quantize_torch(w.float())
     return tensors
+
+
+def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """One dense tensor by the rule of the module docstring, on ``generator``'s device."""
+    t = torch.randn(shape, generator=generator, device=generator.device)
+    if name.endswith("norm.weight"):
+        t = 1 + 0.1 * t
+    elif name.endswith("bias"):
+        t = 0.1 * t
+    elif name != "model.embed_tokens.weight":
+        t = t * shape[-1] ** -0.5
+    return t.to(torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16)
 
 
 def save_checkpoint(tensors: dict[str, torch.Tensor], config: ModelConfig, folder: str | Path, shards: int = 1) -> None:

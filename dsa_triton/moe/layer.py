@@ -10,7 +10,8 @@ else a crossover on the average routed rows per expert): ``fused`` (:func:`.fuse
 MXFP4 dequantized in registers: decode and small batches) and ``workspace``
 (:func:`.fp8_grouped_gemm.fp8_grouped_gemm`: online MXFP4 -> FP8 conversion into the shared workspace plus an
 FP8 GEMM with e4m3 activations: large batches; it reads the expert offsets on the host, one sync). The
-``moe_path`` entry (its default crossover, inputs, baseline) is :mod:`.layer_spec`.
+``moe_path`` entry (its default crossover, inputs, baseline) is :mod:`.layer_spec`. :func:`moe_experts` is the layer
+after its routing (given expert ids and weights): what an expert-parallel rank runs on the rows sent to it.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from .activation import swiglu
 from .fp8_grouped_gemm import fp8_grouped_gemm
 from .fused_moe import SCALE_MAX, check_scale_bytes, fast_path, fused_moe_gemm
 from .layer_spec import PATH
-from .permute import combine_rows
+from .permute import check_id_range, combine_rows
+from .permute import check_routing as check_routing_ids
 from .route_topk import route_topk
 from .routing import RoutingConfig, check_routing
 from .sort_and_align import sort_and_align
@@ -40,6 +42,16 @@ def shared_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ac
 
 def _check(x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
            routing, shared_gate_up, shared_down) -> tuple[int, int, int]:
+    experts, hidden, inter = _check_experts(x, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
+                                            shared_gate_up, shared_down)
+    check_tensor("router_weight", router_weight, dtype=(torch.float32, torch.float16, torch.bfloat16),
+                 shape=(experts, hidden), device=x.device)
+    check_routing(routing, experts, router_bias, x.device, bias_name="router_bias")
+    return experts, hidden, inter
+
+
+def _check_experts(x, gate_up_blocks, gate_up_scales, down_blocks, down_scales, shared_gate_up,
+                   shared_down) -> tuple[int, int, int]:
     check_tensor("x", x, dtype=(torch.float16, torch.bfloat16), ndim=2)
     device = check_kernel_device("x", x)
     tokens, hidden = x.shape
@@ -58,9 +70,6 @@ def _check(x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_b
         if blocks.stride(-2) != 16 or any(stride % 4 for stride in blocks.stride()[:-2]):
             raise ValueError(f"{name}: each row's K/32 x 16 bytes must be contiguous and the other strides multiples "
                              f"of 4 (the kernels read 32-bit words), got strides {blocks.stride()}")
-    check_tensor("router_weight", router_weight, dtype=(torch.float32, torch.float16, torch.bfloat16),
-                 shape=(experts, hidden), device=device)
-    check_routing(routing, experts, router_bias, device, bias_name="router_bias")
     if (shared_gate_up is None) != (shared_down is None):
         raise ValueError("shared_gate_up / shared_down: give both or neither")
     if shared_gate_up is not None:
@@ -121,20 +130,67 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
         sizes = _check(x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
                        routing, shared_gate_up, shared_down)
         sizes = _PLANS.put(key, (*sizes, gate_up_block_m(x, sizes[0], routing.top_k, *sizes[1:])))
-    experts, hidden, inter, block_m = sizes
+    config = _path_config(x, sizes, routing.top_k, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
+                          phase, config)
+    logits = F.linear(x.float(), router_weight.float())
+    # one launch at any T (lowest expert first on ties); non-finite logits propagate (a NaN never ranks first)
+    weights, ids = route_topk(logits, routing, router_bias, check_values=False)
+    return _grouped(x, ids, weights, sizes, config, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
+                    shared_gate_up, shared_down, x.dtype)
+
+
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None,
+                gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, down_blocks: torch.Tensor,
+                down_scales: torch.Tensor, *, shared_gate_up: torch.Tensor | None = None,
+                shared_down: torch.Tensor | None = None, phase: str | None = None, config: dict | None = None,
+                out_dtype: torch.dtype | None = None, check_ids: bool = True) -> torch.Tensor:
+    """The layer after its routing: ``y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` (+ the
+    shared expert), what :func:`moe_forward` runs once :func:`.route_topk.route_topk` has chosen the experts.
+    An expert-parallel rank runs it on the rows dispatched to it, each row with its one local expert (``top_k`` 1,
+    weights None, fp32 out: the routing weights are applied where the rows return).
+
+    - ``x [T, H]`` fp16/bf16; ``topk_ids [T, top_k]`` int32/int64 in ``[0, E)``; ``topk_weights [T, top_k]``
+      fp32/fp16/bf16, or None for ones;
+    - the experts, ``shared_gate_up`` / ``shared_down``, ``phase`` and ``config``: as in :func:`moe_forward`;
+    - ``out_dtype``: ``y``'s dtype (default ``x``'s; the combine itself runs in fp32);
+    - ``check_ids``: read the ids' range on the host (one sync) and raise ``ValueError`` naming ``topk_ids``
+      outside ``[0, E)``; off, such ids give unspecified rows (never an access out of bounds).
+    """
+    key, sizes = _EXPERT_PLANS.find((x, topk_ids, topk_weights, gate_up_blocks, gate_up_scales, down_blocks,
+                                     down_scales, shared_gate_up, shared_down))
+    if sizes is None:
+        sizes = _check_experts(x, gate_up_blocks, gate_up_scales, down_blocks, down_scales, shared_gate_up,
+                               shared_down)
+        check_routing_ids(topk_ids, topk_weights, sizes[0])
+        check_tensor("topk_ids", topk_ids, shape=(x.shape[0], None), device=x.device, contiguous_last=False)
+        sizes = _EXPERT_PLANS.put(key, (*sizes, gate_up_block_m(x, sizes[0], topk_ids.shape[1], *sizes[1:])))
+    if check_ids:
+        check_id_range(topk_ids, sizes[0])
+    config = _path_config(x, sizes, topk_ids.shape[1], gate_up_blocks, gate_up_scales, down_blocks, down_scales,
+                          phase, config)
+    return _grouped(x, topk_ids, topk_weights, sizes, config, gate_up_blocks, gate_up_scales, down_blocks,
+                    down_scales, shared_gate_up, shared_down, out_dtype or x.dtype)
+
+
+def _path_config(x, sizes, top_k, gate_up_blocks, gate_up_scales, down_blocks, down_scales, phase, config) -> dict:
+    """The ``moe_path`` config of this shape, and the scale bytes checked against the bound of its path."""
+    experts, hidden, inter, _ = sizes
     tokens = x.shape[0]
     phase = phase or ("decode" if tokens <= DECODE_MAX_TOKENS else "prefill")
-    shape = {"T": tokens, "E": experts, "top_k": routing.top_k, "hidden": hidden, "I": inter}
+    shape = {"T": tokens, "E": experts, "top_k": top_k, "hidden": hidden, "I": inter}
     config = PATH.launch_config(phase, shape, x.device) if config is None else PATH.validate(dict(config), shape)
     bound = SCALE_MAX[fast_path(x)] if config["path"] == "fused" else NAN_SCALE - 1
     for name, blocks, scales in (("gate_up", gate_up_blocks, gate_up_scales), ("down", down_blocks, down_scales)):
         if blocks.data_ptr() % 4:  # (not in the plan's key)
             raise ValueError(f"{name}_blocks: the data must be 4-byte aligned (the kernels read 32-bit words)")
         check_scale_bytes(scales, bound, f"{name}_scales")  # (once per tensor and in-place version)
+    return config
 
-    logits = F.linear(x.float(), router_weight.float())
-    # one launch at any T (lowest expert first on ties); non-finite logits propagate (a NaN never ranks first)
-    weights, ids = route_topk(logits, routing, router_bias, check_values=False)
+
+def _grouped(x, ids, weights, sizes, config, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
+             shared_gate_up, shared_down, out_dtype) -> torch.Tensor:
+    """Sort the routed rows by expert, the two grouped GEMMs on ``config``'s path, the weighted combine."""
+    experts, _, _, block_m = sizes
     sort = sort_and_align(ids, weights, experts, block_m if config["path"] == "fused" else None, check_ids=False)
     if config["path"] == "fused":  # fp32 GEMM outputs: no conversion op before swiglu and the combine
         h = fused_moe_gemm(x, sort, gate_up_blocks, gate_up_scales, gather_tokens=True, out_dtype=torch.float32)
@@ -146,7 +202,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
                              check_values=False)
         y = fp8_grouped_gemm(swiglu(h), sort.expert_offsets, down_blocks, down_scales, check_values=False)
     shared = None if shared_gate_up is None else shared_expert(x, shared_gate_up, shared_down)
-    return combine_rows(y, sort, add=shared).to(x.dtype)
+    return combine_rows(y, sort, add=shared).to(out_dtype)
 
 
 _PLANS = PlanCache(1024)  # _check's (E, H, I) and the gate_up BLOCK_M by tensor metadata and routing fields
+_EXPERT_PLANS = PlanCache(1024)  # moe_experts' checked (E, H, I) and gate_up BLOCK_M by tensor metadata
