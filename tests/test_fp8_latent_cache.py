@@ -353,3 +353,59 @@ def test_attention_registry_entries(name):
     assert all(spec.is_valid(spec.default(phase, s), s) for s in spec.bench_shapes(phase, True))
     long_tile = {"BLOCK_N": 128, "BLOCK_H": 64, "num_splits": 1, "num_warps": 8, "num_stages": 1}
     assert bf16.constraint(long_tile, dsa) is None and "dequantized tile" in spec.constraint(long_tile, dsa)
+
+
+# -- the runner -----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from model_runner.__main__ import main
+
+    folder = tmp_path_factory.mktemp("tiny")
+    assert main(["make-tiny", str(folder)]) == 0
+    return folder
+
+
+def test_runner_fp8_kv_cache(tiny):
+    """``kv_cache="fp8"``: uint8 latent rows in every layer; the kernel mode's prefill logits equal the reference
+    mode's (the same quantization on both sides), and stay near the activation-dtype cache's (FP8 rounding only; an
+    expert choice it flips moves a logit by more than the rounding, so near is a cosine)."""
+    from model_runner import SamplingParams, build_engine
+
+    prompts = [list(range(1, 11))]  # 10 tokens: longer than the tiny model's top-k (8)
+    logits = {}
+    for mode, kv_cache in (("kernel", "fp8"), ("reference", "fp8"), ("reference", "activation")):
+        eng = build_engine(tiny, mode=mode, dtype=torch.float16, device="cpu", num_pages=8, page_size=16, max_seqs=2,
+                           max_seq_len=32, max_num_batched_tokens=64, poison=True, kv_cache=kv_cache)
+        layer = eng.cache.layers[0]
+        config = eng.model.config
+        row = fp8_latent_bytes(config.kv_lora_rank, config.qk_rope_head_dim) if kv_cache == "fp8" else 2 * config.latent_dim
+        assert layer.kv.shape[-1] * layer.kv.element_size() == row == eng.cache.bytes_per_token()["kv cache"]
+        forward, steps = eng.model.forward, []
+        eng.model.forward = lambda *args: steps.append(forward(*args)) or steps[-1]
+        eng.generate(prompts, SamplingParams(max_new_tokens=1), progress=False)
+        logits[mode, kv_cache] = steps[0]
+    torch.testing.assert_close(logits["kernel", "fp8"], logits["reference", "fp8"], rtol=0, atol=3e-2)
+    fp8, plain = logits["reference", "fp8"].flatten(), logits["reference", "activation"].flatten()
+    assert not torch.equal(fp8, plain) and torch.nn.functional.cosine_similarity(fp8, plain, dim=0) > 0.95
+    with pytest.raises(Exception, match="kv_cache"):
+        build_engine(tiny, mode="reference", dtype=torch.float32, device="cpu", kv_cache="fp16")
+
+
+def test_cli_kv_cache_flag(tiny, tmp_path, capsys):
+    """``generate --kv-cache fp8`` runs on the FP8 cache; the memory plan names it with its bytes a token (all
+    layers: the tiny model's 68-byte rows instead of 96)."""
+    import json
+
+    from model_runner import ModelConfig
+    from model_runner.__main__ import main
+
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    prompts.write_text(json.dumps([5, 6, 7]) + "\n")
+    layers = ModelConfig.from_json(tiny / "config.json").num_hidden_layers
+    for kv_cache, row in (("fp8", 68), ("activation", 96)):
+        assert main(["generate", "--model", str(tiny), "--prompts", str(prompts), "--out", str(out), "--mode",
+                     "reference", "--max-new-tokens", "2", "--no-progress", "--kv-cache", kv_cache]) == 0
+        stdout = capsys.readouterr().out
+        assert f"kv cache {kv_cache}" in stdout and f"kv cache ({kv_cache}, {row * layers} B a token)" in stdout
+        assert len(json.loads(out.read_text())["token_ids"]) == 2
