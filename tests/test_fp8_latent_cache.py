@@ -379,7 +379,8 @@ def test_runner_fp8_kv_cache(tiny):
                            max_seq_len=32, max_num_batched_tokens=64, poison=True, kv_cache=kv_cache)
         layer = eng.cache.layers[0]
         config = eng.model.config
-        row = fp8_latent_bytes(config.kv_lora_rank, config.qk_rope_head_dim) if kv_cache == "fp8" else 2 * config.latent_dim
+        row = (fp8_latent_bytes(config.kv_lora_rank, config.qk_rope_head_dim) if kv_cache == "fp8" else
+               2 * config.latent_dim)
         assert layer.kv.shape[-1] * layer.kv.element_size() == row == eng.cache.bytes_per_token()["kv cache"]
         forward, steps = eng.model.forward, []
         eng.model.forward = lambda *args: steps.append(forward(*args)) or steps[-1]
@@ -409,3 +410,14 @@ def test_cli_kv_cache_flag(tiny, tmp_path, capsys):
         stdout = capsys.readouterr().out
         assert f"kv cache {kv_cache}" in stdout and f"kv cache ({kv_cache}, {row * layers} B a token)" in stdout
         assert len(json.loads(out.read_text())["token_ids"]) == 2
+
+
+def test_fp8_cache_report():
+    """The bench report beside the kernel rows: both caches checked at the same shape, bytes per selected token
+    (2 D for bf16, the FP8 row), and the FP8 rate as a fraction of the bf16 rate."""
+    from dsa_triton.bench.reports import REPORTS
+
+    (row,) = REPORTS["sparse_attention_fp8_cache"](torch.device("cpu"), None)
+    assert "error" not in row, row
+    assert row["bf16_bytes_per_selected_token"] == 2 * D and row["fp8_bytes_per_selected_token"] == 100
+    assert row["fp8_rate_of_bf16"] == row["bf16_us"] / row["fp8_us"] > 0

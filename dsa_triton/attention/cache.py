@@ -143,8 +143,9 @@ def append_tokens(
     kv_cache ``[num_pages, P, D]``, kv ``[N, D]`` same dtype; or an FP8 latent cache ``kv_cache[num_pages, P,
     bytes]`` uint8 (layout: :mod:`.cache_reference`) and kv ``[N, D]`` fp32 / bf16 / fp16, whose last ``rope_dim``
     values are the rope part (kept as bf16) and the others the latent part (quantized, one power-of-two scale
-    per 128 values; ``bytes = fp8_latent_bytes(D - rope_dim, rope_dim)``, 656 for 512 + 64); ik ``[num_pages, P, DK]`` e4m3,
-    ik_scale ``[num_pages, P]`` fp32, summaries ``[num_pages, 2, DK]`` bf16 or fp32, index_k ``[N, DK]`` float.
+    per 128 values; ``bytes = fp8_latent_bytes(D - rope_dim, rope_dim)``, 656 for 512 + 64); ik
+    ``[num_pages, P, DK]`` e4m3, ik_scale ``[num_pages, P]`` fp32, summaries ``[num_pages, 2, DK]`` bf16 or fp32,
+    index_k ``[N, DK]`` float.
     ``items[n, 4]`` int32: (first row of kv/index_k, token count, physical page, first slot in the page).
     Either the latent or the index part may be ``None`` (both its cache and its new tokens). Shapes, dtypes,
     devices and ``config`` are always checked (once per tensor metadata and config), before anything is written.

@@ -135,7 +135,8 @@ def _spec(fp8: bool) -> KernelSpec:
         cost=_cost,
         bench_shapes=_fp8_bench_shapes if fp8 else _bench_shapes,
         constraint=lambda c, s: "BLOCK_T larger than the page" if c["BLOCK_T"] > s["P"] else None,
-        baseline=lambda inputs: _append_torch(inputs, *(inputs[k] for k in ("kv_cache", "ik", "ik_scale", "summaries"))),
+        baseline=lambda inputs: _append_torch(inputs, *(inputs[k] for k in ("kv_cache", "ik", "ik_scale",
+                                                                            "summaries"))),
         baseline_name="torch index_put + quantize + page min/max",
         source_modules=(cache_reference, cache_kernels, cache, sys.modules[__name__]),
     ))
