@@ -19,7 +19,7 @@ from dsa_triton.attention.sparse_attention_spec import random_paged_cache
 from dsa_triton.checks import exact_mismatch
 
 from .poison import poisoned_allocations
-from .test_sparse_attention import CFG, check, pick
+from .test_sparse_attention import CFG, check, pick, prefill_and_check
 
 D, DV = 80, 64  # 64 latent values (one partial 128-group) + 16 rope values: 100 bytes a row
 
@@ -236,17 +236,9 @@ def test_prefill(d, d_v, table_rows):
     """Head dims that are no power of two, a latent of two groups (the second partial); a shared, per-token or no
     block table."""
     g = torch.Generator().manual_seed(d + d_v)
-    T, H, L, k, P = 6, 3, 50, 24, 16
-    kv, table = fp8_cache(max(table_rows, 1), L, P, d, d_v, g)
-    q = torch.randn(T, H, d, generator=g).half()
-    idx = pick(T, L, k, [k, 3, 0], g)
-    if table_rows == 0:
-        indices, bt = slots_from_indices(idx, table.expand(T, -1), P).to(torch.int32), None
-    else:
-        indices, bt = idx, table if table_rows == 1 else table[torch.arange(T) % table_rows]
-    out, lse = dt.sparse_attention_prefill(q, kv, indices, 0.05, d_v=d_v, block_table=bt,
-                                           config={**CFG, "num_splits": 2})
-    check(out, lse, *sparse_attention_prefill_torch(q, kv, indices, 0.05, d_v, bt))
+    L = 50
+    kv, table = fp8_cache(max(table_rows, 1), L, 16, d, d_v, g)
+    prefill_and_check(torch.randn(6, 3, d, generator=g).half(), kv, table, L, table_rows, 0.05, d_v, g)
 
 
 @pytest.mark.parametrize("decode", [True, False])

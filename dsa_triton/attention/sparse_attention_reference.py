@@ -85,7 +85,6 @@ def sparse_attention_decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, indic
 def sparse_attention_prefill_torch(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                                    d_v: int = 512, block_table: torch.Tensor | None = None):
     """Oracle of :func:`dsa_triton.sparse_attention_prefill`: ``q[T, Hq, D]``, ``indices[T, k]`` -> fp32 out, lse."""
-    D = q.shape[-1]
     P = kv_cache.shape[1] if kv_cache.dim() == 3 else 1
     bt = None if block_table is None else block_table.expand(q.shape[0], -1)
     return sparse_attention_torch(q, kv_cache.reshape(-1, kv_cache.shape[-1]), slots_from_indices(indices, bt, P),
