@@ -13,7 +13,8 @@ install(Database())  # every op reads its launch config from the tuning database
 
 # attention: paged caches, indexer scoring (token and block level), top-k, sparse attention
 from .attention.cache import PageAllocator, PagedCache, append_tokens  # noqa: E402
-from .attention.cache_reference import fp8_quantize_rows  # noqa: E402
+from .attention.cache_reference import (fp8_latent_bytes, fp8_latent_dequantize, fp8_latent_quantize,  # noqa: E402
+                                        fp8_quantize_rows)
 from .attention.indexer import indexer_logits  # noqa: E402
 from .attention.block_scores import block_indexer_logits, block_scores, selected_page_logits  # noqa: E402
 from .attention.page_select import select_pages  # noqa: E402

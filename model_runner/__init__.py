@@ -26,10 +26,11 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what the attention and MoE ke
 def build_engine(folder: str | Path, *, mode: str = "kernel", dtype: torch.dtype, device, num_pages: int = 64,
                  page_size: int = 16, max_seqs: int = 8, max_seq_len: int = 256, max_num_batched_tokens: int = 256,
                  seed: int = 0, poison: bool = False, check_values: bool = True, index_precision: str = "fp8",
-                 dequantize_fp8: bool = False) -> Engine:
+                 dequantize_fp8: bool = False, kv_cache: str = "activation") -> Engine:
     """Load the checkpoint ``folder`` (its config.json) into a model on the ``mode`` backend ("kernel" or
     "reference") with its caches. ``check_values``: see :class:`.ops.KernelOps`; ``index_precision``: see
-    :mod:`.model`; ``dequantize_fp8``: FP8 projections to ``dtype`` at load instead of the FP8 GEMM.
+    :mod:`.model`; ``dequantize_fp8``: FP8 projections to ``dtype`` at load instead of the FP8 GEMM; ``kv_cache``:
+    latent cache rows in ``dtype`` ("activation") or DeepSeek's FP8 latent cache ("fp8", :mod:`.cache_manager`).
     The engine's ``notes`` say what loading did, its ``memory`` is the :func:`.memory.memory_plan`."""
     if mode not in ("kernel", "reference"):
         raise RunnerError(f"mode: must be 'kernel' or 'reference', got {mode!r}")
@@ -52,7 +53,7 @@ def build_engine(folder: str | Path, *, mode: str = "kernel", dtype: torch.dtype
     checkpoint = load_checkpoint(folder, config, dtype, device, dequantize_fp8=dequantize_fp8, experts=owned)
     model = Model(config, checkpoint.weights, ops, index_precision)
     cache = CacheManager(config, num_pages, page_size, max_seqs, max_seq_len, dtype, device, poison=poison,
-                         index_precision=index_precision)
+                         index_precision=index_precision, kv_cache=kv_cache)
     engine = Engine(model, cache, max_num_batched_tokens, seed)
     engine.notes = checkpoint.notes
     engine.memory = memory_plan(checkpoint.weights, cache, config, max_num_batched_tokens)

@@ -26,6 +26,7 @@ from .engine import SamplingParams
 from .errors import RunnerError
 from .memory import format_plan
 from .batch_io import read_requests, write_results
+from .cache_manager import KV_CACHE_FORMATS
 from .tiny import DENSE_FORMATS, EXPERT_FORMATS, make_tiny
 from .tokenizer import eos_token_ids, load_tokenizer
 
@@ -46,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
                      help="activation dtype (default bfloat16 on a GPU, float16 in the interpreter)")
     gen.add_argument("--index-precision", choices=("fp8", "activation"), default="fp8",
                      help="indexer q/k: FP8 after a Hadamard rotation (DeepSeek), or the activation dtype (HF)")
+    gen.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, default="activation",
+                     help="latent cache rows in the activation dtype, or DeepSeek's FP8 layout (656 bytes a token "
+                          "for 512 + 64 instead of 1152 in bf16; dequantized inside the attention kernels)")
     gen.add_argument("--dequantize-fp8", action="store_true",
                      help="dequantize FP8 projections at load (default: keep FP8, blockwise-FP8 GEMM)")
     gen.add_argument("--max-new-tokens", type=int, default=16)
@@ -97,13 +101,14 @@ def _generate(args, requests, tokenizer, parallel) -> None:
     engine = build_engine(args.model, mode=args.mode, dtype=dtype, device=device, num_pages=num_pages,
                           page_size=args.page_size, max_seqs=max_seqs, max_seq_len=max_seq_len,
                           max_num_batched_tokens=args.chunk, seed=args.seed, check_values=not args.skip_checks,
-                          index_precision=args.index_precision, dequantize_fp8=args.dequantize_fp8)
+                          index_precision=args.index_precision, dequantize_fp8=args.dequantize_fp8,
+                          kv_cache=args.kv_cache)
     lead = parallel is None or parallel.rank == 0  # the process that prints and writes
     totals = parallel.all_gather(sum(engine.memory.values())) if parallel else []
     if lead:
         ranks = f" (rank 0 of {parallel.world_size} shown)" if parallel else ""
         print(f"model {args.model}: {args.mode} mode, {str(dtype).replace('torch.', '')} on {device}, indexer "
-              f"{args.index_precision}; {len(requests)} prompts{ranks}")
+              f"{args.index_precision}, kv cache {args.kv_cache}; {len(requests)} prompts{ranks}")
         for note in engine.notes:
             print(f"note: {note}")
         print("\n".join(format_plan(engine.memory)), flush=True)

@@ -3,7 +3,9 @@
 Every layer holds the same tokens at the same positions, so one page allocator (``dt.PageAllocator``) and one
 block table serve all layers, and a step's write plan is computed once and used by every layer. Each layer's
 storage is a ``dt.PagedCache`` (latent rows ``kv[num_pages, P, kv_lora + rope]``, FP8 indexer keys, key scales and
-page summaries); its own one-row block table is not used. With the indexer in the activation dtype
+page summaries); its own one-row block table is not used. ``kv_cache="fp8"`` keeps the latent rows in DeepSeek's FP8
+layout (656 bytes a token for 512 + 64: e4m3 latent values, one fp32 scale per 128, bf16 rope values), quantized by
+the append op and dequantized inside the attention kernels. With the indexer in the activation dtype
 (``index_precision="activation"``) the layer's indexer keys are kept unrounded in ``index_keys[layer]``
 ``[num_pages * P, index_head_dim]`` instead of the FP8 indexer cache. A sequence gets the pages for its prompt
 plus its token budget when it is admitted (no preemption, no allocation mid-decode) and gives them back when it
@@ -20,6 +22,9 @@ from dsa_triton.attention.cache import page_items
 from dsa_triton.hostmath import cdiv
 
 from .config import ModelConfig
+from .errors import RunnerError
+
+KV_CACHE_FORMATS = ("activation", "fp8")  # latent cache rows in the activation dtype, or the FP8 layout
 
 
 @dataclass
@@ -56,16 +61,22 @@ class PagedBatch:
 class CacheManager:
     """Pages and storage for up to ``max_seqs`` sequences of at most ``max_seq_len`` tokens, in ``num_pages``
     pages of ``page_size`` tokens per layer. ``poison=True`` fills unwritten slots with NaN (tests);
-    ``index_precision``: "fp8" (DeepSeek's FP8 indexer cache) or "activation" (keys in ``dtype``)."""
+    ``index_precision``: "fp8" (DeepSeek's FP8 indexer cache) or "activation" (keys in ``dtype``);
+    ``kv_cache``: "activation" (latent rows in ``dtype``) or "fp8" (DeepSeek's FP8 latent cache)."""
 
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, max_seqs: int, max_seq_len: int,
-                 dtype: torch.dtype, device, poison: bool = False, index_precision: str = "fp8"):
-        self.page_size, self.device = page_size, torch.device(device)
+                 dtype: torch.dtype, device, poison: bool = False, index_precision: str = "fp8",
+                 kv_cache: str = "activation"):
+        if kv_cache not in KV_CACHE_FORMATS:
+            raise RunnerError(f"kv_cache: must be one of {KV_CACHE_FORMATS}, got {kv_cache!r}")
+        self.page_size, self.device, self.kv_cache = page_size, torch.device(device), kv_cache
         self.max_pages = cdiv(max_seq_len, page_size)
         self.allocator = dt.PageAllocator(num_pages)
         fp8_index = index_precision == "fp8"
         self.layers = [dt.PagedCache(num_pages, page_size, 1, 1, config.latent_dim,
-                                     config.index_head_dim if fp8_index else 0, dtype, device, poison=poison)
+                                     config.index_head_dim if fp8_index else 0, dtype, device, poison=poison,
+                                     kv_dtype="fp8" if kv_cache == "fp8" else None,
+                                     rope_dim=config.qk_rope_head_dim)
                        for _ in range(config.num_hidden_layers)]
         fill = float("nan") if poison else 0.0
         self.index_keys = [None if fp8_index else
@@ -76,11 +87,24 @@ class CacheManager:
         self._lens = [0] * max_seqs
         self._free_ids = list(range(max_seqs - 1, -1, -1))
 
+    def bytes_per_token(self) -> dict[str, int]:
+        """Bytes one token takes in one layer: ``{"kv cache": its latent row (1152 in bf16, 656 in FP8 for
+        DeepSeek-V3.2), "indexer cache": its key and scale (132), or its activation-dtype key}`` (the indexer's page
+        summaries come on top, per page)."""
+        layer, keys = self.layers[0], self.index_keys[0]
+        kv = layer.kv.shape[-1] * layer.kv.element_size()
+        return {"kv cache": kv,
+                "indexer cache": layer.bytes_per_token - kv if keys is None else keys.shape[-1] * keys.element_size()}
+
     def nbytes(self) -> dict[str, int]:
-        """Bytes of the latent KV cache and of the indexer caches (keys, scales, page summaries), all layers."""
+        """Bytes of the latent KV cache and of the indexer caches (keys, scales, page summaries), all layers; each
+        line names the format and the bytes a token takes in every layer together."""
         size = lambda *ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
         index = sum(size(c.ik, c.ik_scale, c.summaries) for c in self.layers) + size(*self.index_keys)
-        return {"kv cache": sum(size(c.kv) for c in self.layers), "indexer cache": index}
+        per_token = {k: v * len(self.layers) for k, v in self.bytes_per_token().items()}
+        index_format = "fp8, + page summaries" if self.index_keys[0] is None else "activation"
+        return {f"kv cache ({self.kv_cache}, {per_token['kv cache']} B a token)": sum(size(c.kv) for c in self.layers),
+                f"indexer cache ({per_token['indexer cache']} B a token, {index_format})": index}
 
     def can_allocate(self, n_tokens: int) -> bool:
         return bool(self._free_ids) and cdiv(n_tokens, self.page_size) <= min(self.allocator.num_free, self.max_pages)

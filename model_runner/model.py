@@ -19,7 +19,8 @@ One layer, for the ``T`` new tokens of a step (:class:`.cache_manager.PagedBatch
 
 Prefill attends causally within the top-k (all of the prefix while it is shorter than ``index_topk``). Projections
 run through ``ops.linear`` (blockwise-FP8 weights on the FP8 GEMM); ``kv_b_proj`` is dense (absorbed per head).
-The latent cache holds activation-dtype rows (no FP8 latent cache); the indexer is token level (not the block path).
+The latent cache holds activation-dtype rows or DeepSeek's FP8 rows (``kv_cache``: :mod:`.cache_manager`); the indexer
+is token level (not the block path).
 q_a_layernorm and kv_a_layernorm use eps 1e-6 whatever ``rms_norm_eps`` says (as Hugging Face and DeepSeek do).
 """
 from __future__ import annotations

@@ -5,7 +5,8 @@
   activation dtype, as the kernels return them).
 
 Shapes: ``q8[T, IH, ID]`` e4m3 indexer queries with ``w[T, IH]`` fp32 head weights; ``scores[T, L]`` fp32;
-``slots[T, k]`` int32 physical cache rows (-1 unused); attention ``q[T, H, kv_lora + rope]`` -> ``[T, H, kv_lora]``;
+``slots[T, k]`` int32 physical cache rows (-1 unused); attention ``q[T, H, kv_lora + rope]`` -> ``[T, H, kv_lora]``
+over latent rows in the activation dtype or in the FP8 layout (both backends dequantize uint8 rows themselves);
 ``linear(x[T, K], w)``: ``w`` a ``[N, K]`` tensor in ``x``'s dtype or an :class:`FP8Weight`.
 Expert parallel (:mod:`.distributed`): ``route(logits[T, E] fp32, routing, bias)`` -> ``(weights [T, top_k] fp32,
 ids [T, top_k])``; ``experts(rows[N, H], ids[N] local expert of each row, *experts)`` -> ``[N, H]`` fp32, unweighted.
@@ -61,7 +62,7 @@ class KernelOps:
 
     def append(self, cache: dt.PagedCache, kv: torch.Tensor, index_k: torch.Tensor, batch: PagedBatch) -> None:
         dt.append_tokens(cache.kv, cache.ik, cache.ik_scale, cache.summaries, kv, index_k, batch.items,
-                         check_values=self.check_values)
+                         rope_dim=cache.rope_dim, check_values=self.check_values)
 
     def indexer_logits(self, q8, w, cache: dt.PagedCache, batch: PagedBatch) -> torch.Tensor:
         return dt.indexer_logits(q8, w, cache.ik, cache.ik_scale, batch.limits, cu_seqlens_q=batch.cu_seqlens,
@@ -105,7 +106,7 @@ class ReferenceOps:
     @staticmethod
     def append(cache: dt.PagedCache, kv: torch.Tensor, index_k: torch.Tensor, batch: PagedBatch) -> None:
         append_torch(cache.kv, cache.ik, cache.ik_scale, cache.summaries, kv, index_k, batch.slots, batch.pages,
-                     batch.fill)
+                     batch.fill, rope_dim=cache.rope_dim)
 
     @staticmethod
     def indexer_logits(q8, w, cache: dt.PagedCache, batch: PagedBatch) -> torch.Tensor:

@@ -63,7 +63,8 @@ class CheckedOps:
     def append(cls, cache, kv, index_k, batch):
         before = [t.clone() for t in (cache.kv, cache.ik, cache.ik_scale, cache.summaries)]
         KERNEL.append(cache, kv, index_k, batch)
-        ref = type("Storage", (), dict(zip(("kv", "ik", "ik_scale", "summaries"), before)))
+        ref = type("Storage", (), {**dict(zip(("kv", "ik", "ik_scale", "summaries"), before)),
+                                   "rope_dim": cache.rope_dim})
         ReferenceOps.append(ref, kv, index_k, batch)
         for a, b in zip((cache.kv, cache.ik, cache.ik_scale, cache.summaries), before):
             assert torch.equal(a.float().nan_to_num(7.0), b.float().nan_to_num(7.0))

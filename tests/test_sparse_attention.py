@@ -116,17 +116,24 @@ def test_combine_in_column_chunks(monkeypatch):
 def test_prefill(H, P, table_rows):
     """Each token its own index set; the block table shared ([1, pages]), per token ([T, pages]) or none."""
     g = torch.Generator().manual_seed(H + P)
-    T, L, k = 6, 50, 24
+    L = 50
     kv, table = paged_cache(max(table_rows, 1), L, P, g)
-    q = torch.randn(T, H, D, generator=g).half()
+    prefill_and_check(torch.randn(6, H, D, generator=g).half(), kv, table, L, table_rows, 0.3, DV, g)
+
+
+def prefill_and_check(q, kv, table, L: int, table_rows: int, sm_scale: float, d_v: int, g: torch.Generator) -> None:
+    """Prefill of ``q[T, H, D]``, 24 indices a token (full, 3 valid, none), over sequences of ``L`` tokens in ``kv``
+    with block table ``table``: shared (``table_rows`` 1), per token (2: tokens alternate between two sequences)
+    or physical slots (0); checked against the reference."""
+    T, P, k = q.shape[0], kv.shape[1], 24
     idx = pick(T, L, k, [k, 3, 0], g)
     if table_rows == 0:
         indices, bt = slots_from_indices(idx, table.expand(T, -1), P).to(torch.int32), None
     else:
         indices, bt = idx, table if table_rows == 1 else table[torch.arange(T) % table_rows]
-    out, lse = dt.sparse_attention_prefill(q, kv, indices, 0.3, d_v=DV, block_table=bt,
+    out, lse = dt.sparse_attention_prefill(q, kv, indices, sm_scale, d_v=d_v, block_table=bt,
                                            config={**CFG, "num_splits": 2})
-    check(out, lse, *sparse_attention_prefill_torch(q, kv, indices, 0.3, DV, bt))
+    check(out, lse, *sparse_attention_prefill_torch(q, kv, indices, sm_scale, d_v, bt))
 
 
 def test_decode_from_paged_cache():

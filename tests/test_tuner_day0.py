@@ -21,7 +21,7 @@ OTHER = {"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v3
 BATCHES, CONTEXTS, CHUNKS = (1, 8, 64), (8192, 32768, 131072), (2048, 8192)
 # what the config gives each dim name (H and D: the indexer's in kernels named *index*, else attention's)
 MODEL = {"hidden": 6144, "E": 384, "top_k": 6, "I": 1536, "n_group": 1, "topk_group": 1, "softmax": 0, "k": 1024,
-         "DK": 128, "Dv": 384, "P": 64}
+         "DK": 128, "Dv": 384, "Dr": 64, "P": 64}
 GEMMS = {(3072, 6144, 1), (6144, 1536, 0)}  # (N, K, gather): gate_up and down
 GEMMS_GATHER = {(n, k): g for n, k, g in GEMMS}  # the MXFP4 kernels have no gather dim
 # (N, K) of the dense projections: q_a, q_b, kv_a, kv_b, o, and the shared expert's two (no intermediate_size:

@@ -2,7 +2,10 @@
 
 Layout (page size ``P`` in 16, 32, 64, 128; every size a parameter):
 
-- latent KV cache ``kv[num_pages, P, kv_dim]`` (bf16 on GPU; 576 = 512 latent + 64 rope);
+- latent KV cache ``kv[num_pages, P, kv_dim]`` (bf16 on GPU; 576 = 512 latent + 64 rope), or the FP8 latent
+  cache ``kv[num_pages, P, bytes]`` uint8 (``kv_dtype="fp8"``: 656 bytes a token for 512 + 64, DeepSeek's layout:
+  e4m3 latent values, one fp32 power-of-two scale per 128 of them, bf16 rope values; :mod:`.cache_reference`),
+  quantized on append;
 - indexer K cache ``ik[num_pages, P, index_dim]`` float8_e4m3fn and ``ik_scale[num_pages, P]`` fp32,
   one power-of-two scale per token vector, quantized on append (DeepSeek-V3.2 ``act_quant``, ue8m0);
 - page summaries ``summaries[num_pages, 2, index_dim]`` bf16 (or fp32): ``[:, 0]`` = ``pmax``, ``[:, 1]`` =
@@ -15,7 +18,8 @@ Token ``i`` of sequence ``b`` lives at physical slot ``block_table[b, i // P] * 
 The append kernel (:mod:`.cache_kernels`) takes *work items*, one per (sequence, touched page):
 ``items[n, 4]`` int32 = (first source row, token count, physical page, first slot in the page); an item
 never crosses a page and each page is written by one program. Launch configs come from the tuning database
-through the registry (kernel ``paged_append``, see :mod:`.cache_spec`) unless ``config`` is given.
+through the registry (kernels ``paged_append`` and, into an FP8 latent cache, ``paged_append_fp8``, see
+:mod:`.cache_spec`) unless ``config`` is given.
 """
 from __future__ import annotations
 
@@ -27,13 +31,24 @@ import torch
 from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor
 from ..hostmath import cdiv, next_pow2
 from .cache_kernels import append_kernel
-from .cache_spec import SPEC
+from .cache_reference import LATENT_GROUP, fp8_latent_bytes
+from .cache_spec import FP8_SPEC, SPEC
 
 PAGE_SIZES = (16, 32, 64, 128)
 SUMMARY_DTYPES = (torch.bfloat16, torch.float32)
+KV_DTYPES = (None, "fp8")  # PagedCache(kv_dtype=...): rows in ``dtype``, or the FP8 latent layout
+FP8_SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # new rows appended to an FP8 latent cache
 
 
-def launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config) -> None:
+def check_fp8_latent_layout(name: str, d_latent: int, d_rope: int) -> None:
+    """The FP8 latent layout's sizes: ``d_latent >= 1`` a multiple of 4 and ``d_rope >= 0`` even, so every fp32
+    scale and bf16 rope value is aligned in every row; else a ValueError naming ``name``."""
+    if d_latent < 1 or d_latent % 4 or d_rope < 0 or d_rope % 2:
+        raise ValueError(f"{name}: an FP8 latent cache needs a latent width that is a positive multiple of 4 and an "
+                         f"even rope width, got {d_latent} + {d_rope}")
+
+
+def launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config, rope_dim: int = 64) -> None:
     n_items = items.shape[0]
     has_kv, has_index = kv is not None, index_k is not None
     if n_items == 0 or not (has_kv or has_index):
@@ -42,9 +57,17 @@ def launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config)
     P = cache.shape[1]
     D = kv_cache.shape[-1] if has_kv else 0
     DK = ik.shape[-1] if has_index else 0
-    parts = (cdiv(D, config["BLOCK_D"]) if has_kv else 0) + int(has_index)
+    fp8 = {}
+    if has_kv and kv_cache.dtype == torch.uint8:  # one part per 128-value latent group, one for the rope values
+        D = kv.shape[-1] - rope_dim
+        groups = cdiv(D, LATENT_GROUP)
+        fp8 = {"KV_FP8": True, "ROW_BYTES": kv_cache.shape[-1], "ROPE_AT": D + 4 * groups, "DR": rope_dim,
+               "GROUP": min(LATENT_GROUP, next_pow2(D)), "BLOCK_R": next_pow2(max(rope_dim, 16))}
+        kv_parts = groups + int(rope_dim > 0)
+    else:
+        kv_parts = cdiv(D, config["BLOCK_D"]) if has_kv else 0
     dummy = items  # never dereferenced: the constexpr flags remove those loads
-    append_kernel[(n_items, parts)](
+    append_kernel[(n_items, kv_parts + int(has_index))](
         items,
         kv if has_kv else dummy, kv_cache if has_kv else dummy, kv.stride(0) if has_kv else 0,
         index_k if has_index else dummy, ik if has_index else dummy,
@@ -52,11 +75,12 @@ def launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config)
         index_k.stride(0) if has_index else 0,
         D, DK, P=P, HAS_KV=has_kv, HAS_INDEX=int(has_index),
         BLOCK_T=config["BLOCK_T"], BLOCK_D=config["BLOCK_D"], DKP=next_pow2(max(DK, 16)),
-        num_warps=config["num_warps"],
+        num_warps=config["num_warps"], **fp8,
     )
 
 
-def _check_cache_tensors(kv_cache, ik, ik_scale, summaries, kv, index_k) -> tuple[int, int, torch.device]:
+def _check_cache_tensors(kv_cache, ik, ik_scale, summaries, kv, index_k,
+                         rope_dim: int = 64) -> tuple[int, int, torch.device]:
     """Validate cache and new-token tensors; returns (page size, token count, device)."""
     if kv is None and index_k is None:
         raise ValueError("kv, index_k: at least one of them must be given")
@@ -67,7 +91,16 @@ def _check_cache_tensors(kv_cache, ik, ik_scale, summaries, kv, index_k) -> tupl
         if not kv_cache.is_contiguous():
             raise ValueError(f"kv_cache: must be contiguous, got strides {kv_cache.stride()}")
         P, D = kv_cache.shape[1], kv_cache.shape[2]
-        check_tensor("kv", kv, dtype=kv_cache.dtype, shape=(None, D), device=device)
+        if kv_cache.dtype == torch.uint8:  # FP8 latent cache: rows of D bytes hold kv's rows quantized
+            check_tensor("kv", kv, dtype=FP8_SOURCE_DTYPES, ndim=2, device=device)
+            if type(rope_dim) is not int or not 0 <= rope_dim < kv.shape[1]:
+                raise ValueError(f"rope_dim: must be an integer in [0, {kv.shape[1]}) (kv's width), got {rope_dim!r}")
+            check_fp8_latent_layout("rope_dim", kv.shape[1] - rope_dim, rope_dim)
+            if fp8_latent_bytes(kv.shape[1] - rope_dim, rope_dim) != D:
+                raise ValueError(f"kv_cache: FP8 rows of {kv.shape[1] - rope_dim} latent + {rope_dim} rope values "
+                                 f"take {fp8_latent_bytes(kv.shape[1] - rope_dim, rope_dim)} bytes, got {D}")
+        else:
+            check_tensor("kv", kv, dtype=kv_cache.dtype, shape=(None, D), device=device)
         n = kv.shape[0]
     if index_k is not None:
         check_tensor("ik", ik, dtype=torch.float8_e4m3fn, ndim=3, device=device)
@@ -101,13 +134,18 @@ def append_tokens(
     index_k: torch.Tensor | None,
     items: torch.Tensor,
     *,
+    rope_dim: int = 64,
     config: dict | None = None,
     check_values: bool = True,
 ) -> None:
     """Write new tokens into the paged caches in place (the functional form of :meth:`PagedCache.append`).
 
-    kv_cache ``[num_pages, P, D]``, kv ``[N, D]`` same dtype; ik ``[num_pages, P, DK]`` e4m3,
-    ik_scale ``[num_pages, P]`` fp32, summaries ``[num_pages, 2, DK]`` bf16 or fp32, index_k ``[N, DK]`` float.
+    kv_cache ``[num_pages, P, D]``, kv ``[N, D]`` same dtype; or an FP8 latent cache ``kv_cache[num_pages, P,
+    bytes]`` uint8 (layout: :mod:`.cache_reference`) and kv ``[N, D]`` fp32 / bf16 / fp16, whose last ``rope_dim``
+    values are the rope part (kept as bf16) and the others the latent part (quantized, one power-of-two scale
+    per 128 values; ``bytes = fp8_latent_bytes(D - rope_dim, rope_dim)``, 656 for 512 + 64); ik
+    ``[num_pages, P, DK]`` e4m3, ik_scale ``[num_pages, P]`` fp32, summaries ``[num_pages, 2, DK]`` bf16 or fp32,
+    index_k ``[N, DK]`` float.
     ``items[n, 4]`` int32: (first row of kv/index_k, token count, physical page, first slot in the page).
     Either the latent or the index part may be ``None`` (both its cache and its new tokens). Shapes, dtypes,
     devices and ``config`` are always checked (once per tensor metadata and config), before anything is written.
@@ -125,37 +163,42 @@ def append_tokens(
     (so every logit of that key is NaN), and its page's summaries turn NaN in every dimension and stay NaN
     until the page is written again from slot 0 (so the page's bound is NaN, which page selection never takes).
     """
-    P, n, num_pages, config = _append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config)
+    P, n, num_pages, config = _append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config, rope_dim)
     if check_values:
         _check_values(kv, index_k, items, n, num_pages, P)
-    launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config)
+    launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config, rope_dim)
 
 
-def _append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config) -> tuple:
-    """The checked plan of an append, ``(P, N, num_pages, config)``: cached per tensor metadata and config."""
-    key, plan = _APPEND_PLANS.find((kv_cache, ik, ik_scale, summaries, kv, index_k, items), (), config)
+def _append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config, rope_dim: int = 64) -> tuple:
+    """The checked plan of an append, ``(P, N, num_pages, config)``: cached per tensor metadata, rope_dim and
+    config."""
+    key, plan = _APPEND_PLANS.find((kv_cache, ik, ik_scale, summaries, kv, index_k, items), (rope_dim,), config)
     if plan is None:
         plan = _APPEND_PLANS.put(key, _checked_append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items,
-                                                           config))
+                                                           config, rope_dim))
     return plan
 
 
 _APPEND_PLANS = PlanCache()
 
 
-def _checked_append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config) -> tuple:
+def _checked_append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config, rope_dim) -> tuple:
     """The metadata checks of :func:`append_tokens`; returns ``(P, N, num_pages, config)``."""
-    P, n, device = _check_cache_tensors(kv_cache, ik, ik_scale, summaries, kv, index_k)
+    P, n, device = _check_cache_tensors(kv_cache, ik, ik_scale, summaries, kv, index_k, rope_dim)
     check_tensor("items", items, dtype=torch.int32, shape=(None, 4), device=device)
     if not items.is_contiguous():
         raise ValueError(f"items: must be contiguous, got strides {items.stride()}")
     num_pages = (kv_cache if kv is not None else ik).shape[0]
     phase = "decode" if items.shape[0] == n else "prefill"
+    fp8 = kv is not None and kv_cache.dtype == torch.uint8
     shape = _append_shape(kv_cache, ik, n, items.shape[0])
+    if fp8:  # the latent width as kv gives it (the cache's is in bytes), and the rope width
+        shape = {**shape, "D": kv.shape[1], "Dr": rope_dim}
+    spec = FP8_SPEC if fp8 else SPEC
     if config is None:
-        config = SPEC.launch_config(phase, shape, device)
+        config = spec.launch_config(phase, shape, device)
     else:
-        SPEC.validate(config, shape)
+        spec.validate(config, shape)
     return P, n, num_pages, config
 
 
@@ -262,6 +305,10 @@ class PagedCache:
     ``kv_dim`` or ``index_dim`` may be 0 to leave that cache out. ``poison=True`` fills every slot with
     NaN (tests: a slot that was never written must never reach an output). ``summary_dtype``: bf16
     (exact, the default) or fp32. ``max_pages_per_seq`` (default ``num_pages``) is the block table's width.
+    ``kv_dtype``: None keeps latent rows in ``dtype``; ``"fp8"`` keeps them in DeepSeek's FP8 latent layout
+    (``kv`` uint8 ``[num_pages, P, fp8_latent_bytes(kv_dim - rope_dim, rope_dim)]``: 656 bytes for 576 = 512 + 64;
+    the last ``rope_dim`` values of a row stay bf16; poisoned bytes are 0xFF, NaN in every part), and
+    :meth:`append` takes fp32, bf16 or fp16 rows. ``bytes_per_token`` says what a token costs.
     Host-side bookkeeping (lengths, pages) lives in Python lists, so ``append`` with ``check_values=False``
     never waits on the device. A call that raises changes nothing: not the lengths, the block table, the
     allocator or the caches.
@@ -279,6 +326,8 @@ class PagedCache:
         device: torch.device | str | None = None,
         poison: bool = False,
         summary_dtype: torch.dtype = torch.bfloat16,
+        kv_dtype: str | None = None,
+        rope_dim: int = 64,
     ):
         from ..runtime import default_device
 
@@ -293,13 +342,24 @@ class PagedCache:
             raise ValueError("kv_dim, index_dim: must not both be 0")
         if summary_dtype not in SUMMARY_DTYPES:
             raise ValueError(f"summary_dtype: must be one of {SUMMARY_DTYPES}, got {summary_dtype}")
+        if not any(kv_dtype is k or kv_dtype == k for k in KV_DTYPES):
+            raise ValueError(f"kv_dtype: must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        if kv_dtype == "fp8" and kv_dim:
+            if type(rope_dim) is not int or not 0 <= rope_dim < kv_dim:
+                raise ValueError(f"rope_dim: must be an integer in [0, {kv_dim}) (kv_dim), got {rope_dim!r}")
+            check_fp8_latent_layout("kv_dim, rope_dim", kv_dim - rope_dim, rope_dim)
         max_pages_per_seq = num_pages if max_pages_per_seq is None else check_positive("max_pages_per_seq",
                                                                                       max_pages_per_seq)
         device = torch.device(device) if device is not None else default_device()
         self.page_size, self.max_seqs, self.max_pages_per_seq = page_size, max_seqs, max_pages_per_seq
+        self.kv_dim, self.kv_dtype, self.rope_dim = kv_dim, kv_dtype, rope_dim
         fill = float("nan") if poison else 0.0
         new = lambda shape, dt: torch.full(shape, fill, dtype=dt, device=device)  # noqa: E731
-        self.kv = new((num_pages, page_size, kv_dim), dtype) if kv_dim else None
+        if kv_dim and kv_dtype == "fp8":  # 0xFF: NaN as e4m3, as an fp32 scale and as bf16
+            self.kv = torch.full((num_pages, page_size, fp8_latent_bytes(kv_dim - rope_dim, rope_dim)),
+                                 0xFF if poison else 0, dtype=torch.uint8, device=device)
+        else:
+            self.kv = new((num_pages, page_size, kv_dim), dtype) if kv_dim else None
         ik_bytes = torch.full((num_pages, page_size, index_dim), 0x7F if poison else 0, dtype=torch.uint8, device=device)
         self.ik = ik_bytes.view(torch.float8_e4m3fn) if index_dim else None  # 0x7F: e4m3 NaN
         self.ik_scale = new((num_pages, page_size), torch.float32) if index_dim else None
@@ -324,6 +384,14 @@ class PagedCache:
     def device(self) -> torch.device:
         return self.block_table.device
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes: its latent row (``kv_dim`` values in ``dtype``, or the FP8 layout: 656
+        for 576) plus its indexer key and scale (``index_dim + 4``: 132). The page summaries come on top, per page
+        (``2 * index_dim`` values in the summary dtype)."""
+        kv = 0 if self.kv is None else self.kv.shape[-1] * self.kv.element_size()
+        return kv + (0 if self.ik is None else self.ik.shape[-1] + 4)
+
     def lengths(self) -> list[int]:
         """Host copy of ``seq_lens``."""
         return list(self._lens)
@@ -338,8 +406,9 @@ class PagedCache:
         config: dict | None = None,
         check_values: bool = True,
     ) -> None:
-        """Append ``lens[i]`` tokens to sequence ``seq_ids[i]``; rows of ``kv[N, kv_dim]`` and
-        ``index_k[N, index_dim]`` are packed in that order (``N = sum(lens)``). A decode step is
+        """Append ``lens[i]`` tokens to sequence ``seq_ids[i]``; rows of ``kv[N, kv_dim]`` (in the cache's dtype;
+        fp32, bf16 or fp16 into an FP8 latent cache) and ``index_k[N, index_dim]`` are packed in that order
+        (``N = sum(lens)``). A decode step is
         ``lens = [1] * len(seq_ids)``. Pages are allocated as needed.
 
         Everything is checked before anything changes (ids, lengths, tensors, free pages, ``config``), so a call
@@ -363,7 +432,8 @@ class PagedCache:
         new_pages = [cdiv(self._lens[s] + n, P) - len(self._pages[s]) for s, n in zip(seq_ids, lens)]
         if sum(new_pages) > self.allocator.num_free:
             raise ValueError(f"lens: needs {sum(new_pages)} new pages, {self.allocator.num_free} free")
-        _, n_rows, _ = _check_cache_tensors(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k)
+        _, n_rows, _ = _check_cache_tensors(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k,
+                                            self.rope_dim)
         if n_rows != sum(lens):
             raise ValueError(f"kv, index_k: {n_rows} rows, but sum(lens) = {sum(lens)}")
         if check_values:
@@ -383,8 +453,9 @@ class PagedCache:
         meta = torch.tensor(flat, dtype=torch.int32).to(self.device)
         n_items, n_upd = 4 * len(items), 3 * len(table_updates)
         items_t = meta[:n_items].view(-1, 4)
-        config = _append_plan(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k, items_t, config)[3]
-        launch_append(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k, items_t, config)
+        config = _append_plan(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k, items_t, config,
+                              self.rope_dim)[3]
+        launch_append(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k, items_t, config, self.rope_dim)
 
         # the launch is queued: commit the bookkeeping (the kernel reads none of it)
         self.allocator.allocate(sum(new_pages))

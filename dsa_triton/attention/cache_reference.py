@@ -1,9 +1,24 @@
-"""Pure-PyTorch oracle for the paged caches: FP8 row quantization and the append op.
+"""Pure-PyTorch oracle for the paged caches: FP8 row quantization, the FP8 latent cache layout and the append op.
 
 The quantization is DeepSeek-V3.2's (``act_quant`` with ue8m0 scales): per row ``amax = max|x|``
 clamped to 1e-4, ``scale = 2^ceil(log2(amax / 448))``, ``x8 = e4m3(x / scale)`` (round to nearest even).
 A row holding a NaN or an inf gets scale NaN and every ``x8`` NaN: it dequantizes to NaN, never to a finite
 wrong number.
+
+FP8 latent cache (DeepSeek's FlashMLA layout): a row of ``d_latent`` latent values and ``d_rope`` rope values is
+``fp8_latent_bytes(d_latent, d_rope)`` bytes, one contiguous read per selected token (656 for 512 + 64):
+
+- bytes ``[0, d_latent)``: the latent values in e4m3;
+- then ``ceil(d_latent / 128)`` fp32 scales, one per group of 128 latent values (the last group may be partial);
+- then the ``d_rope`` rope values in bf16.
+
+Each group is quantized like an indexer key row above (the same rule, per 128 values instead of per row). The
+scale is a power of two, for three reasons: ``x / scale`` is exact, so the kernel and this oracle agree bit for
+bit; a dequantized value (4 significant bits times a power of two) is exact in bf16, so the attention kernels
+feed the tensor cores bf16 without a second rounding; and FlashMLA's own FP8 cache quantizer rounds its scales
+up to a power of two too (``amax / 448`` rounded up). Saturation is built in: ``amax / scale <= 448``. A latent
+``d_latent`` that is a multiple of 4 and an even ``d_rope`` keep every scale 4-byte and every rope value 2-byte
+aligned in every row (the kernels load them as fp32 and bf16).
 """
 from __future__ import annotations
 
@@ -11,6 +26,7 @@ import torch
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
+LATENT_GROUP = 128  # latent values per fp32 scale in the FP8 latent cache
 
 
 def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,6 +53,36 @@ def dequantize_rows(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x8.float() * scale[..., None].float()
 
 
+def fp8_latent_bytes(d_latent: int, d_rope: int) -> int:
+    """Bytes of one FP8 latent cache row: e4m3 latent values, one fp32 scale per 128 of them, bf16 rope values."""
+    return d_latent + 4 * -(-d_latent // LATENT_GROUP) + 2 * d_rope
+
+
+def fp8_latent_quantize(x: torch.Tensor, d_latent: int) -> torch.Tensor:
+    """``x[..., d_latent + d_rope]`` float -> ``uint8[..., fp8_latent_bytes(d_latent, d_rope)]``: the FP8 latent
+    cache rows of ``x`` (a group with a NaN or an inf gets scale NaN and NaN bytes; rope values are rounded to bf16
+    as they are)."""
+    groups = -(-d_latent // LATENT_GROUP)
+    latent = torch.zeros(*x.shape[:-1], groups * LATENT_GROUP, dtype=torch.float32, device=x.device)
+    latent[..., :d_latent] = x[..., :d_latent].float()  # zero padding changes no amax
+    x8, scale = fp8_quantize_rows(latent.unflatten(-1, (groups, LATENT_GROUP)))
+    rope = x[..., d_latent:].to(torch.bfloat16)
+    as_bytes = lambda t: t.contiguous().view(torch.uint8).reshape(*x.shape[:-1], -1)  # noqa: E731
+    return torch.cat([as_bytes(x8)[..., :d_latent], as_bytes(scale), as_bytes(rope)], dim=-1)
+
+
+def fp8_latent_dequantize(rows: torch.Tensor, d_latent: int) -> torch.Tensor:
+    """``uint8[..., bytes]`` FP8 latent cache rows -> fp32 ``[..., d_latent + d_rope]``: each e4m3 latent value times
+    its group's scale, then the bf16 rope values."""
+    groups = -(-d_latent // LATENT_GROUP)
+    scales_end = d_latent + 4 * groups
+    x8 = rows[..., :d_latent].contiguous().view(torch.float8_e4m3fn)
+    scale = rows[..., d_latent:scales_end].contiguous().view(torch.float32)
+    rope = rows[..., scales_end:].contiguous().view(torch.bfloat16)
+    latent = x8.float() * scale.repeat_interleave(LATENT_GROUP, dim=-1)[..., :d_latent]
+    return torch.cat([latent, rope.float()], dim=-1)
+
+
 def append_torch(
     kv_cache: torch.Tensor | None,
     ik: torch.Tensor | None,
@@ -47,14 +93,18 @@ def append_torch(
     slots: torch.Tensor,
     pages: torch.Tensor,
     fill: torch.Tensor,
+    rope_dim: int = 64,
 ) -> None:
     """Write token ``j`` at physical slot ``slots[j]`` (page = slot // P) in place, then recompute the
     summaries (max, min) of each touched page ``pages[i]`` from its first ``fill[i]`` slots.
 
     Shapes as in :class:`~dsa_triton.attention.cache.PagedCache`; ``slots[N]``, ``pages[n]``, ``fill[n]`` int64.
+    A uint8 ``kv_cache`` is an FP8 latent cache: ``kv[N, D]`` rows are quantized with the last ``rope_dim`` of
+    their ``D`` values kept as bf16.
     """
     if kv is not None:
-        kv_cache.view(-1, kv_cache.shape[-1])[slots] = kv.to(kv_cache.dtype)
+        rows = fp8_latent_quantize(kv, kv.shape[-1] - rope_dim) if kv_cache.dtype == torch.uint8 else kv
+        kv_cache.view(-1, kv_cache.shape[-1])[slots] = rows.to(kv_cache.dtype)
     if index_k is None:
         return
     x8, scale = fp8_quantize_rows(index_k)

@@ -1,9 +1,11 @@
-"""Registry entry of the paged-cache append (``paged_append``): :func:`~.cache.append_tokens`'s kernel.
+"""Registry entries of the paged-cache append: :func:`~.cache.append_tokens`'s kernel, into a latent cache of rows
+in the activation dtype (``paged_append``) or into the FP8 latent cache (``paged_append_fp8``).
 
 Config space: ``BLOCK_T`` tokens per step of a program's loop (at most the page), ``BLOCK_D`` latent columns per
-copy program, ``num_warps``. Shapes: ``P`` page size, ``D`` latent width (0: no latent cache), ``DK`` indexer key
-width (0: no indexer cache), ``N`` new tokens, ``B`` work items (sequences); problem-only ``ctx``: tokens already
-in each sequence.
+copy program (the FP8 append takes one program per 128-value group: ``BLOCK_D`` is 128 there and unused),
+``num_warps``. Shapes: ``P`` page size, ``D`` latent row width (0: no latent cache), ``DK`` indexer key width (0: no
+indexer cache), ``N`` new tokens, ``B`` work items (sequences); FP8: ``Dr`` the rope values of the ``D`` (kept
+bf16); problem-only ``ctx``: tokens already in each sequence.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from ..checks import exact_mismatch
 from ..hostmath import cdiv
 from ..registry import Cost, KernelSpec
 from . import cache, cache_kernels, cache_reference
-from .cache_reference import append_torch
+from .cache_reference import append_torch, fp8_latent_bytes
 
 
 def _items_to_slots(items: torch.Tensor, P: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -29,41 +31,53 @@ def _items_to_slots(items: torch.Tensor, P: int) -> tuple[torch.Tensor, torch.Te
 
 
 def _make_inputs(phase: str, shape, device, seed: int) -> dict:
-    """A cache with ``ctx`` tokens per sequence already in it (the last page partly full), and new tokens."""
+    """A cache with ``ctx`` tokens per sequence already in it (the last page partly full), and new tokens; with
+    ``Dr`` in the shape an FP8 latent cache, and new rows whose magnitudes span 2^-8 .. 2^8 (per row)."""
     g = torch.Generator(device=device).manual_seed(seed)
     randn = lambda *size, dtype=torch.float32: torch.randn(*size, generator=g, device=device, dtype=dtype)  # noqa: E731
     B, N, P, D, DK, ctx = (shape[k] for k in ("B", "N", "P", "D", "DK", "ctx"))
+    rope_dim = shape.get("Dr")
     per_seq = N // B
     pages_per_seq = cdiv(ctx + per_seq, P)
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float16
-    paged = cache.PagedCache(B * pages_per_seq + 1, P, B, pages_per_seq, D, DK, dtype, device, poison=True)
+    layout = {} if rope_dim is None else {"kv_dtype": "fp8", "rope_dim": rope_dim}
+    paged = cache.PagedCache(B * pages_per_seq + 1, P, B, pages_per_seq, D, DK, dtype, device, poison=True, **layout)
     # the existing context is written by the reference, so the inputs never depend on the kernel
     perm = torch.randperm(B * pages_per_seq, generator=g, device=device).view(B, pages_per_seq) + 1  # page 0 unused
     paged.block_table.copy_(perm.int())
     old_slots = (perm[:, :, None] * P + torch.arange(P, device=device)).view(B, -1)[:, :ctx].reshape(-1)
     old_fill = (ctx - torch.arange(pages_per_seq, device=device) * P).clamp(0, P).repeat(B)
     append_torch(paged.kv, paged.ik, paged.ik_scale, paged.summaries, randn(B * ctx, D, dtype=dtype),
-                 randn(B * ctx, DK), old_slots, perm.reshape(-1)[old_fill > 0], old_fill[old_fill > 0])
+                 randn(B * ctx, DK), old_slots, perm.reshape(-1)[old_fill > 0], old_fill[old_fill > 0],
+                 rope_dim=rope_dim or 0)
     items = [item for b, pages in enumerate(perm.tolist())
              for item in cache.page_items(b * per_seq, ctx, per_seq, pages, P)]
+    kv = randn(N, D, dtype=dtype)
+    if rope_dim is not None:
+        kv = (kv.float() * torch.exp2(torch.randint(-8, 9, (N, 1), generator=g, device=device))).to(dtype)
     return {
         "kv_cache": paged.kv, "ik": paged.ik, "ik_scale": paged.ik_scale, "summaries": paged.summaries,
-        "kv": randn(N, D, dtype=dtype),
+        "kv": kv,
         "index_k": randn(N, DK, dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32),
         "items": torch.tensor(items, dtype=torch.int32).to(device),
+        "rope_dim": rope_dim or 0,
     }
 
 
 def _run(inputs: dict, config: dict):
     cache.launch_append(inputs["kv_cache"], inputs["ik"], inputs["ik_scale"], inputs["summaries"],
-                        inputs["kv"], inputs["index_k"], inputs["items"], config)
+                        inputs["kv"], inputs["index_k"], inputs["items"], config, inputs["rope_dim"])
     return inputs["kv_cache"], inputs["ik"], inputs["ik_scale"], inputs["summaries"]
+
+
+def _append_torch(inputs: dict, kv_cache, ik, ik_scale, summaries) -> None:
+    append_torch(kv_cache, ik, ik_scale, summaries, inputs["kv"], inputs["index_k"],
+                 *_items_to_slots(inputs["items"], ik.shape[1]), rope_dim=inputs["rope_dim"])
 
 
 def _reference(inputs: dict):
     kv_cache, ik, ik_scale, summaries = (inputs[k].clone() for k in ("kv_cache", "ik", "ik_scale", "summaries"))
-    append_torch(kv_cache, ik, ik_scale, summaries, inputs["kv"], inputs["index_k"],
-                 *_items_to_slots(inputs["items"], ik.shape[1]))
+    _append_torch(inputs, kv_cache, ik, ik_scale, summaries)
     return kv_cache, ik, ik_scale, summaries
 
 
@@ -72,9 +86,10 @@ def _compare(out, ref) -> str | None:
 
 
 def _cost(phase: str, shape) -> Cost:
+    """New rows read (2 bytes a value) and written (2 bytes a value, or an FP8 row), index keys and summaries."""
     N, D, DK, B = shape["N"], shape["D"], shape["DK"], shape["B"]
     pages = B * cdiv(N // B, shape["P"]) if phase == "prefill" else B
-    kv_bytes = 2 * N * D * 2
+    kv_bytes = 2 * N * D * 2 if "Dr" not in shape else N * (2 * D + fp8_latent_bytes(D - shape["Dr"], shape["Dr"]))
     index_bytes = N * DK * 2 + N * (DK + 4) + pages * 2 * DK * 2 * 2  # bf16 summaries, read and written
     return Cost(bytes=kv_bytes + index_bytes)
 
@@ -89,28 +104,43 @@ def _bench_shapes(phase: str, gpu: bool) -> list[dict[str, int]]:
     return [{"B": 3, "N": 3, "P": 16, "D": 48, "DK": 32, "ctx": 17}]
 
 
+def _fp8_bench_shapes(phase: str, gpu: bool) -> list[dict[str, int]]:
+    """DeepSeek-V3.2's rows (576 = 512 + 64: 656 bytes); on the CPU a latent of two groups, the second partial."""
+    if gpu:
+        return [{**s, "Dr": 64} for s in _bench_shapes(phase, gpu)]
+    if phase == "prefill":
+        return [{"B": 2, "N": 40, "P": 16, "D": 224, "Dr": 24, "DK": 32, "ctx": 5}]
+    return [{"B": 3, "N": 3, "P": 16, "D": 48, "Dr": 8, "DK": 32, "ctx": 17}]
+
+
 def _default(phase: str, shape) -> dict:
     if phase == "decode":
         return {"BLOCK_T": 1, "BLOCK_D": 128, "num_warps": 2}
     return {"BLOCK_T": min(32, shape["P"]), "BLOCK_D": 128, "num_warps": 4}
 
 
-SPEC = registry.register(KernelSpec(
-    name="paged_append",
-    phases=("prefill", "decode"),
-    space={"BLOCK_T": (1, 8, 16, 32, 64), "BLOCK_D": (64, 128, 256), "num_warps": (1, 2, 4, 8)},
-    default=_default,
-    fixed_dims=("P", "D", "DK"),
-    bucketed_dims=("N", "B"),
-    make_inputs=_make_inputs,
-    run=_run,
-    reference=_reference,
-    compare=_compare,
-    cost=_cost,
-    bench_shapes=_bench_shapes,
-    constraint=lambda c, s: "BLOCK_T larger than the page" if c["BLOCK_T"] > s["P"] else None,
-    baseline=lambda inputs: append_torch(*(inputs[k] for k in ("kv_cache", "ik", "ik_scale", "summaries", "kv", "index_k")),
-                                         *_items_to_slots(inputs["items"], inputs["ik"].shape[1])),
-    baseline_name="torch index_put + quantize + page min/max",
-    source_modules=(cache_reference, cache_kernels, cache, sys.modules[__name__]),
-))
+def _spec(fp8: bool) -> KernelSpec:
+    return registry.register(KernelSpec(
+        name="paged_append_fp8" if fp8 else "paged_append",
+        phases=("prefill", "decode"),
+        space={"BLOCK_T": (1, 8, 16, 32, 64), "BLOCK_D": (128,) if fp8 else (64, 128, 256),
+               "num_warps": (1, 2, 4, 8)},
+        default=_default,
+        fixed_dims=("P", "D", "Dr", "DK") if fp8 else ("P", "D", "DK"),
+        bucketed_dims=("N", "B"),
+        make_inputs=_make_inputs,
+        run=_run,
+        reference=_reference,
+        compare=_compare,
+        cost=_cost,
+        bench_shapes=_fp8_bench_shapes if fp8 else _bench_shapes,
+        constraint=lambda c, s: "BLOCK_T larger than the page" if c["BLOCK_T"] > s["P"] else None,
+        baseline=lambda inputs: _append_torch(inputs, *(inputs[k] for k in ("kv_cache", "ik", "ik_scale",
+                                                                            "summaries"))),
+        baseline_name="torch index_put + quantize + page min/max",
+        source_modules=(cache_reference, cache_kernels, cache, sys.modules[__name__]),
+    ))
+
+
+SPEC = _spec(fp8=False)
+FP8_SPEC = _spec(fp8=True)

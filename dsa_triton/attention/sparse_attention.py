@@ -15,12 +15,18 @@ sequence, or a prefill token) attends to the ``k`` rows its index set names:
   index is -1 or in range (and the block-table entries it uses in ``[0, num_pages)``). The kernels still never
   read outside the cache: an index that breaks the promise is skipped like -1.
 
+The cache is either rows in q's dtype or DeepSeek's FP8 latent cache (``PagedCache(kv_dtype="fp8")``): uint8 rows of
+``fp8_latent_bytes(d_v, D - d_v)`` bytes (656 for 512 + 64: ``d_v`` e4m3 latent values, one fp32 scale per 128 of
+them, ``D - d_v`` bf16 rope values; :mod:`.cache_reference`), which the kernels dequantize as they gather them
+(same signature and outputs; the values are the dequantized latent part).
+
 Non-finite values (checked or not: the checks look at indices only): NaN in, NaN out. A NaN in a query row
 makes that row's out and lse NaN; a NaN in a cache row makes NaN every query row whose index set reads it
 (never -inf, which would claim an empty row). Cache rows no index names are never read and may hold anything.
 
 Launch configs come from the tuning database through the registry (kernels ``sparse_attention_decode`` and
-``sparse_attention_prefill``, see :mod:`.sparse_attention_spec`) unless ``config`` is given.
+``sparse_attention_prefill``, and ``*_fp8`` over an FP8 latent cache, see :mod:`.sparse_attention_spec`) unless
+``config`` is given.
 """
 from __future__ import annotations
 
@@ -32,8 +38,10 @@ import torch
 
 from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor
 from ..registry import KernelSpec
+from .cache import check_fp8_latent_layout
+from .cache_reference import fp8_latent_bytes
 from .sparse_attention_kernels import logical_to_slots, sparse_attention_fwd
-from .sparse_attention_spec import DECODE_SPEC, PREFILL_SPEC
+from .sparse_attention_spec import DECODE_FP8_SPEC, DECODE_SPEC, PREFILL_FP8_SPEC, PREFILL_SPEC
 
 DTYPES = (torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -44,17 +52,25 @@ def _check_common(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int,
     """Checks shared by both ops; returns the page size (1 without pages)."""
     device = check_kernel_device("q", q)
     D = q.shape[-1]
-    check_tensor("kv_cache", kv_cache, dtype=q.dtype, device=device)
-    if kv_cache.dim() not in (2, 3) or kv_cache.shape[-1] != D:
-        raise ValueError(f"kv_cache: expected [num_pages, P, {D}] or [num_slots, {D}] (D from q), "
+    if isinstance(d_v, bool) or not isinstance(d_v, int) or not 0 < d_v <= D:
+        raise ValueError(f"d_v: must be an integer in [1, {D}] (D = q.shape[-1]), got {d_v!r}")
+    check_tensor("kv_cache", kv_cache, dtype=(q.dtype, torch.uint8), device=device)
+    width = D
+    if kv_cache.dtype == torch.uint8:  # FP8 latent cache: d_v latent + D - d_v rope values a row
+        check_fp8_latent_layout("d_v", d_v, D - d_v)
+        width = fp8_latent_bytes(d_v, D - d_v)
+    if kv_cache.dim() not in (2, 3) or kv_cache.shape[-1] != width:
+        unit = "" if width == D else f" bytes (FP8 latent rows of {d_v} + {D - d_v} values)"
+        raise ValueError(f"kv_cache: expected [num_pages, P, {width}] or [num_slots, {width}]{unit} (D from q), "
                          f"got shape {tuple(kv_cache.shape)}")
     if kv_cache.dim() == 3 and kv_cache.shape[0] > 1 and kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
         raise ValueError(f"kv_cache: pages must be evenly strided (stride(0) == P * stride(1)), got strides "
                          f"{kv_cache.stride()}")
+    if kv_cache.dtype == torch.uint8 and kv_cache.stride(-2) % 4:
+        raise ValueError(f"kv_cache: FP8 latent rows must start 4-byte aligned (row stride a multiple of 4), got "
+                         f"strides {kv_cache.stride()}")
     if kv_cache.shape[:-1].numel() >= 2**31:
         raise ValueError(f"kv_cache: at most 2**31 - 1 rows (slots are int32), got {kv_cache.shape[:-1].numel()}")
-    if isinstance(d_v, bool) or not isinstance(d_v, int) or not 0 < d_v <= D:
-        raise ValueError(f"d_v: must be an integer in [1, {D}] (D = q.shape[-1]), got {d_v!r}")
     if block_table is not None:
         check_tensor("block_table", block_table, dtype=INDEX_DTYPES, ndim=2, device=device)
         if kv_cache.dim() != 3:
@@ -125,6 +141,8 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
     Args:
         q: ``[B, Hq, D]`` or ``[B, S, Hq, D]`` bf16 / fp16 (S query tokens per sequence, e.g. speculative decoding).
         kv_cache: ``[num_pages, P, D]`` or ``[num_slots, D]``, q's dtype; values are the first ``d_v`` dims of a row.
+            Or an FP8 latent cache, uint8 ``[num_pages, P, bytes]`` / ``[num_slots, bytes]`` with ``bytes =
+            fp8_latent_bytes(d_v, D - d_v)`` (656 for DSA; ``d_v`` a multiple of 4, ``D - d_v`` even).
         indices: int32 / int64, ``[B, k]``: one index set shared by the S tokens of a sequence (they form one
             ``S * Hq``-row tile), or ``[B, S, k]``: one set per token (run as ``B * S`` one-token sequences).
             Physical slots, or logical positions when ``block_table`` is given; -1 skipped.
@@ -168,7 +186,8 @@ def _checked_decode_plan(q, kv_cache, indices, block_table, d_v, config) -> _Pla
     rows, tile, bt_div = (B * S, 1, S) if per_token else (B, S, 1)
     shape = {"B": rows, "S": tile, "H": H, "D": D, "Dv": d_v, "k": indices.shape[-1]}
     out_shape = (B, S, H, d_v) if per_token else (B, H, d_v) if q.dim() == 3 else None
-    return _Plan(_launch_config(DECODE_SPEC, shape, q.device, config), d_v, bt_div, page_size, per_token, out_shape)
+    spec = DECODE_FP8_SPEC if kv_cache.dtype == torch.uint8 else DECODE_SPEC
+    return _Plan(_launch_config(spec, shape, q.device, config), d_v, bt_div, page_size, per_token, out_shape)
 
 
 def sparse_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
@@ -179,7 +198,8 @@ def sparse_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: t
 
     Args:
         q: ``[T, Hq, D]`` bf16 / fp16.
-        kv_cache: ``[num_pages, P, D]`` or ``[num_slots, D]``, q's dtype.
+        kv_cache: ``[num_pages, P, D]`` or ``[num_slots, D]``, q's dtype, or an FP8 latent cache (as in
+            :func:`sparse_attention_decode`).
         indices: ``[T, k]`` int32 / int64: physical slots, or logical positions with ``block_table``; -1 skipped.
         sm_scale, d_v, config, check_values: as in :func:`sparse_attention_decode`.
         block_table: ``[T, max_pages]`` (the row of each token's sequence; ``bt[seq].expand(T, -1)`` for one
@@ -209,4 +229,5 @@ def _checked_prefill_plan(q, kv_cache, indices, block_table, d_v, config) -> _Pl
     if block_table is not None and block_table.shape[0] not in (1, T):
         raise ValueError(f"block_table: expected 1 or {T} rows (T), got shape {tuple(block_table.shape)}")
     shape = {"T": T, "H": H, "D": D, "Dv": d_v, "k": indices.shape[1]}
-    return _Plan(_launch_config(PREFILL_SPEC, shape, q.device, config), d_v, 1, page_size, False, (T, H, d_v))
+    spec = PREFILL_FP8_SPEC if kv_cache.dtype == torch.uint8 else PREFILL_SPEC
+    return _Plan(_launch_config(spec, shape, q.device, config), d_v, 1, page_size, False, (T, H, d_v))

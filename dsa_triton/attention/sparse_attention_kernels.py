@@ -9,6 +9,11 @@ same tile (MQA: one load serves every head). Online softmax in base 2; invalid s
 cache) are masked and never read. With ``num_splits > 1`` each split writes a normalised fp32 partial and its
 lse, and ``_combine_splits`` merges them, weighted by ``exp(lse_split - lse)``.
 
+FP8 latent cache (``KV_FP8``; layout in :mod:`.cache_reference`): a gathered row is one contiguous read of its
+bytes (656 for DSA): the ``D_V`` e4m3 latent bytes as a ``[BLOCK_N, groups, 128]`` tile, times the fp32 scale of
+each 128-value group, converted to q's dtype (exact in bf16: the append op's scales are powers of two), and the
+``D_R`` bf16 rope values; then the same two dots as rows in q's dtype.
+
 Hopper notes (Triton 3.6, sm_90a): a 64 rows x 512 fp32 accumulator is what 8 warps can hold (255 registers,
 no spills with BLOCK_N=64, 2 stages, 221 KB shared memory), so one program runs per SM and 128 heads take two
 programs per tile (the second gather hits L2). Both dots use wgmma, but Triton gives a score dot that feeds
@@ -27,6 +32,7 @@ import triton.language as tl
 
 from ..hostmath import cdiv, next_pow2
 from ..runtime import interpreting
+from .cache_reference import LATENT_GROUP
 
 LOG2E = 1.4426950408889634
 COMBINE_ELEMENTS = 4096  # fp32 partials one combine program loads at once (32 registers a thread at 4 warps)
@@ -59,18 +65,42 @@ def _logical_to_slots(idx_ptr, bt_ptr, slot_ptr, k_len, max_pages, num_pages, bt
 
 
 @triton.jit
+def _fp8_latent_tile(rows, ok, D_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     GROUP: tl.constexpr):
+    """The latent part ``[BLOCK_N, BLOCK_DV]`` fp32 of FP8 latent cache rows (byte pointers ``rows``; 0 where
+    ``ok`` is off or past ``D_V``): each e4m3 byte times its group's fp32 scale. The tile is loaded as
+    ``[BLOCK_N, BLOCK_DV // GROUP, GROUP]``, so a scale broadcasts over its group (``GROUP`` = 128, or the whole
+    block when it is narrower)."""
+    NG: tl.constexpr = BLOCK_DV // GROUP
+    offs_g = tl.arange(0, NG)
+    cols = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    if D_V == BLOCK_DV:
+        mask = ok[:, None, None]
+    else:
+        mask = ok[:, None, None] & (cols < D_V)[None, :, :]
+    x8 = tl.load(rows[:, None, None] + cols[None, :, :], mask=mask, other=0)
+    scale_ptr = (rows[:, None] + D_V + 4 * offs_g[None, :]).to(tl.pointer_type(tl.float32))
+    scale = tl.load(scale_ptr, mask=ok[:, None] & (offs_g * GROUP < D_V)[None, :], other=0.0)
+    x = x8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+    return tl.reshape(x, (BLOCK_N, BLOCK_DV))
+
+
+@triton.jit
 def _sparse_attention_fwd(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
     M, H, k_len, tokens_per_split, num_slots, qk_scale,
     s_qr, s_qs, s_qh, s_kv, s_ir,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr = False, GROUP: tl.constexpr = 128, ROPE_AT: tl.constexpr = 0,
 ):
     """Query row (r, m) is ``q_ptr + r*s_qr + (m // H)*s_qs + (m % H)*s_qh``; outputs are contiguous
     ``[R, M, NUM_SPLITS, D_V]`` and lse ``[R, M, NUM_SPLITS]`` (with one split: the final out and lse).
     ``DOT_FP32``: upcast the dot operands to fp32 (bf16 in the interpreter, whose bf16 ``tl.dot`` is wrong);
     the probabilities are rounded to the cache dtype first either way. A NaN score makes ``l_i`` NaN, and
-    out and lse NaN with it (only ``l_i == 0`` is an empty row)."""
+    out and lse NaN with it (only ``l_i == 0`` is an empty row). ``KV_FP8``: ``kv_ptr`` holds FP8 latent cache
+    rows of ``s_kv`` bytes (rope values at byte ``ROPE_AT``), dequantized into q's dtype (the "cache dtype"
+    above)."""
     pid = tl.program_id(0)
     num_hb = tl.cdiv(M, BLOCK_H)
     hb = pid % num_hb
@@ -98,14 +128,23 @@ def _sparse_attention_fwd(
         slot = tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1)
         ok = (slot >= 0) & (slot < num_slots)
         rows = kv_ptr + tl.where(ok, slot, 0).to(tl.int64) * s_kv
-        k_nope = tl.load(rows[:, None] + offs_dv[None, :], mask=_tile_mask(ok, offs_dv, D_V, BLOCK_DV), other=0.0)
+        if KV_FP8:
+            k_nope = _fp8_latent_tile(rows, ok, D_V, BLOCK_N, BLOCK_DV, GROUP).to(q_ptr.dtype.element_ty)
+        else:
+            k_nope = tl.load(rows[:, None] + offs_dv[None, :], mask=_tile_mask(ok, offs_dv, D_V, BLOCK_DV),
+                             other=0.0)
         if DOT_FP32:
             qk = tl.dot(q_nope.to(tl.float32), tl.trans(k_nope.to(tl.float32)))
         else:
             qk = tl.dot(q_nope, tl.trans(k_nope))
         if D_R > 0:
-            k_rope = tl.load(rows[:, None] + D_V + offs_dr[None, :], mask=_tile_mask(ok, offs_dr, D_R, BLOCK_DR),
-                             other=0.0)
+            if KV_FP8:
+                rope_rows = (rows + ROPE_AT).to(tl.pointer_type(tl.bfloat16))
+                k_rope = tl.load(rope_rows[:, None] + offs_dr[None, :], mask=_tile_mask(ok, offs_dr, D_R, BLOCK_DR),
+                                 other=0.0).to(q_ptr.dtype.element_ty)
+            else:
+                k_rope = tl.load(rows[:, None] + D_V + offs_dr[None, :],
+                                 mask=_tile_mask(ok, offs_dr, D_R, BLOCK_DR), other=0.0)
             if DOT_FP32:
                 qk = tl.dot(q_rope.to(tl.float32), tl.trans(k_rope.to(tl.float32)), qk)
             else:
@@ -179,8 +218,9 @@ def logical_to_slots(indices: torch.Tensor, block_table: torch.Tensor, bt_div: i
 def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, d_v: int, sm_scale: float,
                          config: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked arguments. ``q[R, S, H, D]`` (the S tokens share index row r), ``kv[num_slots, D]``
-    (row stride free, last dim contiguous), ``slots[R, k]`` (negative or >= num_slots: skipped)
-    -> ``out[R, S, H, d_v]`` in q's dtype, ``lse[R, S, H]`` fp32."""
+    (row stride free, last dim contiguous) or uint8 FP8 latent cache rows ``kv[num_slots, bytes]`` (latent
+    width ``d_v``), ``slots[R, k]`` (negative or >= num_slots: skipped) -> ``out[R, S, H, d_v]`` in q's dtype,
+    ``lse[R, S, H]`` fp32."""
     R, S, H, D = q.shape
     M, k = S * H, slots.shape[1]
     num_splits, block_n = config["num_splits"], config["BLOCK_N"]
@@ -195,6 +235,9 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
     else:
         part_out, part_lse = out, lse
     block_dv, block_dr = head_blocks(D, d_v)
+    fp8 = {}
+    if kv.dtype == torch.uint8:
+        fp8 = {"KV_FP8": True, "GROUP": min(LATENT_GROUP, block_dv), "ROPE_AT": d_v + 4 * cdiv(d_v, LATENT_GROUP)}
     grid = (R * num_splits * cdiv(M, config["BLOCK_H"]),)
     _sparse_attention_fwd[grid](
         q, kv, slots, part_out, part_lse,
@@ -203,7 +246,7 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
         D_V=d_v, D_R=D - d_v, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
         NUM_SPLITS=num_splits, BLOCK_H=config["BLOCK_H"], BLOCK_N=block_n,
         DOT_FP32=q.dtype == torch.bfloat16 and interpreting(),
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **fp8,
     )
     if num_splits > 1:
         block_s = next_pow2(num_splits)

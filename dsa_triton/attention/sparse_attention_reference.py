@@ -7,10 +7,16 @@ Shapes (MQA form of DeepSeek-V3.2's MLA): every query row attends to ``k`` cache
 - ``sparse_attention_torch``: ``q[R, M, D]`` (M query rows share each row's index set) -> out, lse (fp32);
 - ``sparse_attention_decode_torch`` / ``sparse_attention_prefill_torch``: the public ops' signatures;
 - ``gather_einsum``: index_select, einsum, softmax, einsum in the input dtype (the benchmark baseline).
+
+A uint8 cache is the FP8 latent cache (:mod:`.cache_reference`, ``d_v`` latent values a row): every function here
+dequantizes the rows it gathers with ``fp8_latent_dequantize`` (the oracle in fp32, the baseline into q's dtype),
+then goes on as with rows in a float dtype.
 """
 from __future__ import annotations
 
 import torch
+
+from .cache_reference import fp8_latent_dequantize
 
 # Rows per chunk of the oracle: bounds the gathered [rows, k, D] fp32 tensor at long prefill.
 ORACLE_GATHER_BYTES = 1 << 29
@@ -42,7 +48,9 @@ def sparse_attention_torch(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tenso
     for r0 in range(0, R, step):
         s = slots[r0:r0 + step]
         valid = s >= 0
-        rows = torch.where(valid[..., None], kv[s.clamp_min(0)].float(), 0.0)  # [r, k, D]; invalid rows never enter
+        rows = kv[s.clamp_min(0)]
+        rows = fp8_latent_dequantize(rows, d_v) if kv.dtype == torch.uint8 else rows.float()
+        rows = torch.where(valid[..., None], rows, 0.0)  # [r, k, D]; invalid rows never enter
         scores = torch.einsum("rmd,rkd->rmk", q[r0:r0 + step].float(), rows) * sm_scale
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is valid
@@ -61,7 +69,7 @@ def sparse_attention_decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, indic
     squeeze = q.dim() == 3
     q4 = q[:, None] if squeeze else q
     B, S, H, D = q4.shape
-    kv = kv_cache.reshape(-1, D)
+    kv = kv_cache.reshape(-1, kv_cache.shape[-1])
     P = kv_cache.shape[1] if kv_cache.dim() == 3 else 1
     if indices.dim() == 3:  # one index set per token: B*S sequences of one token
         bt = None if block_table is None else block_table.repeat_interleave(S, dim=0)
@@ -77,18 +85,19 @@ def sparse_attention_decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, indic
 def sparse_attention_prefill_torch(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                                    d_v: int = 512, block_table: torch.Tensor | None = None):
     """Oracle of :func:`dsa_triton.sparse_attention_prefill`: ``q[T, Hq, D]``, ``indices[T, k]`` -> fp32 out, lse."""
-    D = q.shape[-1]
     P = kv_cache.shape[1] if kv_cache.dim() == 3 else 1
     bt = None if block_table is None else block_table.expand(q.shape[0], -1)
-    return sparse_attention_torch(q, kv_cache.reshape(-1, D), slots_from_indices(indices, bt, P), sm_scale, d_v)
+    return sparse_attention_torch(q, kv_cache.reshape(-1, kv_cache.shape[-1]), slots_from_indices(indices, bt, P),
+                                  sm_scale, d_v)
 
 
 def gather_einsum(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sm_scale: float, d_v: int,
                   max_gather_bytes: int = 1 << 30) -> torch.Tensor:
-    """The baseline: ``index_select`` the rows, einsum scores, softmax, einsum values, all in ``q.dtype``.
+    """The baseline: ``index_select`` the rows (FP8 latent rows: then dequantize them), einsum scores, softmax,
+    einsum values, all in ``q.dtype``.
 
-    ``q[R, M, D]``, ``kv[num_slots, D]``, ``slots[R, k]`` (-1 masked) -> ``out[R, M, d_v]``; chunked over R so
-    the gathered rows stay under ``max_gather_bytes`` (what a user would do at long prefill).
+    ``q[R, M, D]``, ``kv[num_slots, D]`` (or uint8 FP8 rows), ``slots[R, k]`` (-1 masked) -> ``out[R, M, d_v]``;
+    chunked over R so the gathered rows stay under ``max_gather_bytes`` (what a user would do at long prefill).
     """
     R, M, D = q.shape
     k = slots.shape[1]
@@ -96,7 +105,9 @@ def gather_einsum(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sm_sca
     step = max(1, max_gather_bytes // max(1, k * D * q.element_size()))
     for r0 in range(0, R, step):
         s = slots[r0:r0 + step]
-        rows = kv.index_select(0, s.clamp_min(0).flatten()).view(s.shape[0], k, D)
+        rows = kv.index_select(0, s.clamp_min(0).flatten()).view(s.shape[0], k, kv.shape[-1])
+        if kv.dtype == torch.uint8:
+            rows = fp8_latent_dequantize(rows, d_v).to(q.dtype)
         scores = torch.einsum("rmd,rkd->rmk", q[r0:r0 + step], rows) * sm_scale
         scores = scores.masked_fill((s < 0)[:, None, :], float("-inf"))
         out[r0:r0 + step] = torch.einsum("rmk,rkv->rmv", scores.softmax(dim=-1), rows[..., :d_v])

@@ -1,4 +1,6 @@
-"""Registry entries of sparse paged attention (``sparse_attention_decode``, ``sparse_attention_prefill``).
+"""Registry entries of sparse paged attention (``sparse_attention_decode``, ``sparse_attention_prefill``), and the
+same ops over the FP8 latent cache (``sparse_attention_decode_fp8``, ``sparse_attention_prefill_fp8``: 656 bytes a
+selected token for DSA, dequantized in the kernel; baseline: gather, dequantize, einsum).
 
 Config space: ``BLOCK_N`` tokens per gathered tile, ``BLOCK_H`` query rows per program (heads, times the
 decode tokens sharing an index set), ``num_splits`` programs per row over the ``k`` selected tokens (merged
@@ -19,7 +21,8 @@ import torch
 from .. import registry
 from ..hostmath import cdiv, next_pow2
 from ..registry import Cost, KernelSpec
-from . import sparse_attention, sparse_attention_kernels
+from . import cache_reference, sparse_attention, sparse_attention_kernels
+from .cache_reference import fp8_latent_bytes, fp8_latent_quantize
 from .sparse_attention_kernels import head_blocks
 from .sparse_attention_reference import (gather_einsum, slots_from_indices, sparse_attention_decode_torch,
                                          sparse_attention_prefill_torch)
@@ -35,6 +38,9 @@ SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
 REG_BUDGET = 128  # 32-bit registers per thread for the fp32 accumulator (+ q where mma.sync keeps it in registers)
 FALLBACK_SMS = 132  # H200, when no GPU is visible
 WGMMA_ROWS = 64  # below this many rows per tile Triton uses mma.sync, with q held in registers
+# FP8 cache: registers a thread may spend on the dequantized tile beyond REG_BUDGET. From ptxas on sm_90 compiles of
+# the DSA decode shape: ~200 estimated registers spill under 32 bytes, ~244 spill 130-260 bytes, so the line is 208.
+FP8_TILE_REGS = 80
 
 
 def _rows(phase: str, shape) -> tuple[int, int]:
@@ -42,7 +48,9 @@ def _rows(phase: str, shape) -> tuple[int, int]:
     return (shape["B"], shape["S"] * shape["H"]) if phase == "decode" else (shape["T"], shape["H"])
 
 
-def _constraint(phase: str):
+def _constraint(phase: str, fp8: bool = False):
+    """FP8 cache: the gathered bytes become a tile in q's dtype in registers (``FP8_TILE_REGS`` more a thread) and
+    then in shared memory once, while the bytes themselves are what the stages buffer."""
     def constraint(config, shape) -> str | None:
         R, M = _rows(phase, shape)
         k, bh, bn, warps = shape["k"], config["BLOCK_H"], config["BLOCK_N"], config["num_warps"]
@@ -57,7 +65,13 @@ def _constraint(phase: str):
         regs = bh * bdv / threads + (bh * (bdv + bdr) / 2 / threads if bh < WGMMA_ROWS else 0)
         if regs > REG_BUDGET:
             return f"accumulator needs ~{regs:.0f} registers per thread (> {REG_BUDGET}): fewer rows or more warps"
+        tile = bn * (bdv + bdr) / 2 / threads
+        if fp8 and regs + tile > REG_BUDGET + FP8_TILE_REGS:
+            return (f"accumulator and dequantized tile need ~{regs + tile:.0f} registers per thread "
+                    f"(> {REG_BUDGET + FP8_TILE_REGS}): a shorter token tile")
         smem = 2 * (bh + min(config["num_stages"], 2) * bn) * (bdv + bdr)
+        if fp8:
+            smem = 2 * (bh + bn) * (bdv + bdr) + min(config["num_stages"], 2) * bn * (bdv + bdr)
         if smem > SMEM_BYTES:
             return f"q tile + KV buffers need ~{smem} bytes of shared memory (> {SMEM_BYTES})"
         return None
@@ -68,11 +82,11 @@ def _sm_count() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else FALLBACK_SMS
 
 
-def _default(phase: str):
+def _default(phase: str, fp8: bool = False):
     """The widest head tile (64 rows: wgmma) whose tiles still fill one wave, else the narrowest (wider tiles that
     leave SMs idle are slower); the longest token tile that fits; then splits over k up to one wave of programs
     (two per SM below 64 rows, where a program needs half the registers)."""
-    constraint = _constraint(phase)
+    constraint = _constraint(phase, fp8)
 
     def default(_phase, shape) -> dict:
         R, M = _rows(phase, shape)
@@ -105,7 +119,14 @@ def random_paged_cache(seqs: int, L: int, P: int, D: int, dtype: torch.dtype, g:
     return kv, table
 
 
-def _make_inputs(phase: str):
+def random_fp8_paged_cache(seqs: int, L: int, P: int, D: int, d_v: int, g: torch.Generator):
+    """:func:`random_paged_cache` as an FP8 latent cache (``d_v`` latent values a row): uint8 ``kv[pages, P, bytes]``
+    whose unused slots hold NaN-equivalent bytes (NaN scales and rope values), and the block table."""
+    kv, table = random_paged_cache(seqs, L, P, D, torch.float32, g)
+    return fp8_latent_quantize(kv, d_v), table
+
+
+def _make_inputs(phase: str, fp8: bool = False):
     def make_inputs(_phase, shape, device, seed: int) -> dict:
         """Random q and cache rows, generated on ``device``; unused slots (and a spare page 0) NaN. On the CPU some
         rows are padded with -1 (one row of three has no valid index); on the GPU every index is valid."""
@@ -116,7 +137,9 @@ def _make_inputs(phase: str):
         R, M = _rows(phase, shape)
         k, D, P = shape["k"], shape["D"], shape.get("P", 64)
         L = shape.get("L", 2 * k)
-        kv, table = random_paged_cache(R if phase == "decode" else 1, L, P, D, dtype, g)
+        seqs = R if phase == "decode" else 1
+        kv, table = (random_fp8_paged_cache(seqs, L, P, D, shape["Dv"], g) if fp8 else
+                     random_paged_cache(seqs, L, P, D, dtype, g))
         logical = torch.rand(R, L, generator=g, device=device).argsort(dim=1)[:, :k]
         if device.type != "cuda":
             valid = (k * ((torch.arange(R) + 1) % 3)) // 2  # k/2, k, 0, ...
@@ -159,14 +182,15 @@ def _compare(out, ref) -> str | None:
     return None
 
 
-def _cost(phase: str):
+def _cost(phase: str, fp8: bool = False):
     def cost(_phase, shape) -> Cost:
-        """q and indices read once, each selected row once per index row (prefill: at most the cache once),
-        out and lse written once; FLOPs of the two dots."""
+        """q and indices read once, each selected row once per index row (prefill: at most the cache once; a row is
+        2 D bytes, or its FP8 bytes: 656 for DSA), out and lse written once; FLOPs of the two dots."""
         R, M = _rows(phase, shape)
         k, D, Dv = shape["k"], shape["D"], shape["Dv"]
         rows = R * k if phase == "decode" else min(R * k, shape.get("L", 2 * k))
-        return Cost(bytes=2 * R * M * D + 2 * rows * D + 4 * R * k + 2 * R * M * Dv + 4 * R * M,
+        row_bytes = fp8_latent_bytes(Dv, D - Dv) if fp8 else 2 * D
+        return Cost(bytes=2 * R * M * D + row_bytes * rows + 4 * R * k + 2 * R * M * Dv + 4 * R * M,
                     flops=2 * R * M * k * (D + Dv), flop_dtype="bf16")
     return cost
 
@@ -185,7 +209,22 @@ def _prefill_shapes(_phase, gpu: bool) -> list[dict[str, int]]:
     return [{"T": 5, "H": 3, "D": 80, "Dv": 64, "k": 24, "L": 64, "P": 16, "logical": 1}]
 
 
-def _spec(phase: str, oracle, shapes, fixed: tuple[str, ...], bucketed: tuple[str, ...]) -> KernelSpec:
+def _fp8_decode_shapes(phase, gpu: bool) -> list[dict[str, int]]:
+    """The bf16 cache's GPU shapes; on the CPU a latent of two 128-value groups (the second partial) too."""
+    if gpu:
+        return _decode_shapes(phase, gpu)
+    return [{"B": 3, "S": 2, "H": 3, "D": 224, "Dv": 200, "k": 40, "L": 96, "P": 16, "logical": 1},
+            {"B": 2, "S": 1, "H": 4, "D": 80, "Dv": 64, "k": 32, "P": 16, "logical": 0}]
+
+
+def _fp8_prefill_shapes(phase, gpu: bool) -> list[dict[str, int]]:
+    if gpu:
+        return _prefill_shapes(phase, gpu)
+    return [{"T": 5, "H": 3, "D": 152, "Dv": 136, "k": 24, "L": 64, "P": 16, "logical": 1}]
+
+
+def _spec(phase: str, oracle, shapes, fixed: tuple[str, ...], bucketed: tuple[str, ...],
+          fp8: bool = False) -> KernelSpec:
     def run(inputs: dict, config: dict):
         op = sparse_attention.sparse_attention_decode if phase == "decode" else sparse_attention.sparse_attention_prefill
         return op(*_op_args(inputs), config=config, check_values=False)
@@ -196,24 +235,29 @@ def _spec(phase: str, oracle, shapes, fixed: tuple[str, ...], bucketed: tuple[st
                              inputs["slots"], inputs["sm_scale"], inputs["d_v"])
 
     return registry.register(KernelSpec(
-        name=f"sparse_attention_{phase}",
+        name=f"sparse_attention_{phase}" + ("_fp8" if fp8 else ""),
         phases=(phase,),
         space=SPACE,
-        default=_default(phase),
+        default=_default(phase, fp8),
         fixed_dims=fixed,
         bucketed_dims=bucketed,
-        make_inputs=_make_inputs(phase),
+        make_inputs=_make_inputs(phase, fp8),
         run=run,
         reference=lambda inputs: oracle(*_op_args(inputs)),
         compare=_compare,
-        cost=_cost(phase),
+        cost=_cost(phase, fp8),
         bench_shapes=shapes,
-        constraint=_constraint(phase),
+        constraint=_constraint(phase, fp8),
         baseline=baseline,
-        baseline_name="torch gather + einsum (bf16)",
-        source_modules=(sparse_attention_kernels, sparse_attention, sys.modules[__name__]),
+        baseline_name="torch gather + dequantize + einsum (bf16)" if fp8 else "torch gather + einsum (bf16)",
+        source_modules=(sparse_attention_kernels, sparse_attention, sys.modules[__name__])
+        + ((cache_reference,) if fp8 else ()),
     ))
 
 
 DECODE_SPEC = _spec("decode", sparse_attention_decode_torch, _decode_shapes, ("S", "H", "D", "Dv", "k"), ("B",))
 PREFILL_SPEC = _spec("prefill", sparse_attention_prefill_torch, _prefill_shapes, ("H", "D", "Dv", "k"), ("T",))
+DECODE_FP8_SPEC = _spec("decode", sparse_attention_decode_torch, _fp8_decode_shapes, ("S", "H", "D", "Dv", "k"),
+                        ("B",), fp8=True)
+PREFILL_FP8_SPEC = _spec("prefill", sparse_attention_prefill_torch, _fp8_prefill_shapes, ("H", "D", "Dv", "k"),
+                         ("T",), fp8=True)
