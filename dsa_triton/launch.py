@@ -44,13 +44,32 @@ def launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)``, through the kernel's :class:`LeanKernel` when it is a compiled-mode
     ``@triton.jit`` function. Pass every argument that is not a constexpr positionally: keyword arguments are
     keyed by value. Returns what Triton's launch returns (the compiled kernel)."""
-    if isinstance(kernel, JITFunction):
-        lean = kernel.__dict__.get(_ATTRIBUTE)
-        if lean is None:
-            lean = LeanKernel(kernel)
-            setattr(kernel, _ATTRIBUTE, lean)
-        return lean(grid, args, meta)
-    return kernel[grid](*args, **meta)
+    if type(kernel) is not JITFunction and not isinstance(kernel, JITFunction):
+        return kernel[grid](*args, **meta)
+    lean = kernel.__dict__.get(_ATTRIBUTE)
+    if lean is None:
+        lean = LeanKernel(kernel)
+        setattr(kernel, _ATTRIBUTE, lean)
+    if not lean.key_functions:  # the first call (CUDA may be uninitialised: _device does not initialise it)
+        return lean.through_triton(grid, args, meta, None, None)
+    device = _device()
+    key = None
+    for key_of in lean.key_functions:  # (the hit path is inline: one Python frame less per launch)
+        try:
+            key = key_of(args, meta, device)
+            break
+        except Exception:  # another layout (or a value that cannot be keyed): the next one, or none
+            key = None
+    try:
+        entry = lean.entries.get(key) if key is not None else None
+    except TypeError:  # an unhashable keyword value
+        entry = key = None
+    if entry is None or type(grid) is not tuple or kernel.pre_run_hooks or not hooks_idle() or lean.globals_changed():
+        return lean.through_triton(grid, args, meta, key, device)
+    n = len(grid)
+    run, head, tail = entry
+    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(device), *head, *args, *tail)
+    return entry.kernel
 
 
 def _device() -> int:
@@ -112,38 +131,15 @@ def _key_expression(kind: str, a: str) -> str:
 
 
 class LeanKernel:
-    """The compiled launches of one ``@triton.jit`` function by key (module docstring); call it with
-    ``(grid, args, meta)``."""
+    """The compiled launches of one ``@triton.jit`` function by key (module docstring), and the key functions of
+    the argument layouts it was launched with; :func:`launch` looks them up."""
 
     def __init__(self, fn: JITFunction) -> None:
         self.fn = fn
         self.entries: dict = {}
         self.key_functions: list = []
 
-    def __call__(self, grid, args: tuple, meta: dict):
-        if not self.key_functions:  # the first call (CUDA may be uninitialised: _device does not initialise it)
-            return self._through_triton(grid, args, meta, None, None)
-        device = _device()
-        key = None
-        for key_of in self.key_functions:
-            try:
-                key = key_of(args, meta, device)
-                break
-            except Exception:  # another layout (or an unhashable, unkeyable value): the next one, or none
-                key = None
-        try:
-            entry = self.entries.get(key) if key is not None else None
-        except TypeError:  # an unhashable keyword value
-            entry = key = None
-        fn = self.fn
-        if entry is None or type(grid) is not tuple or fn.pre_run_hooks or not hooks_idle() or self._globals_changed():
-            return self._through_triton(grid, args, meta, key, device)
-        n = len(grid)
-        run, head, tail = entry
-        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(device), *head, *args, *tail)
-        return entry.kernel
-
-    def _globals_changed(self) -> bool:
+    def globals_changed(self) -> bool:
         """Triton's check before each launch: a global the kernel read at compile time has another value now
         (Triton then raises; so does the call that takes its path)."""
         for (name, _), (value, scope) in self.fn.used_global_vals.items():
@@ -151,7 +147,7 @@ class LeanKernel:
                 return True
         return False
 
-    def _through_triton(self, grid, args: tuple, meta: dict, key, device: int):
+    def through_triton(self, grid, args: tuple, meta: dict, key, device: int):
         """Triton's own launch; then keep the compiled kernel under ``key`` (built first, for a new layout)."""
         kernel = self.fn[grid](*args, **meta)
         if kernel is None or not hasattr(kernel, "packed_metadata"):
@@ -209,7 +205,7 @@ class LeanKernel:
                   f"    ({names}) = args\n"
                   f"    return (device, {len(args)}, knobs.runtime.debug, knobs.compilation.instrumentation_mode, "
                   f"{''.join(f'{part}, ' for part in parts)}"
-                  f"tuple(meta.items()), tuple(map(type, meta.values())))\n")
+                  f"*meta, *meta.values(), *map(type, meta.values()))\n")
         scope = {"knobs": knobs, "_mismatch": _mismatch}
         exec(source, scope)
         return scope["key"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..checks import PlanCache, check_kernel_device, check_tensor
+from ..checks import PlanCache, check_kernel_device, check_out, check_tensor
 from . import fused_moe
 from .activation import swiglu
 from .fp8_grouped_gemm import fp8_grouped_gemm
@@ -83,7 +83,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
                 gate_up_scales: torch.Tensor, down_blocks: torch.Tensor, down_scales: torch.Tensor, *,
                 routing: RoutingConfig, router_bias: torch.Tensor | None = None,
                 shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-                phase: str | None = None, config: dict | None = None) -> torch.Tensor:
+                phase: str | None = None, config: dict | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """One MoE layer: ``x[T, H]`` (fp16/bf16) -> ``y[T, H]`` in ``x``'s dtype.
 
     - ``router_weight [E, H]``: logits = x @ router_weight.T in fp32; ``router_bias [E]``: DeepSeek's
@@ -92,7 +93,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
     - ``routing``: :class:`.routing.RoutingConfig`;
     - ``shared_gate_up [2Is, H]`` / ``shared_down [H, Is]``: the shared expert in ``x``'s dtype, or None;
     - ``phase``: "decode" or "prefill" for the tuning lookup (None: decode up to 256 tokens);
-    - ``config``: a ``moe_path`` config ``{"path": "fused" | "workspace"}``; None reads the tuning database.
+    - ``config``: a ``moe_path`` config ``{"path": "fused" | "workspace"}``; None reads the tuning database;
+    - ``out``: optional ``[T, H]`` tensor in ``x``'s dtype to write (and return); the combine writes it.
 
     The fused path (decode) has no host sync and no data-dependent shape once each scales tensor's range has
     been read (the first call per tensor and in-place version): after one eager warm-up call it can be captured
@@ -123,6 +125,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
         sizes = _PLANS.put(key, (*sizes, gate_up_block_m(x, sizes[0], routing.top_k, *sizes[1:])))
     experts, hidden, inter, block_m = sizes
     tokens = x.shape[0]
+    if out is not None:
+        check_out(out, (tokens, hidden), x.dtype, x.device, contiguous=False)
     phase = phase or ("decode" if tokens <= DECODE_MAX_TOKENS else "prefill")
     shape = {"T": tokens, "E": experts, "top_k": routing.top_k, "hidden": hidden, "I": inter}
     config = PATH.launch_config(phase, shape, x.device) if config is None else PATH.validate(dict(config), shape)
@@ -146,7 +150,9 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
                              check_values=False)
         y = fp8_grouped_gemm(swiglu(h), sort.expert_offsets, down_blocks, down_scales, check_values=False)
     shared = None if shared_gate_up is None else shared_expert(x, shared_gate_up, shared_down)
-    return combine_rows(y, sort, add=shared).to(x.dtype)
+    if out is None:
+        return combine_rows(y, sort, add=shared).to(x.dtype)
+    return out.copy_(combine_rows(y, sort, add=shared))
 
 
 _PLANS = PlanCache(1024)  # _check's (E, H, I) and the gate_up BLOCK_M by tensor metadata and routing fields
