@@ -28,12 +28,15 @@ The host cost per launch, Triton's path against this one with the kernels' own l
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton.language as tl
 from triton import knobs
 from triton.knobs import HookChain
 from triton.runtime.jit import JITFunction
 
+ENABLED = os.environ.get("DSA_LEAN_LAUNCH", "1") != "0"  # off (DSA_LEAN_LAUNCH=0): every launch is Triton's
 MAX_ENTRIES = 256  # compiled launches kept per kernel; past this the cache starts over (misses take Triton's path)
 MAX_LAYOUTS = 4  # argument layouts (kinds of the positional arguments, arity) with a key function, per kernel
 KEY_SAFE = (int, bool, str, type(None), tl.dtype)  # keyword values whose equality (with their type) fixes str()
@@ -44,7 +47,7 @@ def launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)``, through the kernel's :class:`LeanKernel` when it is a compiled-mode
     ``@triton.jit`` function. Pass every argument that is not a constexpr positionally: keyword arguments are
     keyed by value. Returns what Triton's launch returns (the compiled kernel)."""
-    if type(kernel) is not JITFunction and not isinstance(kernel, JITFunction):
+    if not ENABLED or (type(kernel) is not JITFunction and not isinstance(kernel, JITFunction)):
         return kernel[grid](*args, **meta)
     lean = kernel.__dict__.get(_ATTRIBUTE)
     if lean is None:
@@ -162,14 +165,14 @@ class LeanKernel:
                     hash(key)
                 except Exception:
                     key = None
-        tail = self._tail(args, meta)
+        tail = self.tail(args, meta)
         if key is not None and tail is not None:
             if len(self.entries) >= MAX_ENTRIES:
                 self.entries.clear()
             self.entries[key] = _Entry(kernel, tail)
         return kernel
 
-    def _tail(self, args: tuple, meta: dict) -> tuple | None:
+    def tail(self, args: tuple, meta: dict) -> tuple | None:
         """The arguments after the positional ones, in signature order (keyword values, else the defaults), as
         Triton's binder passes them to the launcher; None when the call cannot be kept (a keyword value a key
         cannot pin down: a tensor, a float, a list...)."""

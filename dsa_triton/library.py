@@ -97,9 +97,10 @@ def config_json(config: Optional[dict]) -> Optional[str]:
     return None if config is None else json.dumps(config, sort_keys=True)
 
 
-def routing_kwargs(routing: RoutingConfig) -> dict:
-    """The ``route_topk`` / ``moe_forward`` op arguments of a :class:`~dsa_triton.RoutingConfig`."""
-    return {"mode": routing.mode, "top_k": routing.top_k, "n_group": routing.n_group,
+def routing_kwargs(routing: RoutingConfig, mode_name: str = "mode") -> dict:
+    """The ``route_topk`` / ``moe_forward`` op arguments of a :class:`~dsa_triton.RoutingConfig` (``moe_forward_out``
+    names the mode ``routing_mode``: pass ``mode_name="routing_mode"``)."""
+    return {mode_name: routing.mode, "top_k": routing.top_k, "n_group": routing.n_group,
             "topk_group": routing.topk_group, "norm_topk_prob": routing.norm_topk_prob,
             "routed_scaling_factor": float(routing.routed_scaling_factor)}
 
@@ -578,11 +579,13 @@ def _(x, *args, **kwargs):
 def moe_forward_out(x: Tensor, router_weight: Tensor, gate_up_blocks: Tensor, gate_up_scales: Tensor,
                     down_blocks: Tensor, down_scales: Tensor, out: Tensor, router_bias: Optional[Tensor] = None,
                     shared_gate_up: Optional[Tensor] = None, shared_down: Optional[Tensor] = None,
-                    mode: str = "deepseek", top_k: int = 8, n_group: int = 1, topk_group: int = 1,
+                    routing_mode: str = "deepseek", top_k: int = 8, n_group: int = 1, topk_group: int = 1,
                     norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, phase: Optional[str] = None,
                     check_values: bool = True, config: Optional[str] = None) -> None:
-    """:func:`dt.moe_forward` into ``out[T, H]`` in ``x``'s dtype (last dim contiguous)."""
-    routing = _routing(mode, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+    """:func:`dt.moe_forward` into ``out[T, H]`` in ``x``'s dtype (last dim contiguous). The routing mode is
+    ``routing_mode`` here (``routing_kwargs(routing, "routing_mode")``): torch's functionalization of an op that
+    mutates passes the arguments by name to a handler whose own first parameter is ``mode``."""
+    routing = _routing(routing_mode, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
     moe_forward(x, router_weight, gate_up_blocks, gate_up_scales, down_blocks, down_scales, routing=routing,
                 router_bias=router_bias, shared_gate_up=shared_gate_up, shared_down=shared_down, phase=phase,
                 config=_config(config), out=out)
