@@ -14,15 +14,16 @@ bool, float or None; a constexpr's value and type. Then every keyword argument's
 options such as ``num_warps``), the current device and Triton's two global option knobs (``debug`` and the
 instrumentation mode). That is at least as fine as Triton's own cache key, so an equal key launches the kernel
 Triton itself would launch; anything else (an argument of another kind, a callable grid, a launch hook or
-pre-run hook set, a global the kernel reads changed since it compiled, a keyword value of a type whose string
-form equality does not pin down) takes Triton's path. A key that differs only where Triton's does not costs one
-more pass through Triton's path, never a wrong kernel.
+pre-run hook set, a global the kernel reads changed since it compiled, a keyword value other than an int, bool,
+str, None or ``tl.dtype``: floats, say, where ``0.0 == -0.0`` but Triton compiles them apart) takes Triton's path.
+A key that differs only where Triton's does not costs one more pass through Triton's path, never a wrong kernel.
 
 On a hit nothing is allocated, no file is touched and no device memory is read: the launch is capturable in a
 CUDA graph once each specialization has run once eagerly. In the Triton interpreter (``TRITON_INTERPRET=1``)
 kernels are not :class:`~triton.runtime.jit.JITFunction` objects and ``launch`` is ``kernel[grid](...)``, as is
 any other launchable object (an autotuner, a test's stub).
 
+``DSA_LEAN_LAUNCH=0`` in the environment (or ``ENABLED = False`` here) sends every launch through Triton's path.
 The host cost per launch, Triton's path against this one with the kernels' own launches:
 ``scripts/launch_cost.py``.
 """
