@@ -124,7 +124,7 @@ def launch_rows(name: str, records: list, calls: int, rounds: int, device) -> li
         lean_call = lambda: launch(kernel, grid, *args, **kwargs)  # noqa: E731
         compiled = triton_call()
         tail = LeanKernel(kernel).tail(args, kwargs)
-        runner = compiled[grid] if tail is not None else None
+        runner = compiled[(*grid, 1, 1)[:3]] if tail is not None else None  # (its runner reads three grid sizes)
         full = (*args, *tail) if tail is not None else ()
         with lean_path(True):
             lean_call()
@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                 launches += launch_rows(name, records, args.calls, args.rounds, device)
             except Exception as exc:  # one op's failure is its row; the others still run
                 ops.append({"op": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                print(f"{name}: {ops[-1]['error']}", flush=True)
+                continue
             print(f"{name}: done", flush=True)
     lean = [r["lean_us"] for r in launches]
     summary = (f"lean path: {max(lean):.1f} us a launch at most, median {sorted(lean)[len(lean) // 2]:.1f} "
