@@ -30,7 +30,7 @@ while [ $# -gt 0 ]; do
       timeout 560 python -m dsa_triton.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep "^|\|checks ok" \
         | cut -c1-240 | tail -70 || status=1 ;;
     launch)
-      timeout 400 python scripts/launch_cost.py --out "$OUT" --flat 2>&1 | tee "$OUT/launch-cost.log" | tail -60 \
+      timeout 280 python scripts/launch_cost.py --out "$OUT" --flat 2>&1 | tee "$OUT/launch-cost.log" | tail -60 \
         || status=1 ;;
     tune)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
