@@ -46,6 +46,17 @@ def check_tensor(
     return t
 
 
+def check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              contiguous: bool = True) -> torch.Tensor:
+    """A caller's preallocated output: exactly the ``shape``, ``dtype`` and ``device`` the op would allocate, and
+    contiguous (``contiguous=False``: the last dimension only, for kernels that take the row stride); a
+    ``ValueError`` naming ``out`` otherwise. It must not overlap the op's inputs (not checked)."""
+    check_tensor("out", out, dtype=dtype, shape=tuple(shape), device=device)
+    if contiguous and not out.is_contiguous():
+        raise ValueError(f"out: must be contiguous, got strides {out.stride()}")
+    return out
+
+
 def exact_mismatch(outputs) -> str | None:
     """None when every ``(name, got, expected)`` of ``outputs`` agrees in dtype, shape and value (NaN equals NaN),
     else what differs first: the ``compare`` of kernels whose result must be bit-exact."""

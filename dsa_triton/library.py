@@ -18,8 +18,13 @@ How arguments map (a custom op takes tensors, ints, floats, bools, strings, dtyp
   pages for the bounds, is a device read), ``block_indexer_logits(max_len)`` (the bounds are
   ``[T, ceil(max_len / P)]``). Every other output size follows from shapes and integer arguments;
 - ops that write into given tensors declare them (``mutates_args``) and return nothing but what is new:
-  ``append`` (the four cache tensors), ``topk_indices_out`` (``out``), ``mxfp4_to_fp8_out`` (``w_out``,
-  ``s_out``; it returns the unfit count), ``fp8_grouped_gemm`` (``unfit_counter``);
+  ``append`` (the four cache tensors), ``mxfp4_to_fp8_out`` (``w_out``, ``s_out``; it returns the unfit count),
+  ``fp8_grouped_gemm`` (``unfit_counter``), and the ``<op>_out`` form of every op whose output a caller would
+  preallocate (``out``; ``dt``'s ``out=``): ``indexer_logits_out``, ``block_scores_out``, ``select_pages_out``,
+  ``topk_indices_out``, ``mxfp4_dequantize_out``, ``fp8_grouped_gemm_out``, ``fused_moe_gemm_out``, ``swiglu_out``,
+  ``moe_forward_out``, ``fp8_blockwise_linear_out``. A custom op cannot return an alias of an input, so these
+  return nothing; ``out``'s shape gives the sizes the plain op takes as arguments (``num_cols``), its dtype the
+  output dtype (``dtype``, ``out_dtype``);
 - ``block_indexer_logits`` always returns ``(logits, positions, bounds)`` (``dt``'s ``return_bounds=True``);
   ``mxfp4_to_fp8`` returns its unfit count as an int32 ``[1]`` tensor (``dt`` returns a Python int, a host read).
 
@@ -53,9 +58,10 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from . import (RoutingConfig, append_tokens, block_indexer_logits, block_scores, fp8_grouped_gemm, fused_moe_gemm,
-               indexer_logits, moe_forward, mxfp4_dequantize, mxfp4_quantize, mxfp4_to_fp8, registry, route_topk,
-               select_pages, sparse_attention_decode, sparse_attention_prefill, swiglu, topk_indices)
+from . import (RoutingConfig, append_tokens, block_indexer_logits, block_scores, fp8_blockwise_linear,
+               fp8_grouped_gemm, fused_moe_gemm, indexer_logits, moe_forward, mxfp4_dequantize, mxfp4_quantize,
+               mxfp4_to_fp8, registry, route_topk, select_pages, sparse_attention_decode, sparse_attention_prefill,
+               swiglu, topk_indices)
 from .checks import check_tensor
 from .hostmath import cdiv
 from .moe import ExpertSort
@@ -91,9 +97,10 @@ def config_json(config: Optional[dict]) -> Optional[str]:
     return None if config is None else json.dumps(config, sort_keys=True)
 
 
-def routing_kwargs(routing: RoutingConfig) -> dict:
-    """The ``route_topk`` / ``moe_forward`` op arguments of a :class:`~dsa_triton.RoutingConfig`."""
-    return {"mode": routing.mode, "top_k": routing.top_k, "n_group": routing.n_group,
+def routing_kwargs(routing: RoutingConfig, mode_name: str = "mode") -> dict:
+    """The ``route_topk`` / ``moe_forward`` op arguments of a :class:`~dsa_triton.RoutingConfig` (``moe_forward_out``
+    names the mode ``routing_mode``: pass ``mode_name="routing_mode"``)."""
+    return {mode_name: routing.mode, "top_k": routing.top_k, "n_group": routing.n_group,
             "topk_group": routing.topk_group, "norm_topk_prob": routing.norm_topk_prob,
             "routed_scaling_factor": float(routing.routed_scaling_factor)}
 
@@ -136,6 +143,27 @@ def _(q, weights, k, k_scale, limits, num_cols, *args, **kwargs):
     return q.new_empty((q.shape[0], num_cols), dtype=torch.float32)
 
 
+def _cols(out: Tensor) -> Optional[int]:
+    """The ``num_cols`` of an ``out`` argument (None for one that is not 2-D: ``dt``'s check then names it)."""
+    return out.shape[1] if out.dim() == 2 else None
+
+
+@_op("indexer_logits_out", mutates_args=("out",))
+def indexer_logits_out(q: Tensor, weights: Tensor, k: Tensor, k_scale: Tensor, limits: Tensor, out: Tensor,
+                       cu_seqlens_q: Optional[Tensor] = None, block_table: Optional[Tensor] = None,
+                       seq_lens: Optional[Tensor] = None, key_starts: Optional[Tensor] = None,
+                       max_q: Optional[int] = None, check_values: bool = True, config: Optional[str] = None) -> None:
+    """:func:`dt.indexer_logits` into ``out[T, num_cols]`` fp32 (contiguous; ``num_cols`` is its width)."""
+    indexer_logits(q, weights, k, k_scale, limits, cu_seqlens_q=cu_seqlens_q, block_table=block_table,
+                   seq_lens=seq_lens, key_starts=key_starts, num_cols=_cols(out), max_q=max_q,
+                   check_values=check_values, config=_config(config), out=out)
+
+
+@indexer_logits_out.register_fake
+def _(q, weights, k, k_scale, limits, out, *args, **kwargs):
+    return None
+
+
 @_op("block_scores")
 def block_scores_op(q: Tensor, weights: Tensor, pmax: Tensor, pmin: Tensor, block_table: Tensor, seq_lens: Tensor,
                     limits: Tensor, page_size: int, num_cols: int, cu_seqlens_q: Optional[Tensor] = None,
@@ -150,6 +178,20 @@ def _(q, weights, pmax, pmin, block_table, seq_lens, limits, page_size, num_cols
     return q.new_empty((q.shape[0], num_cols), dtype=torch.float32)
 
 
+@_op("block_scores_out", mutates_args=("out",))
+def block_scores_out(q: Tensor, weights: Tensor, pmax: Tensor, pmin: Tensor, block_table: Tensor, seq_lens: Tensor,
+                     limits: Tensor, page_size: int, out: Tensor, cu_seqlens_q: Optional[Tensor] = None,
+                     max_q: Optional[int] = None, check_values: bool = True, config: Optional[str] = None) -> None:
+    """:func:`dt.block_scores` into ``out[T, num_cols]`` fp32 (contiguous; ``num_cols`` pages is its width)."""
+    block_scores(q, weights, pmax, pmin, block_table, seq_lens, limits, page_size, cu_seqlens_q=cu_seqlens_q,
+                 num_cols=_cols(out), max_q=max_q, check_values=check_values, config=_config(config), out=out)
+
+
+@block_scores_out.register_fake
+def _(q, weights, pmax, pmin, block_table, seq_lens, limits, page_size, out, *args, **kwargs):
+    return None
+
+
 @_op("select_pages")
 def select_pages_op(bounds: Tensor, n_select: int, check_values: bool = True, config: Optional[str] = None) -> Tensor:
     """:func:`dt.select_pages`: ``[T, n_select]`` int32 logical pages, ascending, -1 padded."""
@@ -159,6 +201,18 @@ def select_pages_op(bounds: Tensor, n_select: int, check_values: bool = True, co
 @select_pages_op.register_fake
 def _(bounds, n_select, check_values=True, config=None):
     return bounds.new_empty((bounds.shape[0], n_select), dtype=torch.int32)
+
+
+@_op("select_pages_out", mutates_args=("out",))
+def select_pages_out(bounds: Tensor, n_select: int, out: Tensor, check_values: bool = True,
+                     config: Optional[str] = None) -> None:
+    """:func:`dt.select_pages` into ``out[T, n_select]`` int32 (contiguous)."""
+    select_pages(bounds, n_select, config=_config(config), out=out)
+
+
+@select_pages_out.register_fake
+def _(bounds, n_select, out, check_values=True, config=None):
+    return None
 
 
 @_op("block_indexer_logits")
@@ -283,6 +337,26 @@ def _(blocks, scales, dtype=torch.float32, check_values=True, config=None):
     return blocks.new_empty((*blocks.shape[:-2], blocks.shape[-2] * 32), dtype=dtype)
 
 
+@_op("mxfp4_dequantize_out", mutates_args=("out",))
+def mxfp4_dequantize_out(blocks: Tensor, scales: Tensor, out: Tensor, check_values: bool = True,
+                         config: Optional[str] = None) -> None:
+    """:func:`dt.mxfp4_dequantize` into ``out[..., N, K]`` (contiguous; its dtype, fp32/bf16/fp16, is the output's).
+    ``check_values=False`` skips the argument checks (``out``'s are kept) and the 0xFF (NaN) scale scan."""
+    check_tensor("out", out, dtype=(torch.float32, torch.bfloat16, torch.float16), contiguous_last=False)
+    if check_values:
+        mxfp4_dequantize(blocks, scales, out.dtype, config=_config(config), out=out)
+        return
+    spec = registry.get("mxfp4_dequantize")
+    shape = _flat(blocks.shape[:-2], blocks.shape[-2] * 32)
+    dequantize_launch(blocks, scales, out.dtype, _config(config) or spec.launch_config("load", shape, blocks.device),
+                      out)
+
+
+@mxfp4_dequantize_out.register_fake
+def _(blocks, scales, out, check_values=True, config=None):
+    return None
+
+
 def _fp8_shapes(blocks: Tensor) -> tuple[tuple, tuple]:
     """The ``(w, scale)`` shapes of :func:`dt.mxfp4_to_fp8`: ``[..., N, K]`` and ``[..., N, ceil(K / 128)]``."""
     k = blocks.shape[-2] * 32
@@ -353,6 +427,20 @@ def _(x_sorted, expert_offsets, blocks, scales, *args, **kwargs):
     return x_sorted.new_empty((x_sorted.shape[0], blocks.shape[1]))
 
 
+@_op("fp8_grouped_gemm_out", mutates_args=("out", "unfit_counter"))
+def fp8_grouped_gemm_out(x_sorted: Tensor, expert_offsets: Tensor, blocks: Tensor, scales: Tensor, out: Tensor,
+                         unfit_counter: Optional[Tensor] = None, check_values: bool = True,
+                         config: Optional[str] = None) -> None:
+    """:func:`dt.fp8_grouped_gemm` into ``out[M, N]`` in ``x_sorted``'s dtype (last dim contiguous)."""
+    fp8_grouped_gemm(x_sorted, expert_offsets, blocks, scales, config=_config(config), unfit_counter=unfit_counter,
+                     check_values=check_values, out=out)
+
+
+@fp8_grouped_gemm_out.register_fake
+def _(x_sorted, expert_offsets, blocks, scales, out, *args, **kwargs):
+    return None
+
+
 def _check_sort(x, expert_offsets, sorted_token, sorted_expert, blocks, top_k, gather_tokens, check_values) -> None:
     """The sort's tensors: metadata always; with ``check_values``, their values (one transfer)."""
     experts = blocks.shape[0]
@@ -382,17 +470,39 @@ def fused_moe_gemm_op(x: Tensor, expert_offsets: Tensor, sorted_token: Tensor, s
     """:func:`dt.fused_moe_gemm`: ``y_sorted [M, N]`` in ``out_dtype`` (None: ``x``'s). The sort is given by the
     tensors the GEMM reads: ``expert_offsets [E + 1]``, ``sorted_token [M]``, ``sorted_expert [M]`` (int32, fields
     of ``ExpertSort``), and ``top_k`` (``M = T * top_k``)."""
+    return _fused_moe(x, expert_offsets, sorted_token, sorted_expert, blocks, scales, top_k, gather_tokens, out_dtype,
+                      check_values, config, None)
+
+
+def _fused_moe(x, expert_offsets, sorted_token, sorted_expert, blocks, scales, top_k, gather_tokens, out_dtype,
+               check_values, config, out):
     _check_sort(x, expert_offsets, sorted_token, sorted_expert, blocks, top_k, gather_tokens, check_values)
     unread = sorted_expert  # sorted_slot / slot_row / slot_weight: the GEMM reads only the row count of them
     sort = ExpertSort(blocks.shape[0], top_k, expert_offsets, unread, sorted_token, sorted_expert, unread, unread)
     return fused_moe_gemm(x, sort, blocks, scales, gather_tokens=gather_tokens, config=_config(config),
-                          out_dtype=out_dtype)
+                          out_dtype=out_dtype, out=out)
 
 
 @fused_moe_gemm_op.register_fake
 def _(x, expert_offsets, sorted_token, sorted_expert, blocks, scales, top_k, gather_tokens=True, out_dtype=None,
       *args, **kwargs):
     return x.new_empty((sorted_expert.shape[0], blocks.shape[1]), dtype=out_dtype or x.dtype)
+
+
+@_op("fused_moe_gemm_out", mutates_args=("out",))
+def fused_moe_gemm_out(x: Tensor, expert_offsets: Tensor, sorted_token: Tensor, sorted_expert: Tensor, blocks: Tensor,
+                       scales: Tensor, top_k: int, out: Tensor, gather_tokens: bool = True, check_values: bool = True,
+                       config: Optional[str] = None) -> None:
+    """:func:`dt.fused_moe_gemm` into ``out[M, N]`` (last dim contiguous) in ``x``'s dtype or fp32 (the
+    ``out_dtype``)."""
+    check_tensor("out", out, dtype=(x.dtype, torch.float32), contiguous_last=False)
+    _fused_moe(x, expert_offsets, sorted_token, sorted_expert, blocks, scales, top_k, gather_tokens, out.dtype,
+               check_values, config, out)
+
+
+@fused_moe_gemm_out.register_fake
+def _(x, expert_offsets, sorted_token, sorted_expert, blocks, scales, top_k, out, *args, **kwargs):
+    return None
 
 
 def _routing(mode, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor) -> RoutingConfig:
@@ -431,6 +541,20 @@ def _(h, dtype=None, class_major=False, check_values=True, config=None):
     return h.new_empty(shape, dtype=dtype or h.dtype)
 
 
+@_op("swiglu_out", mutates_args=("out",))
+def swiglu_out(h: Tensor, out: Tensor, class_major: bool = False, check_values: bool = True,
+               config: Optional[str] = None) -> None:
+    """:func:`dt.swiglu` into ``out`` (``[M, I]``, or ``[M, 4, I/4]`` class-major; contiguous; its dtype is the
+    output's)."""
+    check_tensor("out", out, dtype=(torch.float32, torch.float16, torch.bfloat16), contiguous_last=False)
+    swiglu(h, out.dtype, class_major, out=out)
+
+
+@swiglu_out.register_fake
+def _(h, out, class_major=False, check_values=True, config=None):
+    return None
+
+
 @_op("moe_forward")
 def moe_forward_op(x: Tensor, router_weight: Tensor, gate_up_blocks: Tensor, gate_up_scales: Tensor,
                    down_blocks: Tensor, down_scales: Tensor, router_bias: Optional[Tensor] = None,
@@ -451,8 +575,59 @@ def _(x, *args, **kwargs):
     return x.new_empty(x.shape)
 
 
+@_op("moe_forward_out", mutates_args=("out",))
+def moe_forward_out(x: Tensor, router_weight: Tensor, gate_up_blocks: Tensor, gate_up_scales: Tensor,
+                    down_blocks: Tensor, down_scales: Tensor, out: Tensor, router_bias: Optional[Tensor] = None,
+                    shared_gate_up: Optional[Tensor] = None, shared_down: Optional[Tensor] = None,
+                    routing_mode: str = "deepseek", top_k: int = 8, n_group: int = 1, topk_group: int = 1,
+                    norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, phase: Optional[str] = None,
+                    check_values: bool = True, config: Optional[str] = None) -> None:
+    """:func:`dt.moe_forward` into ``out[T, H]`` in ``x``'s dtype (last dim contiguous). The routing mode is
+    ``routing_mode`` here (``routing_kwargs(routing, "routing_mode")``): torch's functionalization of an op that
+    mutates passes the arguments by name to a handler whose own first parameter is ``mode``."""
+    routing = _routing(routing_mode, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+    moe_forward(x, router_weight, gate_up_blocks, gate_up_scales, down_blocks, down_scales, routing=routing,
+                router_bias=router_bias, shared_gate_up=shared_gate_up, shared_down=shared_down, phase=phase,
+                config=_config(config), out=out)
+
+
+@moe_forward_out.register_fake
+def _(x, *args, **kwargs):
+    return None
+
+
+# -- dense layers on blockwise-FP8 weights ------------------------------------------------------------------------
+
+@_op("fp8_blockwise_linear")
+def fp8_blockwise_linear_op(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, check_values: bool = True,
+                            config: Optional[str] = None) -> Tensor:
+    """:func:`dt.fp8_blockwise_linear`: ``y[M, N]`` in ``x``'s dtype from e4m3 ``weight[N, K]`` and its fp32
+    ``weight_scale_inv`` per 128 x 128 block."""
+    return fp8_blockwise_linear(x, weight, weight_scale_inv, config=_config(config), check_values=check_values)
+
+
+@fp8_blockwise_linear_op.register_fake
+def _(x, weight, weight_scale_inv, check_values=True, config=None):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@_op("fp8_blockwise_linear_out", mutates_args=("out",))
+def fp8_blockwise_linear_out(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, out: Tensor,
+                             check_values: bool = True, config: Optional[str] = None) -> None:
+    """:func:`dt.fp8_blockwise_linear` into ``out[M, N]`` in ``x``'s dtype (contiguous)."""
+    fp8_blockwise_linear(x, weight, weight_scale_inv, config=_config(config), check_values=check_values, out=out)
+
+
+@fp8_blockwise_linear_out.register_fake
+def _(x, weight, weight_scale_inv, out, check_values=True, config=None):
+    return None
+
+
 OPS = {name: getattr(torch.ops.dsa, name) for name in (
-    "append", "indexer_logits", "block_scores", "select_pages", "block_indexer_logits", "topk_indices",
-    "topk_indices_out", "sparse_attention_decode", "sparse_attention_prefill", "mxfp4_quantize", "mxfp4_dequantize",
-    "mxfp4_to_fp8", "mxfp4_to_fp8_out", "fp8_grouped_gemm", "fused_moe_gemm", "route_topk", "swiglu", "moe_forward")}
+    "append", "indexer_logits", "indexer_logits_out", "block_scores", "block_scores_out", "select_pages",
+    "select_pages_out", "block_indexer_logits", "topk_indices", "topk_indices_out", "sparse_attention_decode",
+    "sparse_attention_prefill", "mxfp4_quantize", "mxfp4_dequantize", "mxfp4_dequantize_out", "mxfp4_to_fp8",
+    "mxfp4_to_fp8_out", "fp8_grouped_gemm", "fp8_grouped_gemm_out", "fused_moe_gemm", "fused_moe_gemm_out",
+    "route_topk", "swiglu", "swiglu_out", "moe_forward", "moe_forward_out", "fp8_blockwise_linear",
+    "fp8_blockwise_linear_out")}
 """Every registered op by name (``torch.ops.dsa.<name>``)."""

@@ -5,6 +5,8 @@
 #   check     every kernel at its small and odd shapes, launch/default/random configs (scripts/gpu_check.py)
 #   sanitize  compute-sanitizer memcheck (every kernel, launch config) and racecheck (kernels using shared memory)
 #   bench     python -m dsa_triton.bench: every kernel and report against its baseline, with the ceilings
+#   launch    host cost a launch, Triton's launcher vs the lean path, and the ops eager vs from CUDA graphs
+#             (scripts/launch_cost.py)
 #   tune ARGS dsa-tune tune ARGS (needs .whl with the optuna wheels carried: optuna is not on the GPU image)
 # Everything lands in $OUT: logs, results files, and the tuning database after a tune (merge it back with
 # `dsa-tune merge $OUT/db/*.csv`).
@@ -27,6 +29,9 @@ while [ $# -gt 0 ]; do
     bench)
       timeout 560 python -m dsa_triton.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep "^|\|checks ok" \
         | cut -c1-240 | tail -70 || status=1 ;;
+    launch)
+      timeout 280 python scripts/launch_cost.py --out "$OUT" --flat 2>&1 | tee "$OUT/launch-cost.log" | tail -60 \
+        || status=1 ;;
     tune)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
       export PYTHONPATH=/tmp/site:$PYTHONPATH

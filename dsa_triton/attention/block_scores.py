@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import PlanCache, check_positive
+from ..checks import PlanCache, check_out, check_positive
 from ..hostmath import cdiv
 from .block_scores_spec import SPEC
 from .cache import PAGE_SIZES
@@ -59,8 +59,9 @@ def _selected_launch(rows: QueryRows, q, weights, k, block_table, n_select: int,
                         _selected_config(config), P, paged=True)
 
 
-def _bounds(launch: LogitsLaunch, cu, q, weights, pmax, pmin, block_table, limits) -> torch.Tensor:
-    out = torch.empty(launch.shape, dtype=torch.float32, device=q.device)
+def _bounds(launch: LogitsLaunch, cu, q, weights, pmax, pmin, block_table, limits, out=None) -> torch.Tensor:
+    if out is None:
+        out = torch.empty(launch.shape, dtype=torch.float32, device=q.device)
     return launch(q, weights, pmax, pmin, cu, out, cu, limits, cu, block_table, cu, cu)
 
 
@@ -95,6 +96,7 @@ def block_scores(
     max_q: int | None = None,
     check_values: bool = True,
     config: dict | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Upper bounds ``[T, num_cols]`` fp32 of each logical page's best indexer score, ``-inf`` for pages
     at or past ``limits[t]``.
@@ -104,7 +106,8 @@ def block_scores(
     ``[>= B, max_pages]`` int32, seq_lens ``[>= B]`` int32, limits ``[T]`` int32 (at most the sequence's
     length), page_size ``P``; cu_seqlens_q ``[B + 1]`` int32 (default: one sequence); num_cols
     defaults to ``ceil(max(limits) / P)``; max_q and check_values as in
-    :func:`~dsa_triton.indexer_logits`. ``config``: the ``indexer_block_path`` config.
+    :func:`~dsa_triton.indexer_logits`. ``config``: the ``indexer_block_path`` config. ``out``: optional
+    ``[T, num_cols]`` fp32 contiguous tensor to write (and return).
 
     The value checks (``check_values=True``; else the caller's promise), as in :func:`~dsa_triton.indexer_logits`:
     ``cu_seqlens_q`` rises from 0 to ``T``, at most ``max_q`` rows a sequence, ``limits >= 0`` and at most the
@@ -118,7 +121,7 @@ def block_scores(
     """
     key = plan = None
     if not check_values and num_cols is not None and (cu_seqlens_q is None or max_q is not None):  # no device value
-        key, plan = _BOUND_PLANS.find((q, weights, pmax, pmin, block_table, seq_lens, limits, cu_seqlens_q),
+        key, plan = _BOUND_PLANS.find((q, weights, pmax, pmin, block_table, seq_lens, limits, cu_seqlens_q, out),
                                       (num_cols, max_q, page_size), config)
     if plan is None:
         rows = check_queries(q, weights, limits, cu_seqlens_q, max_q, check_values)
@@ -128,9 +131,11 @@ def block_scores(
         rows.finish(limits, need_max_limit=num_cols is None)
         n_pages = check_size("num_cols", num_cols, cdiv(rows.max_limit, P))
         config = _path_config(config, rows, block_table, P)
-        plan = _BOUND_PLANS.put(key, (_bound_launch(rows, q, weights, pmax, block_table, P, n_pages, config),
-                                      made_cu(rows, cu_seqlens_q)))
-    return _bounds(plan[0], call_cu(plan[1], cu_seqlens_q), q, weights, pmax, pmin, block_table, limits)
+        launch = _bound_launch(rows, q, weights, pmax, block_table, P, n_pages, config)
+        if out is not None:
+            check_out(out, launch.shape, torch.float32, rows.device)
+        plan = _BOUND_PLANS.put(key, (launch, made_cu(rows, cu_seqlens_q)))
+    return _bounds(plan[0], call_cu(plan[1], cu_seqlens_q), q, weights, pmax, pmin, block_table, limits, out)
 
 
 def selected_page_logits(

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ..checks import PlanCache
+from ..checks import PlanCache, check_out
 from ..hostmath import cdiv, next_pow2
+from ..launch import launch
 from ..runtime import interpreting
 from .indexer_checks import QueryRows, check_contiguous_keys, check_paged_keys, check_queries, check_size
 from .indexer_kernels import BOUND, DENSE, logits_kernel
@@ -47,8 +48,8 @@ class LogitsLaunch:
                  pages) -> torch.Tensor:
         """Launch on checked tensors; absent ones are passed as any tensor (``cu``), never read."""
         if self.grid is not None:
-            logits_kernel[self.grid](q, w, k, k2, k_scale, out, positions, limits, cu, block_table, key_starts, pages,
-                                      *self.args, **self.meta)
+            launch(logits_kernel, self.grid, q, w, k, k2, k_scale, out, positions, limits, cu, block_table, key_starts,
+                   pages, *self.args, **self.meta)
         return out
 
 
@@ -73,6 +74,7 @@ def indexer_logits(
     max_q: int | None = None,
     check_values: bool = True,
     config: dict | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Token-level DSA indexer logits ``[T, num_cols]`` fp32, ``-inf`` outside ``[0, limits[t])``.
 
@@ -93,6 +95,7 @@ def indexer_logits(
             argument before any launch; ``False`` skips them, and with ``num_cols`` and ``max_q`` given the call
             never waits on the device (CUDA-graph safe). Shapes, dtypes and devices are always checked.
         config: launch parameters (default: the tuning database / the registry default).
+        out: optional ``[T, num_cols]`` fp32 contiguous tensor to write (and return).
 
     The value checks, which a caller with ``check_values=False`` promises instead: ``cu_seqlens_q`` rises from 0
     to ``T``; no sequence has more than ``max_q`` rows; ``limits >= 0``. Paged: ``seq_lens[b]`` in
@@ -108,15 +111,19 @@ def indexer_logits(
     """
     key = plan = None
     if not check_values and num_cols is not None and (cu_seqlens_q is None or max_q is not None):  # no device value
-        key, plan = _PLANS.find((q, weights, k, k_scale, limits, cu_seqlens_q, block_table, seq_lens, key_starts),
-                                (num_cols, max_q), config)
+        key, plan = _PLANS.find((q, weights, k, k_scale, limits, cu_seqlens_q, block_table, seq_lens, key_starts,
+                                 out), (num_cols, max_q), config)
     if plan is None:
-        plan = _PLANS.put(key, _checked_plan(q, weights, k, k_scale, limits, cu_seqlens_q, block_table, seq_lens,
-                                             key_starts, num_cols, max_q, check_values, config))
+        plan = _checked_plan(q, weights, k, k_scale, limits, cu_seqlens_q, block_table, seq_lens, key_starts,
+                             num_cols, max_q, check_values, config)
+        if out is not None:
+            check_out(out, plan[0].shape, torch.float32, q.device)
+        plan = _PLANS.put(key, plan)
     launch, cu, starts = plan
     cu = call_cu(cu, cu_seqlens_q)
     starts = starts if key_starts is None else key_starts.contiguous()
-    out = torch.empty(launch.shape, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(launch.shape, dtype=torch.float32, device=q.device)
     return launch(q, weights, k, k, k_scale, out, cu, limits, cu, cu if block_table is None else block_table,
                   cu if starts is None else starts, cu)
 

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor
+from ..checks import PlanCache, check_kernel_device, check_out, check_positive, check_tensor
+from ..launch import launch
 from .page_select_spec import SPEC
 
 _NEG_INF_KEY = tl.constexpr(0x7FFFFF)  # key of -inf (and of NaN)
@@ -81,17 +82,19 @@ class SelectLaunch:
         self.args = (n_pages, n_select, bounds_stride, n_select)
         self.meta = dict(TILE=config["TILE"], num_warps=config["num_warps"])
 
-    def __call__(self, bounds: torch.Tensor) -> torch.Tensor:
-        pages = torch.empty(self.shape, dtype=torch.int32, device=bounds.device)
+    def __call__(self, bounds: torch.Tensor, pages: torch.Tensor | None = None) -> torch.Tensor:
+        if pages is None:
+            pages = torch.empty(self.shape, dtype=torch.int32, device=bounds.device)
         if self.grid is not None:
-            _select_pages_kernel[self.grid](bounds, pages, *self.args, **self.meta)
+            launch(_select_pages_kernel, self.grid, bounds, pages, *self.args, **self.meta)
         return pages
 
 
 _PLANS = PlanCache()
 
 
-def select_pages(bounds: torch.Tensor, n_select: int, *, config: dict | None = None) -> torch.Tensor:
+def select_pages(bounds: torch.Tensor, n_select: int, *, config: dict | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """The ``n_select`` logical pages with the highest bounds per row: ``[T, n_select]`` int32 in
     ascending order, -1 after the last valid page (bounds of ``-inf`` or NaN are never taken: NaN ranks as
     ``-inf``, never first; among equal bounds the lower page is taken first). Any bound values are safe: the
@@ -99,11 +102,15 @@ def select_pages(bounds: torch.Tensor, n_select: int, *, config: dict | None = N
 
     ``bounds``: ``[T, n_pages]`` fp32 (e.g. from :func:`~dsa_triton.block_scores`), last dim contiguous.
     ``config``: ``{"TILE", "num_warps"}`` (default: the tuning database / the registry default).
+    ``out``: optional ``[T, n_select]`` int32 contiguous tensor to write (and return).
     """
     check_positive("n_select", n_select)
-    key, launch = _PLANS.find((bounds,), (n_select,), config)
+    key, launch = _PLANS.find((bounds, out), (n_select,), config)
     if launch is None:
         check_tensor("bounds", bounds, dtype=torch.float32, ndim=2)
         device = check_kernel_device("bounds", bounds)
-        launch = _PLANS.put(key, SelectLaunch(*bounds.shape, n_select, bounds.stride(0), device, config))
-    return launch(bounds)
+        launch = SelectLaunch(*bounds.shape, n_select, bounds.stride(0), device, config)
+        if out is not None:
+            check_out(out, launch.shape, torch.int32, device)
+        launch = _PLANS.put(key, launch)
+    return launch(bounds, out)

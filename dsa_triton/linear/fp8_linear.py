@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import PlanCache, check_kernel_device, check_tensor
+from ..checks import PlanCache, check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
+from ..launch import launch
 from ..runtime import interpreting
 from .fp8_linear_kernels import fp8_linear_kernel
 from .fp8_linear_reference import BLOCK
@@ -33,13 +34,13 @@ class LinearLaunch:
                          GROUP_M=config["GROUP_M"], DOT_F32=interpreting() or x.dtype == torch.float32,
                          num_warps=config["num_warps"], num_stages=config["num_stages"])
 
-    def __call__(self, x, weight, weight_scale_inv) -> torch.Tensor:
-        y = torch.empty(self.out_shape, dtype=self.dtype, device=x.device)
+    def __call__(self, x, weight, weight_scale_inv, out=None) -> torch.Tensor:
+        y = torch.empty(self.out_shape, dtype=self.dtype, device=x.device) if out is None else out
         if self.grid is not None:
             if x.shape[1] == 0:
                 y.zero_()
             else:
-                fp8_linear_kernel[self.grid](x, weight, weight_scale_inv, y, *self.args, **self.meta)
+                launch(fp8_linear_kernel, self.grid, x, weight, weight_scale_inv, y, *self.args, **self.meta)
         return y
 
 
@@ -71,7 +72,8 @@ _PLANS = PlanCache()
 
 
 def fp8_blockwise_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, *,
-                         config: dict | None = None, check_values: bool = True) -> torch.Tensor:
+                         config: dict | None = None, check_values: bool = True,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """``y[M, N] = x @ (weight * weight_scale_inv per 128 x 128 block).T``, in ``x``'s dtype (fp32 accumulation).
 
     Args:
@@ -84,10 +86,14 @@ def fp8_blockwise_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
         check_values: also reject non-finite ``x``, e4m3 NaN weights and non-finite or non-positive scales (host
             reads, one transfer); ``False`` reads nothing on the host (CUDA-graph safe). Shapes, dtypes and devices
             are always checked (once per tensor metadata and config).
+        out: optional ``[M, N]`` contiguous tensor in ``x``'s dtype to write (and return).
     """
-    key, launch = _PLANS.find((x, weight, weight_scale_inv), (), config)
+    key, launch = _PLANS.find((x, weight, weight_scale_inv, out), (), config)
     if launch is None:
-        launch = _PLANS.put(key, _checked_launch(x, weight, weight_scale_inv, config))
+        launch = _checked_launch(x, weight, weight_scale_inv, config)
+        if out is not None:
+            check_out(out, launch.out_shape, launch.dtype, x.device)
+        launch = _PLANS.put(key, launch)
     if check_values:
         _check_values(x, weight, weight_scale_inv)
-    return launch(x, weight, weight_scale_inv)
+    return launch(x, weight, weight_scale_inv, out)

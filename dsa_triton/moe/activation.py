@@ -13,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import check_kernel_device, check_tensor
+from ..checks import check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
+from ..launch import launch
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_Q = 256  # column quarters (4 columns each) per program
@@ -37,10 +38,12 @@ def _swiglu_kernel(h_ptr, y_ptr, I, stride_h, stride_y, CLASS_MAJOR: tl.constexp
     tl.store(y_ptr + row * stride_y + dest, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def swiglu(h: torch.Tensor, dtype: torch.dtype | None = None, class_major: bool = False) -> torch.Tensor:
+def swiglu(h: torch.Tensor, dtype: torch.dtype | None = None, class_major: bool = False, *,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """``h`` fp32/fp16/bf16 ``[M, 2I]`` (gate | up, last dim contiguous) -> ``silu(gate) * up`` in ``dtype``
     (None: ``h``'s; fp32/fp16/bf16): ``[M, I]``, or ``[M, 4, I/4]`` with ``y[m, c, q]`` = column ``4q + c``
     when ``class_major`` (then ``I`` must be a multiple of 4). Reference: :func:`.activation_reference.swiglu_torch`.
+    ``out``: optional contiguous tensor of that shape and dtype to write (and return).
     Nothing is read on the host: a NaN or infinity in ``h`` propagates through the arithmetic (NaN in, NaN out).
     """
     check_tensor("h", h, dtype=DTYPES, ndim=2)
@@ -54,8 +57,9 @@ def swiglu(h: torch.Tensor, dtype: torch.dtype | None = None, class_major: bool 
     dtype = h.dtype if dtype is None else dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
-    y = torch.empty((rows, 4, inter // 4) if class_major else (rows, inter), dtype=dtype, device=h.device)
+    shape = (rows, 4, inter // 4) if class_major else (rows, inter)
+    y = torch.empty(shape, dtype=dtype, device=h.device) if out is None else check_out(out, shape, dtype, h.device)
     if rows and inter:
-        _swiglu_kernel[(rows, cdiv(inter, 4 * BLOCK_Q))](h, y, inter, h.stride(0), inter, CLASS_MAJOR=class_major,
-                                                         BLOCK_Q=BLOCK_Q, num_warps=4)
+        launch(_swiglu_kernel, (rows, cdiv(inter, 4 * BLOCK_Q)), h, y, inter, h.stride(0), inter,
+               CLASS_MAJOR=class_major, BLOCK_Q=BLOCK_Q, num_warps=4)
     return y

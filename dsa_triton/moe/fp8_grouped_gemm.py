@@ -50,8 +50,9 @@ import numpy as np
 import torch
 import triton
 
-from ..checks import check_kernel_device, check_tensor
+from ..checks import check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
+from ..launch import launch
 from .fp8_grouped_gemm_kernels import _fused_gemm_kernel, _grouped_gemm_kernel, _quantize_rows_kernel
 from .fp8_grouped_gemm_spec import SPEC
 from .mxfp4_to_fp8 import check_experts_layout, check_scales, conversion_config, convert_experts, row_references
@@ -82,9 +83,9 @@ def quantize_activations_fp8(x: torch.Tensor, interleaved: bool = False) -> tupl
         one_pass = triton.next_power_of_2(k) <= QUANTIZE_TILE
         block_k = triton.next_power_of_2(k) if one_pass else QUANTIZE_STEP[1]
         block_m = QUANTIZE_TILE // block_k if one_pass else QUANTIZE_STEP[0]
-        _quantize_rows_kernel[(cdiv(m, block_m),)](x, q, s, m, k, x.stride(0), q.stride(0),
-                                                   BLOCK_M=block_m, BLOCK_K=block_k, ONE_PASS=one_pass,
-                                                   INTERLEAVED=interleaved, num_warps=8 if one_pass else 4)
+        launch(_quantize_rows_kernel, (cdiv(m, block_m),), x, q, s, m, k, x.stride(0), q.stride(0),
+               BLOCK_M=block_m, BLOCK_K=block_k, ONE_PASS=one_pass, INTERLEAVED=interleaved,
+               num_warps=8 if one_pass else 4)
     return q, s
 
 
@@ -161,8 +162,8 @@ def launch_gemm(xq, sx, w_half, s_half, y, tiles, config, row_scaled: bool = Fal
     if n_mtiles == 0:
         return
     grid = (n_mtiles * cdiv(n, config["BLOCK_N"]),)
-    _grouped_gemm_kernel[grid](
-        xq, sx, w_half, s_half, y, tiles, n_mtiles, n, k,
+    launch(
+        _grouped_gemm_kernel, grid, xq, sx, w_half, s_half, y, tiles, n_mtiles, n, k,
         xq.stride(0), w_half.stride(0), w_half.stride(1), s_half.stride(0), s_half.stride(1), s_half.stride(2),
         y.stride(0),
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
@@ -180,8 +181,8 @@ def launch_fused(xq, sx, blocks, scales, ref, y, plan: StagePlan, config) -> Non
         return
     codes = blocks.view(torch.int16)  # [E, N, K/32, 8]: four codes per element
     grid = (n_mtiles * cdiv(n, config["BLOCK_N"]),)
-    _fused_gemm_kernel[grid](
-        xq, sx, codes, scales, ref, y, plan.tiles, plan.experts, n_mtiles, n, k, kb,
+    launch(
+        _fused_gemm_kernel, grid, xq, sx, codes, scales, ref, y, plan.tiles, plan.experts, n_mtiles, n, k, kb,
         xq.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), ref.stride(0),
         y.stride(0),
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"], W_SMEM=config["W_SMEM"],
@@ -280,7 +281,8 @@ def _host_offsets(expert_offsets: torch.Tensor, rows: int, after: torch.cuda.Eve
 
 def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, blocks: torch.Tensor,
                      scales: torch.Tensor, *, config: dict | None = None, workspace: FP8Workspace | None = None,
-                     unfit_counter: torch.Tensor | None = None, check_values: bool = True) -> torch.Tensor:
+                     unfit_counter: torch.Tensor | None = None, check_values: bool = True,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped GEMM of expert-sorted rows with MXFP4 weights on FP8 tensor cores (module docstring: the routes).
 
     - ``x_sorted`` bf16/fp16 ``[M, K]`` (rows contiguous), rows of expert ``e`` at
@@ -303,15 +305,17 @@ def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, block
       bounds, not checked). Otherwise as True.
 
     Returns ``y_sorted [M, N]`` in ``x_sorted``'s dtype (rows outside every expert are 0; a row of ``x_sorted``
-    holding NaN or inf gives a NaN row).
+    holding NaN or inf gives a NaN row), written into ``out`` when given (last dim contiguous, any row stride).
     """
     device = _check(x_sorted, expert_offsets, blocks, scales, workspace, unfit_counter)
     m, (e, n, kb) = x_sorted.shape[0], scales.shape
     shape = {"M": m, "E": e, "N": n, "K": 32 * kb}
     config = SPEC.launch_config("prefill", shape, device) if config is None else SPEC.validate(dict(config), shape)
+    if out is not None:
+        check_out(out, (m, n), x_sorted.dtype, device, contiguous=False)
     if check_values:
         check_scales("scales", scales)
-    y = torch.empty(m, n, dtype=x_sorted.dtype, device=device)
+    y = torch.empty(m, n, dtype=x_sorted.dtype, device=device) if out is None else out
     with prefill_call(x_sorted, expert_offsets, blocks, scales, y, config, workspace, unfit_counter,
                       trusted=not check_values) as run:
         run()

@@ -39,8 +39,9 @@ import weakref
 
 import torch
 
-from ..checks import PlanCache, check_kernel_device, check_tensor
+from ..checks import PlanCache, check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
+from ..launch import launch
 from .activation_reference import class_major
 from .fused_moe_kernels import _fused_moe_kernel
 from .fused_moe_spec import SPEC, random_experts
@@ -92,7 +93,7 @@ def _check(x, sort, blocks, scales, gather_tokens) -> tuple[int, int]:
 
 def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scales: torch.Tensor, *,
                    gather_tokens: bool = True, config: dict | None = None,
-                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped GEMM of routed rows with per-expert MXFP4 weights, dequantized in registers.
 
     - ``x``: fp16/bf16 ``[T, K]`` when ``gather_tokens`` (sorted row r reads token ``sort.sorted_token[r]``:
@@ -104,7 +105,9 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
       :data:`SCALE_MAX` (192 for bf16 on the GPU, else 240);
     - ``config``: a ``moe_fused_gemm`` launch config; None reads the tuning database for this shape (its
       ``X_COPY`` applies to ``[rows, K]`` activations only);
-    - ``out_dtype``: ``x``'s dtype (None) or ``torch.float32`` (the fp32 sums unrounded, no conversion op).
+    - ``out_dtype``: ``x``'s dtype (None) or ``torch.float32`` (the fp32 sums unrounded, no conversion op);
+    - ``out``: optional ``[M, N]`` tensor in ``out_dtype`` (last dim contiguous, any row stride) to write (and
+      return).
 
     Returns ``y_sorted [M, N]`` in ``out_dtype``, rows in ``sort``'s expert order. No host sync after the first
     call per scales tensor (its range check), so a warmed-up call can be captured in a CUDA graph.
@@ -126,8 +129,10 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype is not x.dtype and out_dtype is not torch.float32:
         raise ValueError(f"out_dtype: expected None, {x.dtype} or torch.float32, got {out_dtype}")
+    if out is not None:
+        check_out(out, (sort.num_rows, blocks.shape[1]), out_dtype, x.device, contiguous=False)
     check_scale_range(scales, fast_path(x))
-    return _launch(x, sort, blocks, scales, gather_tokens, plan, out_dtype)
+    return _launch(x, sort, blocks, scales, gather_tokens, plan, out_dtype, out)
 
 
 _PLANS = PlanCache(1024)  # the launch config by tensor metadata, sort sizes, gather and the caller's config
@@ -164,12 +169,18 @@ def fast_path(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and x.dtype == torch.bfloat16
 
 
-def _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype) -> torch.Tensor:
+def _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype, out=None) -> torch.Tensor:
+    """The launch into ``out`` (given, checked) or a new tensor. ``SPLIT_K > 1`` adds fp32 partials: into a zeroed
+    fp32 ``out``, else into fp32 zeros rounded to ``out_dtype`` after."""
     m, n, split = sort.num_rows, blocks.shape[1], config["SPLIT_K"]
-    y = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1
-         else torch.empty(m, n, dtype=out_dtype, device=x.device))
+    if split == 1 or (out is not None and out.dtype == torch.float32):
+        y = torch.empty(m, n, dtype=out_dtype, device=x.device) if out is None else out
+        if split > 1:
+            y.zero_()
+    else:
+        y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     if m == 0:
-        return y.to(out_dtype)
+        return y.to(out_dtype) if out is None else out
     alignment = sort.aligned(config["BLOCK_M"])
     quarters = blocks.view(torch.int16).flatten(-2)  # [E, N, K/4]
     k_quarters = quarters.shape[-1]
@@ -177,7 +188,8 @@ def _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype) -> torch.
     x_classes = class_major(x) if x.dim() == 2 and config["X_COPY"] else x
     fast = fast_path(x)
     grid = (alignment.num_blocks, cdiv(n, config["BLOCK_N"]), split)
-    _fused_moe_kernel[grid](
+    launch(
+        _fused_moe_kernel, grid,
         x_classes, sort.sorted_token, quarters, scales, y, alignment.padded_rows, alignment.block_expert,
         n, k_quarters,
         x_classes.stride(0), quarters.stride(0), quarters.stride(1), scales.stride(0), scales.stride(1), y.stride(0),
@@ -187,7 +199,11 @@ def _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype) -> torch.
         BLOCK_K=config["BLOCK_K"], SPLIT_K=split,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
-    return y.to(out_dtype)
+    if out is None:
+        return y.to(out_dtype)
+    if y is not out:
+        out.copy_(y)
+    return out
 
 
 class ExpertWeights:

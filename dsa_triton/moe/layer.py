@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..checks import PlanCache, check_kernel_device, check_tensor
+from ..checks import PlanCache, check_kernel_device, check_out, check_tensor
 from . import fused_moe
 from .activation import swiglu
 from .fp8_grouped_gemm import fp8_grouped_gemm
@@ -92,7 +92,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
                 gate_up_scales: torch.Tensor, down_blocks: torch.Tensor, down_scales: torch.Tensor, *,
                 routing: RoutingConfig, router_bias: torch.Tensor | None = None,
                 shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-                phase: str | None = None, config: dict | None = None) -> torch.Tensor:
+                phase: str | None = None, config: dict | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """One MoE layer: ``x[T, H]`` (fp16/bf16) -> ``y[T, H]`` in ``x``'s dtype.
 
     - ``router_weight [E, H]``: logits = x @ router_weight.T in fp32; ``router_bias [E]``: DeepSeek's
@@ -101,7 +102,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
     - ``routing``: :class:`.routing.RoutingConfig`;
     - ``shared_gate_up [2Is, H]`` / ``shared_down [H, Is]``: the shared expert in ``x``'s dtype, or None;
     - ``phase``: "decode" or "prefill" for the tuning lookup (None: decode up to 256 tokens);
-    - ``config``: a ``moe_path`` config ``{"path": "fused" | "workspace"}``; None reads the tuning database.
+    - ``config``: a ``moe_path`` config ``{"path": "fused" | "workspace"}``; None reads the tuning database;
+    - ``out``: optional ``[T, H]`` tensor in ``x``'s dtype to write (and return); the combine writes it.
 
     The fused path (decode) has no host sync and no data-dependent shape once each scales tensor's range has
     been read (the first call per tensor and in-place version): after one eager warm-up call it can be captured
@@ -130,13 +132,15 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
         sizes = _check(x, router_weight, router_bias, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
                        routing, shared_gate_up, shared_down)
         sizes = _PLANS.put(key, (*sizes, gate_up_block_m(x, sizes[0], routing.top_k, *sizes[1:])))
+    if out is not None:
+        check_out(out, (x.shape[0], sizes[1]), x.dtype, x.device, contiguous=False)
     config = _path_config(x, sizes, routing.top_k, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
                           phase, config)
     logits = F.linear(x.float(), router_weight.float())
     # one launch at any T (lowest expert first on ties); non-finite logits propagate (a NaN never ranks first)
     weights, ids = route_topk(logits, routing, router_bias, check_values=False)
     return _grouped(x, ids, weights, sizes, config, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
-                    shared_gate_up, shared_down, x.dtype)
+                    shared_gate_up, shared_down, x.dtype, out)
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None,
@@ -169,7 +173,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     config = _path_config(x, sizes, topk_ids.shape[1], gate_up_blocks, gate_up_scales, down_blocks, down_scales,
                           phase, config)
     return _grouped(x, topk_ids, topk_weights, sizes, config, gate_up_blocks, gate_up_scales, down_blocks,
-                    down_scales, shared_gate_up, shared_down, out_dtype or x.dtype)
+                    down_scales, shared_gate_up, shared_down, out_dtype or x.dtype, None)
 
 
 def _path_config(x, sizes, top_k, gate_up_blocks, gate_up_scales, down_blocks, down_scales, phase, config) -> dict:
@@ -188,8 +192,9 @@ def _path_config(x, sizes, top_k, gate_up_blocks, gate_up_scales, down_blocks, d
 
 
 def _grouped(x, ids, weights, sizes, config, gate_up_blocks, gate_up_scales, down_blocks, down_scales,
-             shared_gate_up, shared_down, out_dtype) -> torch.Tensor:
-    """Sort the routed rows by expert, the two grouped GEMMs on ``config``'s path, the weighted combine."""
+             shared_gate_up, shared_down, out_dtype, out) -> torch.Tensor:
+    """Sort the routed rows by expert, the two grouped GEMMs on ``config``'s path, the weighted combine (into
+    ``out`` when given)."""
     experts, _, _, block_m = sizes
     sort = sort_and_align(ids, weights, experts, block_m if config["path"] == "fused" else None, check_ids=False)
     if config["path"] == "fused":  # fp32 GEMM outputs: no conversion op before swiglu and the combine
@@ -202,7 +207,9 @@ def _grouped(x, ids, weights, sizes, config, gate_up_blocks, gate_up_scales, dow
                              check_values=False)
         y = fp8_grouped_gemm(swiglu(h), sort.expert_offsets, down_blocks, down_scales, check_values=False)
     shared = None if shared_gate_up is None else shared_expert(x, shared_gate_up, shared_down)
-    return combine_rows(y, sort, add=shared).to(out_dtype)
+    if out is None:
+        return combine_rows(y, sort, add=shared).to(out_dtype)
+    return out.copy_(combine_rows(y, sort, add=shared))
 
 
 _PLANS = PlanCache(1024)  # _check's (E, H, I) and the gate_up BLOCK_M by tensor metadata and routing fields

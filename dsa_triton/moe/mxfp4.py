@@ -10,8 +10,9 @@ import math
 
 import torch
 
-from ..checks import check_kernel_device, check_tensor
+from ..checks import check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
+from ..launch import launch
 from .mxfp4_kernels import _dequantize_kernel, _quantize_kernel
 from .mxfp4_reference import BLOCK, validate_mxfp4
 from .mxfp4_spec import DEQUANTIZE, QUANTIZE
@@ -51,17 +52,19 @@ def quantize_launch(w: torch.Tensor, config: dict) -> tuple[torch.Tensor, torch.
     n_blocks = scales.numel()
     if n_blocks:
         grid = (cdiv(n_blocks, config["BLOCK_B"]),)
-        _quantize_kernel[grid](w, blocks, scales, n_blocks, BLOCK_B=config["BLOCK_B"], num_warps=config["num_warps"])
+        launch(_quantize_kernel, grid, w, blocks, scales, n_blocks, BLOCK_B=config["BLOCK_B"],
+               num_warps=config["num_warps"])
     return blocks, scales
 
 
 def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32, *,
-                     name: str = "mxfp4", config: dict | None = None) -> torch.Tensor:
+                     name: str = "mxfp4", config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``blocks[..., N, K/32, 16]``, ``scales[..., N, K/32]`` (uint8) -> ``w[..., N, K]`` in ``dtype`` (fp32/bf16/fp16).
 
     Bit-identical to :func:`mxfp4_dequantize_torch` (values past ``dtype``'s range overflow to inf or flush,
     as a single rounding would). ``name`` labels the tensors in errors; a 0xFF scale is rejected. ``config``: an
     ``mxfp4_dequantize`` config (None: the tuning database's), validated (:class:`~dsa_triton.ConfigError`).
+    ``out``: optional contiguous ``[..., N, K]`` tensor in ``dtype`` to write (and return).
     """
     validate_mxfp4(name, blocks, scales)
     device = check_kernel_device(f"{name}_blocks", blocks)
@@ -72,15 +75,22 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         config = DEQUANTIZE.launch_config("load", shape, device)
     else:
         config = DEQUANTIZE.validate(dict(config), shape)
-    return dequantize_launch(blocks, scales, dtype, config)
+    return dequantize_launch(blocks, scales, dtype, config, out)
 
 
-def dequantize_launch(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, config: dict) -> torch.Tensor:
-    """:func:`mxfp4_dequantize` without the checks and the 0xFF scan (the registry times this): launch only."""
+def dequantize_launch(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, config: dict,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`mxfp4_dequantize` without the checks and the 0xFF scan (the registry times this): launch only; a given
+    ``out`` is still checked (its shape, dtype, device and contiguity: what the kernel writes through)."""
     blocks, scales = blocks.contiguous(), scales.contiguous()
-    out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * BLOCK, dtype=dtype, device=blocks.device)
+    shape = (*blocks.shape[:-2], blocks.shape[-2] * BLOCK)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=blocks.device)
+    else:
+        check_out(out, shape, dtype, blocks.device)
     n_blocks = scales.numel()
     if n_blocks:
         grid = (cdiv(n_blocks, config["BLOCK_B"]),)
-        _dequantize_kernel[grid](blocks, scales, out, n_blocks, BLOCK_B=config["BLOCK_B"], num_warps=config["num_warps"])
+        launch(_dequantize_kernel, grid, blocks, scales, out, n_blocks, BLOCK_B=config["BLOCK_B"],
+               num_warps=config["num_warps"])
     return out

@@ -14,6 +14,7 @@ import torch
 
 from ..checks import check_kernel_device, check_tensor
 from ..hostmath import cdiv
+from ..launch import launch
 from .mxfp4_reference import BLOCK, SCALE_NAN, check_no_nan_scale, validate_mxfp4
 from .mxfp4_to_fp8_kernels import _convert_kernel
 from .mxfp4_to_fp8_reference import BLOCKS_PER_GROUP, n_groups
@@ -37,7 +38,8 @@ def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torc
     grid = (count, cdiv(n, config["BLOCK_N"]), cdiv(kb, groups * BLOCKS_PER_GROUP))
     codes, words = blocks.view(torch.int16), w_out.view(torch.int32)  # [E, N, K/32, 8], [G, N, K/4]
     refs = scales if row_ref is None else row_ref  # (any tensor when unused)
-    _convert_kernel[grid](
+    launch(
+        _convert_kernel, grid,
         codes, scales, expert_ids, refs, words, s_out, unfit if unfit is not None else expert_ids, n, kb,
         s_out.shape[2], codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), refs.stride(0),
         words.stride(0), words.stride(1), s_out.stride(0), s_out.stride(1), s_out.stride(2),

@@ -1,0 +1,277 @@
+"""dsa_triton.launch on the CPU: the lean path's key against Triton's own cache key (Triton's binder, built for the
+CUDA backend without a GPU), hits and misses with a stand-in compiled kernel, and the interpreter's fallback."""
+import itertools
+import random
+
+import pytest
+import torch
+import triton.language as tl
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+
+import dsa_triton as dt
+from dsa_triton import launch as lean
+from dsa_triton.attention.topk_kernels import topk_select_kernel
+
+GLOBAL_LIMIT = tl.constexpr(4)  # a global the kernel below reads
+
+
+def kernel_body(x_ptr, y_ptr, n, stride, flag, scale, maybe, BLOCK: tl.constexpr, MODE: tl.constexpr = 2):
+    tl.static_assert(GLOBAL_LIMIT > 0)
+
+
+def jit_kernel() -> JITFunction:
+    """A compiled-mode JITFunction (the interpreter's ``triton.jit`` gives an InterpretedFunction)."""
+    return JITFunction(kernel_body)
+
+
+def triton_key(fn: JITFunction, args: tuple, meta: dict) -> str:
+    """Triton's own kernel-cache key of a launch (``JITFunction.run``: binder, then ``compute_cache_key``)."""
+    binder = create_function_from_signature(fn.signature, fn.params, CUDABackend)
+    meta = dict(meta, debug=False, instrumentation_mode="")
+    _, specialization, options = binder(*args, **meta)
+    return compute_cache_key({}, specialization, options)
+
+
+def lean_key(fn: JITFunction, args: tuple, meta: dict):
+    return lean.LeanKernel(fn).key_function(args, meta)(args, meta, 0)
+
+
+BASE = torch.empty(64)
+INTS = [0, 1, 2, 15, 16, 17, -16, -1, 2**31 - 16, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 2**63 - 1, 2**63, -2**63,
+        2**64 - 16]
+
+
+def random_launch(r: random.Random) -> tuple[tuple, dict]:
+    """A base launch with one or two of its arguments changed (so that many launches share a key)."""
+    args = [BASE, BASE, 32, 17, True, 0.5, None]
+    meta = {"BLOCK": 16, "num_warps": 4}
+    for _ in range(r.randrange(1, 3)):
+        field = r.randrange(9)
+        if field == 0:
+            args[0] = BASE[r.randrange(0, 8):]  # 16-byte aligned or not
+        elif field == 1:
+            args[1] = BASE.to(r.choice([torch.float16, torch.int32, torch.float32]))
+        elif field in (2, 3):
+            args[field] = r.choice(INTS)
+        elif field == 4:
+            args[4] = r.random() < 0.5
+        elif field == 5:
+            args[5] = r.choice([0.5, -0.0, 3.0])
+        elif field == 6:
+            meta["BLOCK"] = r.choice([16, 32, True, 1])
+        elif field == 7:
+            meta["num_warps"] = r.choice([4, 8])
+        else:
+            meta["MODE"] = r.choice([2, 3])
+    return tuple(args), meta
+
+
+def coarser_than_triton(key_of, pairs=400, seed=0) -> list:
+    """Pairs of launches whose keys under ``key_of`` agree while Triton's differ (a stale specialization)."""
+    fn, r = jit_kernel(), random.Random(seed)
+    launches = [random_launch(r) for _ in range(pairs)]
+    by_key = {}
+    for args, meta in launches:
+        by_key.setdefault(key_of(fn, args, meta), set()).add(triton_key(fn, args, meta))
+    return [k for k, keys in by_key.items() if len(keys) > 1]
+
+
+def test_equal_lean_keys_mean_equal_triton_keys():
+    assert not coarser_than_triton(lean_key)
+
+
+def test_the_comparison_catches_a_key_blind_to_alignment():
+    """The check above can fail: a key that ignores the addresses' alignment maps differing Triton keys together."""
+    def blind(fn, args, meta):
+        return tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args), tuple(meta.items())
+    assert coarser_than_triton(blind)
+
+
+@pytest.mark.parametrize("change", ["alignment", "dtype", "int one", "int 16", "int range", "constexpr",
+                                    "constexpr type", "num_warps", "bool", "none"])
+def test_each_specialized_property_changes_the_key(change):
+    fn = jit_kernel()
+    args = [BASE, BASE, 32, 17, True, 0.5, None]
+    meta = {"BLOCK": 16, "num_warps": 4}
+    changed, meta2 = list(args), dict(meta)
+    if change == "alignment":
+        changed[0] = BASE[1:]
+    elif change == "dtype":
+        changed[1] = BASE.half()
+    elif change == "int one":
+        changed[3] = 1
+    elif change == "int 16":
+        changed[2] = 33
+    elif change == "int range":
+        changed[2] = 2**32
+    elif change == "constexpr":
+        meta2["BLOCK"] = 32
+    elif change == "constexpr type":
+        meta2["BLOCK"] = 16.0
+    elif change == "num_warps":
+        meta2["num_warps"] = 8
+    elif change == "bool":
+        changed[4] = 1
+    elif change == "none":
+        changed[6] = BASE
+    key_of = lean.LeanKernel(fn).key_function(tuple(args), meta)
+    before = key_of(tuple(args), meta, 0)
+    try:
+        after = key_of(tuple(changed), meta2, 0)
+    except Exception:  # another argument kind: this layout's function refuses it (a new layout gets its own)
+        after = lean.LeanKernel(fn).key_function(tuple(changed), meta2)(tuple(changed), meta2, 0)
+    assert before != after
+    assert triton_key(fn, tuple(args), meta) != triton_key(fn, tuple(changed), meta2)
+
+
+def test_a_key_does_not_move_with_what_triton_ignores():
+    """Addresses 16 bytes apart, ints of one class, floats: one key (so a repeated call hits)."""
+    fn = jit_kernel()
+    meta = {"BLOCK": 16, "num_warps": 4}
+    a = (BASE, BASE, 32, 17, True, 0.5, None)
+    b = (BASE[4:], BASE[8:], 48, 19, False, -3.0, None)
+    key_of = lean.LeanKernel(fn).key_function(a, meta)
+    assert key_of(a, meta, 0) == key_of(b, meta, 0)
+    assert key_of(a, meta, 0) != key_of(a, meta, 1)  # another device
+
+
+class FakeCompiled:
+    """Stands in for Triton's CompiledKernel: its ``run`` records the launches it is given."""
+
+    def __init__(self, launcher=None):
+        self.function, self.packed_metadata = 11, (4, 1, 0)
+        self.calls = []
+        self.run = launcher or (lambda *a: self.calls.append(a))
+
+
+class CudaLauncherLike:
+    """Triton's CUDA launcher's attributes: no scratch memory, the C ``launch`` function."""
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self):
+        self.direct, self.wrapped = [], []
+        self.launch = lambda *a: self.direct.append(a)
+
+    def __call__(self, *a):
+        self.wrapped.append(a)
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    """A JITFunction whose Triton launch is recorded and returns a FakeCompiled; the CUDA queries stubbed."""
+    fn = jit_kernel()
+    compiled = FakeCompiled()
+    through_triton = []
+
+    def run(*args, grid, warmup, **kwargs):
+        through_triton.append((grid, args, kwargs))
+        return compiled
+
+    monkeypatch.setattr(fn, "run", run)
+    monkeypatch.setattr(lean, "_device", lambda: 0)
+    monkeypatch.setattr(lean, "_stream", lambda device: 1234)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fn.used_global_vals = {("GLOBAL_LIMIT", id(globals())): (GLOBAL_LIMIT, globals())}
+    return fn, compiled, through_triton
+
+
+def test_a_repeated_launch_calls_the_compiled_kernel(fake_triton):
+    fn, compiled, through_triton = fake_triton
+    x, y = torch.empty(32), torch.empty(32)
+    returned = lean.launch(fn, (3, 2), x, y, 48, 17, True, 0.5, None, BLOCK=16, num_warps=4)
+    assert returned is compiled and len(through_triton) == 1 and not compiled.calls
+    x2 = torch.empty(32)
+    lean.launch(fn, (5,), x2, y, 64, 33, False, 2.0, None, BLOCK=16, num_warps=4)
+    assert len(through_triton) == 1
+    # Triton's argument order: grid, stream, function, metadata, launch metadata and hooks (none), then every
+    # parameter in signature order, constexprs (given and default) included
+    assert compiled.calls == [(5, 1, 1, 1234, 11, (4, 1, 0), None, None, None, x2, y, 64, 33, False, 2.0, None, 16, 2)]
+
+
+@pytest.mark.parametrize("change", ["misaligned", "int one", "new constexpr", "callable grid", "launch hook",
+                                    "pre-run hook", "global changed", "float keyword"])
+def test_anything_the_key_or_the_fast_path_cannot_vouch_for_takes_tritons_path(fake_triton, change, monkeypatch):
+    fn, compiled, through_triton = fake_triton
+    args = (torch.empty(32), torch.empty(32), 48, 17, True, 0.5, None)
+    meta = dict(BLOCK=16, num_warps=4)
+    grid = (3,)
+    if change == "float keyword":
+        meta["SCALE"] = 0.5  # (a keyword Triton takes as an option here: only its effect on caching matters)
+    lean.launch(fn, grid, *args, **meta)
+    if change == "misaligned":
+        args = (torch.empty(33)[1:],) + args[1:]
+    elif change == "int one":
+        args = args[:2] + (1,) + args[3:]
+    elif change == "new constexpr":
+        meta["BLOCK"] = 32
+    elif change == "callable grid":
+        grid = lambda meta: (3,)  # noqa: E731
+    elif change == "launch hook":
+        monkeypatch.setattr(lean.knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
+    elif change == "pre-run hook":
+        monkeypatch.setattr(fn, "pre_run_hooks", [lambda *a, **k: None])
+    elif change == "global changed":
+        monkeypatch.setitem(globals(), "GLOBAL_LIMIT", tl.constexpr(5))
+    lean.launch(fn, grid, *args, **meta)
+    assert len(through_triton) == 2 and not compiled.calls
+
+
+def test_a_second_layout_gets_its_own_key_function(fake_triton):
+    fn, compiled, through_triton = fake_triton
+    x = torch.empty(32)
+    lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, None, BLOCK=16)
+    lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, x, BLOCK=16)  # a tensor where None was
+    lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, x, BLOCK=16)
+    lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, None, BLOCK=16)
+    assert len(through_triton) == 2 and len(compiled.calls) == 2
+    assert len(fn._dsa_lean.key_functions) == 2
+
+
+def test_the_cuda_launcher_is_called_without_its_python_wrapper(monkeypatch, fake_triton):
+    fn, compiled, through_triton = fake_triton
+    launcher = CudaLauncherLike()
+    compiled.run = launcher
+    x = torch.empty(32)
+    for _ in range(2):
+        lean.launch(fn, (2, 3, 4), x, x, 48, 17, True, 0.5, None, BLOCK=16)
+    assert not launcher.wrapped
+    # what CudaLauncher.__call__ passes its C function: cooperative grid, PDL, the two scratch buffers (none)
+    assert launcher.direct == [(2, 3, 4, 1234, 11, False, True, None, None, (4, 1, 0), None, None, None,
+                                x, x, 48, 17, True, 0.5, None, 16, 2)]
+
+
+def test_the_cache_of_a_kernel_is_bounded(fake_triton, monkeypatch):
+    fn, compiled, through_triton = fake_triton
+    monkeypatch.setattr(lean, "MAX_ENTRIES", 3)
+    x = torch.empty(32)
+    for block in itertools.islice(itertools.cycle([16, 32, 64, 128]), 8):
+        lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, None, BLOCK=block)
+    assert len(fn._dsa_lean.entries) <= 3
+
+
+def test_the_interpreter_takes_tritons_path_unchanged(monkeypatch):
+    """Under TRITON_INTERPRET=1 kernels are InterpretedFunctions: launch() is kernel[grid](...), and an op's
+    launches reach the interpreter."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(topk_select_kernel, InterpretedFunction) and not isinstance(topk_select_kernel, JITFunction)
+    seen = []
+    original = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        seen.append(self.fn.__name__)
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    h = torch.randn(3, 8)
+    y = dt.swiglu(h)
+    assert seen == ["_swiglu_kernel"]
+    torch.testing.assert_close(y, torch.nn.functional.silu(h[:, :4]) * h[:, 4:])
+
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda *a, **k: ("stub", grid, a, k)
+
+    assert lean.launch(Stub(), (2,), 1, X=3) == ("stub", (2,), (1,), {"X": 3})
