@@ -30,6 +30,7 @@ import torch
 
 from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor
 from ..hostmath import cdiv, next_pow2
+from ..launch import launch
 from .cache_kernels import append_kernel
 from .cache_reference import LATENT_GROUP, fp8_latent_bytes
 from .cache_spec import FP8_SPEC, SPEC
@@ -67,7 +68,7 @@ def launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config,
     else:
         kv_parts = cdiv(D, config["BLOCK_D"]) if has_kv else 0
     dummy = items  # never dereferenced: the constexpr flags remove those loads
-    append_kernel[(n_items, kv_parts + int(has_index))](
+    launch(append_kernel, (n_items, kv_parts + int(has_index)),
         items,
         kv if has_kv else dummy, kv_cache if has_kv else dummy, kv.stride(0) if has_kv else 0,
         index_k if has_index else dummy, ik if has_index else dummy,

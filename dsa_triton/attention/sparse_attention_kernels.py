@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ..hostmath import cdiv, next_pow2
 from ..runtime import interpreting
+from ..launch import launch
 from .cache_reference import LATENT_GROUP
 
 LOG2E = 1.4426950408889634
@@ -209,7 +210,7 @@ def logical_to_slots(indices: torch.Tensor, block_table: torch.Tensor, bt_div: i
     slots = torch.empty((R, k), dtype=torch.int32, device=indices.device)
     if slots.numel():
         block = min(1024, next_pow2(k))
-        _logical_to_slots[(R, cdiv(k, block))](
+        launch(_logical_to_slots, (R, cdiv(k, block)),
             indices, block_table, slots, k, block_table.shape[1], num_pages, bt_div, indices.stride(0),
             block_table.stride(0), PAGE_SIZE=page_size, BLOCK=block, num_warps=4)
     return slots
@@ -239,7 +240,7 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
     if kv.dtype == torch.uint8:
         fp8 = {"KV_FP8": True, "GROUP": min(LATENT_GROUP, block_dv), "ROPE_AT": d_v + 4 * cdiv(d_v, LATENT_GROUP)}
     grid = (R * num_splits * cdiv(M, config["BLOCK_H"]),)
-    _sparse_attention_fwd[grid](
+    launch(_sparse_attention_fwd, grid,
         q, kv, slots, part_out, part_lse,
         M, H, k, cdiv(cdiv(k, num_splits), block_n) * block_n, kv.shape[0], sm_scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), slots.stride(0),
@@ -251,6 +252,6 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
     if num_splits > 1:
         block_s = next_pow2(num_splits)
         block_c = min(block_dv, max(16, COMBINE_ELEMENTS // block_s))
-        _combine_splits[(R * M, cdiv(d_v, block_c))](part_out, part_lse, out, lse, D_V=d_v, NUM_SPLITS=num_splits,
-                                                     BLOCK_S=block_s, BLOCK_C=block_c, num_warps=4)
+        launch(_combine_splits, (R * M, cdiv(d_v, block_c)), part_out, part_lse, out, lse, D_V=d_v,
+               NUM_SPLITS=num_splits, BLOCK_S=block_s, BLOCK_C=block_c, num_warps=4)
     return out, lse
