@@ -52,16 +52,20 @@ class PathChoice:
                  "H": heads, "DK": head_dim, "SEL": n_select}
         key = (phase, tuple(shape.values()), str(device))
         if key not in self._auto:
-            self._auto[key] = block_faster(phase, shape, device)
+            self._auto[key] = block_faster(phase, shape, device_name(device))
         return "block" if self._auto[key] else "token"
 
 
-def block_faster(phase: str, shape: dict[str, int], device) -> bool:
-    """Whether the installed tuning database's ``indexer_block_path`` record for this shape beat its baseline."""
-    import tuning_db
+def block_faster(phase: str, shape: dict[str, int], device: str, db=None) -> bool:
+    """Whether the ``indexer_block_path`` record for this shape on ``device`` (a device name,
+    ``dsa_triton.runtime.device_name``) beat its baseline; ``db``: a ``tuning_db.Database`` (default: the installed
+    one)."""
+    if db is None:
+        import tuning_db
 
-    db = tuning_db.installed()
-    found = None if db is None else db.match(registry.get("indexer_block_path"), phase, shape, device_name(device))
+        db = tuning_db.installed()
+    spec = registry.get("indexer_block_path")
+    found = None if db is None or phase not in spec.phases else db.match(spec, phase, shape, device)
     return found is not None and found[1].median_us < found[1].baseline_us
 
 

@@ -9,8 +9,9 @@ Every step (at most ``token_budget`` tokens):
    its pages allow (a chunk shrinks to the free pages; with none free it waits, or preempts as in 1 when the step
    would otherwise be empty);
 3. when nothing was preempted in this step: new sequences from the waiting queue, first come first served (the head
-   blocks the rest), each with the chunk that fits the budget and the free pages less one page kept per running
-   sequence (so that admitting does not preempt at once).
+   blocks the rest), each with the chunk that fits the budget and the free pages, less one page for each running
+   sequence whose tokens will fill its pages exactly (its next token needs a new page: admitting does not
+   preempt at the next step).
 
 So decoding never waits for a long prompt, and pages are taken as sequences grow. The oldest running sequence can
 always go on (by preempting newer ones; :meth:`Scheduler.add` rejects a sequence the whole cache cannot hold), so
@@ -62,7 +63,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Step:
-        step, scheduled = Step(), set()
+        step, scheduled = Step(), {}
         budget = self.token_budget
         for seq in list(self.running):  # 1. decode tokens
             if budget == 0:
@@ -86,7 +87,9 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and not step.preempted:  # 3. admissions, first come first served
             seq = self.waiting[0]
-            n = min(seq.pending, budget, self.cache.room(reserve_pages=len(self.running)))
+            P = self.cache.page_size
+            reserve = sum((s.cached + scheduled.get(s, 0)) % P == 0 for s in self.running)
+            n = min(seq.pending, budget, self.cache.room(reserve_pages=reserve))
             if n <= 0:
                 break
             self.waiting.popleft()
@@ -96,12 +99,12 @@ class Scheduler:
             budget -= n
         return step
 
-    def _take(self, step: Step, scheduled: set, seq: Sequence, n: int) -> None:
+    def _take(self, step: Step, scheduled: dict, seq: Sequence, n: int) -> None:
         self.cache.grow(seq.seq_id, seq.cached + n)
         step.chunks.append((seq, n))
-        scheduled.add(seq)
+        scheduled[seq] = n
 
-    def _make_room(self, seq: Sequence, n_tokens: int, scheduled: set, step: Step) -> bool:
+    def _make_room(self, seq: Sequence, n_tokens: int, scheduled: dict, step: Step) -> bool:
         """Preempt the newest running sequences not in this step until ``seq`` can hold ``n_tokens``; False when
         ``seq`` itself had to go."""
         while self.cache.room(seq.seq_id) < n_tokens:
