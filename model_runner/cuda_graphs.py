@@ -47,11 +47,13 @@ def unavailable_reason(model: Model, device: torch.device) -> str | None:
 
 class DecodeGraphs:
     """Padded decode steps for up to ``max_batch`` sequences; ``capture=True`` records one CUDA graph per bucket
-    (at construction) and replays it, ``capture=False`` runs the same padded batches eagerly."""
+    (at construction) and replays it, ``capture=False`` runs the same padded batches eagerly. ``sizes``: other
+    buckets than :func:`buckets` (e.g. only the batch sizes a benchmark runs)."""
 
-    def __init__(self, model: Model, cache: CacheManager, max_batch: int, capture: bool):
+    def __init__(self, model: Model, cache: CacheManager, max_batch: int, capture: bool,
+                 sizes: list[int] | None = None):
         self.model, self.cache, self.capture = model, cache, capture
-        self.buckets = buckets(max_batch)
+        self.buckets = sorted(set(sizes)) if sizes else buckets(max_batch)
         self.max_batch = self.buckets[-1]
         self.scratch_page = cache.allocator.allocate(1)[0]  # written by padding rows only
         device = cache.device
