@@ -5,7 +5,8 @@
 
 ``generate`` prints what loading did, whether decode steps replay from CUDA graphs and the memory plan, shows a
 progress bar of generated tokens and closes with the throughput of prefill, decode and mixed steps (and, with
-``--profile``, where the time of one decode step and one prefill step went). File formats: :mod:`.batch_io`. Any error is one line on stderr, exit status 2.
+``--profile``, where the time of one decode step and one prefill step went). File formats: :mod:`.batch_io`. Any
+error is one line on stderr, exit status 2.
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--chunk", type=int, default=256,
                      help="token budget of a step (decode tokens and prefill chunks together)")
     gen.add_argument("--skip-checks", action="store_true", help="no per-op value checks (host syncs) in kernel mode")
-    gen.add_argument("--indexer-path", choices=PATHS, nargs=2, default=("token", "token"), metavar=("DECODE", "PREFILL"),
+    gen.add_argument("--indexer-path", choices=PATHS, nargs=2, default=("token", "token"),
+                     metavar=("DECODE", "PREFILL"),
                      help=f"indexer path of decode and of prefill steps, each one of {', '.join(PATHS)} "
                           f"(auto: the tuning database's choice)")
     gen.add_argument("--no-cuda-graphs", action="store_true",

@@ -29,7 +29,7 @@ from .config import ModelConfig
 class PagedBatch:
     """One forward step: ``B`` sequences with ``T`` new tokens packed by sequence (device tensors).
 
-    positions ``[T]`` int64; limits ``[T]`` int32 = position + 1 (causal: token t sees positions < limit);
+    positions ``[T]`` int64 (int32 in the padded batches of :mod:`.cuda_graphs`); limits ``[T]`` int32 = position + 1 (causal: token t sees positions < limit);
     cu_seqlens ``[B + 1]`` int32; row_to_seq ``[T]`` int32 (row of ``block_table``); block_table
     ``[B, max_pages]`` int32 and seq_lens ``[B]`` int32 after this step's append; last_rows ``[B]`` int64;
     the write plan as ``dt.append_tokens`` work items ``items[n, 4]`` int32 and, for the reference, per-token

@@ -86,8 +86,8 @@ class DecodeGraphs:
         return PagedBatch(
             seq_ids=[], positions=positions, limits=lens, cu_seqlens=self.rows[:b + 1], row_to_seq=self.rows[:b],
             block_table=self.cache.block_table.index_select(0, seq_ids), seq_lens=lens, last_rows=self.rows[:b],
-            items=items, slots=(pages * P + positions % P).long(), pages=pages.long(), fill=(positions % P + counts).long(),
-            num_cols=self.cache.max_pages * P, max_q=1)
+            items=items, slots=(pages * P + positions % P).long(), pages=pages.long(),
+            fill=(positions % P + counts).long(), num_cols=self.cache.max_pages * P, max_q=1)
 
     def _run(self, b: int) -> torch.Tensor:
         return self.model.forward(self.meta[0, :b], self.batch(b), self.cache)

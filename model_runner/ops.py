@@ -6,7 +6,8 @@
 
 Shapes: ``q8[T, IH, ID]`` e4m3 indexer queries with ``w[T, IH]`` fp32 head weights; ``scores[T, L]`` fp32;
 ``slots[T, k]`` int32 physical cache rows (-1 unused); ``block_topk``: the block-level indexer path
-(:mod:`.index_path`) from query to slots, ``n_select`` pages a token; attention ``q[T, H, kv_lora + rope]`` -> ``[T, H, kv_lora]``;
+(:mod:`.index_path`) from query to slots, ``n_select`` pages a token; attention ``q[T, H, kv_lora + rope]`` ->
+``[T, H, kv_lora]``;
 ``linear(x[T, K], w)``: ``w`` a ``[N, K]`` tensor in ``x``'s dtype or an :class:`FP8Weight`.
 """
 from __future__ import annotations

@@ -13,10 +13,11 @@ Every step (at most ``token_budget`` tokens):
    sequence whose tokens will fill its pages exactly (its next token needs a new page: admitting does not
    preempt at the next step).
 
-So decoding never waits for a long prompt, and pages are taken as sequences grow. The oldest running sequence can
-always go on (by preempting newer ones; :meth:`Scheduler.add` rejects a sequence the whole cache cannot hold), so
-every request completes. A preempted sequence loses no token: its output is kept and its next sample uses the
-same random stream position (:mod:`.sampling`).
+So decoding never waits for a long prompt, and pages are taken as sequences grow. No step is empty while a request
+is pending: the oldest decoding sequence, or else the oldest running one, can always go on by preempting newer ones
+(the engine rejects a request the whole cache cannot hold), and a decoding sequence finishes within its
+``max_new_tokens``, so every request completes. A preempted sequence loses no token: its output is kept and its
+next sample uses the same random stream position (:mod:`.sampling`).
 """
 from __future__ import annotations
 

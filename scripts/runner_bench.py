@@ -248,6 +248,11 @@ def op_rows(label: dict, groups: dict[str, float], floors: dict[str, Cost], ceil
 
 # -- parts ---------------------------------------------------------------------------------------------------------
 
+def show(section: str, row: dict) -> None:
+    """A row as soon as it is measured (a call cut short still leaves these lines in its output)."""
+    print(section, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+
+
 class Bench:
     def __init__(self, args):
         self.args, self.device = args, torch.device(args.device)
@@ -295,8 +300,11 @@ class Bench:
                         row, groups = self.decode_one(model, cache, graphs, seq_rows[:B], L)
                         row.update(fill_s=fill_s, capture_s=capture_s)
                         rows.append(row)
+                        show("decode", row)
                         floors = step_floors(c, B, B, L, "decode")
                         ops_rows += op_rows({"context": L, "batch": B}, groups, floors, self.ceilings)
+                        for r in ops_rows[-len(groups):]:
+                            show("decode ops", r)
                     except Exception as exc:  # one failing shape must not cost the others
                         notes.append({"context": L, "batch": B, "note": f"error: {exc!r}"[:400]})
                         traceback.print_exc()
@@ -374,12 +382,15 @@ class Bench:
                     seconds = sum(r.seconds for r in steps)
                     rows.append({"prompt": n, "mode": mode, "chunk": chunk, "steps": len(steps), "seconds": seconds,
                                  "tokens_per_s": n / seconds})
+                    show("prefill", rows[-1])
                     if mode == "kernel":
                         tokens, prof = eng.profiler.profiles["prefill"]
                         rows[-1]["first_chunk_gpu_idle"] = prof.idle_fraction
                         floors = step_floors(c, 1, tokens, tokens, "prefill")
                         ops_rows += op_rows({"prompt": n, "chunk_tokens": tokens}, prof.groups(), floors,
                                             self.ceilings)
+                        for r in ops_rows[-len(prof.groups()):]:
+                            show("prefill ops", r)
                 except Exception as exc:
                     notes.append({"prompt": n, "mode": mode, "note": f"error: {exc!r}"[:400]})
                     traceback.print_exc()
@@ -445,6 +456,7 @@ class Bench:
                          "complete": all(len(s.output) == p.max_new_tokens for s, p in zip(small[0], params)),
                          "requests_equal": equal, "parted_max_logit_gap": max(gaps) if gaps else None,
                          "small_s": small[3], "large_s": large[3]})
+            show("preemption", rows[-1])
         return {"preemption": rows}
 
 
@@ -461,7 +473,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reference-max-batch", type=int, default=8)
     ap.add_argument("--reference-max-context", type=int, default=1 << 20)
     ap.add_argument("--reference-max-prompt", type=int, default=4096)
-    ap.add_argument("--budget-s", type=float, default=540)
+    ap.add_argument("--budget-s", type=float, default=420,
+                    help="no new shape starts after this many seconds (a device call ends at 600)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model at tiny sizes (checks this script on a CPU)")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -480,11 +493,9 @@ def main(argv=None) -> int:
         model = "a tiny model" if args.tiny else "DeepSeek-V3.2 layer widths, 1 dense + 3 MoE layers, random weights"
         note = (f"runner_bench {part}: {model}, {str(bench.dtype).replace('torch.', '')}, pages of {PAGE}; "
                 f"ceilings {bench.ceilings}")
-        path = write_results(args.out, f"runner_bench-{part}", sections, note=note)
-        print(f"wrote {path}")
-        for name, rows in sections.items():
-            for row in rows:
-                print(name, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+        for note_row in next((rows for name, rows in sections.items() if name.endswith("notes")), []):
+            show("note", note_row)
+        print(f"wrote {write_results(args.out, f'runner_bench-{part}', sections, note=note)}", flush=True)
     return 0
 
 
