@@ -12,12 +12,15 @@ from dsa_triton.runtime import interpreting
 from . import distributed
 from .cache_manager import CacheManager
 from .config import ModelConfig, RopeConfig, tiny_config
-from .engine import Engine, SamplingParams
+from .cuda_graphs import DecodeGraphs, unavailable_reason
+from .engine import Engine
 from .errors import RunnerError
 from .loader import Checkpoint, load_checkpoint
 from .memory import memory_plan
 from .model import INDEX_PRECISIONS, Model
 from .ops import KernelOps, ReferenceOps
+from .profiling import StepProfiler
+from .sampling import SamplingParams
 from .tiny import make_tiny, save_random_checkpoint
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what the attention and MoE kernels take
@@ -26,12 +29,17 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what the attention and MoE ke
 def build_engine(folder: str | Path, *, mode: str = "kernel", dtype: torch.dtype, device, num_pages: int = 64,
                  page_size: int = 16, max_seqs: int = 8, max_seq_len: int = 256, max_num_batched_tokens: int = 256,
                  seed: int = 0, poison: bool = False, check_values: bool = True, index_precision: str = "fp8",
-                 dequantize_fp8: bool = False, kv_cache: str = "activation") -> Engine:
+                 dequantize_fp8: bool = False, kv_cache: str = "activation", indexer_path: dict[str, str] | None = None,
+                 cuda_graphs: bool = True, profile: bool = False) -> Engine:
     """Load the checkpoint ``folder`` (its config.json) into a model on the ``mode`` backend ("kernel" or
     "reference") with its caches. ``check_values``: see :class:`.ops.KernelOps`; ``index_precision``: see
     :mod:`.model`; ``dequantize_fp8``: FP8 projections to ``dtype`` at load instead of the FP8 GEMM; ``kv_cache``:
-    latent cache rows in ``dtype`` ("activation") or DeepSeek's FP8 latent cache ("fp8", :mod:`.cache_manager`).
-    The engine's ``notes`` say what loading did, its ``memory`` is the :func:`.memory.memory_plan`."""
+    latent cache rows in ``dtype`` ("activation") or DeepSeek's FP8 latent cache ("fp8", :mod:`.cache_manager`);
+    ``indexer_path``: ``{"decode": ..., "prefill": ...}`` of :data:`.index_path.PATHS`; ``cuda_graphs``: replay
+    decode steps from CUDA graphs where they can be captured (:mod:`.cuda_graphs`; a note says why not elsewhere);
+    ``profile``: profile the first decode step and the first prefill step (:mod:`.profiling`).
+    The engine's ``notes`` say what loading did, its ``graphs_note`` whether decode steps replay from CUDA graphs,
+    its ``memory`` is the :func:`.memory.memory_plan`."""
     if mode not in ("kernel", "reference"):
         raise RunnerError(f"mode: must be 'kernel' or 'reference', got {mode!r}")
     if mode == "kernel" and dtype not in KERNEL_DTYPES:
@@ -51,11 +59,20 @@ def build_engine(folder: str | Path, *, mode: str = "kernel", dtype: torch.dtype
     owned = (parallel.owned(config.n_routed_experts) if parallel is not None
              and any(map(config.is_moe_layer, range(config.num_hidden_layers))) else None)
     checkpoint = load_checkpoint(folder, config, dtype, device, dequantize_fp8=dequantize_fp8, experts=owned)
-    model = Model(config, checkpoint.weights, ops, index_precision)
+    try:
+        model = Model(config, checkpoint.weights, ops, index_precision, indexer_path)
+    except ValueError as exc:
+        raise RunnerError(str(exc)) from None
     cache = CacheManager(config, num_pages, page_size, max_seqs, max_seq_len, dtype, device, poison=poison,
                          index_precision=index_precision, kv_cache=kv_cache)
-    engine = Engine(model, cache, max_num_batched_tokens, seed)
+    engine = Engine(model, cache, max_num_batched_tokens, seed, profiler=StepProfiler() if profile else None)
     engine.notes = checkpoint.notes
+    reason = unavailable_reason(model, cache.device) if cuda_graphs else "not asked for: decode steps run eagerly"
+    if reason is None:
+        engine.graphs = DecodeGraphs(model, cache, max_seqs, capture=True)
+        engine.graphs_note = f"decode steps replayed, batch buckets {engine.graphs.buckets}"
+    else:
+        engine.graphs_note = f"off ({reason})"
     engine.memory = memory_plan(checkpoint.weights, cache, config, max_num_batched_tokens)
     if owned is not None:
         engine.notes.append(f"expert parallel: rank {parallel.rank} of {parallel.world_size} holds experts "
@@ -65,4 +82,5 @@ def build_engine(folder: str | Path, *, mode: str = "kernel", dtype: torch.dtype
 
 
 __all__ = ["ModelConfig", "RopeConfig", "tiny_config", "RunnerError", "Checkpoint", "load_checkpoint",
-           "save_random_checkpoint", "make_tiny", "Model", "CacheManager", "Engine", "SamplingParams", "build_engine"]
+           "save_random_checkpoint", "make_tiny", "Model", "CacheManager", "Engine", "SamplingParams", "build_engine",
+           "DecodeGraphs", "StepProfiler"]

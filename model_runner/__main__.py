@@ -3,8 +3,10 @@
     python -m model_runner generate --model DIR --prompts IN.jsonl --out OUT.jsonl
     python -m model_runner make-tiny DIR [--experts mxfp4|bf16|fp8] [--dense bf16|fp8]
 
-``generate`` prints what loading did and the memory plan, shows a progress bar of generated tokens and closes with
-prefill and decode throughput. File formats: :mod:`.batch_io`. Any error is one line on stderr, exit status 2.
+``generate`` prints what loading did, whether decode steps replay from CUDA graphs and the memory plan, shows a
+progress bar of generated tokens and closes with the throughput of prefill, decode and mixed steps (and, with
+``--profile``, where the time of one decode step and one prefill step went). File formats: :mod:`.batch_io`. Any
+error is one line on stderr, exit status 2.
 
 Under ``torchrun --nproc-per-node N`` ``generate`` runs expert parallel and data parallel (:mod:`.distributed`):
 each rank loads its experts and runs its share of the prompts; rank 0 prints (its memory plan, every rank's
@@ -22,9 +24,10 @@ from dsa_triton.hostmath import cdiv
 from dsa_triton.runtime import default_device
 
 from . import build_engine, distributed
-from .engine import SamplingParams
 from .errors import RunnerError
-from .memory import format_plan
+from .index_path import PATHS
+from .memory import bytes_per_token, format_plan
+from .sampling import SamplingParams
 from .batch_io import read_requests, write_results
 from .cache_manager import KV_CACHE_FORMATS
 from .tiny import DENSE_FORMATS, EXPERT_FORMATS, make_tiny
@@ -55,14 +58,24 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=16)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the checkpoint's EOS ids")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--page-size", type=int, default=16)
     gen.add_argument("--max-seqs", type=int, default=16, help="sequences running at once")
     gen.add_argument("--max-seq-len", type=int, default=None, help="default: the longest prompt + its new tokens")
     gen.add_argument("--num-pages", type=int, default=None, help="default: enough for --max-seqs such sequences")
-    gen.add_argument("--chunk", type=int, default=256, help="max tokens per prefill step")
+    gen.add_argument("--chunk", type=int, default=256,
+                     help="token budget of a step (decode tokens and prefill chunks together)")
     gen.add_argument("--skip-checks", action="store_true", help="no per-op value checks (host syncs) in kernel mode")
+    gen.add_argument("--indexer-path", choices=PATHS, nargs=2, default=("token", "token"),
+                     metavar=("DECODE", "PREFILL"),
+                     help=f"indexer path of decode and of prefill steps, each one of {', '.join(PATHS)} "
+                          f"(auto: the tuning database's choice)")
+    gen.add_argument("--no-cuda-graphs", action="store_true",
+                     help="run decode steps eagerly (default: replay them from CUDA graphs where possible)")
+    gen.add_argument("--profile", action="store_true",
+                     help="profile one decode step and one prefill step (torch.profiler) and print the split")
     gen.add_argument("--no-progress", action="store_true")
     gen.add_argument("--time-collectives", action="store_true",
                      help="under torchrun: synchronize the device around each collective to time them")
@@ -82,7 +95,7 @@ def generate(args) -> None:
         raise RunnerError(f"model: {args.model} is not a checkpoint folder (no config.json)")
     tokenizer = load_tokenizer(args.model)
     stop = () if args.ignore_eos else eos_token_ids(args.model)
-    defaults = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, stop)
+    defaults = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, stop, args.top_k)
     requests = read_requests(args.prompts, defaults, tokenizer)
     parallel = distributed.setup()  # None unless launched by torchrun with more than one process
     try:
@@ -102,7 +115,8 @@ def _generate(args, requests, tokenizer, parallel) -> None:
                           page_size=args.page_size, max_seqs=max_seqs, max_seq_len=max_seq_len,
                           max_num_batched_tokens=args.chunk, seed=args.seed, check_values=not args.skip_checks,
                           index_precision=args.index_precision, dequantize_fp8=args.dequantize_fp8,
-                          kv_cache=args.kv_cache)
+                          kv_cache=args.kv_cache, indexer_path=dict(zip(("decode", "prefill"), args.indexer_path)),
+                          cuda_graphs=not args.no_cuda_graphs, profile=args.profile)
     lead = parallel is None or parallel.rank == 0  # the process that prints and writes
     totals = parallel.all_gather(sum(engine.memory.values())) if parallel else []
     if lead:
@@ -111,7 +125,9 @@ def _generate(args, requests, tokenizer, parallel) -> None:
               f"{args.index_precision}, kv cache {args.kv_cache}; {len(requests)} prompts{ranks}")
         for note in engine.notes:
             print(f"note: {note}")
-        print("\n".join(format_plan(engine.memory)), flush=True)
+        print(f"cuda graphs: {engine.graphs_note}")
+        print("\n".join(format_plan(engine.memory)))
+        print(f"  cache bytes per token: {bytes_per_token(engine.cache)}", flush=True)
         if totals:
             print("memory plan totals by rank: " + ", ".join(f"{t / 2**20:.2f}" for t in totals) + " MiB", flush=True)
     prompts, params, names = ([r.token_ids for r in requests], [r.params for r in requests],
@@ -134,6 +150,10 @@ def _generate(args, requests, tokenizer, parallel) -> None:
         if stats:
             timing = f"{stats['seconds']:.2f} s" + ("" if args.time_collectives else " (host time)")
             print(f"{who}collectives: {stats['collectives']} calls, {stats['bytes'] / 2**20:.2f} MiB sent, {timing}")
+    if engine.scheduler.preemptions:
+        print(f"preemptions: {engine.scheduler.preemptions} (recomputed; no token lost)")
+    if engine.profiler is not None:
+        print("\n".join(engine.profiler.lines()))
     print(f"wrote {len(seqs)} results to {args.out}")
 
 

@@ -1,8 +1,8 @@
 """The CLI's files: prompts in (JSON lines), results out (JSON lines).
 
 A prompt line is a JSON list of token ids, a JSON string (text), or an object with ``prompt`` (text) or
-``prompt_token_ids`` (ids) and optional sampling settings ``max_new_tokens``, ``temperature``, ``top_p``,
-``stop_token_ids`` (default: the command line's, and the checkpoint's EOS ids). Text needs the checkpoint's
+``prompt_token_ids`` (ids) and optional sampling settings ``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
+``seed``, ``stop_token_ids`` (default: the command line's, and the checkpoint's EOS ids). Text needs the checkpoint's
 tokenizer. A result line: ``index``, ``prompt_tokens``, ``generated_tokens``, ``finish_reason`` ("stop" or
 "length"), ``token_ids`` (generated) and, with a tokenizer, ``text`` (generated, special tokens left out).
 """
@@ -12,10 +12,11 @@ import dataclasses
 import json
 from pathlib import Path
 
-from .engine import SamplingParams, Sequence
 from .errors import RunnerError
+from .sampling import SamplingParams
+from .sequence import Sequence
 
-SETTINGS = ("max_new_tokens", "temperature", "top_p", "stop_token_ids")
+SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids")
 
 
 @dataclasses.dataclass

@@ -7,9 +7,12 @@ page summaries); its own one-row block table is not used. ``kv_cache="fp8"`` kee
 layout (656 bytes a token for 512 + 64: e4m3 latent values, one fp32 scale per 128, bf16 rope values), quantized by
 the append op and dequantized inside the attention kernels. With the indexer in the activation dtype
 (``index_precision="activation"``) the layer's indexer keys are kept unrounded in ``index_keys[layer]``
-``[num_pages * P, index_head_dim]`` instead of the FP8 indexer cache. A sequence gets the pages for its prompt
-plus its token budget when it is admitted (no preemption, no allocation mid-decode) and gives them back when it
-finishes.
+``[num_pages * P, index_head_dim]`` instead of the FP8 indexer cache.
+
+Pages are allocated as a sequence grows: :meth:`CacheManager.allocate` gives a sequence id with the pages of its
+first chunk, :meth:`CacheManager.grow` adds pages before a step writes past them, :meth:`CacheManager.free` gives
+everything back (a finished sequence, or a preempted one that is recomputed later). :meth:`CacheManager.room` says
+how many tokens a sequence could hold now, so a scheduler can size chunks and choose preemptions.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ KV_CACHE_FORMATS = ("activation", "fp8")  # latent cache rows in the activation 
 class PagedBatch:
     """One forward step: ``B`` sequences with ``T`` new tokens packed by sequence (device tensors).
 
-    positions ``[T]`` int64; limits ``[T]`` int32 = position + 1 (causal: token t sees positions < limit);
+    positions ``[T]`` int64 (int32 in the padded batches of :mod:`.cuda_graphs`); limits ``[T]`` int32 = position + 1 (causal: token t sees positions < limit);
     cu_seqlens ``[B + 1]`` int32; row_to_seq ``[T]`` int32 (row of ``block_table``); block_table
     ``[B, max_pages]`` int32 and seq_lens ``[B]`` int32 after this step's append; last_rows ``[B]`` int64;
     the write plan as ``dt.append_tokens`` work items ``items[n, 4]`` int32 and, for the reference, per-token
@@ -106,19 +109,43 @@ class CacheManager:
         return {f"kv cache ({self.kv_cache}, {per_token['kv cache']} B a token)": sum(size(c.kv) for c in self.layers),
                 f"indexer cache ({per_token['indexer cache']} B a token, {index_format})": index}
 
-    def can_allocate(self, n_tokens: int) -> bool:
-        return bool(self._free_ids) and cdiv(n_tokens, self.page_size) <= min(self.allocator.num_free, self.max_pages)
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free
 
-    def allocate(self, n_tokens: int) -> int:
-        """Reserve pages for ``n_tokens`` tokens of a new sequence; returns its id (a row of the block table)."""
+    def room(self, seq: int | None = None, reserve_pages: int = 0) -> int:
+        """Tokens sequence ``seq`` could hold now: its pages plus the free ones less ``reserve_pages``, at most
+        ``max_pages`` pages. ``seq=None``: a new sequence (0 when no sequence id is free)."""
+        if seq is None and not self._free_ids:
+            return 0
+        owned = len(self._pages[seq]) if seq is not None else 0
+        return min(owned + max(self.allocator.num_free - reserve_pages, 0), self.max_pages) * self.page_size
+
+    def can_allocate(self, n_tokens: int) -> bool:
+        return n_tokens <= self.room()
+
+    def allocate(self, n_tokens: int = 0) -> int:
+        """A new sequence with pages for its first ``n_tokens`` tokens; returns its id (a row of the block table)."""
         if not self.can_allocate(n_tokens):
             raise ValueError(f"n_tokens: {n_tokens} tokens do not fit (free pages {self.allocator.num_free}, "
                              f"free sequence ids {len(self._free_ids)}, at most {self.max_pages} pages a sequence)")
         seq = self._free_ids.pop()
-        pages = self.allocator.allocate(cdiv(n_tokens, self.page_size))
-        self._pages[seq], self._lens[seq] = pages, 0
-        self.block_table[seq, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self._pages[seq], self._lens[seq] = [], 0
+        self.grow(seq, n_tokens)
         return seq
+
+    def grow(self, seq: int, n_tokens: int) -> None:
+        """Give sequence ``seq`` the pages to hold ``n_tokens`` tokens in all (a no-op when it has them)."""
+        pages = self._pages[seq]
+        need = cdiv(n_tokens, self.page_size) - len(pages)
+        if need <= 0:
+            return
+        if n_tokens > self.room(seq):
+            raise ValueError(f"n_tokens: sequence {seq} cannot hold {n_tokens} tokens (it has {len(pages)} pages, "
+                             f"{self.allocator.num_free} are free, at most {self.max_pages} a sequence)")
+        new = self.allocator.allocate(need)
+        self.block_table[seq, len(pages): len(pages) + need] = torch.tensor(new, dtype=torch.int32)
+        pages += new
 
     def free(self, seq: int) -> None:
         """Give sequence ``seq``'s pages and id back."""
@@ -129,19 +156,33 @@ class CacheManager:
     def length(self, seq: int) -> int:
         return self._lens[seq]
 
+    def pages(self, seq: int) -> list[int]:
+        """Sequence ``seq``'s physical pages in logical order (read only)."""
+        return self._pages[seq]
+
+    def place(self, chunks: list[tuple[int, int]]) -> list[int]:
+        """Put ``count`` new tokens after each sequence's cached ones, for ``(seq, count)`` in ``chunks``: checks
+        that its pages hold them, advances its length and returns the start positions."""
+        P, starts = self.page_size, []
+        for seq, count in chunks:
+            start = self._lens[seq]
+            if start + count > len(self._pages[seq]) * P:
+                raise ValueError(f"chunks: sequence {seq} would exceed its {len(self._pages[seq])} pages (grow first)")
+            starts.append(start)
+        for (seq, count), start in zip(chunks, starts):
+            self._lens[seq] = start + count
+        return starts
+
     def prepare(self, chunks: list[tuple[int, int]]) -> PagedBatch:
         """Place ``count`` new tokens after each sequence's cached ones, for ``(seq, count)`` in ``chunks``."""
         P = self.page_size
         positions, items, slots, row = [], [], [], 0
-        for seq, count in chunks:
-            start, end = self._lens[seq], self._lens[seq] + count
-            if end > len(self._pages[seq]) * P:
-                raise ValueError(f"chunks: sequence {seq} would exceed its {len(self._pages[seq])} reserved pages")
+        for (seq, count), start in zip(chunks, self.place(chunks)):
+            end = start + count
             positions += range(start, end)
             slots += [self._pages[seq][i // P] * P + i % P for i in range(start, end)]
             items += page_items(row, start, count, self._pages[seq], P)
             row += count
-            self._lens[seq] = end
         counts = [n for _, n in chunks]
         seq_ids = [s for s, _ in chunks]
         cu = [0]

@@ -41,6 +41,11 @@ def memory_plan(weights: dict, cache: CacheManager, config: ModelConfig, tokens_
     return plan
 
 
+def bytes_per_token(cache: CacheManager) -> int:
+    """Cache bytes one token takes in all layers (latent rows and indexer caches: whatever format they are in)."""
+    return sum(cache.nbytes().values()) // (cache.allocator.num_pages * cache.page_size)
+
+
 def format_plan(plan: dict[str, int]) -> list[str]:
     """One line per entry and a total, in MiB."""
     width = max(len(k) for k in plan)

@@ -12,7 +12,8 @@ One layer, for the ``T`` new tokens of a step (:class:`.cache_manager.PagedBatch
                 power-of-two scale per vector (keys in the paged FP8 indexer cache; dsa_triton's indexer op);
          "activation": Hugging Face's: no rotation (it is orthogonal: it changes only the FP8 rounding) and no
                 rounding; keys kept in the activation dtype, scores in PyTorch (a dense [T, L] comparison mode);
-      -> top-k positions -> physical slots (block table)
+      -> top-k positions -> physical slots (block table); per phase either over every cached position (token
+         level) or inside the best pages by their summaries' bound (block level, FP8 indexer only: :mod:`.index_path`)
       -> sparse attention with the absorbed query [q_nope @ W_uk (kv_lora) | RoPE(q_pe)]; values are the first
          kv_lora dims of the rows; out @ W_uv -> o_proj. Softmax scale qk_head_dim^-0.5 times YaRN's mscale^2.
     x -> RMSNorm -> dense SwiGLU MLP ("dense" layers) or the MoE layer (DeepSeek routing) plus its shared expert
@@ -20,7 +21,9 @@ One layer, for the ``T`` new tokens of a step (:class:`.cache_manager.PagedBatch
 Prefill attends causally within the top-k (all of the prefix while it is shorter than ``index_topk``). Projections
 run through ``ops.linear`` (blockwise-FP8 weights on the FP8 GEMM); ``kv_b_proj`` is dense (absorbed per head).
 The latent cache holds activation-dtype rows or DeepSeek's FP8 rows (``kv_cache``: :mod:`.cache_manager`); the indexer
-is token level (not the block path).
+takes the token-level or the block-level path per phase (:mod:`.index_path`). The logits come from one GEMM on
+``lm_head`` as stored, with fp32 output where the device has it (CUDA), else in the activation dtype (no fp32 copy of
+``lm_head``).
 q_a_layernorm and kv_a_layernorm use eps 1e-6 whatever ``rms_norm_eps`` says (as Hugging Face and DeepSeek do).
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ import dsa_triton as dt
 from . import distributed
 from .cache_manager import CacheManager, PagedBatch
 from .config import ModelConfig
+from .index_path import PathChoice, pages_to_select
 from .rope import Rotary
 
 INDEX_PRECISIONS = ("fp8", "activation")
@@ -69,11 +73,29 @@ def activation_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.
     return out.masked_fill(pos >= batch.limits[:, None], float("-inf"))
 
 
+def fp32_output_gemm(weight: torch.Tensor) -> bool:
+    """Whether ``torch.mm(x, weight.t(), out_dtype=torch.float32)`` runs here (CUDA; not on the CPU)."""
+    if weight.dtype == torch.float32:
+        return False
+    try:
+        torch.mm(weight[:1], weight[:1].t(), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+def logits(x: torch.Tensor, lm_head: torch.Tensor, fp32_output: bool) -> torch.Tensor:
+    """``x[B, D] @ lm_head[V, D].T`` as fp32 ``[B, V]``: one GEMM on the weight as stored (fp32 accumulation)."""
+    if fp32_output:
+        return torch.mm(x, lm_head.t(), out_dtype=torch.float32)
+    return F.linear(x, lm_head).float()
+
+
 class Indexer:
     """DSA lightning indexer: the top-k cache slots of each new token."""
 
-    def __init__(self, c: ModelConfig, w: dict, prefix: str, precision: str):
-        self.c, self.precision = c, precision
+    def __init__(self, c: ModelConfig, w: dict, prefix: str, precision: str, path: PathChoice):
+        self.c, self.precision, self.path = c, precision, path
         self.wq_b, self.wk = w[prefix + "wq_b.weight"], w[prefix + "wk.weight"]
         self.k_norm = (w[prefix + "k_norm.weight"], w[prefix + "k_norm.bias"])
         self.weights_proj = w[prefix + "weights_proj.weight"]  # fp32
@@ -97,6 +119,10 @@ class Indexer:
             rotate = lambda t: (t.float() @ self.rotation).to(t.dtype)  # noqa: E731
             q8, q_scale = dt.fp8_quantize_rows(rotate(q))
             ops.append(cache, rows, rotate(k), batch)
+            c, P = self.c, cache.page_size
+            if self.path(batch, P, c.index_topk, c.index_n_heads, c.index_head_dim, q.device) == "block":
+                return ops.block_topk(q8, w * scale * q_scale, cache, batch, c.index_topk,
+                                      pages_to_select(c.index_topk, P))
             scores = ops.indexer_logits(q8, w * scale * q_scale, cache, batch)
         else:
             ops.append(cache, rows, None, batch)
@@ -108,7 +134,7 @@ class Indexer:
 class Attention:
     """MLA in the absorbed MQA form over the paged latent cache, with DSA top-k selection."""
 
-    def __init__(self, c: ModelConfig, w: dict, prefix: str, index_precision: str):
+    def __init__(self, c: ModelConfig, w: dict, prefix: str, index_precision: str, index_path: PathChoice):
         self.c = c
         take = lambda name: w[prefix + name + ".weight"]  # noqa: E731
         bias = lambda name: w.get(prefix + name + ".bias")  # noqa: E731
@@ -117,7 +143,7 @@ class Attention:
         self.q_a_bias, self.kv_a_bias, self.o_bias = bias("q_a_proj"), bias("kv_a_proj_with_mqa"), bias("o_proj")
         kv_b = take("kv_b_proj").view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         self.w_uk, self.w_uv = kv_b[:, : c.qk_nope_head_dim], kv_b[:, c.qk_nope_head_dim:]  # [H, nope | v, kv_lora]
-        self.indexer = Indexer(c, w, prefix + "indexer.", index_precision)
+        self.indexer = Indexer(c, w, prefix + "indexer.", index_precision, index_path)
 
     def __call__(self, x, tables, batch: PagedBatch, cache: dt.PagedCache, index_keys, ops) -> torch.Tensor:
         c, T = self.c, x.shape[0]
@@ -168,19 +194,25 @@ class MoE:
 
 class Model:
     """Weights from :func:`.loader.load_checkpoint`; ``ops`` a backend of :mod:`.ops`; ``index_precision`` one of
-    :data:`INDEX_PRECISIONS` (the module docstring)."""
+    :data:`INDEX_PRECISIONS` (the module docstring); ``indexer_path`` ``{"decode": path, "prefill": path}``
+    (:mod:`.index_path`; default token level in both)."""
 
-    def __init__(self, config: ModelConfig, weights: dict, ops, index_precision: str = "fp8"):
-        self.config, self.ops = config, ops
+    def __init__(self, config: ModelConfig, weights: dict, ops, index_precision: str = "fp8",
+                 indexer_path: dict[str, str] | None = None):
+        self.config, self.ops, self.index_precision = config, ops, index_precision
+        if index_precision != "fp8" and indexer_path and "block" in indexer_path.values():
+            raise ValueError("indexer_path: the block path needs the FP8 indexer (index_precision='fp8')")
+        self.index_path = PathChoice(indexer_path if index_precision == "fp8" else None)
         self.embed, self.norm, self.lm_head = (weights[n] for n in ("model.embed_tokens.weight", "model.norm.weight",
                                                                      "lm_head.weight"))
-        self.rotary = Rotary(config.rope, config.qk_rope_head_dim)
+        self.rotary = Rotary(config.rope, config.qk_rope_head_dim, self.embed.device)
+        self.fp32_logits = fp32_output_gemm(self.lm_head)
         self.layers = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             mlp = MoE(config, weights, p + "mlp.") if config.is_moe_layer(i) else DenseMLP(weights, p + "mlp.")
             self.layers.append((weights[p + "input_layernorm.weight"],
-                                Attention(config, weights, p + "self_attn.", index_precision),
+                                Attention(config, weights, p + "self_attn.", index_precision, self.index_path),
                                 weights[p + "post_attention_layernorm.weight"], mlp))
 
     @property
@@ -196,4 +228,4 @@ class Model:
         for (attn_norm, attn, mlp_norm, mlp), layer, keys in zip(self.layers, cache.layers, cache.index_keys):
             x = x + attn(rms_norm(x, attn_norm, eps), tables, batch, layer, keys, self.ops)
             x = x + mlp(rms_norm(x, mlp_norm, eps), self.ops)
-        return F.linear(rms_norm(x[batch.last_rows], self.norm, eps).float(), self.lm_head.float())
+        return logits(rms_norm(x[batch.last_rows], self.norm, eps), self.lm_head, self.fp32_logits)

@@ -5,8 +5,10 @@
   activation dtype, as the kernels return them).
 
 Shapes: ``q8[T, IH, ID]`` e4m3 indexer queries with ``w[T, IH]`` fp32 head weights; ``scores[T, L]`` fp32;
-``slots[T, k]`` int32 physical cache rows (-1 unused); attention ``q[T, H, kv_lora + rope]`` -> ``[T, H, kv_lora]``
-over latent rows in the activation dtype or in the FP8 layout (both backends dequantize uint8 rows themselves);
+``slots[T, k]`` int32 physical cache rows (-1 unused); ``block_topk``: the block-level indexer path
+(:mod:`.index_path`) from query to slots, ``n_select`` pages a token; attention ``q[T, H, kv_lora + rope]`` ->
+``[T, H, kv_lora]`` over latent rows in the activation dtype or in the FP8 layout (both backends dequantize uint8
+rows themselves);
 ``linear(x[T, K], w)``: ``w`` a ``[N, K]`` tensor in ``x``'s dtype or an :class:`FP8Weight`.
 Expert parallel (:mod:`.distributed`): ``route(logits[T, E] fp32, routing, bias)`` -> ``(weights [T, top_k] fp32,
 ids [T, top_k])``; ``experts(rows[N, H], ids[N] local expert of each row, *experts)`` -> ``[N, H]`` fp32, unweighted.
@@ -20,7 +22,9 @@ import torch.nn.functional as F
 
 import dsa_triton as dt
 from dsa_triton.attention.cache_reference import append_torch
+from dsa_triton.attention.block_scores_reference import gather_selected_torch, page_bounds_torch
 from dsa_triton.attention.indexer_reference import indexer_logits_torch
+from dsa_triton.attention.page_select_reference import select_pages_torch
 from dsa_triton.attention.sparse_attention_reference import (sparse_attention_decode_torch,
                                                              sparse_attention_prefill_torch)
 from dsa_triton.attention.topk_reference import topk_indices_torch
@@ -31,6 +35,7 @@ from dsa_triton.moe.layer_reference import moe_experts_torch, moe_forward_torch
 from dsa_triton.moe.routing_reference import route_torch
 
 from .cache_manager import PagedBatch
+from .index_path import positions_to_slots
 
 
 class FP8Weight(NamedTuple):
@@ -72,6 +77,14 @@ class KernelOps:
     def topk(self, scores, k: int, page_size: int, batch: PagedBatch) -> torch.Tensor:
         return dt.topk_indices(scores, k, batch.limits, block_table=batch.block_table, page_size=page_size,
                                row_to_seq=batch.row_to_seq, check_values=self.check_values)
+
+    def block_topk(self, q8, w, cache: dt.PagedCache, batch: PagedBatch, k: int, n_select: int) -> torch.Tensor:
+        logits, positions = dt.block_indexer_logits(
+            q8, w, cache.ik, cache.ik_scale, cache.pmax, cache.pmin, batch.block_table, batch.seq_lens, batch.limits,
+            n_select, cu_seqlens_q=batch.cu_seqlens, max_len=batch.num_cols, max_q=batch.max_q,
+            check_values=self.check_values)
+        columns = dt.topk_indices(logits, k, check_values=self.check_values)
+        return positions_to_slots(columns, positions, batch, cache.page_size)
 
     def attention(self, q, kv_cache, slots, sm_scale: float, d_v: int, decode: bool) -> torch.Tensor:
         op = dt.sparse_attention_decode if decode else dt.sparse_attention_prefill
@@ -117,6 +130,16 @@ class ReferenceOps:
     def topk(scores, k: int, page_size: int, batch: PagedBatch) -> torch.Tensor:
         return topk_indices_torch(scores, k, batch.limits, block_table=batch.block_table, page_size=page_size,
                                   row_to_seq=batch.row_to_seq)
+
+    @staticmethod
+    def block_topk(q8, w, cache: dt.PagedCache, batch: PagedBatch, k: int, n_select: int) -> torch.Tensor:
+        P, L = cache.page_size, batch.num_cols
+        bounds = page_bounds_torch(q8, w, cache.pmax, cache.pmin, batch.block_table, batch.limits, P, -(-L // P),
+                                   batch.cu_seqlens)
+        dense = indexer_logits_torch(q8, w, cache.ik, cache.ik_scale, batch.limits, L, cu_seqlens_q=batch.cu_seqlens,
+                                     block_table=batch.block_table)
+        logits, positions = gather_selected_torch(dense, select_pages_torch(bounds, n_select), P, batch.limits)
+        return positions_to_slots(topk_indices_torch(logits, k), positions, batch, P)
 
     @staticmethod
     def attention(q, kv_cache, slots, sm_scale: float, d_v: int, decode: bool) -> torch.Tensor:

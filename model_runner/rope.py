@@ -37,8 +37,9 @@ def inverse_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
 class Rotary:
     """cos / sin of positions for ``dim`` rope dims, then rotation of ``x[T, ..., dim]``."""
 
-    def __init__(self, rope: RopeConfig, dim: int):
-        self.inv_freq, self.scale = inverse_frequencies(rope, dim), rope.attention_factor_value
+    def __init__(self, rope: RopeConfig, dim: int, device=None):
+        """``device``: where the frequencies live (so that ``tables`` copies nothing: CUDA-graph safe)."""
+        self.inv_freq, self.scale = inverse_frequencies(rope, dim).to(device), rope.attention_factor_value
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions[T]`` -> cos, sin ``[T, dim / 2]`` fp32 (times the attention factor)."""

@@ -1,0 +1,503 @@
+"""End-to-end speed of the model runner at DeepSeek-V3.2 layer widths (random weights), written as a results file.
+
+Model: hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope 64, indexer 64 x 128 with top-k 2048, 256 MXFP4
+experts top-8 in 8 groups (4 chosen) + 1 shared, 1 dense + 3 MoE layers, vocabulary 129280, bf16, 64-token pages,
+kernel mode with value checks off. Weights are drawn on the device (no checkpoint file); caches are filled with the
+append op (random latent rows and indexer keys), not by a prefill.
+
+Parts (``--part``, several allowed; each writes ``runner_bench-<part>-<device>-<date>.json|md`` under ``--out``):
+
+- ``decode``: contexts ``--contexts`` (4K, 32K, 128K) x batches ``--batches`` (1, 8, 64, 128): tokens/s of decode
+  steps replayed from CUDA graphs (the engine's whole step: host preparation, replay, greedy sampling), the replay's
+  GPU time against the sum of its kernels' GPU times (profiled), eager steps and a reference-mode step (batches up to
+  8) for comparison, graph logits against an eager step of the same tokens, and the per-op split with each op's
+  fraction of its floor (bytes over the copy bandwidth or FLOPs over the matmul rate, measured in the same run);
+- ``decode-1m``: the same at batch 1 and a 1,048,576-token context;
+- ``prefill``: one 4K and one 16K prompt in ``--chunk``-token steps: tokens/s, the per-op split of the first chunk,
+  a reference-mode run of the 4K prompt (512-token chunks);
+- ``preemption``: 256 requests of mixed lengths through a cache smaller than their tokens, against a cache that
+  holds them all, on a small model of the same structure: reference mode (fp32: every token equal) and kernel mode
+  (bf16: equal tokens counted; where a request's tokens part, the logit gap of the two tokens in the large-cache
+  run, so a near-tie shows as one).
+
+Run on the GPU machine (each call well under 10 minutes; ``--budget-s`` stops a part early with a note):
+
+    python scripts/runner_bench.py --part decode --contexts 4096 32768 --out $OUT
+    python scripts/runner_bench.py --part decode --contexts 131072 --out $OUT
+    python scripts/runner_bench.py --part decode-1m prefill --out $OUT
+    python scripts/runner_bench.py --part preemption --out $OUT
+
+``--tiny`` runs every part on a tiny model at tiny sizes (the CPU check of this script; no numbers to keep).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import dsa_triton as dt  # noqa: E402
+from dsa_triton import registry  # noqa: E402
+from dsa_triton.attention.cache import page_items  # noqa: E402
+from dsa_triton.bench.harness import floor_us, measure_ceilings  # noqa: E402
+from dsa_triton.bench.results import write_results  # noqa: E402
+from dsa_triton.hostmath import cdiv  # noqa: E402
+from dsa_triton.registry import Cost  # noqa: E402
+from model_runner import RopeConfig, tiny_config  # noqa: E402
+from model_runner.cache_manager import CacheManager  # noqa: E402
+from model_runner.cuda_graphs import DecodeGraphs  # noqa: E402
+from model_runner.engine import Engine  # noqa: E402
+from model_runner.loader import dense_shapes  # noqa: E402
+from model_runner.model import Model  # noqa: E402
+from model_runner.ops import KernelOps, ReferenceOps  # noqa: E402
+from model_runner.profiling import StepProfiler, profile_call  # noqa: E402
+from model_runner.sampling import SamplingParams, sample  # noqa: E402
+import model_runner.engine as engine_module  # noqa: E402
+
+PAGE = 64
+YARN = RopeConfig(theta=10000.0, type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
+                  beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
+
+
+def v32_config(layers: int = 4):
+    return tiny_config(vocab_size=129280, hidden_size=7168, num_hidden_layers=layers, first_k_dense_replace=1,
+                       intermediate_size=18432, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                       qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
+                       n_shared_experts=1, num_experts_per_tok=8, moe_intermediate_size=2048, n_group=8, topk_group=4,
+                       routed_scaling_factor=2.5, norm_topk_prob=True, index_n_heads=64, index_head_dim=128,
+                       index_topk=2048, rms_norm_eps=1e-6, max_position_embeddings=163840, rope=YARN)
+
+
+def small_config():
+    """The preemption part's model: every structural feature, small widths."""
+    return tiny_config(vocab_size=2048, hidden_size=256, num_hidden_layers=4, first_k_dense_replace=1,
+                       intermediate_size=512, num_attention_heads=8, q_lora_rank=128, kv_lora_rank=64,
+                       qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, n_routed_experts=16,
+                       num_experts_per_tok=4, moe_intermediate_size=128, n_group=4, topk_group=2,
+                       index_n_heads=8, index_head_dim=64, index_topk=64)
+
+
+def random_weights(c, dtype, device, seed: int = 0) -> dict:
+    """The loader's in-memory weights, drawn on ``device``: projections ~ N(0, 1/fan_in), norms near 1, the router,
+    its bias and the indexer's weights_proj fp32, routed experts as random MXFP4 bytes with scales giving
+    N(0, 1/fan_in)-sized weights (E2M1 codes have an rms of about 2.9)."""
+    g = torch.Generator(device).manual_seed(seed)
+    weights = {}
+    for name, shape in dense_shapes(c).items():
+        t = torch.randn(shape, generator=g, device=device)
+        if name.endswith("norm.weight") or name.endswith("k_norm.weight"):
+            t = 1 + 0.1 * t
+        elif name.endswith("bias"):
+            t = 0.1 * t
+        elif name != "model.embed_tokens.weight":
+            t = t * shape[-1] ** -0.5
+        fp32 = name.endswith(("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight"))
+        weights[name] = t.float() if fp32 else t.to(dtype)
+    for i in range(c.num_hidden_layers):
+        if not c.is_moe_layer(i):
+            continue
+        p = f"model.layers.{i}.mlp.experts."
+        for proj, n, k in (("gate_up", 2 * c.moe_intermediate_size, c.hidden_size),
+                           ("down", c.hidden_size, c.moe_intermediate_size)):
+            weights[p + proj + "_blocks"] = torch.randint(0, 256, (c.n_routed_experts, n, k // 32, 16), generator=g,
+                                                          device=device, dtype=torch.uint8)
+            exponent = 127 - round(torch.tensor(k * 2.9 ** 2).log2().item() / 2)
+            weights[p + proj + "_scales"] = torch.full((c.n_routed_experts, n, k // 32), exponent, dtype=torch.uint8,
+                                                       device=device)
+    return weights
+
+
+def build_model(c, dtype, device, ops, indexer_path=None, seed=0) -> Model:
+    return Model(c, random_weights(c, dtype, device, seed), ops, "fp8", indexer_path)
+
+
+def fill(cache: CacheManager, seqs: list[int], length: int, margin: int, seed: int = 1, chunk_pages: int = 1024):
+    """Sequences ``seqs`` hold ``length`` random tokens in every layer (the append op, page by page) and pages for
+    ``margin`` more."""
+    g = torch.Generator(cache.device).manual_seed(seed)
+    c_latent = cache.layers[0].kv.shape[-1]
+    c_index = cache.layers[0].ik.shape[-1]
+    for s in seqs:
+        cache.grow(s, length + margin)
+        pages = cache.pages(s)[:cdiv(length, cache.page_size)]
+        for first in range(0, len(pages), chunk_pages):
+            part = pages[first:first + chunk_pages]
+            start = first * cache.page_size
+            n = min(len(part) * cache.page_size, length - start)
+            items = torch.tensor(page_items(0, start, n, pages, cache.page_size), dtype=torch.int32,
+                                 device=cache.device)
+            for layer in cache.layers:
+                kv = torch.randn(n, c_latent, generator=g, device=cache.device).to(layer.kv.dtype)
+                ik = torch.randn(n, c_index, generator=g, device=cache.device)
+                dt.append_tokens(layer.kv, layer.ik, layer.ik_scale, layer.summaries, kv, ik, items,
+                                 check_values=False)
+        cache.place([(s, length)])
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_step(graphs: DecodeGraphs | None, model: Model, cache: CacheManager, ids: list[int], rows: list[int]):
+    """One engine decode step of ``rows`` (greedy): grow, forward (graph or eager), sample; returns the tokens."""
+    for r in rows:
+        cache.grow(r, cache.length(r) + 1)
+    if graphs is not None:
+        logits = graphs.forward(ids, rows)
+    else:
+        logits = model.forward(torch.tensor(ids, device=cache.device), cache.prepare([(r, 1) for r in rows]), cache)
+    params = [SamplingParams()] * len(rows)
+    return sample(logits, params, [0] * len(rows), [0] * len(rows))
+
+
+def rewind(cache: CacheManager, rows: list[int], lengths: list[int]) -> None:
+    """Set the cached lengths back (the next step rewrites the same positions): for comparing two runs of a step."""
+    for r, n in zip(rows, lengths):
+        cache._lens[r] = n  # the bench's own use of the manager's bookkeeping
+
+
+def timed_steps(fn, n: int, device) -> float:
+    """Median wall milliseconds of ``fn()`` over ``n`` calls (each ends synchronized: sampling reads the tokens)."""
+    samples = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def replay_ms(graph, n: int) -> float:
+    """Median GPU milliseconds of ``graph.replay()`` (CUDA events)."""
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+# -- floors --------------------------------------------------------------------------------------------------------
+
+def _scaled(cost: Cost, k: float) -> Cost:
+    return Cost(cost.bytes * k, cost.flops * k, cost.flop_dtype)
+
+
+def _sum(*costs: Cost) -> Cost:
+    return Cost(sum(c.bytes for c in costs), sum(c.flops for c in costs), "bf16")
+
+
+def step_floors(c, batch: int, tokens: int, context: int, phase: str) -> dict[str, Cost]:
+    """The work of one step by op group, all layers: ``tokens`` new tokens of ``batch`` sequences at ``context``
+    (decode: one token a sequence). The registry's costs of the ops; torch GEMMs: their weights read once and
+    ``2 x rows x weights`` FLOPs (the MoE layer's cost counts its router and shared expert)."""
+    L, P, n_layers = c.num_hidden_layers, PAGE, c.num_hidden_layers
+    moe_layers = sum(c.is_moe_layer(i) for i in range(n_layers))
+    spec = registry.get
+    decode = phase == "decode"
+    latent = c.latent_dim
+    out = {
+        "append": _scaled(spec("paged_append").cost(phase, {"B": batch if decode else 1, "N": tokens, "P": P,
+                                                            "D": latent, "DK": c.index_head_dim, "ctx": context}), L),
+        "indexer": _scaled(spec("indexer_logits").cost("decode" if decode else "prefill", {
+            "B": batch, "Q": 1 if decode else tokens, "L": context, "P": P, "H": c.index_n_heads,
+            "DK": c.index_head_dim}), L),
+        "top-k": _scaled(spec("topk_indices").cost("any", {"T": tokens, "L": context, "k": c.index_topk}), L),
+        "attention": _scaled(spec("sparse_attention_decode").cost("decode", {
+            "B": batch, "H": c.num_attention_heads, "S": 1, "D": latent, "Dv": c.kv_lora_rank, "k": c.index_topk,
+            "P": P, "logical": 0}) if decode else spec("sparse_attention_prefill").cost("prefill", {
+                "T": tokens, "H": c.num_attention_heads, "D": latent, "Dv": c.kv_lora_rank, "k": c.index_topk,
+                "L": context, "P": P, "logical": 0}), L),
+        "moe": _scaled(spec("moe_path").cost("decode" if decode else "prefill", {
+            "T": tokens, "E": c.n_routed_experts, "top_k": c.num_experts_per_tok, "hidden": c.hidden_size,
+            "I": c.moe_intermediate_size, "n_group": c.n_group, "topk_group": c.topk_group}), moe_layers),
+    }
+    H, D = c.num_attention_heads, c.hidden_size
+    per_layer = (D * c.q_lora_rank + c.q_lora_rank * H * c.qk_head_dim + D * latent
+                 + H * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank + H * c.v_head_dim * D
+                 + c.q_lora_rank * c.index_n_heads * c.index_head_dim + D * c.index_head_dim)
+    dense = per_layer * L + 3 * D * c.intermediate_size * (L - moe_layers)
+    lm_head = c.vocab_size * D
+    out["gemm (torch)"] = _sum(Cost(2 * dense, 2 * tokens * dense), Cost(2 * lm_head, 2 * batch * lm_head))
+    return out
+
+
+def op_rows(label: dict, groups: dict[str, float], floors: dict[str, Cost], ceilings) -> list[dict]:
+    """One row per op group: GPU ms, share, floor ms and the fraction of it reached."""
+    total = sum(groups.values()) or 1.0
+    rows = []
+    for group, us in groups.items():
+        row = {**label, "op": group, "gpu_ms": us / 1e3, "share": us / total}
+        if group in floors and ceilings is not None:
+            f_us, bound = floor_us(floors[group], ceilings)
+            row.update(floor_ms=f_us / 1e3, bound=bound, floor_fraction=f_us / us if us else None)
+        rows.append(row)
+    return rows
+
+
+# -- parts ---------------------------------------------------------------------------------------------------------
+
+def show(section: str, row: dict) -> None:
+    """A row as soon as it is measured (a call cut short still leaves these lines in its output)."""
+    print(section, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+
+
+class Bench:
+    def __init__(self, args):
+        self.args, self.device = args, torch.device(args.device)
+        self.cuda = self.device.type == "cuda"
+        self.dtype = torch.bfloat16 if self.cuda else torch.float16
+        self.config = tiny_config() if args.tiny else v32_config()
+        self.started = time.perf_counter()
+        self.ceilings = measure_ceilings(self.device) if self.cuda else None
+        self.model = None
+
+    def over_budget(self) -> bool:
+        return time.perf_counter() - self.started > self.args.budget_s
+
+    def kernel_model(self) -> Model:
+        if self.model is None:
+            self.model = build_model(self.config, self.dtype, self.device, KernelOps(check_values=False))
+        return self.model
+
+    def decode(self, contexts: list[int], batches: list[int]) -> dict[str, list[dict]]:
+        rows, ops_rows, notes = [], [], []
+        model, c = self.kernel_model(), self.config
+        margin = 4 * PAGE
+        for L in contexts:
+            if self.over_budget():
+                notes.append({"context": L, "note": "skipped: over --budget-s"})
+                continue
+            max_b = max(batches)
+            cache = CacheManager(c, max_b * cdiv(L + margin, PAGE) + 2, PAGE, max_b, L + margin, self.dtype,
+                                 self.device)
+            graphs = None
+            try:
+                seq_rows = [cache.allocate(0) for _ in range(max_b)]
+                t0 = time.perf_counter()
+                fill(cache, seq_rows, L, margin)
+                sync(self.device)
+                fill_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                graphs = DecodeGraphs(model, cache, max_b, capture=self.cuda, sizes=batches)
+                capture_s = time.perf_counter() - t0
+                for B in batches:
+                    if self.over_budget():
+                        notes.append({"context": L, "batch": B, "note": "skipped: over --budget-s"})
+                        continue
+                    try:
+                        row, groups = self.decode_one(model, cache, graphs, seq_rows[:B], L)
+                        row.update(fill_s=fill_s, capture_s=capture_s)
+                        rows.append(row)
+                        show("decode", row)
+                        floors = step_floors(c, B, B, L, "decode")
+                        ops_rows += op_rows({"context": L, "batch": B}, groups, floors, self.ceilings)
+                        for r in ops_rows[-len(groups):]:
+                            show("decode ops", r)
+                    except Exception as exc:  # one failing shape must not cost the others
+                        notes.append({"context": L, "batch": B, "note": f"error: {exc!r}"[:400]})
+                        traceback.print_exc()
+            finally:
+                del graphs, cache
+                gc.collect()
+                if self.cuda:
+                    torch.cuda.empty_cache()
+        return {"decode": rows, "decode ops": ops_rows, "decode notes": notes}
+
+    def decode_one(self, model, cache, graphs, rows, L):
+        B, device = len(rows), self.device
+        g = torch.Generator().manual_seed(B)
+        ids = lambda: torch.randint(0, self.config.vocab_size, (B,), generator=g).tolist()  # noqa: E731
+        steps = self.args.steps
+        for _ in range(3):
+            decode_step(graphs, model, cache, ids(), rows)
+        graph_ms = timed_steps(lambda: decode_step(graphs, model, cache, ids(), rows), steps, device)
+        row = {"context": L, "batch": B, "bucket": graphs.bucket(B), "graph_step_ms": graph_ms,
+               "graph_tokens_per_s": B / graph_ms * 1e3}
+        # the same step eagerly and from the graph: logits compared
+        tokens, start = ids(), [cache.length(r) for r in rows]
+        for r in rows:
+            cache.grow(r, cache.length(r) + 1)
+        eager_logits = model.forward(torch.tensor(tokens, device=device), cache.prepare([(r, 1) for r in rows]),
+                                     cache)
+        rewind(cache, rows, start)
+        graph_logits = graphs.forward(tokens, rows).clone()
+        row["graph_vs_eager_max_abs"] = (graph_logits - eager_logits).abs().max().item()
+        row["graph_vs_eager_argmax_equal"] = bool(torch.equal(graph_logits.argmax(1), eager_logits.argmax(1)))
+        eager_ms = timed_steps(lambda: decode_step(None, model, cache, ids(), rows), max(3, steps // 4), device)
+        row.update(eager_step_ms=eager_ms, eager_tokens_per_s=B / eager_ms * 1e3, graph_speedup=eager_ms / graph_ms)
+        _, eager_prof = profile_call(lambda: decode_step(None, model, cache, ids(), rows), device)
+        row["eager_gpu_idle"] = eager_prof.idle_fraction
+        groups = eager_prof.groups()
+        if self.cuda:
+            graph = graphs.graphs[graphs.bucket(B)][0]
+            row["replay_ms"] = replay_ms(graph, steps)
+            _, prof = profile_call(graph.replay, device)
+            kernel_ms = (prof.op_us or eager_prof.op_us) / 1e3
+            row.update(kernel_sum_ms=kernel_ms, replay_over_kernel_sum=row["replay_ms"] / kernel_ms,
+                       graph_gpu_idle=prof.idle_fraction, kernels_seen_in_replay=bool(prof.op_us))
+            groups = prof.groups() if prof.op_us else groups
+        if B <= self.args.reference_max_batch and L <= self.args.reference_max_context:
+            kernel_ops, model.ops = model.ops, ReferenceOps()
+            try:
+                ref_ms = timed_steps(lambda: decode_step(None, model, cache, ids(), rows), 1, device)
+            finally:
+                model.ops = kernel_ops
+            row.update(reference_step_ms=ref_ms, speedup_vs_reference=ref_ms / graph_ms)
+        row["context_at_end"] = cache.length(rows[0])
+        return row, groups
+
+    def prefill(self, lengths: list[int]) -> dict[str, list[dict]]:
+        rows, ops_rows, notes = [], [], []
+        model, c = self.kernel_model(), self.config
+        for n in lengths:
+            if self.over_budget():
+                notes.append({"prompt": n, "note": "skipped: over --budget-s"})
+                continue
+            for mode in ("kernel", "reference"):
+                if mode == "reference" and n > self.args.reference_max_prompt:
+                    continue
+                chunk = self.args.chunk if mode == "kernel" else min(self.args.chunk, 512)
+                cache = CacheManager(c, cdiv(n + 1, PAGE) + 1, PAGE, 1, n + PAGE, self.dtype, self.device)
+                ops, model.ops = model.ops, (model.ops if mode == "kernel" else ReferenceOps())
+                try:
+                    eng = Engine(model, cache, chunk, profiler=StepProfiler() if mode == "kernel" else None)
+                    prompt = torch.randint(0, c.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+                    if mode == "kernel":  # a warm-up prompt: compiles and tuning lookups out of the timing
+                        warm = Engine(model, cache, chunk)
+                        warm.generate([prompt[: min(n, 2 * chunk)]], SamplingParams(max_new_tokens=1), progress=False)
+                    eng.generate([prompt], SamplingParams(max_new_tokens=1), progress=False)
+                    steps = [r for r in eng.steps if r.prefill_tokens]
+                    seconds = sum(r.seconds for r in steps)
+                    rows.append({"prompt": n, "mode": mode, "chunk": chunk, "steps": len(steps), "seconds": seconds,
+                                 "tokens_per_s": n / seconds})
+                    show("prefill", rows[-1])
+                    if mode == "kernel":
+                        tokens, prof = eng.profiler.profiles["prefill"]
+                        rows[-1]["first_chunk_gpu_idle"] = prof.idle_fraction
+                        floors = step_floors(c, 1, tokens, tokens, "prefill")
+                        ops_rows += op_rows({"prompt": n, "chunk_tokens": tokens}, prof.groups(), floors,
+                                            self.ceilings)
+                        for r in ops_rows[-len(prof.groups()):]:
+                            show("prefill ops", r)
+                except Exception as exc:
+                    notes.append({"prompt": n, "mode": mode, "note": f"error: {exc!r}"[:400]})
+                    traceback.print_exc()
+                finally:
+                    model.ops = ops
+                    del cache
+                    gc.collect()
+        kernel = {r["prompt"]: r["tokens_per_s"] for r in rows if r["mode"] == "kernel"}
+        for r in rows:
+            if r["mode"] == "reference" and r["prompt"] in kernel:
+                r["kernel_speedup"] = kernel[r["prompt"]] / r["tokens_per_s"]
+        return {"prefill": rows, "prefill ops (first chunk)": ops_rows, "prefill notes": notes}
+
+    def preemption(self) -> dict[str, list[dict]]:
+        c = tiny_config() if self.args.tiny else small_config()
+        n_req = 24 if self.args.tiny else 256
+        g = torch.Generator().manual_seed(5)
+        lengths = torch.randint(4, 41 if self.args.tiny else 200, (n_req,), generator=g).tolist()
+        prompts = [torch.randint(0, c.vocab_size, (m,), generator=g).tolist() for m in lengths]
+        params = [SamplingParams(max_new_tokens=int(m)) for m in torch.randint(2, 33, (n_req,), generator=g)]
+        need = sum(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
+        page = 16
+        small_pages = 5 if self.args.tiny else 80
+        rows = []
+        for mode, dtype in (("reference", torch.float32), ("kernel", self.dtype)):
+            if mode == "kernel" and self.args.tiny and not self.cuda:
+                continue  # the interpreter: too slow for a whole batch (the CPU tests cover kernel steps)
+            ops = ReferenceOps() if mode == "reference" else KernelOps(check_values=False)
+            model = build_model(c, dtype, self.device, ops, seed=3)
+            runs = {}
+            for name, pages, max_seqs in (("small", small_pages, 64), ("large", cdiv(need, page) + n_req, n_req)):
+                cache = CacheManager(c, pages, page, max_seqs, 256, dtype, self.device)
+                eng = Engine(model, cache, 256)
+                if self.cuda and mode == "kernel":
+                    eng.graphs = DecodeGraphs(model, cache, max_seqs, capture=True)
+                logged = {}
+                real_sample = engine_module.sample
+
+                def keep(logits, params_, seeds, counters, _log=logged):
+                    out = real_sample(logits, params_, seeds, counters)
+                    for row, seed, counter in zip(logits, seeds, counters):
+                        _log[(seed, counter)] = row.float().cpu()
+                    return out
+                engine_module.sample = keep
+                try:
+                    t0 = time.perf_counter()
+                    seqs = eng.run(prompts, params, progress=False)
+                    seconds = time.perf_counter() - t0
+                finally:
+                    engine_module.sample = real_sample
+                runs[name] = (seqs, eng, logged, seconds)
+            small, large = runs["small"], runs["large"]
+            equal = sum(a.output == b.output for a, b in zip(small[0], large[0]))
+            gaps = []
+            for a, b in zip(small[0], large[0]):
+                if a.output != b.output:
+                    j = next(i for i, (x, y) in enumerate(zip(a.output, b.output)) if x != y)
+                    logits = large[2][(b.seed, j)]
+                    gaps.append((logits[b.output[j]] - logits[a.output[j]]).item())
+            rows.append({"mode": mode, "requests": n_req, "tokens": need, "cache_tokens_small": small_pages * page,
+                         "preemptions": small[1].scheduler.preemptions,
+                         "requests_preempted": sum(s.preemptions > 0 for s in small[0]),
+                         "complete": all(len(s.output) == p.max_new_tokens for s, p in zip(small[0], params)),
+                         "requests_equal": equal, "parted_max_logit_gap": max(gaps) if gaps else None,
+                         "small_s": small[3], "large_s": large[3]})
+            show("preemption", rows[-1])
+        return {"preemption": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", nargs="+", required=True, choices=("decode", "decode-1m", "prefill", "preemption"))
+    ap.add_argument("--out", default="results")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 128])
+    ap.add_argument("--prompts", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--chunk", type=int, default=4096, help="token budget of a prefill step")
+    ap.add_argument("--steps", type=int, default=20, help="timed decode steps per shape")
+    ap.add_argument("--reference-max-batch", type=int, default=8)
+    ap.add_argument("--reference-max-context", type=int, default=1 << 20)
+    ap.add_argument("--reference-max-prompt", type=int, default=4096)
+    ap.add_argument("--budget-s", type=float, default=420,
+                    help="no new shape starts after this many seconds (a device call ends at 600)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model at tiny sizes (checks this script on a CPU)")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.contexts, args.batches, args.prompts = [40], [1, 3], [40]
+        args.chunk, args.steps = 16, 2
+    bench = Bench(args)
+    for part in args.part:
+        if part == "decode":
+            sections = bench.decode(args.contexts, args.batches)
+        elif part == "decode-1m":
+            sections = bench.decode([64 if args.tiny else 1 << 20], [1])
+        elif part == "prefill":
+            sections = bench.prefill(args.prompts)
+        else:
+            sections = bench.preemption()
+        model = "a tiny model" if args.tiny else "DeepSeek-V3.2 layer widths, 1 dense + 3 MoE layers, random weights"
+        note = (f"runner_bench {part}: {model}, {str(bench.dtype).replace('torch.', '')}, pages of {PAGE}; "
+                f"ceilings {bench.ceilings}")
+        for note_row in next((rows for name, rows in sections.items() if name.endswith("notes")), []):
+            show("note", note_row)
+        print(f"wrote {write_results(args.out, f'runner_bench-{part}', sections, note=note)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
