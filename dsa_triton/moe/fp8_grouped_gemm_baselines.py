@@ -43,17 +43,20 @@ def offline_fp8_experts(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[tor
     return w8, s8
 
 
-def padded_spans(spans: Spans, multiple: int = 16) -> tuple[Spans, list[int]]:
+def padded_rows(xq: torch.Tensor, spans: Spans, multiple: int = 16) -> tuple[torch.Tensor, Spans, torch.Tensor]:
     """The rows of each active expert moved to a start that is a multiple of ``multiple`` and padded to one:
     ``torch._scaled_mm`` takes FP8 operands whose dims are all multiples of 16, so a per-expert loop runs on such a
-    layout (an expert sort that pads its blocks gives it for free). Returns the padded spans and, for every row
-    of ``spans`` in order, its row in the padded layout."""
+    layout (an expert sort that pads its blocks gives it for free). Returns ``(xq_padded, padded spans, rows)``:
+    ``rows[i]`` is the padded row of row ``i`` of ``xq`` (``y_padded[rows]`` gives ``y`` back)."""
     padded, rows, at = [], [], 0
     for e, a, b in spans:
         padded.append((e, at, at + b - a))
         rows += range(at, at + b - a)
         at += -(-(b - a) // multiple) * multiple
-    return padded, rows
+    index = torch.tensor(rows, dtype=torch.long, device=xq.device)
+    xq_padded = xq.new_zeros((max(at, multiple), xq.shape[1]))
+    xq_padded[index] = xq[: len(rows)]
+    return xq_padded, padded, index
 
 
 def expert_scales(s8: torch.Tensor) -> list[torch.Tensor]:
@@ -65,8 +68,8 @@ def expert_scales(s8: torch.Tensor) -> list[torch.Tensor]:
 def scaled_mm_loop(xq: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, s8: list[torch.Tensor], spans: Spans,
                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``torch._scaled_mm`` per active expert: ``xq[M, K]`` e4m3 with scale ``sx[]``, ``w8[E, N, K]`` with the
-    scales of :func:`expert_scales`; ``spans`` as :func:`padded_spans` gives them (each span's start and length
-    rounded up to a multiple of 16 rows of ``xq``, the padding rows computed and left in ``y``)."""
+    scales of :func:`expert_scales`; ``xq`` and ``spans`` as :func:`padded_rows` gives them (each span's start and
+    length rounded up to a multiple of 16 rows, the padding rows computed and left in ``y``)."""
     y = torch.empty(xq.shape[0], w8.shape[1], dtype=out_dtype, device=xq.device)
     for e, a, b in spans:
         end = a - (-(b - a) // 16) * 16

@@ -47,7 +47,7 @@ import torch
 from dsa_triton.bench.harness import floor_us, graph_time_or_nan, time_us
 from dsa_triton.moe.fp8_grouped_gemm import fp8_grouped_gemm, interleaves, prefill_call, quantize_activations_fp8
 from dsa_triton.moe.fp8_grouped_gemm_baselines import (active_spans, grouped_mm, mm_loop, offline_fp8_experts,
-                                                       expert_scales, padded_spans, scaled_grouped_mm, scaled_mm_loop,
+                                                       expert_scales, padded_rows, scaled_grouped_mm, scaled_mm_loop,
                                                        tensorwise_fp8)
 from dsa_triton.moe.fp8_grouped_gemm_spec import REGISTERS_TILE, SPEC, WORKSPACE_TILE, route_config
 from dsa_triton.moe.sort_and_align_spec import random_routing
@@ -154,10 +154,7 @@ def case_row(name: str, experts: int, top_k: int, tokens: int, n: int, k: int, d
     if cuda:  # torch's FP8 GEMMs are CUDA ops
         w8, s8 = offline_fp8_experts(blocks, scales)
         xq, sx = tensorwise_fp8(x)
-        pad, rows = padded_spans(spans)
-        rows = torch.tensor(rows, device=device)
-        xq_pad = xq.new_zeros((pad[-1][2] + 16 if pad else 16, k))
-        xq_pad[rows] = xq
+        xq_pad, pad, rows = padded_rows(xq, spans)
         each = expert_scales(s8)
         fp8_loop_us = _baseline("scaled_mm_loop", lambda: scaled_mm_loop(xq_pad, sx, w8, each, pad), expected,
                                 device, errors, rows)
