@@ -292,12 +292,14 @@ def bad_tensor(draw, t: torch.Tensor, *, dtypes=(), shape_ok: bool = False):
     return view(t), kind
 
 
-def bad_int(draw, value, *, allow_none: bool = False):
-    """``(value, kind)``: an integer argument made bad: a float of it, a bool, 0, negative, huge, None, a string,
-    a one-element tensor."""
+def bad_int(draw, value, *, allow_none: bool = False, huge: bool = True):
+    """``(value, kind)``: an integer argument made bad: a float of it, a bool, 0, negative, huge (not for sizes of
+    an allocation, which may just run out of memory), None, a string, a one-element tensor."""
     options = [("float", float(value) if value is not None else 1.5), ("bool", True), ("false", False),
-               ("zero", 0), ("negative", -1), ("huge", 2**31), ("string", str(value)),
+               ("zero", 0), ("negative", -1), ("string", str(value)),
                ("tensor", torch.tensor(value if value is not None else 1)), ("fraction", 1.5)]
+    if huge:
+        options.append(("huge", 2**31))
     if not allow_none:
         options.append(("None", None))
     kind, bad = draw(st.sampled_from(options))

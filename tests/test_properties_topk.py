@@ -134,5 +134,10 @@ def _case(mutation, args, names):
     return Case("topk_indices", mutation, args, call, names, reference, compare, pure=not isinstance(args.get("out"), torch.Tensor))
 
 
+# found by this test: a table entry was compared with 2**31 (the limit at page size 1) in int32, which wraps
+PAGE_SIZE_ONE = _case("valid: page size 1", {"scores": torch.tensor([[1.5]]), "k": 1,
+                                              "block_table": torch.tensor([[1]], dtype=torch.int32), "page_size": 1}, ())
+
+
 def test_topk_indices():
-    print(run_property(topk_cases()))
+    run_property(topk_cases(), examples=[PAGE_SIZE_ONE])

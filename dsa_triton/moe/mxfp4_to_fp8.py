@@ -110,7 +110,7 @@ def mxfp4_to_fp8(blocks: torch.Tensor, scales: torch.Tensor,
     k, ng = kb * BLOCK, n_groups(kb * BLOCK)
     experts = math.prod(lead)  # not -1: reshape cannot infer it when a dimension is 0
     shape = {"G": experts, "N": n, "K": k}
-    config = SPEC.launch_config("prefill", shape, device) if config is None else SPEC.validate(dict(config), shape)
+    config = SPEC.launch_config("prefill", shape, device) if config is None else SPEC.validate(config, shape)
     blocks3, scales3 = blocks.reshape(experts, n, kb, 16), scales.reshape(experts, n, kb)
     check_experts_layout(name, blocks3, scales3)
     if out is None:
