@@ -64,7 +64,7 @@ def quantize_cases(draw):
 
 
 def test_mxfp4_quantize():
-    print(run_property(quantize_cases()))
+    run_property(quantize_cases())
 
 
 # -- mxfp4_dequantize ----------------------------------------------------------------------------------------
@@ -100,12 +100,22 @@ def dequantize_cases(draw):
         mutation += f" {kind}"
     else:
         mutation = "valid"
+    return _dequantize_case(mutation, args, names)
+
+
+def _dequantize_case(mutation, args, names):
     return Case("mxfp4_dequantize", mutation, args, lambda: dt.mxfp4_dequantize(**args), names,
                 lambda: mxfp4_dequantize_torch(args["blocks"], args["scales"], args["dtype"]), exact)
 
 
+# found by this test: a config that is not a dict raised a TypeError from dict() that named nothing
+CONFIG_INT = _dequantize_case("config an int", {"blocks": torch.zeros(1, 1, 16, dtype=torch.uint8),
+                                                "scales": torch.full((1, 1), 127, dtype=torch.uint8),
+                                                "dtype": torch.float32, "config": 7}, ("config",))
+
+
 def test_mxfp4_dequantize():
-    print(run_property(dequantize_cases()))
+    run_property(dequantize_cases(), examples=[CONFIG_INT])
 
 
 # -- mxfp4_to_fp8 --------------------------------------------------------------------------------------------
@@ -162,7 +172,7 @@ def conversion_cases(draw):
 
 
 def test_mxfp4_to_fp8():
-    print(run_property(conversion_cases()))
+    run_property(conversion_cases())
 
 
 # -- FP8Workspace ---------------------------------------------------------------------------------------------
@@ -215,6 +225,10 @@ def workspace_cases(draw):
         names = ("n", "k", "views")
     else:
         mutation = "valid"
+    return _workspace_case(mutation, args, names)
+
+
+def _workspace_case(mutation, args, names):
     state = {}
 
     def call():
@@ -246,5 +260,11 @@ def workspace_cases(draw):
     return Case("FP8Workspace", mutation, args, call, names, reference, compare, state=watched)
 
 
+# found by this test: a device name torch does not know (RuntimeError) and a negative views size (wrong views)
+_WORKSPACE = {"slots": 1, "shapes": [(1, 1)], "device": "cpu", "count": 1, "timeout": None, "n": 1, "k": 1}
+BAD_DEVICE = _workspace_case("device", {**_WORKSPACE, "device": "nowhere"}, ("device",))
+NEGATIVE_VIEW = _workspace_case("views", {**_WORKSPACE, "n": -1}, ("n", "k", "views"))
+
+
 def test_fp8_workspace():
-    print(run_property(workspace_cases(), min_launched=0))
+    run_property(workspace_cases(), examples=[BAD_DEVICE, NEGATIVE_VIEW], min_launched=0)
