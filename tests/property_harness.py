@@ -84,7 +84,8 @@ def snapshot(value):
     if isinstance(value, dict):
         return ("dict", [(k, snapshot(v)) for k, v in value.items()])
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return (type(value).__name__, [(f.name, snapshot(getattr(value, f.name))) for f in dataclasses.fields(value)])
+        return (type(value).__name__, [(f.name, snapshot(getattr(value, f.name))) for f in dataclasses.fields(value)
+                                       if f.compare])  # (not caches, such as ExpertSort's alignments)
     if isinstance(value, (int, float, str, bytes, bool, type(None), torch.dtype, torch.device)):
         return ("value", value)
     return ("object", id(value))
@@ -172,6 +173,7 @@ def run_property(cases, *, examples=(), min_ok: int = 20, min_launched: int = 10
     prop()
     assert tally["ok"] >= min_ok and tally["launched"] >= min_launched and tally["error"] >= min_error, (
         f"too few of an outcome: {dict(tally)}")
+    print(dict(tally))  # (shown with pytest -s: how the cases fell)
     return tally
 
 
@@ -350,6 +352,15 @@ def bad_config(draw, spec) -> tuple[Any, str, tuple[str, ...]]:
     if kind == "none-dict":
         return 7, "config an int", ("config", spec.name)
     return {}, "empty config", ("config", spec.name, *space)
+
+
+def all_slots_free(workspace) -> bool:
+    """Whether every slot of an ``FP8Workspace`` is free (a lease of all of them is granted at once)."""
+    try:
+        with workspace.acquire(workspace.slots, timeout=0):
+            return True
+    except TimeoutError:
+        return False
 
 
 def generator(draw) -> torch.Generator:

@@ -13,7 +13,7 @@ from dsa_triton.moe.mxfp4_to_fp8_reference import fp8_conversion_torch
 from dsa_triton.moe.mxfp4_to_fp8_spec import SPEC as CONVERT
 from dsa_triton.moe.mxfp4_to_fp8_spec import compare_conversion
 
-from .property_harness import Case, bad_config, bad_int, bad_real, bad_tensor, exact, generator, run_property
+from .property_harness import Case, all_slots_free, bad_config, bad_int, bad_real, bad_tensor, exact, generator, run_property
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -176,15 +176,6 @@ def test_mxfp4_to_fp8():
 
 
 # -- FP8Workspace ---------------------------------------------------------------------------------------------
-def _all_free(ws) -> bool:
-    """Every slot free: a lease of all of them is granted at once."""
-    try:
-        with ws.acquire(ws.slots, timeout=0):
-            return True
-    except TimeoutError:
-        return False
-
-
 @st.composite
 def workspace_cases(draw):
     """Construct (maybe with bad arguments), then lease (maybe badly) and take views (maybe too large)."""
@@ -235,7 +226,7 @@ def _workspace_case(mutation, args, names):
         ws = dt.FP8Workspace(args["slots"], args["shapes"], args["device"])
         state["ws"] = ws
         with ws.acquire(args["count"], args["timeout"]) as lease:
-            assert not _all_free(ws)  # leased while inside
+            assert not all_slots_free(ws)  # leased while inside
             w, s = lease.views(args["n"], args["k"])
             return ws, lease.first, lease.count, w, s
 
@@ -252,10 +243,10 @@ def _workspace_case(mutation, args, names):
         n, k = args["n"], args["k"]
         if w.shape != (leased, n, k) or w.dtype != torch.float8_e4m3fn or s.shape != (leased, n, -(-k // 128)):
             return f"views {tuple(w.shape)}, {tuple(s.shape)} for [{n}, {k}]"
-        return None if _all_free(ws) else "slots still busy after the lease ended"
+        return None if all_slots_free(ws) else "slots still busy after the lease ended"
 
     def watched():  # a raise inside the lease must still release it
-        return [state.get("ws") is None or _all_free(state["ws"])]
+        return [state.get("ws") is None or all_slots_free(state["ws"])]
 
     return Case("FP8Workspace", mutation, args, call, names, reference, compare, state=watched)
 
