@@ -179,13 +179,15 @@ def run_property(cases, *, examples=(), min_ok: int = 20, min_launched: int = 10
 
 # -- comparisons ---------------------------------------------------------------------------------------------
 def nan_split(out: torch.Tensor, ref: torch.Tensor):
-    """``(problem, out, ref)``: NaN must sit at the same places (NaN in, NaN out); the rest with NaN as 0."""
+    """``(problem, out, ref)``: NaN and each sign of infinity must sit at the same places (NaN in, NaN out); the
+    rest returned with them as 0, for a comparison of the finite values."""
     if out.shape != ref.shape:
         return f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}", out, ref
     o, r = out.float(), ref.float()
-    if not torch.equal(o.isnan(), r.isnan()):
-        return f"NaN at {int((o.isnan() != r.isnan()).sum())} places that differ from the reference", out, ref
-    return None, torch.where(o.isnan(), 0.0, o).to(out.dtype), torch.where(r.isnan(), 0.0, r).to(ref.dtype)
+    for name, same in (("NaN", lambda t: t.isnan()), ("+inf", lambda t: t == math.inf), ("-inf", lambda t: t == -math.inf)):
+        if not torch.equal(same(o), same(r)):
+            return f"{name} at {int((same(o) != same(r)).sum())} places that differ from the reference", out, ref
+    return None, torch.where(o.isfinite(), o, 0.0).to(out.dtype), torch.where(r.isfinite(), r, 0.0).to(ref.dtype)
 
 
 def nan_aware(compare):
