@@ -113,8 +113,9 @@ class KernelSpec:
 
     # -- configs ------------------------------------------------------------------------------
     def validate(self, config: Config, shape: Shape) -> Config:
-        """Return ``config`` if every parameter is known, in its space (type included: ``16.0`` is not ``16``)
-        and the constraint holds; else raise :class:`ConfigError` naming the parameter."""
+        """Return a copy of ``config`` if it is a dict whose every parameter is known, in its space (type included:
+        ``16.0`` is not ``16``) and the constraint holds; else raise :class:`ConfigError` naming the parameter (or
+        ``config``, for what is not a dict)."""
         if not isinstance(config, Mapping):
             raise ConfigError(f"{self.name}: config must be a dict of launch parameters, got {type(config).__name__}")
         unknown = set(config) - set(self.space)
@@ -129,7 +130,7 @@ class KernelSpec:
         reason = self.constraint(config, shape)
         if reason:
             raise ConfigError(f"{self.name}: config {config} is invalid for {dict(shape)}: {reason}")
-        return config
+        return dict(config)
 
     def is_valid(self, config: Config, shape: Shape) -> bool:
         try:

@@ -123,7 +123,7 @@ def _check_values(T, L, lengths, block_table, page_size, row_to_seq, num_pages):
         in_use = pages_in_use(block_table, seq, row_len, page_size)
         limit = min(num_pages or 2**31, 2**31 // page_size)
         names.append(f"block_table: entries of the pages in use must lie in [0, {limit})")
-        flags.append((in_use & ((block_table < 0) | (block_table >= limit))).any())
+        flags.append((in_use & ((block_table < 0) | (block_table.long() >= limit))).any())  # 2**31: not int32
     for name, bad in zip(names, torch.stack(flags).tolist() if flags else []):
         if bad:
             raise ValueError(name)

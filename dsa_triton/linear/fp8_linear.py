@@ -26,7 +26,7 @@ class LinearLaunch:
     def __init__(self, x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, config: dict | None):
         (M, K), N = x.shape, weight.shape[0]
         phase, shape = linear_shape(M, N, K)
-        config = SPEC.launch_config(phase, shape, x.device) if config is None else SPEC.validate(dict(config), shape)
+        config = SPEC.launch_config(phase, shape, x.device) if config is None else SPEC.validate(config, shape)
         self.out_shape, self.dtype = (M, N), x.dtype
         self.grid = (cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]),) if M and N else None
         self.args = (M, N, K, x.stride(0), weight.stride(0), weight_scale_inv.stride(0), N)

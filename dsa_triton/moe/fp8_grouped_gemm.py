@@ -310,7 +310,7 @@ def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, block
     device = _check(x_sorted, expert_offsets, blocks, scales, workspace, unfit_counter)
     m, (e, n, kb) = x_sorted.shape[0], scales.shape
     shape = {"M": m, "E": e, "N": n, "K": 32 * kb}
-    config = SPEC.launch_config("prefill", shape, device) if config is None else SPEC.validate(dict(config), shape)
+    config = SPEC.launch_config("prefill", shape, device) if config is None else SPEC.validate(config, shape)
     if out is not None:
         check_out(out, (m, n), x_sorted.dtype, device, contiguous=False)
     if check_values:

@@ -123,7 +123,7 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
         key, plan = None, None
     if plan is None:
         shape = problem_shape(sort, *_check(x, sort, blocks, scales, gather_tokens), gather_tokens)
-        plan = _PLANS.put(key, launch_config(shape, x.device) if config is None else SPEC.validate(dict(config), shape))
+        plan = _PLANS.put(key, launch_config(shape, x.device) if config is None else SPEC.validate(config, shape))
     if blocks.data_ptr() % 4:  # not in the plan's key
         raise ValueError("blocks: the data must be 4-byte aligned (read as int16 pairs)")
     out_dtype = x.dtype if out_dtype is None else out_dtype

@@ -182,7 +182,7 @@ def _path_config(x, sizes, top_k, gate_up_blocks, gate_up_scales, down_blocks, d
     tokens = x.shape[0]
     phase = phase or ("decode" if tokens <= DECODE_MAX_TOKENS else "prefill")
     shape = {"T": tokens, "E": experts, "top_k": top_k, "hidden": hidden, "I": inter}
-    config = PATH.launch_config(phase, shape, x.device) if config is None else PATH.validate(dict(config), shape)
+    config = PATH.launch_config(phase, shape, x.device) if config is None else PATH.validate(config, shape)
     bound = SCALE_MAX[fast_path(x)] if config["path"] == "fused" else NAN_SCALE - 1
     for name, blocks, scales in (("gate_up", gate_up_blocks, gate_up_scales), ("down", down_blocks, down_scales)):
         if blocks.data_ptr() % 4:  # (not in the plan's key)

@@ -38,7 +38,7 @@ def mxfp4_quantize(w: torch.Tensor, *, config: dict | None = None) -> tuple[torc
     if w.shape[-1] % BLOCK:
         raise ValueError(f"w: K = {w.shape[-1]} must be a multiple of {BLOCK} (pad with zeros: pad_k)")
     shape = _flat_shape(tuple(w.shape))
-    config = QUANTIZE.launch_config("load", shape, device) if config is None else QUANTIZE.validate(dict(config), shape)
+    config = QUANTIZE.launch_config("load", shape, device) if config is None else QUANTIZE.validate(config, shape)
     if not bool(torch.isfinite(w).all()):
         raise ValueError("w: holds NaN or inf, which MXFP4 cannot represent")
     return quantize_launch(w, config)
@@ -74,7 +74,7 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     if config is None:
         config = DEQUANTIZE.launch_config("load", shape, device)
     else:
-        config = DEQUANTIZE.validate(dict(config), shape)
+        config = DEQUANTIZE.validate(config, shape)
     return dequantize_launch(blocks, scales, dtype, config, out)
 
 

@@ -85,8 +85,8 @@ def check_scales(label: str, scales: torch.Tensor) -> None:
 
 def check_experts_layout(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
     """``blocks[E, N, K/32, 16]`` / ``scales[E, N, K/32]`` with each block row's bytes contiguous (any E, N strides)
-    and ``blocks`` 4-byte aligned (the kernel reads it as int32 words)."""
-    if blocks.stride(-1) != 1 or blocks.stride(-2) != 16 or scales.stride(-1) != 1:
+    and ``blocks`` 4-byte aligned (the kernel reads it as int32 words); a ``K/32`` of 1 takes scales of any stride."""
+    if blocks.stride(-1) != 1 or blocks.stride(-2) != 16 or (scales.stride(-1) != 1 and scales.shape[-1] > 1):
         raise ValueError(f"{name}_blocks / {name}_scales: the last dimensions must be contiguous, got strides "
                          f"{blocks.stride()} and {scales.stride()}")
     if blocks.data_ptr() % 4 or any(st % 4 for st in blocks.stride()[:-2]):
@@ -112,7 +112,7 @@ def mxfp4_to_fp8(blocks: torch.Tensor, scales: torch.Tensor,
     k, ng = kb * BLOCK, n_groups(kb * BLOCK)
     experts = math.prod(lead)  # not -1: reshape cannot infer it when a dimension is 0
     shape = {"G": experts, "N": n, "K": k}
-    config = SPEC.launch_config("prefill", shape, device) if config is None else SPEC.validate(dict(config), shape)
+    config = SPEC.launch_config("prefill", shape, device) if config is None else SPEC.validate(config, shape)
     blocks3, scales3 = blocks.reshape(experts, n, kb, 16), scales.reshape(experts, n, kb)
     check_experts_layout(name, blocks3, scales3)
     if out is None:

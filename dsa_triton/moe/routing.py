@@ -54,6 +54,8 @@ class RoutingConfig:
             raise ValueError(f"routing.mode: must be one of {MODES}, got {self.mode!r}")
         for name in ("top_k", "n_group", "topk_group"):
             check_positive(f"routing.{name}", getattr(self, name))
+        if not isinstance(self.norm_topk_prob, bool):  # "false" is truthy: it would normalize
+            raise ValueError(f"routing.norm_topk_prob: must be a bool, got {self.norm_topk_prob!r}")
         factor = self.routed_scaling_factor
         if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not math.isfinite(factor) or factor <= 0:
             raise ValueError(f"routing.routed_scaling_factor: must be a finite number > 0, got {factor!r}")
@@ -167,7 +169,7 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True, *,
     if renormalize:
         weights = chosen.softmax(dim=-1)
     else:
-        weights = (chosen - x.logsumexp(dim=-1, keepdim=True)).exp()
+        weights = x.softmax(dim=-1).gather(1, ids)  # (an infinite logit: every weight NaN, as the oracle's)
     return weights, ids.to(torch.int32)
 
 

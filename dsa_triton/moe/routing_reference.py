@@ -32,7 +32,7 @@ def deepseek_topk_torch(logits, bias, top_k, n_group=1, topk_group=1, norm_topk_
         chosen = sorted(allowed, key=lambda e: -key[e])[:top_k]
         w = [math.nan if math.isnan(choice[e]) else score[e] for e in chosen]
         total = sum(w) if norm_topk_prob else 1.0
-        weights.append([v / total * routed_scaling_factor for v in w])
+        weights.append([(v / total if total else math.nan) * routed_scaling_factor for v in w])  # 0 / 0: NaN
         ids.append(chosen)
     return _pack(weights, ids, top_k, logits.device)
 

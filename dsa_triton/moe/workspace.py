@@ -39,6 +39,7 @@ class WorkspaceLease:
         The scales are stored group-major (strides ``(slot, 1, n)``): a GEMM tile reads one group's scales
         of consecutive rows as one coalesced vector."""
         ws = self.workspace
+        n, k = _whole("n", n), _whole("k", k)
         if n * k > ws.slot_elems or n * n_groups(k) > ws.slot_scales:
             raise ValueError(f"views: an [{n}, {k}] matrix does not fit a slot sized for {ws.shapes}")
         rows = slice(self.first, self.first + self.count)
@@ -58,7 +59,10 @@ class FP8Workspace:
             raise ValueError(f"shapes: expected (N, K) pairs of positive integers, got {shapes!r}") from None
         if not self.shapes:
             raise ValueError("shapes: needs at least one (N, K) pair")
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: expected a torch.device or a device name, got {device!r}") from None
         self.slot_elems = cdiv(max(n * k for n, k in self.shapes), ALIGN) * ALIGN
         self.slot_scales = cdiv(max(n * n_groups(k) for n, k in self.shapes), ALIGN // 4) * (ALIGN // 4)
         self.weights = torch.empty(self.slots, self.slot_elems, dtype=torch.float8_e4m3fn, device=self.device)
