@@ -19,7 +19,7 @@ from .. import registry
 from ..registry import shape_text
 from ..runtime import default_device
 from .harness import Ceilings, Measurement, graph_time_or_nan, measure_ceilings, measurement, rotation, time_rotating
-from .results import dict_table, fmt, write_results
+from .results import fmt, write_results
 
 
 def bench_kernel(spec: registry.KernelSpec, phase: str, shape: dict[str, int], device: torch.device,
