@@ -194,8 +194,19 @@ def _logits_case(mutation, args, names):
     return Case("indexer_logits", mutation, args, lambda: dt.indexer_logits(**args), names, reference, compare)
 
 
+def _one_head_expanded():
+    """Found by this test: one head whose stride is below DK (never read) was rejected as overlapping heads."""
+    p = _one_key_problem()
+    q = p["q"][:, :1].contiguous()
+    q = q.view(torch.uint8).as_strided((3, 1, 16), (16, 0, 1)).view(torch.float8_e4m3fn)
+    args = {"q": q, "weights": p["weights"][:, :1].contiguous(), "k": p["k"], "k_scale": p["k_scale"],
+            "limits": p["limits"], "cu_seqlens_q": p["cu_seqlens_q"], "block_table": p["block_table"],
+            "seq_lens": p["seq_lens"]}
+    return _logits_case("valid: one head of stride 0", args, ())
+
+
 def test_indexer_logits():
-    run_property(logits_cases())
+    run_property(logits_cases(), examples=[_one_head_expanded()])
 
 
 # -- block_scores ---------------------------------------------------------------------------------------------------
@@ -393,7 +404,10 @@ def path_cases(draw):
         mutation += f" {kind}"
     else:
         mutation = "valid"
+    return _path_case(mutation, args, names)
 
+
+def _path_case(mutation, args, names):
     def reference():
         limits, P = args["limits"], args["k"].shape[1]
         width = int(limits.max()) if limits.numel() else 0
@@ -412,5 +426,23 @@ def path_cases(draw):
                 compare)
 
 
+def _one_key_problem():
+    """Three one-row sequences, only the last holding a key (on page 1 of 2)."""
+    g = torch.Generator().manual_seed(0)
+    q, w = random_queries(3, 4, 16, g)
+    k8, scale = fp8_quantize_rows(torch.randn(32, 16, generator=g))
+    p = {"q": q, "weights": w, "k": k8.view(2, 16, 16), "k_scale": scale.view(2, 16),
+         "block_table": torch.tensor([[-1], [-1], [1]], dtype=torch.int32),
+         "seq_lens": torch.tensor([0, 0, 1], dtype=torch.int32), "limits": torch.tensor([0, 0, 1], dtype=torch.int32),
+         "cu_seqlens_q": torch.tensor([0, 1, 2, 3], dtype=torch.int32)}
+    p["pmax"], p["pmin"] = _summaries({**p, "lens": [0, 0, 1]})
+    return p
+
+
+# found by this test: the path's comparison scattered a -1 entry onto page 0, unmarking the page chosen there
+PAGE_ZERO = _path_case("valid: page 0 and a -1", {**_one_key_problem(), "n_select": 2, "check_values": True,
+                                                  "return_bounds": True}, ())
+
+
 def test_block_indexer_logits():
-    run_property(path_cases())
+    run_property(path_cases(), examples=[PAGE_ZERO])
