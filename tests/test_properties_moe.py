@@ -263,7 +263,7 @@ def grouped_cases(draw):
         args["unfit_counter"] = torch.zeros(1, dtype=torch.int32)
     if draw(st.booleans()):
         args["workspace"] = dt.FP8Workspace(4, [(n, 32 * kb)], "cpu")
-    mutation = draw(st.sampled_from(["valid", "x_sorted", "expert_offsets", "offset values", "blocks", "scales",
+    mutation = draw(st.sampled_from(["x_sorted", "valid", "expert_offsets", "offset values", "blocks", "scales",
                                      "nan scale", "workspace", "unfit_counter", "config"]))
     names, launch_before_error = (), False
     if mutation == "x_sorted":
@@ -343,7 +343,7 @@ def layer_cases(draw):
         args["shared_down"] = (torch.randn(hidden, inter, generator=g) * inter ** -0.5).to(dtype)
     args["config"] = draw(st.sampled_from([None, {"path": "fused"}, {"path": "workspace"}]))
     weights = WEIGHTS
-    mutation = draw(st.sampled_from(["valid", "x", "weight", "scale bytes", "routing", "router_bias", "shared",
+    mutation = draw(st.sampled_from(["x", "weight", "valid", "scale bytes", "routing", "router_bias", "shared",
                                      "phase", "config"]))
     names = ()
     if mutation == "x":

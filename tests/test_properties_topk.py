@@ -9,7 +9,7 @@ from dsa_triton.attention.topk_spec import SPEC
 
 from .property_harness import Case, bad_config, bad_int, bad_tensor, generator, run_property
 
-MUTATIONS = ["valid", "scores", "scores values", "k", "lengths", "lengths values", "block_table",
+MUTATIONS = ["scores", "valid", "scores values", "k", "lengths", "lengths values", "block_table",
              "table entries", "page_size", "row_to_seq", "num_pages", "out", "config", "stray"]
 
 

@@ -70,14 +70,16 @@ def _compare(out, ref) -> str | None:
     if error:
         return f"bounds: {error}"
     pages = positions.view(positions.shape[0], -1, P).amax(dim=2)  # -1 where no position of the page is valid
-    chosen = torch.zeros_like(ref_bounds, dtype=torch.bool)
-    chosen.scatter_(1, (pages // P).clamp_min(0).long(), pages >= 0)
-    tol = 2e-3 * ref_bounds.where(ref_bounds.isfinite(), 0.0).abs().amax(1).clamp_min(1e-12)
-    worst_chosen = ref_bounds.where(chosen, float("inf")).amin(1)
-    best_left = ref_bounds.where(~chosen & ref_bounds.isfinite(), float("-inf")).amax(1)
-    full = chosen.sum(1) == torch.minimum(ref_bounds.isfinite().sum(1), torch.tensor(n_select))
-    if not bool((full & ((worst_chosen >= best_left - tol) | ~chosen.any(1))).all()):
-        return "pages: the chosen pages are not the top pages of the reference bounds"
+    spare = ref_bounds.shape[1]  # where -1 entries go (scattered onto a real page, a False could overwrite a True)
+    chosen = torch.zeros(ref_bounds.shape[0], spare + 1, dtype=torch.bool, device=ref_bounds.device)
+    chosen = chosen.scatter_(1, (pages // P).where(pages >= 0, spare).long(), True)[:, :spare]
+    if spare:  # (no page at all: the positions below must all be -1)
+        tol = 2e-3 * ref_bounds.where(ref_bounds.isfinite(), 0.0).abs().amax(1).clamp_min(1e-12)
+        worst_chosen = ref_bounds.where(chosen, float("inf")).amin(1)
+        best_left = ref_bounds.where(~chosen & ref_bounds.isfinite(), float("-inf")).amax(1)
+        full = chosen.sum(1) == torch.minimum(ref_bounds.isfinite().sum(1), torch.tensor(n_select))
+        if not bool((full & ((worst_chosen >= best_left - tol) | ~chosen.any(1))).all()):
+            return "pages: the chosen pages are not the top pages of the reference bounds"
     ref_logits, ref_pos = gather_selected_torch(dense, (pages // P).where(pages >= 0, -1), P, limits)
     if not torch.equal(positions, ref_pos):
         return "positions differ from the chosen pages' valid positions"
