@@ -174,8 +174,6 @@ def _decode_args(**changes):
     return args
 
 
-@pytest.mark.xfail(strict=True, reason="sparse_attention._launch_config calls dict(config) before validating it: a "
-                                       "config that is not a dict raises TypeError/ValueError naming nothing")
 @pytest.mark.parametrize("config", [7, "BLOCK_N"])
 def test_config_not_a_dict_is_named(config):
     check(_case("decode", "config not a dict", _decode_args(config=config), ("config",)))

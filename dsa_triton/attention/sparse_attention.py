@@ -101,7 +101,7 @@ def _launch_config(spec: KernelSpec, shape: dict[str, int], device: torch.device
     """The registry's config, or a validated copy of an explicit one (once per plan: plans are keyed by config)."""
     if config is None:
         return spec.launch_config(spec.phases[0], shape, device)
-    return spec.validate(dict(config), shape)
+    return spec.validate(config, shape)
 
 
 def _attend(plan: "_Plan", q4: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, block_table: torch.Tensor | None,
