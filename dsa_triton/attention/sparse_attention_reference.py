@@ -37,13 +37,16 @@ def slots_from_indices(indices: torch.Tensor, block_table: torch.Tensor | None, 
 
 
 def sparse_attention_torch(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sm_scale: float,
-                           d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+                           d_v: int, magnitude: bool = False) -> tuple[torch.Tensor, ...]:
     """fp32 oracle. ``q[R, M, D]``, ``kv[num_slots, D]``, ``slots[R, k]`` (-1 skipped) -> ``out[R, M, d_v]`` fp32,
-    ``lse[R, M]`` fp32 natural log; a row without a valid slot gives out 0 and lse -inf. Chunked over R."""
+    ``lse[R, M]`` fp32 natural log; a row without a valid slot gives out 0 and lse -inf. Chunked over R.
+    ``magnitude``: also ``sum_j p_j |v_j|`` ``[R, M, d_v]``, what rounding the probabilities to the cache dtype
+    (as the kernels do before the value dot) can move an output by, times the dtype's unit roundoff."""
     R, M, D = q.shape
     k = slots.shape[1]
     out = torch.zeros(R, M, d_v, dtype=torch.float32, device=q.device)
     lse = torch.full((R, M), float("-inf"), dtype=torch.float32, device=q.device)
+    mag = torch.zeros_like(out) if magnitude else None
     step = max(1, ORACLE_GATHER_BYTES // max(1, k * D * 4))
     for r0 in range(0, R, step):
         s = slots[r0:r0 + step]
@@ -57,12 +60,15 @@ def sparse_attention_torch(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tenso
         p = torch.exp(scores - row_lse.masked_fill(row_lse == float("-inf"), 0)[..., None])
         out[r0:r0 + step] = torch.einsum("rmk,rkv->rmv", p, rows[..., :d_v])
         lse[r0:r0 + step] = row_lse
-    return out, lse
+        if magnitude:
+            mag[r0:r0 + step] = torch.einsum("rmk,rkv->rmv", p, rows[..., :d_v].abs())
+    return (out, lse, mag) if magnitude else (out, lse)
 
 
 def sparse_attention_decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
-                                  d_v: int = 512, block_table: torch.Tensor | None = None):
-    """Oracle of :func:`dsa_triton.sparse_attention_decode` (same arguments; out fp32).
+                                  d_v: int = 512, block_table: torch.Tensor | None = None, magnitude: bool = False):
+    """Oracle of :func:`dsa_triton.sparse_attention_decode` (same arguments; out fp32; ``magnitude`` as in
+    :func:`sparse_attention_torch`, shaped as out).
 
     ``q[B, Hq, D]`` or ``[B, S, Hq, D]``; ``indices[B, k]`` (shared by the S tokens) or ``[B, S, k]``.
     """
@@ -74,21 +80,22 @@ def sparse_attention_decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, indic
     if indices.dim() == 3:  # one index set per token: B*S sequences of one token
         bt = None if block_table is None else block_table.repeat_interleave(S, dim=0)
         slots = slots_from_indices(indices.reshape(B * S, -1), bt, P)
-        out, lse = sparse_attention_torch(q4.reshape(B * S, H, D), kv, slots, sm_scale, d_v)
+        results = sparse_attention_torch(q4.reshape(B * S, H, D), kv, slots, sm_scale, d_v, magnitude)
     else:
         slots = slots_from_indices(indices, block_table, P)
-        out, lse = sparse_attention_torch(q4.reshape(B, S * H, D), kv, slots, sm_scale, d_v)
-    out, lse = out.reshape(B, S, H, d_v), lse.reshape(B, S, H)
-    return (out[:, 0], lse[:, 0]) if squeeze else (out, lse)
+        results = sparse_attention_torch(q4.reshape(B, S * H, D), kv, slots, sm_scale, d_v, magnitude)
+    results = [x.reshape(B, S, H, *x.shape[2:]) for x in results]  # out [B, S, H, d_v], lse [B, S, H], ...
+    return tuple(x[:, 0] for x in results) if squeeze else tuple(results)
 
 
 def sparse_attention_prefill_torch(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
-                                   d_v: int = 512, block_table: torch.Tensor | None = None):
-    """Oracle of :func:`dsa_triton.sparse_attention_prefill`: ``q[T, Hq, D]``, ``indices[T, k]`` -> fp32 out, lse."""
+                                   d_v: int = 512, block_table: torch.Tensor | None = None, magnitude: bool = False):
+    """Oracle of :func:`dsa_triton.sparse_attention_prefill`: ``q[T, Hq, D]``, ``indices[T, k]`` -> fp32 out, lse
+    (and the ``magnitude`` of :func:`sparse_attention_torch`)."""
     P = kv_cache.shape[1] if kv_cache.dim() == 3 else 1
     bt = None if block_table is None else block_table.expand(q.shape[0], -1)
     return sparse_attention_torch(q, kv_cache.reshape(-1, kv_cache.shape[-1]), slots_from_indices(indices, bt, P),
-                                  sm_scale, d_v)
+                                  sm_scale, d_v, magnitude)
 
 
 def gather_einsum(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sm_scale: float, d_v: int,

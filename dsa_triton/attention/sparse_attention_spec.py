@@ -164,13 +164,17 @@ def _op_args(inputs: dict) -> tuple:
 
 
 def _compare(out, ref) -> str | None:
-    """out within 1e-3 + 1e-2 |ref| for bf16 (2e-3 |ref| for fp16); lse within 1e-4 abs; -inf exactly where expected."""
-    (o, lse), (ro, rlse) = out, ref
+    """out within ``1e-3 + rtol |ref| + u m`` (bf16: rtol 1e-2, unit roundoff u = 2^-8; fp16: 2e-3, 2^-11), with
+    ``m = sum_j p_j |v_j|`` the reference's third output when given: the kernels round the probabilities to the
+    cache dtype before the value dot, which moves an output by up to ``u m`` (a row dominated by a few tokens does
+    not average it down); lse within 1e-4 abs; -inf exactly where expected."""
+    (o, lse), (ro, rlse, *magnitude) = out, ref
     if o.shape != ro.shape or lse.shape != rlse.shape:
         return f"shapes {tuple(o.shape)}, {tuple(lse.shape)} != reference {tuple(ro.shape)}, {tuple(rlse.shape)}"
-    rtol = 1e-2 if o.dtype == torch.bfloat16 else 2e-3
+    rtol, unit = (1e-2, 2.0 ** -8) if o.dtype == torch.bfloat16 else (2e-3, 2.0 ** -11)
     err = (o.float() - ro).abs()
-    bad = ~(err <= 1e-3 + rtol * ro.abs())  # NaN counts as bad
+    tol = 1e-3 + rtol * ro.abs() + (unit * magnitude[0] if magnitude else 0.0)
+    bad = ~(err <= tol)  # NaN counts as bad
     if bad.any():
         return f"out: {int(bad.sum())} elements off (max abs error {err.nan_to_num(float('inf')).max().item():.3g})"
     empty = rlse == float("-inf")
@@ -243,7 +247,7 @@ def _spec(phase: str, oracle, shapes, fixed: tuple[str, ...], bucketed: tuple[st
         bucketed_dims=bucketed,
         make_inputs=_make_inputs(phase, fp8),
         run=run,
-        reference=lambda inputs: oracle(*_op_args(inputs)),
+        reference=lambda inputs: oracle(*_op_args(inputs), magnitude=True),
         compare=_compare,
         cost=_cost(phase, fp8),
         bench_shapes=shapes,
