@@ -13,7 +13,11 @@ int's class (equal to 1; else int32, int64 or uint64 range, each split by divisi
 bool, float or None; a constexpr's value and type. Then every keyword argument's value and type (constexprs and
 options such as ``num_warps``), the current device and Triton's two global option knobs (``debug`` and the
 instrumentation mode). That is at least as fine as Triton's own cache key, so an equal key launches the kernel
-Triton itself would launch; anything else (an argument of another kind, a callable grid, a launch hook or
+Triton itself would launch. In front of it sits a cheaper key of the same call (:meth:`LeanKernel.layout_functions`):
+ints by value instead of by class, each tensor's dtype, alignment and ``is_cuda``; it also hands back the tensors'
+addresses, and a hit launches with those ints (the launcher then skips its per-pointer ``data_ptr`` call and driver
+query). A miss there that hits the class key launches once with the tensors themselves, whose pointers the launcher
+checks, before its key is kept. Anything else (an argument of another kind, a callable grid, a launch hook or
 pre-run hook set, a global the kernel reads changed since it compiled, a keyword value other than an int, bool,
 str, None or ``tl.dtype``: floats, say, where ``0.0 == -0.0`` but Triton compiles them apart) takes Triton's path.
 A key that differs only where Triton's does not costs one more pass through Triton's path, never a wrong kernel.
@@ -39,6 +43,7 @@ from triton.runtime.jit import JITFunction
 
 ENABLED = os.environ.get("DSA_LEAN_LAUNCH", "1") != "0"  # off (DSA_LEAN_LAUNCH=0): every launch is Triton's
 MAX_ENTRIES = 256  # compiled launches kept per kernel; past this the cache starts over (misses take Triton's path)
+MAX_FAST_ENTRIES = 1024  # fast keys (ints by value) kept per kernel; past this they start over
 MAX_LAYOUTS = 4  # argument layouts (kinds of the positional arguments, arity) with a key function, per kernel
 KEY_SAFE = (int, bool, str, type(None), tl.dtype)  # keyword values whose equality (with their type) fixes str()
 _ATTRIBUTE = "_dsa_lean"
@@ -54,25 +59,39 @@ def launch(kernel, grid, *args, **meta):
     if lean is None:
         lean = LeanKernel(kernel)
         setattr(kernel, _ATTRIBUTE, lean)
-    if not lean.key_functions:  # the first call (CUDA may be uninitialised: _device does not initialise it)
+    if not lean.layouts:  # the first call (CUDA may be uninitialised: _device does not initialise it)
         return lean.through_triton(grid, args, meta, None, None)
     device = _device()
-    key = None
-    for key_of in lean.key_functions:  # (the hit path is inline: one Python frame less per launch)
+    for fast_of, key_of in lean.layouts:  # (the hit path is inline: one Python frame less per launch)
         try:
-            key = key_of(args, meta, device)
+            fast, pointers = fast_of(args, meta, device)
             break
         except Exception:  # another layout (or a value that cannot be keyed): the next one, or none
-            key = None
+            pass
+    else:
+        return lean.through_triton(grid, args, meta, None, device)
     try:
-        entry = lean.entries.get(key) if key is not None else None
+        entry = lean.fast.get(fast)
     except TypeError:  # an unhashable keyword value
-        entry = key = None
-    if entry is None or type(grid) is not tuple or kernel.pre_run_hooks or not hooks_idle() or lean.globals_changed():
-        return lean.through_triton(grid, args, meta, key, device)
+        return lean.through_triton(grid, args, meta, None, device)
+    if type(grid) is not tuple or kernel.pre_run_hooks or not hooks_idle() or lean.globals_changed():
+        return lean.through_triton(grid, args, meta, None, device)
+    if entry is None:
+        try:
+            key = key_of(args, meta, device)
+            entry = lean.entries.get(key)
+        except Exception:  # a value the key cannot take (an int past uint64: Triton raises) or cannot hash
+            key = None
+        if entry is None:
+            return lean.through_triton(grid, args, meta, key, device)
+        pointers = args  # this once, the tensors: the launcher checks each pointer before the fast key is kept
     n = len(grid)
     run, head, tail = entry
-    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(device), *head, *args, *tail)
+    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(device), *head, *pointers, *tail)
+    if pointers is args:
+        if len(lean.fast) >= MAX_FAST_ENTRIES:
+            lean.fast.clear()
+        lean.fast[fast] = entry
     return entry.kernel
 
 
@@ -102,6 +121,12 @@ class _Mismatch(Exception):
 
 def _mismatch():
     raise _Mismatch
+
+
+def _hashed(key):
+    """``key``, once it has hashed (raises TypeError for an unhashable keyword value)."""
+    hash(key)
+    return key
 
 
 # An int's class in Triton's specialization: 1 (made a constant), else its type by range (int32, int64, uint64),
@@ -134,14 +159,26 @@ def _key_expression(kind: str, a: str) -> str:
     }[kind]
 
 
+
+def _fast_expression(kind: str, a: str, p: str) -> str:
+    """A positional argument's part of the fast key: an int by value; a tensor (address ``p``) as in the key, plus
+    whether it is a CUDA tensor (its address is passed to the launcher unchecked). The fast key starts with the
+    layout's kinds, so that a bool and an int of equal value in two layouts never share one."""
+    return {
+        "tensor": f"{a}.dtype, {a}.is_cuda, not {p} & 15",
+        "int": f"{a} if type({a}) is int else _mismatch()",
+        "bool": f"{a} if type({a}) is bool else _mismatch()",
+    }.get(kind) or _key_expression(kind, a)
+
 class LeanKernel:
-    """The compiled launches of one ``@triton.jit`` function by key (module docstring), and the key functions of
-    the argument layouts it was launched with; :func:`launch` looks them up."""
+    """The compiled launches of one ``@triton.jit`` function by key and by fast key (module docstring), and the
+    key functions of the argument layouts it was launched with; :func:`launch` looks them up."""
 
     def __init__(self, fn: JITFunction) -> None:
         self.fn = fn
-        self.entries: dict = {}
-        self.key_functions: list = []
+        self.entries: dict = {}  # key -> _Entry
+        self.fast: dict = {}  # fast key -> _Entry (the same entries)
+        self.layouts: list = []  # (fast key function, key function) per argument layout
 
     def globals_changed(self) -> bool:
         """Triton's check before each launch: a global the kernel read at compile time has another value now
@@ -151,27 +188,38 @@ class LeanKernel:
                 return True
         return False
 
-    def through_triton(self, grid, args: tuple, meta: dict, key, device: int):
-        """Triton's own launch; then keep the compiled kernel under ``key`` (built first, for a new layout)."""
+    def through_triton(self, grid, args: tuple, meta: dict, key, device: int | None):
+        """Triton's own launch; then keep the compiled kernel under ``key`` (None: the call's key, from its layout's
+        key function, built first for a new layout)."""
         kernel = self.fn[grid](*args, **meta)
         if kernel is None or not hasattr(kernel, "packed_metadata"):
             return kernel
-        if key is None and len(self.key_functions) < MAX_LAYOUTS:
-            key_of = self.key_function(args, meta)
-            if key_of is not None:
-                device = torch.cuda.current_device() if device is None else device
-                self.key_functions.append(key_of)
-                try:
-                    key = key_of(args, meta, device)
-                    hash(key)
-                except Exception:
-                    key = None
+        if key is None:
+            key = self.key(args, meta, torch.cuda.current_device() if device is None else device)
         tail = self.tail(args, meta)
         if key is not None and tail is not None:
             if len(self.entries) >= MAX_ENTRIES:
                 self.entries.clear()
             self.entries[key] = _Entry(kernel, tail)
         return kernel
+
+    def key(self, args: tuple, meta: dict, device: int):
+        """The call's key from the first layout's key function that takes it, else from a new layout's (at most
+        ``MAX_LAYOUTS``); None when none takes it."""
+        for _, key_of in self.layouts:
+            try:
+                return _hashed(key_of(args, meta, device))
+            except Exception:
+                continue
+        functions = self.layout_functions(args, meta) if len(self.layouts) < MAX_LAYOUTS else None
+        if functions is None:
+            return None
+        try:
+            key = _hashed(functions[1](args, meta, device))
+        except Exception:
+            return None
+        self.layouts.append(functions)
+        return key
 
     def tail(self, args: tuple, meta: dict) -> tuple | None:
         """The arguments after the positional ones, in signature order (keyword values, else the defaults), as
@@ -191,28 +239,36 @@ class LeanKernel:
                 return None
         return tuple(tail)
 
-    def key_function(self, args: tuple, meta: dict):
-        """A function ``(args, meta, device) -> key`` for calls with the layout of ``args`` (the kind of each
-        positional argument, their number); it raises on a call of another layout. None when an argument has no
+    def layout_functions(self, args: tuple, meta: dict):
+        """Two functions ``(args, meta, device) -> ...`` for calls with the layout of ``args`` (the kind of each
+        positional argument, their number), each raising on a call of another layout: the fast key with the
+        arguments to launch with (every tensor replaced by its address), and the key. None when an argument has no
         kind (:func:`argument_kind`) or there are more arguments than parameters."""
         params = self.fn.params
         if len(args) > len(params):
             return None
-        parts = []
-        for i, (value, p) in enumerate(zip(args, params)):
-            kind = "constexpr" if p.is_constexpr else argument_kind(value)
-            if kind is None:
+        kinds = []
+        for value, p in zip(args, params):
+            kinds.append("constexpr" if p.is_constexpr else argument_kind(value))
+            if kinds[-1] is None:
                 return None
-            parts.append(_key_expression(kind, f"a{i}"))
         names = "".join(f"a{i}, " for i in range(len(args)))
+        common = ("device, {n}, knobs.runtime.debug, knobs.compilation.instrumentation_mode, {parts}"
+                  "*meta, *meta.values(), *map(type, meta.values())")
+        key_parts = "".join(f"{_key_expression(kind, f'a{i}')}, " for i, kind in enumerate(kinds))
+        fast_parts = "".join(f"{_fast_expression(kind, f'a{i}', f'p{i}')}, " for i, kind in enumerate(kinds))
+        addresses = "".join(f"    p{i} = a{i}.data_ptr()\n" for i, kind in enumerate(kinds) if kind == "tensor")
+        launched = "".join(f"p{i}, " if kind == "tensor" else f"a{i}, " for i, kind in enumerate(kinds))
         source = (f"def key(args, meta, device):\n"
                   f"    ({names}) = args\n"
-                  f"    return (device, {len(args)}, knobs.runtime.debug, knobs.compilation.instrumentation_mode, "
-                  f"{''.join(f'{part}, ' for part in parts)}"
-                  f"*meta, *meta.values(), *map(type, meta.values()))\n")
+                  f"    return ({common.format(n=len(args), parts=key_parts)})\n"
+                  f"def fast(args, meta, device):\n"
+                  f"    ({names}) = args\n"
+                  f"{addresses}"
+                  f"    return ({' '.join(kinds)!r}, {common.format(n=len(args), parts=fast_parts)}), ({launched})\n")
         scope = {"knobs": knobs, "_mismatch": _mismatch}
         exec(source, scope)
-        return scope["key"]
+        return scope["fast"], scope["key"]
 
 
 class _Entry(tuple):

@@ -136,11 +136,38 @@ def launch_rows(name: str, records: list, calls: int, rounds: int, device) -> li
         compiled_us = host_us(lambda: runner(*full), calls, rounds)[0] if runner is not None else math.nan
         with lean_path(True):
             dev = device_us(lean_call, device)
+            parts = lean_parts(kernel, grid, args, kwargs, calls, rounds)
         rows.append({"op": name, "launch": i, "kernel": kernel.fn.__name__, "grid": "x".join(map(str, grid)),
                      "args": len(args) + len(kwargs), "triton_us": triton_us, "lean_us": lean_us,
                      "compiled_us": compiled_us, "device_us": dev, "lean_vs_triton": triton_us / lean_us,
-                     "lean_misses": misses})
+                     "lean_misses": misses, **parts})
     return rows
+
+
+def lean_parts(kernel, grid, args: tuple, kwargs: dict, calls: int, rounds: int) -> dict:
+    """Host microseconds of the lean path's parts for one launch (after it has hit): ``key_us`` the fast key (with
+    the addresses), ``checks_us`` device, stream, hooks and globals, ``run_ints_us`` / ``run_tensors_us`` the
+    launcher given the addresses / the tensors (each of these launches the kernel)."""
+    from dsa_triton import launch as lean
+
+    state = kernel._dsa_lean
+    fast_of = state.layouts[0][0]
+    _, pointers = fast_of(args, kwargs, lean._device())
+    run, head, tail = state.fast[fast_of(args, kwargs, lean._device())[0]]
+    gx, gy, gz = (*grid, 1, 1)[:3]
+
+    def checks():
+        device = lean._device()
+        lean._stream(device)
+        return kernel.pre_run_hooks or not lean.hooks_idle() or state.globals_changed()
+
+    def best(fn):
+        return min(host_us(fn, calls, 1)[0] for _ in range(rounds))
+
+    stream = lean._stream(lean._device())
+    return {"key_us": best(lambda: fast_of(args, kwargs, 0)), "checks_us": best(checks),
+            "run_ints_us": best(lambda: run(gx, gy, gz, stream, *head, *pointers, *tail)),
+            "run_tensors_us": best(lambda: run(gx, gy, gz, stream, *head, *args, *tail))}
 
 
 def op_row(name: str, call, n_launches: int, calls: int, rounds: int, device) -> dict:

@@ -34,7 +34,11 @@ def triton_key(fn: JITFunction, args: tuple, meta: dict) -> str:
 
 
 def lean_key(fn: JITFunction, args: tuple, meta: dict):
-    return lean.LeanKernel(fn).key_function(args, meta)(args, meta, 0)
+    return lean.LeanKernel(fn).layout_functions(args, meta)[1](args, meta, 0)
+
+
+def fast_key(fn: JITFunction, args: tuple, meta: dict):
+    return lean.LeanKernel(fn).layout_functions(args, meta)[0](args, meta, 0)[0]
 
 
 BASE = torch.empty(64)
@@ -77,8 +81,9 @@ def coarser_than_triton(key_of, pairs=400, seed=0) -> list:
     return [k for k, keys in by_key.items() if len(keys) > 1]
 
 
-def test_equal_lean_keys_mean_equal_triton_keys():
-    assert not coarser_than_triton(lean_key)
+@pytest.mark.parametrize("key_of", [lean_key, fast_key])
+def test_equal_lean_keys_mean_equal_triton_keys(key_of):
+    assert not coarser_than_triton(key_of)
 
 
 def test_the_comparison_catches_a_key_blind_to_alignment():
@@ -115,13 +120,16 @@ def test_each_specialized_property_changes_the_key(change):
         changed[4] = 1
     elif change == "none":
         changed[6] = BASE
-    key_of = lean.LeanKernel(fn).key_function(tuple(args), meta)
-    before = key_of(tuple(args), meta, 0)
-    try:
-        after = key_of(tuple(changed), meta2, 0)
-    except Exception:  # another argument kind: this layout's function refuses it (a new layout gets its own)
-        after = lean.LeanKernel(fn).key_function(tuple(changed), meta2)(tuple(changed), meta2, 0)
-    assert before != after
+    for which in (0, 1):  # the fast key, the key
+        key_of = lean.LeanKernel(fn).layout_functions(tuple(args), meta)[which]
+        before = key_of(tuple(args), meta, 0)
+        try:
+            after = key_of(tuple(changed), meta2, 0)
+        except Exception:  # another argument kind: this layout's function refuses it (a new layout gets its own)
+            after = lean.LeanKernel(fn).layout_functions(tuple(changed), meta2)[which](tuple(changed), meta2, 0)
+        if which == 0:  # (the key, not the arguments handed back)
+            before, after = before[0], after[0]
+        assert before != after
     assert triton_key(fn, tuple(args), meta) != triton_key(fn, tuple(changed), meta2)
 
 
@@ -131,9 +139,38 @@ def test_a_key_does_not_move_with_what_triton_ignores():
     meta = {"BLOCK": 16, "num_warps": 4}
     a = (BASE, BASE, 32, 17, True, 0.5, None)
     b = (BASE[4:], BASE[8:], 48, 19, False, -3.0, None)
-    key_of = lean.LeanKernel(fn).key_function(a, meta)
+    key_of = lean.LeanKernel(fn).layout_functions(a, meta)[1]
     assert key_of(a, meta, 0) == key_of(b, meta, 0)
     assert key_of(a, meta, 0) != key_of(a, meta, 1)  # another device
+
+
+def test_the_fast_key_holds_ints_by_value_and_hands_back_addresses():
+    fn = jit_kernel()
+    meta = {"BLOCK": 16, "num_warps": 4}
+    a = (BASE, BASE[4:], 32, 17, True, 0.5, None)
+    fast_of = lean.LeanKernel(fn).layout_functions(a, meta)[0]
+    key, launched = fast_of(a, meta, 0)
+    assert launched == (BASE.data_ptr(), BASE[4:].data_ptr(), 32, 17, True, 0.5, None)
+    assert key == fast_of((BASE[8:],) + a[1:], meta, 0)[0]  # addresses 16 bytes apart
+    assert key != fast_of(a[:2] + (48,) + a[3:], meta, 0)[0]  # an int of the same class, another value
+
+
+class CudaLike:
+    """A tensor-like argument (``data_ptr`` and ``dtype``) that says it is on a CUDA device (BASE is not)."""
+    dtype, is_cuda = torch.float32, True
+
+    def data_ptr(self):
+        return BASE.data_ptr()
+
+
+def test_the_fast_key_tells_a_cuda_tensor_from_another():
+    fn = jit_kernel()
+    meta = {"BLOCK": 16}
+    a = (BASE, BASE, 32, 17, True, 0.5, None)
+    fast_of, key_of = lean.LeanKernel(fn).layout_functions(a, meta)
+    other = (CudaLike(),) + a[1:]
+    assert key_of(a, meta, 0) == key_of(other, meta, 0)  # (the key does not: the launcher checks those pointers)
+    assert fast_of(a, meta, 0)[0] != fast_of(other, meta, 0)[0]
 
 
 class FakeCompiled:
@@ -183,11 +220,15 @@ def test_a_repeated_launch_calls_the_compiled_kernel(fake_triton):
     returned = lean.launch(fn, (3, 2), x, y, 48, 17, True, 0.5, None, BLOCK=16, num_warps=4)
     assert returned is compiled and len(through_triton) == 1 and not compiled.calls
     x2 = torch.empty(32)
-    lean.launch(fn, (5,), x2, y, 64, 33, False, 2.0, None, BLOCK=16, num_warps=4)
+    for _ in range(2):
+        lean.launch(fn, (5,), x2, y, 64, 33, False, 2.0, None, BLOCK=16, num_warps=4)
     assert len(through_triton) == 1
     # Triton's argument order: grid, stream, function, metadata, launch metadata and hooks (none), then every
-    # parameter in signature order, constexprs (given and default) included
-    assert compiled.calls == [(5, 1, 1, 1234, 11, (4, 1, 0), None, None, None, x2, y, 64, 33, False, 2.0, None, 16, 2)]
+    # parameter in signature order, constexprs (given and default) included; the first launch of a fast key with
+    # the tensors (the launcher checks their pointers), the next with their addresses
+    head = (5, 1, 1, 1234, 11, (4, 1, 0), None, None, None)
+    assert compiled.calls == [head + (x2, y, 64, 33, False, 2.0, None, 16, 2),
+                              head + (x2.data_ptr(), y.data_ptr(), 64, 33, False, 2.0, None, 16, 2)]
 
 
 @pytest.mark.parametrize("change", ["misaligned", "int one", "new constexpr", "callable grid", "launch hook",
@@ -226,7 +267,7 @@ def test_a_second_layout_gets_its_own_key_function(fake_triton):
     lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, x, BLOCK=16)
     lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, None, BLOCK=16)
     assert len(through_triton) == 2 and len(compiled.calls) == 2
-    assert len(fn._dsa_lean.key_functions) == 2
+    assert len(fn._dsa_lean.layouts) == 2
 
 
 def test_the_cuda_launcher_is_called_without_its_python_wrapper(monkeypatch, fake_triton):
@@ -234,21 +275,25 @@ def test_the_cuda_launcher_is_called_without_its_python_wrapper(monkeypatch, fak
     launcher = CudaLauncherLike()
     compiled.run = launcher
     x = torch.empty(32)
-    for _ in range(2):
+    for _ in range(3):
         lean.launch(fn, (2, 3, 4), x, x, 48, 17, True, 0.5, None, BLOCK=16)
     assert not launcher.wrapped
     # what CudaLauncher.__call__ passes its C function: cooperative grid, PDL, the two scratch buffers (none)
-    assert launcher.direct == [(2, 3, 4, 1234, 11, False, True, None, None, (4, 1, 0), None, None, None,
-                                x, x, 48, 17, True, 0.5, None, 16, 2)]
+    head = (2, 3, 4, 1234, 11, False, True, None, None, (4, 1, 0), None, None, None)
+    assert launcher.direct == [head + (x, x, 48, 17, True, 0.5, None, 16, 2),
+                               head + (x.data_ptr(), x.data_ptr(), 48, 17, True, 0.5, None, 16, 2)]
 
 
 def test_the_cache_of_a_kernel_is_bounded(fake_triton, monkeypatch):
     fn, compiled, through_triton = fake_triton
     monkeypatch.setattr(lean, "MAX_ENTRIES", 3)
+    monkeypatch.setattr(lean, "MAX_FAST_ENTRIES", 3)
     x = torch.empty(32)
     for block in itertools.islice(itertools.cycle([16, 32, 64, 128]), 8):
         lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, None, BLOCK=block)
-    assert len(fn._dsa_lean.entries) <= 3
+    for n in range(40, 48):  # one entry, many fast keys
+        lean.launch(fn, (1,), x, x, n, 17, True, 0.5, None, BLOCK=16)
+    assert len(fn._dsa_lean.entries) <= 3 and len(fn._dsa_lean.fast) <= 3
 
 
 def test_the_interpreter_takes_tritons_path_unchanged(monkeypatch):
