@@ -2,14 +2,16 @@
 # One H200 device call, run in the repository root of the tree sent to the GPU machine:
 #   device command: DSA_GIT_COMMIT=$(git rev-parse HEAD)[-dirty] bash scripts/gpu_session.sh PART [PART ...]
 # (the .git sent along, if any, is not the commit sent: the caller names it). Parts:
-#   check     every kernel at its small and odd shapes, launch/default/random configs (scripts/gpu_check.py)
-#   sanitize  compute-sanitizer memcheck (every kernel, launch config) and racecheck (kernels using shared memory)
+#   check     every kernel at its small and odd shapes, launch/default/random configs (scripts/gpu_check.py;
+#             CHECK_KERNELS=a,b in the environment: only those)
+#   sanitize  compute-sanitizer memcheck (every kernel: launch, default and one random config) and racecheck
+#             (launch configs)
 #   bench     python -m dsa_triton.bench: every kernel and report against its baseline, with the ceilings
 #   launch    host cost a launch, Triton's launcher vs the lean path, and the ops eager vs from CUDA graphs
 #             (scripts/launch_cost.py)
 #   tune ARGS dsa-tune tune ARGS (needs .whl with the optuna wheels carried: optuna is not on the GPU image)
-# Everything lands in $OUT: logs, results files, and the tuning database after a tune (merge it back with
-# `dsa-tune merge $OUT/db/*.csv`).
+# Everything lands in $OUT/session.tgz (the device tool returns at most 8 files): logs, results files, and the
+# tuning database after a tune (merge it back with `dsa-tune merge db/*.csv` from the unpacked archive).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv | tee "$OUT/nvidia-smi.txt"
@@ -18,11 +20,11 @@ while [ $# -gt 0 ]; do
   part=$1; shift
   case $part in
     check)
-      timeout 300 python scripts/gpu_check.py --out "$OUT" 2>&1 | tee "$OUT/gpu-check.log" | tail -40 || status=1 ;;
+      timeout 300 python scripts/gpu_check.py --out "$OUT" --kernels "${CHECK_KERNELS:-}" 2>&1 | tee "$OUT/gpu-check.log" | tail -40 || status=1 ;;
     sanitize)
       export PYTHONPATH PYTORCH_NO_CUDA_MEMORY_CACHING=1
-      timeout 400 compute-sanitizer --tool memcheck --print-limit 20 python scripts/gpu_check.py --defaults-only \
-        --seeds 1 --out "$OUT" 2>&1 | tee "$OUT/memcheck.log" | tail -12 || status=1
+      timeout 400 compute-sanitizer --tool memcheck --print-limit 20 python scripts/gpu_check.py --configs 1 \
+        --seeds 1 --out "$OUT/memcheck" 2>&1 | tee "$OUT/memcheck.log" | tail -12 || status=1
       timeout 300 compute-sanitizer --tool racecheck --print-limit 20 python scripts/gpu_check.py --defaults-only \
         --seeds 1 --out "$OUT/racecheck" 2>&1 | tee "$OUT/racecheck.log" | tail -12 || status=1
       unset PYTORCH_NO_CUDA_MEMORY_CACHING ;;
@@ -42,4 +44,6 @@ while [ $# -gt 0 ]; do
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done
+# the device tool returns at most 8 files from $OUT: everything goes back as one archive
+(cd "$OUT" && tar czf /tmp/session.tgz . && rm -rf ./* && mv /tmp/session.tgz .)
 exit $status
