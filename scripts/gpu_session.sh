@@ -7,6 +7,7 @@
 #   sanitize  compute-sanitizer memcheck (every kernel: launch, default and one random config) and racecheck
 #             (launch configs)
 #   bench     python -m dsa_triton.bench: every kernel and report against its baseline, with the ceilings
+#             (BENCH_KERNELS=a,b in the environment: only those kernels and reports)
 #   launch    host cost a launch, Triton's launcher vs the lean path, and the ops eager vs from CUDA graphs
 #             (scripts/launch_cost.py)
 #   tune ARGS dsa-tune tune ARGS (needs .whl with the optuna wheels carried: optuna is not on the GPU image)
@@ -29,7 +30,7 @@ while [ $# -gt 0 ]; do
         --seeds 1 --out "$OUT/racecheck" 2>&1 | tee "$OUT/racecheck.log" | tail -12 || status=1
       unset PYTORCH_NO_CUDA_MEMORY_CACHING ;;
     bench)
-      timeout 560 python -m dsa_triton.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep "^|\|checks ok" \
+      timeout 560 python -m dsa_triton.bench --out "$OUT" --kernels "${BENCH_KERNELS:-}" 2>&1 | tee "$OUT/bench.log" | grep "^|\|checks ok" \
         | cut -c1-240 | tail -70 || status=1 ;;
     launch)
       timeout 280 python scripts/launch_cost.py --out "$OUT" --flat 2>&1 | tee "$OUT/launch-cost.log" | tail -60 \
