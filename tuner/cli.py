@@ -180,9 +180,11 @@ def cmd_day0(args: argparse.Namespace) -> int:
     that reads the database just tuned: from ``--checkpoint``, else from random weights at the config's widths
     (``--layers`` layers, drawn on the device). Prints each stage's time and writes one results file
     (:func:`day0_results`); 1 when a job failed or the runner did."""
+    import time
+
+    start = time.monotonic()  # the plan stage: the imports (torch, Triton, the kernels), the device, the jobs
     import gc
     import tempfile
-    import time
 
     import torch
 
@@ -202,7 +204,6 @@ def cmd_day0(args: argparse.Namespace) -> int:
         stages.append({"stage": name, "seconds": time.monotonic() - start, "detail": detail})
         print(f"day0 {name}: {detail} ({stages[-1]['seconds']:.1f} s)", flush=True)
 
-    start = time.monotonic()
     device, db = _setup(args)
     model = model_path(args.model)
     if not args.checkpoint:  # the runner builds the random model from this config: one it cannot read fails now
