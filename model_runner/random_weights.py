@@ -3,9 +3,10 @@ model's first tokens before its weights exist (``python -m model_runner generate
 
 Dense tensors follow :func:`.tiny.random_tensor`'s rule (projections ~ N(0, 1/fan_in), norms near 1, biases near 0),
 in the activation dtype, the router, its bias and the indexer's ``weights_proj`` in fp32 (as
-:func:`.loader.load_checkpoint` returns them). Routed experts are random MXFP4 bytes (every E2M1 code, rms about 2.9) with one E8M0 scale that
-makes the weights about N(0, 1/fan_in)-sized: a layer of E experts holds ``E x 3 x hidden x inter x 0.53`` bytes
-(384 experts of 6144 x 2048: 7.7 GB), so they are drawn straight on the device.
+:func:`.loader.load_checkpoint` returns them). Routed experts are random MXFP4 bytes (every E2M1 code, rms about
+2.9) with one E8M0 scale that makes the weights about N(0, 1/fan_in)-sized: a layer of E experts holds
+``E x 3 x hidden x inter x 0.53`` bytes (384 experts of 6144 x 2048: 7.7 GB), so they are drawn straight on the
+device.
 """
 from __future__ import annotations
 
