@@ -20,19 +20,27 @@ from .memory import memory_plan
 from .model import INDEX_PRECISIONS, Model
 from .ops import KernelOps, ReferenceOps
 from .profiling import StepProfiler
+from .random_weights import random_weights, reduced
 from .sampling import SamplingParams
 from .tiny import make_tiny, save_random_checkpoint
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what the attention and MoE kernels take
 
 
+def config_file(model: str | Path) -> Path:
+    """A model's config.json: ``model`` itself when it is a file, else ``model/config.json``."""
+    return Path(model) if Path(model).is_file() else Path(model) / "config.json"
+
+
 def build_engine(folder: str | Path, *, mode: str = "kernel", dtype: torch.dtype, device, num_pages: int = 64,
                  page_size: int = 16, max_seqs: int = 8, max_seq_len: int = 256, max_num_batched_tokens: int = 256,
                  seed: int = 0, poison: bool = False, check_values: bool = True, index_precision: str = "fp8",
                  dequantize_fp8: bool = False, kv_cache: str = "activation", indexer_path: dict[str, str] | None = None,
-                 cuda_graphs: bool = True, profile: bool = False) -> Engine:
+                 cuda_graphs: bool = True, profile: bool = False, random_layers: int | None = None) -> Engine:
     """Load the checkpoint ``folder`` (its config.json) into a model on the ``mode`` backend ("kernel" or
-    "reference") with its caches. ``check_values``: see :class:`.ops.KernelOps`; ``index_precision``: see
+    "reference") with its caches; ``random_layers``: no checkpoint, random weights drawn on ``device`` from ``seed``
+    for that many layers of the config at every width (:mod:`.random_weights`; ``folder`` may then be the
+    config.json itself). ``check_values``: see :class:`.ops.KernelOps`; ``index_precision``: see
     :mod:`.model`; ``dequantize_fp8``: FP8 projections to ``dtype`` at load instead of the FP8 GEMM; ``kv_cache``:
     latent cache rows in ``dtype`` ("activation") or DeepSeek's FP8 latent cache ("fp8", :mod:`.cache_manager`);
     ``indexer_path``: ``{"decode": ..., "prefill": ...}`` of :data:`.index_path.PATHS`; ``cuda_graphs``: replay
@@ -50,7 +58,9 @@ def build_engine(folder: str | Path, *, mode: str = "kernel", dtype: torch.dtype
                           "use float16 there")
     if index_precision not in INDEX_PRECISIONS:
         raise RunnerError(f"index_precision: must be one of {INDEX_PRECISIONS}, got {index_precision!r}")
-    config = ModelConfig.from_json(Path(folder) / "config.json")
+    config = ModelConfig.from_json(config_file(folder))
+    if random_layers is not None:
+        config = reduced(config, random_layers)
     if index_precision == "fp8" and config.index_head_dim & (config.index_head_dim - 1):
         raise RunnerError(f"index_precision: fp8 rotates by a Hadamard matrix, which needs a power-of-two "
                           f"index_head_dim, got {config.index_head_dim}")
@@ -58,7 +68,13 @@ def build_engine(folder: str | Path, *, mode: str = "kernel", dtype: torch.dtype
     parallel = distributed.active()  # expert parallel: this rank reads and holds only its experts
     owned = (parallel.owned(config.n_routed_experts) if parallel is not None
              and any(map(config.is_moe_layer, range(config.num_hidden_layers))) else None)
-    checkpoint = load_checkpoint(folder, config, dtype, device, dequantize_fp8=dequantize_fp8, experts=owned)
+    if random_layers is None:
+        checkpoint = load_checkpoint(folder, config, dtype, device, dequantize_fp8=dequantize_fp8, experts=owned)
+    else:
+        moe = sum(map(config.is_moe_layer, range(config.num_hidden_layers)))
+        checkpoint = Checkpoint(random_weights(config, dtype, device, seed, owned),
+                                [f"random weights (no checkpoint): {config.num_hidden_layers - moe} dense + {moe} MoE "
+                                 f"layers at the config's widths, seed {seed}"])
     try:
         model = Model(config, checkpoint.weights, ops, index_precision, indexer_path)
     except ValueError as exc:

@@ -1,12 +1,15 @@
 """``python -m model_runner``: offline batch generation from a checkpoint folder, and tiny random checkpoints.
 
     python -m model_runner generate --model DIR --prompts IN.jsonl --out OUT.jsonl
+    python -m model_runner generate --model CONFIG.json --random-weights [--layers 4] --prompts IN.jsonl --out OUT.jsonl
     python -m model_runner make-tiny DIR [--experts mxfp4|bf16|fp8] [--dense bf16|fp8]
 
 ``generate`` prints what loading did, whether decode steps replay from CUDA graphs and the memory plan, shows a
 progress bar of generated tokens and closes with the throughput of prefill, decode and mixed steps (and, with
 ``--profile``, where the time of one decode step and one prefill step went). File formats: :mod:`.batch_io`. Any
-error is one line on stderr, exit status 2.
+error is one line on stderr, exit status 2. ``--random-weights``: no checkpoint, random weights at the config's
+widths for ``--layers`` layers drawn on the device (:mod:`.random_weights`); prompts are token ids, no EOS stops
+them. ``--stats FILE``: the model build and generation times, throughput, each step's time and the notes as JSON.
 
 Under ``torchrun --nproc-per-node N`` ``generate`` runs expert parallel and data parallel (:mod:`.distributed`):
 each rank loads its experts and runs its share of the prompts; rank 0 prints (its memory plan, every rank's
@@ -15,7 +18,9 @@ throughput and time in collectives) and writes the one output file, all prompts 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,7 +28,7 @@ import torch
 from dsa_triton.hostmath import cdiv
 from dsa_triton.runtime import default_device
 
-from . import build_engine, distributed
+from . import build_engine, config_file, distributed
 from .errors import RunnerError
 from .index_path import PATHS
 from .memory import bytes_per_token, format_plan
@@ -34,6 +39,7 @@ from .tiny import DENSE_FORMATS, EXPERT_FORMATS, make_tiny
 from .tokenizer import eos_token_ids, load_tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+RANDOM_LAYERS = 4  # --random-weights: one dense layer and three MoE layers of a DeepSeek-V3-style config
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,7 +47,13 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate for every prompt of a JSON-lines file")
-    gen.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer.json)")
+    gen.add_argument("--model", required=True, help="checkpoint folder (config.json, safetensors, tokenizer.json); "
+                     "with --random-weights a config.json or a folder holding one")
+    gen.add_argument("--random-weights", action="store_true",
+                     help="no checkpoint: random weights at the config's widths, drawn on the device")
+    gen.add_argument("--layers", type=int, default=None,
+                     help="with --random-weights: layers of the model, the config's dense layers capped to one, "
+                          f"then MoE layers (default {RANDOM_LAYERS})")
     gen.add_argument("--prompts", required=True, help="JSON lines: token ids, text, or objects with settings")
     gen.add_argument("--out", required=True, help="JSON lines written here, one per prompt")
     gen.add_argument("--mode", choices=("kernel", "reference"), default="kernel",
@@ -77,6 +89,8 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--profile", action="store_true",
                      help="profile one decode step and one prefill step (torch.profiler) and print the split")
     gen.add_argument("--no-progress", action="store_true")
+    gen.add_argument("--stats", default=None, help="write the build and generation times, throughput by step kind "
+                     "and the engine's notes here (JSON)")
     gen.add_argument("--time-collectives", action="store_true",
                      help="under torchrun: synchronize the device around each collective to time them")
     gen.set_defaults(func=generate)
@@ -91,10 +105,17 @@ def parser() -> argparse.ArgumentParser:
 
 
 def generate(args) -> None:
-    if not Path(args.model, "config.json").is_file():
-        raise RunnerError(f"model: {args.model} is not a checkpoint folder (no config.json)")
-    tokenizer = load_tokenizer(args.model)
-    stop = () if args.ignore_eos else eos_token_ids(args.model)
+    if args.layers is not None and not args.random_weights:
+        raise RunnerError("--layers: only with --random-weights (a checkpoint has its layers)")
+    if args.random_weights:
+        if not config_file(args.model).is_file():
+            raise RunnerError(f"model: {args.model} is neither a config.json nor a folder holding one")
+        tokenizer, stop = None, ()
+    else:
+        if not Path(args.model, "config.json").is_file():
+            raise RunnerError(f"model: {args.model} is not a checkpoint folder (no config.json)")
+        tokenizer = load_tokenizer(args.model)
+        stop = () if args.ignore_eos else eos_token_ids(args.model)
     defaults = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, stop, args.top_k)
     requests = read_requests(args.prompts, defaults, tokenizer)
     parallel = distributed.setup()  # None unless launched by torchrun with more than one process
@@ -111,12 +132,16 @@ def _generate(args, requests, tokenizer, parallel) -> None:
     here = len(distributed.share(len(requests), parallel)) if parallel else len(requests)  # this rank's prompts
     max_seqs = max(1, min(args.max_seqs, here))
     num_pages = args.num_pages or max_seqs * cdiv(max_seq_len, args.page_size)
+    start = time.perf_counter()
     engine = build_engine(args.model, mode=args.mode, dtype=dtype, device=device, num_pages=num_pages,
                           page_size=args.page_size, max_seqs=max_seqs, max_seq_len=max_seq_len,
                           max_num_batched_tokens=args.chunk, seed=args.seed, check_values=not args.skip_checks,
                           index_precision=args.index_precision, dequantize_fp8=args.dequantize_fp8,
                           kv_cache=args.kv_cache, indexer_path=dict(zip(("decode", "prefill"), args.indexer_path)),
-                          cuda_graphs=not args.no_cuda_graphs, profile=args.profile)
+                          cuda_graphs=not args.no_cuda_graphs, profile=args.profile,
+                          random_layers=(RANDOM_LAYERS if args.layers is None else args.layers)
+                          if args.random_weights else None)
+    build_s = time.perf_counter() - start
     lead = parallel is None or parallel.rank == 0  # the process that prints and writes
     totals = parallel.all_gather(sum(engine.memory.values())) if parallel else []
     if lead:
@@ -132,6 +157,7 @@ def _generate(args, requests, tokenizer, parallel) -> None:
             print("memory plan totals by rank: " + ", ".join(f"{t / 2**20:.2f}" for t in totals) + " MiB", flush=True)
     prompts, params, names = ([r.token_ids for r in requests], [r.params for r in requests],
                               [r.name for r in requests])
+    start = time.perf_counter()
     if parallel is None:
         seqs = engine.run(prompts, params, progress=not args.no_progress, names=names)
         reports = [(engine.throughput(), None)]
@@ -139,9 +165,17 @@ def _generate(args, requests, tokenizer, parallel) -> None:
         parallel.timed = args.time_collectives
         seqs = distributed.generate(engine, prompts, params, names, progress=not args.no_progress)
         reports = parallel.all_gather((engine.throughput(), dict(parallel.stats)))
+    run_s = time.perf_counter() - start
     if not lead:
         return
     write_results(args.out, seqs, tokenizer)
+    if args.stats:
+        summary = {"build_s": build_s, "run_s": run_s, "notes": engine.notes, "cuda_graphs": engine.graphs_note,
+                   "memory_mib": sum(engine.memory.values()) / 2**20,
+                   "steps": [{"kind": r.kind, "tokens": r.tokens, "seconds": r.seconds} for r in engine.steps],
+                   "throughput": [{kind: {"tokens": tokens, "seconds": seconds}
+                                   for kind, (tokens, seconds) in throughput.items()} for throughput, _ in reports]}
+        Path(args.stats).write_text(json.dumps(summary, indent=1) + "\n")
     for rank, (throughput, stats) in enumerate(reports):
         who = f"rank {rank}: " if parallel else ""
         for kind, (tokens, seconds) in throughput.items():

@@ -7,12 +7,12 @@
 
 ``scripts/ep_bench.sh`` runs the four in one device call. ``write``: the V3.2 config (tuner/models/deepseek-v3.2.json)
 with ``--layers`` layers (the first dense, the rest MoE with 256 MXFP4 experts, ~6 GB each) and a smaller vocabulary,
-bf16 dense weights by :func:`model_runner.tiny.random_tensor`'s rule, random MXFP4 bytes with scales about
-``fan_in^-0.5``; one shard per layer. ``run``: the model runner in kernel mode (bf16, value checks off), the same
-prompts on every world size (data parallel over the ranks), three passes: a warm-up (compiles), a measured pass,
-and a pass with the device synchronized around every collective (their time). Writes the tokens, each rank's prefill
-and decode throughput, collectives and memory plan. ``compare``: tokens equal or not (and where they part), tokens/s
-per GPU against one GPU, the time in collectives.
+bf16 dense weights by :func:`model_runner.tiny.random_tensor`'s rule, random MXFP4 experts by
+:func:`model_runner.random_weights.random_experts`; one shard per layer. ``run``: the model runner in kernel mode
+(bf16, value checks off), the same prompts on every world size (data parallel over the ranks), three passes: a
+warm-up (compiles), a measured pass, and a pass with the device synchronized around every collective (their time).
+Writes the tokens, each rank's prefill and decode throughput, collectives and memory plan. ``compare``: tokens equal
+or not (and where they part), tokens/s per GPU against one GPU, the time in collectives.
 """
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ sys.path.insert(0, str(ROOT))
 
 from dsa_triton.runtime import default_device  # noqa: E402
 from model_runner import ModelConfig, SamplingParams, build_engine, distributed, tiny_config  # noqa: E402
-from model_runner.loader import INDEX_FILE, dense_shapes, mxfp4_shapes  # noqa: E402
+from model_runner.loader import INDEX_FILE, dense_shapes  # noqa: E402
+from model_runner.random_weights import random_experts  # noqa: E402
 from model_runner.tiny import random_tensor  # noqa: E402
 
 V32 = ROOT / "tuner" / "models" / "deepseek-v3.2.json"
-SCALE_BIAS = {"gate_up": 119, "down": 120}  # E8M0 bytes: E2M1 codes (rms ~2.9) times 2^(s - 127) ~ fan_in^-0.5
 
 
 def v32_config(layers: int, vocab: int, tiny: bool = False) -> ModelConfig:
@@ -69,13 +69,7 @@ def write(args) -> None:
         tensors = {name: random_tensor(name, shape, g).cpu() for name, shape in shapes.items()}
         layer = int(file.split("-")[1].split(".")[0]) if file.startswith("layer-") else None
         if layer is not None and config.is_moe_layer(layer):
-            for name, shape in mxfp4_shapes(config, layer).items():
-                if name.endswith("_blocks"):
-                    t = torch.randint(0, 256, shape, generator=g, device=device, dtype=torch.uint8)
-                else:
-                    bias = SCALE_BIAS["gate_up" if "gate_up" in name else "down"]
-                    t = torch.randint(bias - 1, bias + 1, shape, generator=g, device=device, dtype=torch.uint8)
-                tensors[name] = t.cpu()
+            tensors.update({name: t.cpu() for name, t in random_experts(config, layer, g).items()})
         save_file(tensors, str(folder / file))
         weight_map.update(dict.fromkeys(tensors, file))
         print(f"wrote {file}: {sum(t.numel() * t.element_size() for t in tensors.values()) / 2**30:.2f} GiB "

@@ -11,12 +11,19 @@
 #   launch    host cost a launch, Triton's launcher vs the lean path, and the ops eager vs from CUDA graphs
 #             (scripts/launch_cost.py)
 #   tune ARGS dsa-tune tune ARGS (needs .whl with the optuna wheels carried: optuna is not on the GPU image)
-# Everything lands in $OUT/session.tgz (the device tool returns at most 8 files): logs, results files, and the
-# tuning database after a tune (merge it back with `dsa-tune merge db/*.csv` from the unpacked archive).
+#   day0 ARGS dsa-tune day0 --flat ARGS: tune a config's shapes within --budget, then first tokens from its
+#             checkpoint or random weights, each stage timed, one results file (--out $OUT; needs .whl as tune)
+# tune and day0 take the rest of the command line. Everything lands in $OUT/session.tgz (the device tool returns at
+# most 8 files): logs, results files, and the tuning database after a tune or day0 (merge it back with
+# `dsa-tune merge db/*.csv` from the unpacked archive).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv | tee "$OUT/nvidia-smi.txt"
 status=0
+wheels() {  # optuna and its needs, from the carried .whl folder
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
+}
 while [ $# -gt 0 ]; do
   part=$1; shift
   case $part in
@@ -36,10 +43,15 @@ while [ $# -gt 0 ]; do
       timeout 280 python scripts/launch_cost.py --out "$OUT" --flat 2>&1 | tee "$OUT/launch-cost.log" | tail -60 \
         || status=1 ;;
     tune)
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-      export PYTHONPATH=/tmp/site:$PYTHONPATH
+      wheels
       timeout 540 python -m tuner.cli tune --no-progress "$@" 2>&1 | tee "$OUT/tune.log" | grep "^\[" | cut -c1-220 \
         | tail -40 || status=1
+      mkdir -p "$OUT/db" && cp tuning_db/data/*.csv "$OUT/db/"
+      shift $# ;;
+    day0)
+      wheels
+      timeout 570 python -m tuner.cli day0 --no-progress --flat "$@" 2>&1 | tee "$OUT/day0.log" | grep -v "^|" \
+        | cut -c1-240 | tail -60 || status=1
       mkdir -p "$OUT/db" && cp tuning_db/data/*.csv "$OUT/db/"
       shift $# ;;
     *) echo "unknown part $part" >&2; exit 2 ;;

@@ -2,8 +2,8 @@
 
 Model: hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope 64, indexer 64 x 128 with top-k 2048, 256 MXFP4
 experts top-8 in 8 groups (4 chosen) + 1 shared, 1 dense + 3 MoE layers, vocabulary 129280, bf16, 64-token pages,
-kernel mode with value checks off. Weights are drawn on the device (no checkpoint file); caches are filled with the
-append op (random latent rows and indexer keys), not by a prefill.
+kernel mode with value checks off. Weights are drawn on the device (:mod:`model_runner.random_weights`, no
+checkpoint file); caches are filled with the append op (random latent rows and indexer keys), not by a prefill.
 
 Parts (``--part``, several allowed; each writes ``runner_bench-<part>-<device>-<date>.json|md`` under ``--out``):
 
@@ -54,10 +54,10 @@ from model_runner import RopeConfig, tiny_config  # noqa: E402
 from model_runner.cache_manager import CacheManager  # noqa: E402
 from model_runner.cuda_graphs import DecodeGraphs  # noqa: E402
 from model_runner.engine import Engine  # noqa: E402
-from model_runner.loader import dense_shapes  # noqa: E402
 from model_runner.model import Model  # noqa: E402
 from model_runner.ops import KernelOps, ReferenceOps  # noqa: E402
 from model_runner.profiling import StepProfiler, profile_call  # noqa: E402
+from model_runner.random_weights import random_weights  # noqa: E402
 from model_runner.sampling import SamplingParams, sample  # noqa: E402
 import model_runner.engine as engine_module  # noqa: E402
 
@@ -82,36 +82,6 @@ def small_config():
                        qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, n_routed_experts=16,
                        num_experts_per_tok=4, moe_intermediate_size=128, n_group=4, topk_group=2,
                        index_n_heads=8, index_head_dim=64, index_topk=64)
-
-
-def random_weights(c, dtype, device, seed: int = 0) -> dict:
-    """The loader's in-memory weights, drawn on ``device``: projections ~ N(0, 1/fan_in), norms near 1, the router,
-    its bias and the indexer's weights_proj fp32, routed experts as random MXFP4 bytes with scales giving
-    N(0, 1/fan_in)-sized weights (E2M1 codes have an rms of about 2.9)."""
-    g = torch.Generator(device).manual_seed(seed)
-    weights = {}
-    for name, shape in dense_shapes(c).items():
-        t = torch.randn(shape, generator=g, device=device)
-        if name.endswith("norm.weight") or name.endswith("k_norm.weight"):
-            t = 1 + 0.1 * t
-        elif name.endswith("bias"):
-            t = 0.1 * t
-        elif name != "model.embed_tokens.weight":
-            t = t * shape[-1] ** -0.5
-        fp32 = name.endswith(("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight"))
-        weights[name] = t.float() if fp32 else t.to(dtype)
-    for i in range(c.num_hidden_layers):
-        if not c.is_moe_layer(i):
-            continue
-        p = f"model.layers.{i}.mlp.experts."
-        for proj, n, k in (("gate_up", 2 * c.moe_intermediate_size, c.hidden_size),
-                           ("down", c.hidden_size, c.moe_intermediate_size)):
-            weights[p + proj + "_blocks"] = torch.randint(0, 256, (c.n_routed_experts, n, k // 32, 16), generator=g,
-                                                          device=device, dtype=torch.uint8)
-            exponent = 127 - round(torch.tensor(k * 2.9 ** 2).log2().item() / 2)
-            weights[p + proj + "_scales"] = torch.full((c.n_routed_experts, n, k // 32), exponent, dtype=torch.uint8,
-                                                       device=device)
-    return weights
 
 
 def build_model(c, dtype, device, ops, indexer_path=None, seed=0) -> Model:

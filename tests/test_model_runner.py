@@ -229,6 +229,32 @@ def test_checkpoint_round_trip(tmp_path, mxfp4):
     assert weights[p + "down_blocks"].shape == (6, 64, 1, 16)
 
 
+def test_random_weights_are_what_the_loader_returns(checkpoint, tmp_path, capsys):
+    """Random weights in memory: the names, shapes and dtypes a loaded checkpoint of the same config has, MXFP4
+    experts of about N(0, 1/fan_in) size, an expert range for expert parallel; ``reduced`` keeps every width."""
+    from dsa_triton.moe.mxfp4_reference import mxfp4_dequantize_torch
+    from model_runner.__main__ import main
+    from model_runner.random_weights import random_weights, reduced
+
+    loaded = load_checkpoint(checkpoint, CONFIG, torch.float16, "cpu").weights
+    drawn = random_weights(CONFIG, torch.float16, "cpu", seed=3)
+    assert {n: (t.shape, t.dtype) for n, t in drawn.items()} == {n: (t.shape, t.dtype) for n, t in loaded.items()}
+    p = "model.layers.2.mlp.experts."
+    for proj, fan_in in (("gate_up", CONFIG.hidden_size), ("down", CONFIG.moe_intermediate_size)):
+        w = mxfp4_dequantize_torch(drawn[p + proj + "_blocks"], drawn[p + proj + "_scales"])
+        assert 0.5 < w.float().pow(2).mean().sqrt().item() * fan_in ** 0.5 < 2, proj
+    assert random_weights(CONFIG, torch.float16, "cpu", experts=range(2, 5))[p + "down_blocks"].shape[0] == 3
+    for layers, types in ((1, ("dense",)), (4, ("dense", "sparse", "sparse", "sparse"))):
+        small = reduced(CONFIG, layers)
+        assert small.mlp_layer_types == types and small.hidden_size == CONFIG.hidden_size
+    assert reduced(tiny_config(first_k_dense_replace=0), 2).mlp_layer_types == ("sparse", "sparse")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("[1, 2]\n")
+    assert main(["generate", "--model", str(checkpoint), "--prompts", str(prompts), "--out", str(tmp_path / "o"),
+                 "--layers", "2"]) == 2
+    assert "--layers: only with --random-weights" in capsys.readouterr().err
+
+
 def test_checkpoint_rejects_bad_experts(tmp_path):
     from safetensors.torch import load_file, save_file
     save_random_checkpoint(CONFIG, tmp_path, experts="mxfp4", shards=2, seed=1)

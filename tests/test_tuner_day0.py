@@ -272,6 +272,13 @@ def test_known_configs_of_many_jobs_compile_in_workers(monkeypatch):
 
 
 # -- day0 -------------------------------------------------------------------------------------------
+def day0_files(out):
+    """The day0 results file written into ``out`` (``--flat``): its JSON."""
+    [path] = out.glob("day0-*.json")
+    assert path.with_suffix(".md").exists()
+    return json.loads(path.read_text())
+
+
 def test_day0_tunes_then_generates_with_the_runner_and_times_each_stage(tmp_path, capsys, monkeypatch):
     import subprocess
     import sys
@@ -283,28 +290,99 @@ def test_day0_tunes_then_generates_with_the_runner_and_times_each_stage(tmp_path
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text(json.dumps(OTHER))
-    runs = []
-    monkeypatch.setattr(subprocess, "run", lambda command, env: runs.append((command, env)) or
-                        subprocess.CompletedProcess(command, 0))
-    db, out = tmp_path / "db", tmp_path / "day0" / "gen.jsonl"
+    runs, real = [], subprocess.run
+
+    def run(command, **kwargs):  # the runner's command is recorded, not run (git's, for the results file, runs)
+        if command[1:4] != ["-m", "model_runner", "generate"]:
+            return real(command, **kwargs)
+        runs.append((command, kwargs["env"]))
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    db, out = tmp_path / "db", tmp_path / "out"
     common = ["--kernels", "toy_axpy", "--phases", "decode", "--batches", "2", "--budget", "1s", "--db", str(db),
-              "--storage", "none", "--no-progress"]
+              "--storage", "none", "--no-progress", "--out", str(out), "--flat"]
     with registered(toy_spec()):
         try:
-            assert main(["day0", *common, "--checkpoint", str(checkpoint), "--out", str(out)]) == 0
+            assert main(["day0", *common, "--checkpoint", str(checkpoint)]) == 0
             text = capsys.readouterr().out
             [(command, env)] = runs
-            prompts = out.with_name("gen-prompts.jsonl")
-            assert command == [sys.executable, "-m", "model_runner", "generate", "--model", str(checkpoint),
-                               "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "16"]
-            assert all(isinstance(json.loads(line), list) for line in prompts.read_text().splitlines())
+            prompts = command[command.index("--prompts") + 1]
+            assert command[:6] == [sys.executable, "-m", "model_runner", "generate", "--model", str(checkpoint)]
+            assert "--random-weights" not in command and command[-3:] == ["--max-new-tokens", "16", "--no-progress"]
+            assert prompts.endswith("prompts.jsonl") and command[command.index("--stats") + 1].endswith("stats.json")
             assert env["DSA_TUNING_DB"] == str(db.resolve())  # the runner reads the database just tuned
             assert [r.shape for r in tuning_db.Database(db).records("cpu-interpreter")] == ["D=448,T=2"]  # config's D
             for stage in ("plan:", "tune:", "generate:", "total:"):
                 assert stage in text
             assert "1 of 1 jobs have a record" in text
+            assert [s["stage"] for s in day0_files(out)["stages"]] == ["plan", "tune", "generate", "total"]
 
-            assert main(["day0", *common, "--model", str(checkpoint / "config.json")]) == 0  # no checkpoint
-            assert "generate: skipped: no --checkpoint given" in capsys.readouterr().out and len(runs) == 1
+            assert main(["day0", *common, "--checkpoint", str(checkpoint), "--random-weights"]) == 2
+            assert "exclude each other" in capsys.readouterr().err
+            assert main(["day0", *common, "--model", "deepseek-v3.2"]) == 2  # shape fields only: no vocab_size
+            assert "the runner cannot build random weights from it: config: missing field" in capsys.readouterr().err
+            assert len(runs) == 1  # neither got to the runner
         finally:
             tuning_db.use()
+
+
+def test_day0_from_a_config_to_first_tokens_from_random_weights(tmp_path, capsys):
+    """A config not in tuner/models (the runner's tiny model) through day0 in the interpreter: a record for every
+    job, then the real runner in a subprocess on random weights (1 dense + 1 MoE layer at the config's widths)
+    generates tokens; the results file holds the stages, a speedup row per job and the tokens."""
+    import math
+
+    import tuning_db
+    from model_runner import tiny_config
+
+    config = tmp_path / "config.json"
+    tiny_config().to_json(config)
+    db, out = tmp_path / "db", tmp_path / "out"
+    try:
+        assert main(["day0", "--model", str(config), "--kernels", "moe_route", "--batches", "1,2", "--budget", "1s",
+                     "--db", str(db), "--storage", "none", "--no-progress", "--random-weights", "--layers", "2",
+                     "--max-new-tokens", "2", "--out", str(out), "--flat"]) == 0
+        text = capsys.readouterr().out
+        jobs = {"E=6,T=1,n_group=3,softmax=0,top_k=2,topk_group=2", "E=6,T=2,n_group=3,softmax=0,top_k=2,topk_group=2"}
+        assert {r.shape for r in tuning_db.Database(db).records("cpu-interpreter")} == jobs
+        assert "2 of 2 jobs have a record" in text
+        results = day0_files(out)
+        assert "1 dense + 1 MoE layers" in results["runner"]["notes"][0]
+        assert [s["stage"] for s in results["stages"]] == ["plan", "tune", "generate", "total"]
+        assert all(s["seconds"] > 0 for s in results["stages"])
+        assert {r["shape"] for r in results["speedup"]} == jobs
+        assert all(r["default_us"] > 0 and r["us"] > 0 for r in results["speedup"])
+        assert math.isfinite(results["geomean_tuned_over_default"])
+        assert [len(g["token_ids"]) for g in results["generated"]] == [2, 2, 2]  # three prompts, no EOS stops them
+        assert all(0 <= t < 128 for g in results["generated"] for t in g["token_ids"])
+        assert {r["kind"] for r in results["throughput"]} >= {"prefill", "decode"}
+        assert all(r["tokens_per_s"] > 0 for r in results["throughput"])
+        assert results["random_layers"] == 2 and results["config"]["hidden_size"] == 64
+    finally:
+        tuning_db.use()
+
+
+def test_the_gpu_runs_config_is_new_and_read_by_tuner_and_runner():
+    """tests/data/dsa-64h-384e/config.json, the config of the GPU day0 run: not one of tuner/models, most of its
+    shapes have no record in the committed database (those it shares with DeepSeek-V3.2 are the indexer's, 64 x 128
+    with top-2048, and the 576-wide latent cache's), the tuner plans its jobs and the runner reads it (4 layers:
+    1 dense + 3 MoE)."""
+    from pathlib import Path
+
+    from model_runner import ModelConfig
+    from model_runner.random_weights import reduced
+    from tuner.shapes import MODELS
+    from tuning_db import Database
+
+    path = Path(__file__).parent / "data" / "dsa-64h-384e" / "config.json"
+    config = json.loads(path.read_text())
+    assert all(json.loads(p.read_text()) != config for p in MODELS.glob("*.json"))
+    runner = reduced(ModelConfig.from_json(path), 4)
+    assert runner.mlp_layer_types == ("dense", "sparse", "sparse", "sparse") and runner.n_routed_experts == 384
+    args = build_parser().parse_args(["day0", "--model", str(path), "--batches", "1,8,64", "--contexts",
+                                      "8192,32768,131072", "--chunks", "2048,8192"])
+    jobs = build_jobs(args, default_device())
+    stored = {(r.kernel, r.phase, r.shape) for r in Database().records("nvidia-h200")}
+    new = [j for j in jobs if (j.spec.name, j.phase, sh.shape_text(j.shape)) not in stored]
+    assert len(new) > 100 and {j.spec.name for j in jobs} - {j.spec.name for j in new} == set()

@@ -6,7 +6,8 @@
 - ``bench``: every stored record re-timed: tuned vs default vs baseline (a table and a results file);
 - ``merge``: record files into the database (atomic);
 - ``compare``: exhaustive best vs the TPE sampler on one space (trials to come within 5%);
-- ``day0``: a new model's config.json to tuned kernels within a budget, then a few generated tokens.
+- ``day0``: a new model's config.json to tuned kernels within a budget, then a few generated tokens (from its
+  checkpoint, or random weights at its widths), with each stage's time and the tuned-over-default speedups.
 
 Without a GPU everything runs in the Triton interpreter on the kernels' tiny bench shapes with few trials.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 SHARD_HELP = "I/N: tune only every N-th job starting at I (one process per GPU, all writing to one database)"
 
@@ -145,11 +147,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
             print(job)
         print(f"{len(jobs)} jobs")
         return 0
-    return run_tune(args, jobs, device, db)
+    return any_failed(run_tune(args, jobs, device, db))
 
 
-def run_tune(args: argparse.Namespace, jobs: list, device, db) -> int:
-    """Tune ``jobs`` as the arguments say and print the summary; 1 when a job failed."""
+def any_failed(results: list) -> int:
+    """1 when a job of ``results`` (:class:`~tuner.tune.JobResult`) failed, else 0."""
+    return 1 if any(r.status == "failed" for r in results) else 0
+
+
+def run_tune(args: argparse.Namespace, jobs: list, device, db) -> list:
+    """Tune ``jobs`` as the arguments say, print the summary and return the :class:`~tuner.tune.JobResult` list."""
     from dsa_triton.bench.results import dict_table
 
     from .tune import summary_rows, tune
@@ -162,64 +169,145 @@ def run_tune(args: argparse.Namespace, jobs: list, device, db) -> int:
                    storage_dir=None if args.storage == "none" else args.storage, retune=args.retune,
                    seed=args.seed, progress=not args.no_progress, workers=args.workers)
     print(dict_table(summary_rows(results)))
-    return 1 if any(r.status == "failed" for r in results) else 0
+    return results
 
 
 DAY0_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [5, 4, 3], [7] * 40)  # token ids: any vocabulary has them
 
 
 def cmd_day0(args: argparse.Namespace) -> int:
-    """Tune a new model's kernels within a budget, then (with ``--checkpoint``) generate a few tokens with the
-    model runner in a subprocess, which reads the database just tuned; prints each stage's time."""
-    import json
-    import os
-    import subprocess
+    """Tune a new model's kernels within a budget, then generate a few tokens with the model runner in a subprocess
+    that reads the database just tuned: from ``--checkpoint``, else from random weights at the config's widths
+    (``--layers`` layers, drawn on the device). Prints each stage's time and writes one results file
+    (:func:`day0_results`); 1 when a job failed or the runner did."""
     import time
-    from pathlib import Path
+
+    start = time.monotonic()  # the plan stage: the imports (torch, Triton, the kernels), the device, the jobs
+    import gc
+    import tempfile
+
+    import torch
 
     from dsa_triton.runtime import device_name
 
+    from .shapes import model_path
+
+    if args.checkpoint and args.random_weights:
+        raise ValueError("--checkpoint and --random-weights exclude each other")
     if not args.model:
         if not args.checkpoint:
             raise ValueError("--model or --checkpoint: the config.json to derive the shapes from")
         args.model = str(Path(args.checkpoint) / "config.json")
-    times: list[tuple[str, float, str]] = []
-    start = time.monotonic()
+    stages: list[dict] = []
+
+    def stage(name: str, start: float, detail: str) -> None:
+        stages.append({"stage": name, "seconds": time.monotonic() - start, "detail": detail})
+        print(f"day0 {name}: {detail} ({stages[-1]['seconds']:.1f} s)", flush=True)
+
     device, db = _setup(args)
+    model = model_path(args.model)
+    if not args.checkpoint:  # the runner builds the random model from this config: one it cannot read fails now
+        from model_runner import ModelConfig, RunnerError
+        from model_runner.random_weights import reduced
+
+        try:
+            reduced(ModelConfig.from_json(model), args.layers)
+        except RunnerError as exc:
+            raise ValueError(f"--model {model}: the runner cannot build random weights from it: {exc}") from None
     jobs = build_jobs(args, device)
-    times.append(("plan", time.monotonic() - start, f"{len(jobs)} jobs from {args.model}"))
-    print(f"day0 plan: {len(jobs)} jobs ({times[-1][1]:.1f} s)", flush=True)
+    stage("plan", start, f"{len(jobs)} jobs from {model}")
 
     start = time.monotonic()
-    rc = run_tune(args, jobs, device, db)
+    results = run_tune(args, jobs, device, db)
     records = sum(1 for j in jobs if (m := db.match(j.spec, j.phase, j.shape, device_name(device))) and m[0] == "exact")
-    times.append(("tune", time.monotonic() - start, f"budget {args.budget:.0f} s; {records} of {len(jobs)} jobs have "
-                  f"a record in {db.folder}"))
-    print(f"day0 tune: {times[-1][2]} ({times[-1][1]:.1f} s)", flush=True)
+    stage("tune", start, f"budget {args.budget:.0f} s; {records} of {len(jobs)} jobs have a record in {db.folder}")
 
-    if not args.checkpoint:
-        times.append(("generate", 0.0, "skipped: no --checkpoint given (the runner needs the model's weights)"))
-        print(f"day0 generate: {times[-1][2]}", flush=True)
-    else:
-        start = time.monotonic()
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        prompts = args.prompts
-        if not prompts:
-            prompts = str(out.with_name(out.stem + "-prompts.jsonl"))
-            Path(prompts).write_text("".join(json.dumps(p) + "\n" for p in DAY0_PROMPTS))
-        command = [sys.executable, "-m", "model_runner", "generate", "--model", args.checkpoint, "--prompts", prompts,
-                   "--out", str(out), "--max-new-tokens", str(args.max_new_tokens), *args.runner_args]
-        print(f"day0 generate: {' '.join(command)}", flush=True)
-        env = {**os.environ, "DSA_TUNING_DB": str(db.folder.resolve())}  # the runner's ops read this database
-        generated = subprocess.run(command, env=env).returncode
-        rc = rc or generated
-        times.append(("generate", time.monotonic() - start, f"exit status {generated}, results in {out}"))
-        print(f"day0 generate: {times[-1][2]} ({times[-1][1]:.1f} s)", flush=True)
-    for stage, seconds, what in times:
-        print(f"{stage:>8}: {seconds:8.1f} s  {what}")
-    print(f"{'total':>8}: {sum(t for _, t, _ in times):8.1f} s")
-    return rc
+    start = time.monotonic()
+    if device.type == "cuda":  # the runner's weights need the memory this process's allocator still caches
+        gc.collect()
+        torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory(prefix="day0-") as tmp:
+        generated, code = run_generate(args, model, db.folder, Path(tmp))
+    stats = generated["stats"] or {}
+    build = f"model build {stats['build_s']:.1f} s, " if stats else ""
+    weights = args.checkpoint or f"random weights, {args.layers} layers"
+    stage("generate", start, f"{weights}: {build}{sum(len(o['token_ids']) for o in generated['outputs'])} tokens "
+          f"generated, exit status {code}")
+    path = day0_results(args, model, results, stages, generated)
+    print(f"wrote {path} and .json")
+    return any_failed(results) or code
+
+
+def run_generate(args: argparse.Namespace, model, db_folder, folder) -> tuple[dict, int]:
+    """``python -m model_runner generate`` on ``--checkpoint`` or on random weights of ``model`` (a config.json),
+    with its files in ``folder``, reading the database in ``db_folder``; returns ({"outputs": its result lines,
+    "stats": its ``--stats`` or None}, its exit status)."""
+    import json
+    import os
+    import subprocess
+
+    prompts, out, stats = args.prompts or folder / "prompts.jsonl", folder / "generated.jsonl", folder / "stats.json"
+    if not args.prompts:
+        prompts.write_text("".join(json.dumps(p) + "\n" for p in DAY0_PROMPTS))
+    source = (["--model", args.checkpoint] if args.checkpoint else
+              ["--model", str(model), "--random-weights", "--layers", str(args.layers)])
+    command = [sys.executable, "-m", "model_runner", "generate", *source, "--prompts", str(prompts), "--out", str(out),
+               "--stats", str(stats), "--max-new-tokens", str(args.max_new_tokens),
+               *(["--no-progress"] if args.no_progress else []), *args.runner_args]
+    print(f"day0 generate: {' '.join(command)}", flush=True)
+    env = {**os.environ, "DSA_TUNING_DB": str(db_folder.resolve())}  # the runner's ops read this database
+    code = subprocess.run(command, env=env).returncode
+    outputs = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    return {"outputs": outputs, "stats": json.loads(stats.read_text()) if stats.exists() else None}, code
+
+
+def day0_results(args: argparse.Namespace, model, results: list, stages: list[dict], generated: dict):
+    """Print the stages and write the day0 results file (:func:`dsa_triton.bench.results.write_results` into
+    ``--out``, ``--flat``); returns its .md path. Sections: ``stages`` (plan, tune, generate with the model build,
+    total: wall seconds), ``speedup`` (per job: the record's time and the default config's, both timed in the
+    record's final run, :func:`tuner.tune.summary_rows`), ``generated`` (the runner's result lines: token ids per
+    prompt), ``throughput`` (tokens/s by step kind; the first step of a kind includes compiling its kernels, so
+    also decode after its first step). Data: the model and its config, the geometric-mean speedup, optuna's
+    version, the command."""
+    import json
+    import math
+    import statistics
+
+    import optuna
+
+    from dsa_triton.bench.results import write_results
+
+    from .tune import summary_rows
+
+    total = sum(s["seconds"] for s in stages)
+    stages = [*stages, {"stage": "total", "seconds": total, "detail": ""}]
+    for s in stages:
+        print(f"{s['stage']:>8}: {s['seconds']:8.1f} s  {s['detail']}")
+    rows = summary_rows(results)
+    ratios = [r["tuned/default"] for r in rows if math.isfinite(r["tuned/default"])]
+    geomean = statistics.geometric_mean(ratios) if ratios else math.nan
+    stats = generated["stats"] or {}
+    throughput = [{"kind": kind, "tokens": t["tokens"], "seconds": t["seconds"]}
+                  for kind, t in (stats.get("throughput") or [{}])[0].items()]
+    later = [s for s in stats.get("steps", []) if s["kind"] == "decode"][1:]
+    if later:
+        throughput.append({"kind": "decode after the first step", "tokens": sum(s["tokens"] for s in later),
+                           "seconds": sum(s["seconds"] for s in later)})
+    for row in throughput:
+        row["tokens_per_s"] = row["tokens"] / row["seconds"] if row["seconds"] else math.nan
+    weights = args.checkpoint or f"random weights ({args.layers} layers at the config's widths)"
+    note = (f"day0 {model}: {len(rows)} jobs within a {args.budget:.0f} s budget, then {args.max_new_tokens} new "
+            f"tokens a prompt from {weights}; total {total:.0f} s. Tuned database over the default configs on these "
+            f"shapes: geometric mean {geomean:.3f}x over the {len(ratios)} of {len(rows)} jobs with both times "
+            f"(a default that fails the reference check has none).")
+    print(note)
+    data = {"model": str(model), "config": json.loads(model.read_text()), "checkpoint": args.checkpoint or None,
+            "random_layers": None if args.checkpoint else args.layers, "budget_s": args.budget,
+            "geomean_tuned_over_default": geomean, "total_s": total, "optuna": optuna.__version__,
+            "command": ["dsa-tune", *args.argv], "runner": {k: stats.get(k) for k in ("notes", "cuda_graphs",
+                                                                                      "memory_mib")}}
+    return write_results(args.out, "day0", {"stages": stages, "speedup": rows, "generated": generated["outputs"],
+                                            "throughput": throughput}, note=note, data=data, flat=args.flat)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -351,15 +439,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     day0 = sub.add_parser("day0", help="a new model: tune its kernels within a budget, then generate a few tokens",
                           description="Tune every kernel and shape a model needs within --budget (as tune --model "
-                                      "--budget), then, given --checkpoint, run `python -m model_runner generate` on "
-                                      "it in a subprocess with the database just tuned; prints each stage's time.")
+                                      "--budget), then run `python -m model_runner generate` in a subprocess with "
+                                      "the database just tuned, on --checkpoint or else on random weights at the "
+                                      "config's widths; prints each stage's time and writes one results file "
+                                      "(stages, tuned-over-default speedup per job, tokens, tokens/s).")
     _tune_args(day0, db_help)
     day0.add_argument("--budget", type=duration, default=duration("20m"), help=BUDGET_HELP + " (default 20m)")
-    day0.add_argument("--checkpoint", default="", help="the model's checkpoint folder (Hugging Face layout); without "
-                      "it the generate stage is skipped; --model defaults to its config.json")
-    day0.add_argument("--prompts", default="", help="JSON-lines prompts for the runner (default: a few token-id "
-                      "prompts written beside --out)")
-    day0.add_argument("--out", default="day0/generated.jsonl", help="the runner's results (JSON lines)")
+    day0.add_argument("--checkpoint", default="", help="the model's checkpoint folder (Hugging Face layout); "
+                      "--model defaults to its config.json")
+    day0.add_argument("--random-weights", action="store_true", help="generate from random weights drawn on the "
+                      "device at the config's widths (the default without --checkpoint)")
+    day0.add_argument("--layers", type=int, default=4, help="random weights: layers, the config's dense layers "
+                      "capped to one, then MoE layers (default 4)")
+    day0.add_argument("--prompts", default="", help="JSON-lines prompts for the runner (default: three token-id "
+                      "prompts of 12, 3 and 40 tokens)")
+    day0.add_argument("--out", default="results", help="folder for the results file")
+    day0.add_argument("--flat", action="store_true", help="write straight into --out (no <device>/<date> folders)")
     day0.add_argument("--max-new-tokens", type=int, default=16)
     day0.add_argument("--runner-args", nargs=argparse.REMAINDER, default=[],
                       help="the rest of the command line goes to model_runner generate as it is")

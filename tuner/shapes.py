@@ -163,15 +163,20 @@ def parse_ints(text: str) -> tuple[int, ...]:
 MODELS = Path(__file__).resolve().parent / "models"
 
 
-def load_model_config(path: str | Path) -> dict[str, Any]:
-    """A config.json, or the name of one under ``tuner/models`` (``deepseek-v3.2``: the shape fields only)."""
+def model_path(path: str | Path) -> Path:
+    """A config.json's path, or that of the one named under ``tuner/models`` (``deepseek-v3.2``)."""
     path = Path(path)
     if not path.is_file() and (MODELS / f"{path}.json").is_file():
         path = MODELS / f"{path}.json"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in MODELS.glob("*.json")))
         raise ValueError(f"--model: no config.json at {path} (or a model name: {known})")
-    return json.loads(path.read_text())
+    return path
+
+
+def load_model_config(path: str | Path) -> dict[str, Any]:
+    """A config.json, or the name of one under ``tuner/models`` (``deepseek-v3.2``: the shape fields only)."""
+    return json.loads(model_path(path).read_text())
 
 
 def _value(spec: KernelSpec, dim: str, quantity: Quantity, config: dict[str, Any]) -> int:
