@@ -386,3 +386,21 @@ def test_the_gpu_runs_config_is_new_and_read_by_tuner_and_runner():
     stored = {(r.kernel, r.phase, r.shape) for r in Database().records("nvidia-h200")}
     new = [j for j in jobs if (j.spec.name, j.phase, sh.shape_text(j.shape)) not in stored]
     assert len(new) > 100 and {j.spec.name for j in jobs} - {j.spec.name for j in new} == set()
+
+
+def test_the_tune_stage_in_a_child_process_returns_its_summary(tmp_path):
+    """day0's tune stage on a GPU runs in a spawned process (its memory goes back before the runner loads weights):
+    here on the CPU, with a real kernel, it leaves the record in the database and hands back the summary rows."""
+    import tuning_db
+    from model_runner import tiny_config
+    from tuner.day0 import tune_in_child
+
+    config, db = tmp_path / "config.json", tmp_path / "db"
+    tiny_config().to_json(config)
+    args = build_parser().parse_args(["day0", "--model", str(config), "--kernels", "moe_route", "--batches", "1",
+                                      "--budget", "1s", "--db", str(db), "--storage", "none", "--no-progress"])
+    tuned = tune_in_child(args)
+    shape = "E=6,T=1,n_group=3,softmax=0,top_k=2,topk_group=2"
+    assert tuned["records"] == 1 and tuned["failed"] == 0
+    assert [r["shape"] for r in tuned["rows"]] == [shape] and tuned["rows"][0]["us"] > 0
+    assert [r.shape for r in tuning_db.Database(db).records("cpu-interpreter")] == [shape]
