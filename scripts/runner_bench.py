@@ -106,12 +106,17 @@ def random_weights(c, dtype, device, seed: int = 0) -> dict:
         p = f"model.layers.{i}.mlp.experts."
         for proj, n, k in (("gate_up", 2 * c.moe_intermediate_size, c.hidden_size),
                            ("down", c.hidden_size, c.moe_intermediate_size)):
-            weights[p + proj + "_blocks"] = torch.randint(0, 256, (c.n_routed_experts, n, k // 32, 16), generator=g,
-                                                          device=device, dtype=torch.uint8)
-            exponent = 127 - round(torch.tensor(k * 2.9 ** 2).log2().item() / 2)
-            weights[p + proj + "_scales"] = torch.full((c.n_routed_experts, n, k // 32), exponent, dtype=torch.uint8,
-                                                       device=device)
+            weights[p + proj + "_blocks"], weights[p + proj + "_scales"] = random_mxfp4(c.n_routed_experts, n, k, g)
     return weights
+
+
+def random_mxfp4(experts: int, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 weights ``[experts, n, k]`` on ``g``'s device: random E2M1 bytes (blocks ``[experts, n, k/32,
+    16]`` uint8) and one scale byte for all (``[experts, n, k/32]``) giving N(0, 1/k)-sized values (E2M1 codes
+    have an rms of about 2.9)."""
+    blocks = torch.randint(0, 256, (experts, n, k // 32, 16), generator=g, device=g.device, dtype=torch.uint8)
+    exponent = 127 - round(torch.tensor(k * 2.9 ** 2).log2().item() / 2)
+    return blocks, torch.full((experts, n, k // 32), exponent, dtype=torch.uint8, device=g.device)
 
 
 def build_model(c, dtype, device, ops, indexer_path=None, seed=0) -> Model:
