@@ -7,6 +7,9 @@
 #   bench     python -m dsa_triton.bench: every kernel and report against its baseline, with the ceilings
 #   launch    host cost a launch, Triton's launcher vs the lean path, and the ops eager vs from CUDA graphs
 #             (scripts/launch_cost.py)
+#   step      one decode step of one layer at DeepSeek-V3.2 widths, batch 1 and 64, contexts 4096 and 32768: eager,
+#             torch.compile (inductor) and a CUDA graph replayed, checked against eager and timed; and the test
+#             module of tests/test_library.py compiled by inductor (scripts/decode_step.py)
 #   tune ARGS dsa-tune tune ARGS (needs .whl with the optuna wheels carried: optuna is not on the GPU image)
 # Everything lands in $OUT: logs, results files, and the tuning database after a tune (merge it back with
 # `dsa-tune merge $OUT/db/*.csv`).
@@ -31,6 +34,9 @@ while [ $# -gt 0 ]; do
         | cut -c1-240 | tail -70 || status=1 ;;
     launch)
       timeout 280 python scripts/launch_cost.py --out "$OUT" --flat 2>&1 | tee "$OUT/launch-cost.log" | tail -60 \
+        || status=1 ;;
+    step)
+      timeout 400 python scripts/decode_step.py --out "$OUT" --flat 2>&1 | tee "$OUT/decode-step.log" | tail -30 \
         || status=1 ;;
     tune)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
