@@ -92,13 +92,15 @@ class MXFP4MoEMethod:
         self.shared_gate_up, self.shared_down = shared_gate_up, shared_down
         self.routing = dt.library.routing_kwargs(routing)  # mode, top_k, n_group, ... as op arguments
         self.num_experts = gate_up[0].shape[0]
+        # the fused (decode) path, as the op's config string (made here: torch.compile does not trace json.dumps)
+        self.config = dt.library.config_json({"path": "fused"})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The whole layer in one op. ``config`` pins the fused (decode) path, which has no host read after its
         first call per weight; ``None`` would read the tuning database's path for this shape."""
         return ops.moe_forward(x, self.router_weight, *self.gate_up, *self.down, self.router_bias,
                                self.shared_gate_up, self.shared_down, **self.routing, check_values=False,
-                               config=dt.library.config_json({"path": "fused"}))
+                               config=self.config)
 
     def forward_from_logits(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The same layer for an engine that computes the router logits itself: routing -> sort by expert ->
@@ -224,6 +226,20 @@ def new_inputs(attn: DSAAttentionBackend, rand) -> None:
     attn.new_index_k.copy_(rand(*attn.new_index_k.shape))
 
 
+def capture(fn):
+    """``(graph, outputs)``: ``fn()`` run once on a side stream (as ``torch.cuda.graph`` asks), then captured in a CUDA
+    graph whose ``replay()`` rewrites ``outputs``. ``fn`` must be warm (called once eagerly) and safe to repeat."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
 def main(device: str | None = None) -> None:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16  # interpreter: no bf16 dots
@@ -241,14 +257,7 @@ def main(device: str | None = None) -> None:
     print(f"eager decode step on {device}: every stage matches its reference")
     if device.type != "cuda":
         return
-    side = torch.cuda.Stream()  # warm up on a side stream too, as torch.cuda.graph asks (the append is idempotent)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer_step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_step, g_x, g_y = layer_step()
+    graph, (g_step, g_x, g_y) = capture(layer_step)  # its side-stream warm-up rewrites the same rows (idempotent)
     for _ in range(3):  # the next tokens: new inputs into the static buffers, replay, compare with an eager step
         new_inputs(attn, rand)
         graph.replay()

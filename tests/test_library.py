@@ -27,12 +27,13 @@ def rng(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def cache_with(lens, seed=0, num_pages=8):
+def cache_with(lens, seed=0, num_pages=8, device="cpu"):
     """A poisoned paged cache (fp16 latent rows, FP8 indexer keys) holding ``lens[b]`` random tokens of sequence b."""
     g = rng(seed)
-    cache = dt.PagedCache(num_pages, P, len(lens), 4, D, DK, torch.float16, "cpu", poison=True)
+    cache = dt.PagedCache(num_pages, P, len(lens), 4, D, DK, torch.float16, device, poison=True)
     n = sum(lens)
-    cache.append(range(len(lens)), lens, torch.randn(n, D, generator=g).half(), torch.randn(n, DK, generator=g))
+    cache.append(range(len(lens)), lens, torch.randn(n, D, generator=g).half().to(device),
+                 torch.randn(n, DK, generator=g).to(device))
     return cache
 
 
@@ -41,23 +42,25 @@ def queries(T, g):
     return q8, torch.randn(T, H_IDX, generator=g) * scale * (H_IDX * DK) ** -0.5
 
 
-def attention_inputs(seed=0):
-    """Two decode rows (one per sequence) over a cache of 40 and 23 tokens."""
+def attention_inputs(seed=0, device="cpu"):
+    """Two decode rows (one per sequence) over a cache of 40 and 23 tokens (the cache on ``device``, the rows on the
+    CPU)."""
     g = rng(seed)
-    cache = cache_with([40, 23], seed)
+    cache = cache_with([40, 23], seed, device=device)
     q, w = queries(2, g)
     limits = cache.seq_lens.clone()
     return g, cache, q, w, limits
 
 
-def mxfp4(shape, k, g, scale=1.0):
-    return dt.mxfp4_quantize(torch.randn(*shape, k, generator=g) * scale)
+def mxfp4(shape, k, g, scale=1.0, device="cpu"):
+    return dt.mxfp4_quantize((torch.randn(*shape, k, generator=g) * scale).to(device))
 
 
-def moe_layer(tokens=3, experts=6, hidden=64, inter=32, seed=0):
+def moe_layer(tokens=3, experts=6, hidden=64, inter=32, seed=0, device="cpu"):
+    """A MoE layer's input and weights, the MXFP4 experts on ``device`` (quantized there), the rest on the CPU."""
     g = rng(seed)
-    gu_b, gu_s = mxfp4((experts, 2 * inter), hidden, g, hidden ** -0.5)
-    dn_b, dn_s = mxfp4((experts, hidden), inter, g, inter ** -0.5)
+    gu_b, gu_s = mxfp4((experts, 2 * inter), hidden, g, hidden ** -0.5, device)
+    dn_b, dn_s = mxfp4((experts, hidden), inter, g, inter ** -0.5, device)
     x = torch.randn(tokens, hidden, generator=g).half()
     router = torch.randn(experts, hidden, generator=g) * hidden ** -0.5
     bias = torch.randn(experts, generator=g) * 0.1
@@ -376,9 +379,9 @@ class DecodeStep(torch.nn.Module):
     """One DSA decode step of a tiny layer through torch.ops.dsa: indexer logits over the paged FP8 keys, top-k
     (physical slots), sparse attention over the latent cache, an output projection, the MoE layer."""
 
-    def __init__(self, k: int, max_len: int, seed: int = 0):
+    def __init__(self, k: int, max_len: int, seed: int = 0, device="cpu"):
         super().__init__()
-        x, router, experts, bias, shared = moe_layer(seed=seed)
+        x, router, experts, bias, shared = moe_layer(seed=seed, device=device)
         hidden = x.shape[1]
         self.k, self.max_len = k, max_len
         self.register_buffer("w_o", (torch.randn(4 * DV, hidden, generator=rng(seed + 1)) * (4 * DV) ** -0.5).half())
@@ -397,12 +400,18 @@ class DecodeStep(torch.nn.Module):
                                self.sh_dn, check_values=False, **routing_kwargs(DEEPSEEK))
 
 
-def test_compiled_graph_equals_eager():
-    g, cache, q_idx, w_idx, _ = attention_inputs(seed=3)
+def decode_step_case(device="cpu"):
+    """``(module, args)``: a :class:`DecodeStep` (top-16 of 48 columns) and its arguments, two decode rows over
+    caches of 40 and 23 tokens, on ``device`` (scripts/decode_step.py compiles it with inductor on the GPU)."""
+    g, cache, q_idx, w_idx, _ = attention_inputs(seed=3, device=device)
     q = torch.randn(2, 4, D, generator=g).half()
     args = (q_idx, w_idx, q, cache.ik, cache.ik_scale, cache.kv, cache.block_table, cache.seq_lens,
             torch.tensor([0, 1, 2], dtype=torch.int32))
-    step = DecodeStep(k=16, max_len=48)
+    return DecodeStep(k=16, max_len=48, device=device).to(device), tuple(a.to(device) for a in args)
+
+
+def test_compiled_graph_equals_eager():
+    step, args = decode_step_case()
     eager = step(*args)
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(*args)
     assert eager.shape == (2, 64) and eager.dtype == torch.float16 and torch.isfinite(eager).all()
