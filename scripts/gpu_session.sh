@@ -12,7 +12,7 @@
 #             (scripts/launch_cost.py)
 #   step      one decode step of one layer at DeepSeek-V3.2 widths, batch 1 and 64, contexts 4096 and 32768: eager,
 #             torch.compile (inductor) and a CUDA graph replayed, checked against eager and timed; and the test
-#             module of tests/test_library.py compiled by inductor (scripts/decode_step.py)
+#             module of tests/test_library.py compiled by inductor (scripts/decode_step.py; STEP_ARGS in the environment: more arguments)
 #   tune ARGS dsa-tune tune ARGS (needs .whl with the optuna wheels carried: optuna is not on the GPU image)
 #   day0 ARGS dsa-tune day0 --flat ARGS: tune a config's shapes within --budget, then first tokens from its
 #             checkpoint or random weights, each stage timed, one results file (--out $OUT; needs .whl as tune)
@@ -46,7 +46,7 @@ while [ $# -gt 0 ]; do
       timeout 280 python scripts/launch_cost.py --out "$OUT" --flat 2>&1 | tee "$OUT/launch-cost.log" | tail -60 \
         || status=1 ;;
     step)
-      timeout 400 python scripts/decode_step.py --out "$OUT" --flat 2>&1 | tee "$OUT/decode-step.log" | tail -30 \
+      timeout 400 python scripts/decode_step.py --out "$OUT" --flat ${STEP_ARGS:-} 2>&1 | tee "$OUT/decode-step.log" | tail -30 \
         || status=1 ;;
     tune)
       wheels
