@@ -1,8 +1,6 @@
 """Property tests of ``dt.sparse_attention_decode`` and ``dt.sparse_attention_prefill`` (:mod:`tests.property_harness`:
-every generated call raises a clear error or equals the reference, :mod:`.sparse_attention_reference`).
-
-Defects of these ops found here live in files of another line of work (``sparse_attention*.py``): their cases are
-kept out of the generated ones and pinned below as strict xfails, each with its reproducer."""
+every generated call raises a clear error or equals the reference, :mod:`.sparse_attention_reference`). The defects
+it found are kept at the end as explicit cases."""
 import math
 
 import pytest
@@ -18,7 +16,6 @@ from .property_harness import Case, bad_config, bad_int, bad_real, bad_tensor, c
 
 DTYPES = (torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
-NOT_A_DICT = ("config as a list", "config an int")  # xfail: dict() before validation (see below)
 
 
 def _cache(draw, g, rows_needed: int, D: int, dtype):
@@ -117,8 +114,7 @@ def attention_cases(draw, phase: str):
         if t.numel():
             t.view(-1)[draw(st.integers(0, t.numel() - 1))] = math.nan
     elif mutation == "config":
-        config, kind, names = bad_config(draw, DECODE_SPEC if phase == "decode" else PREFILL_SPEC)
-        args["config"] = {} if kind in NOT_A_DICT else config
+        args["config"], kind, names = bad_config(draw, DECODE_SPEC if phase == "decode" else PREFILL_SPEC)
         mutation += f" {kind}"
     else:
         mutation = "valid"
@@ -165,7 +161,7 @@ def test_sparse_attention_prefill():
     run_property(attention_cases("prefill"))
 
 
-# -- defects in sparse_attention*.py (another line of work): strict xfails with their reproducers ------------------
+# -- defects found by this test, kept as explicit cases -----------------------------------------------------------
 def _decode_args(**changes):
     g = torch.Generator().manual_seed(0)
     args = {"q": torch.randn(1, 2, 16, generator=g).half(), "kv_cache": torch.randn(4, 16, generator=g).half(),
@@ -174,6 +170,7 @@ def _decode_args(**changes):
     return args
 
 
+# a config that is not a dict raised a TypeError from dict() that named nothing
 @pytest.mark.parametrize("config", [7, "BLOCK_N"])
 def test_config_not_a_dict_is_named(config):
     check(_case("decode", "config not a dict", _decode_args(config=config), ("config",)))
