@@ -1,6 +1,5 @@
 """Property tests of ``dt.sparse_attention_decode`` and ``dt.sparse_attention_prefill`` (:mod:`tests.property_harness`:
-every generated call raises a clear error or equals the reference, :mod:`.sparse_attention_reference`). The defects
-it found are kept at the end as explicit cases."""
+every generated call raises a clear error or equals the reference, :mod:`.sparse_attention_reference`)."""
 import math
 
 import pytest
@@ -12,7 +11,8 @@ from dsa_triton.attention.sparse_attention_reference import (sparse_attention_de
                                                              sparse_attention_prefill_torch)
 from dsa_triton.attention.sparse_attention_spec import DECODE_SPEC, PREFILL_SPEC
 
-from .property_harness import Case, bad_config, bad_int, bad_real, bad_tensor, check, generator, nan_split, run_property
+from .property_harness import (Case, check, checked, config_arg, element, generator, int_arg, mutate, nan_split,
+                               real_arg, run_property, tensor_arg)
 
 DTYPES = (torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -69,55 +69,43 @@ def attention_cases(draw, phase: str):
         idx = _indices(g, rows, k, num_slots, index_dtype)
     args["indices"] = idx.view(B, S, k) if per_token else idx
     args["check_values"] = draw(st.booleans())
-    mutation = draw(st.sampled_from(["valid", "q", "kv_cache", "kv pages", "indices", "index values", "block_table",
-                                     "table entries", "sm_scale", "d_v", "nan", "config"]))
-    names = ()
-    if mutation == "q":
-        args["q"], kind = draw(bad_tensor(q, dtypes=DTYPES))
-        mutation, names = f"q {kind}", ("q", "kv_cache", "indices", "block_table", "d_v")
-    elif mutation == "kv_cache":
-        args["kv_cache"], kind = draw(bad_tensor(kv, dtypes=(dtype,)))
-        mutation, names = f"kv_cache {kind}", ("kv_cache", "block_table", "indices")
-    elif mutation == "kv pages" and kv.dim() == 3 and kv.shape[0] > 1:
+    limit = num_slots if "block_table" not in args else args["block_table"].shape[1] * P
+
+    def kv_pages(draw, args):  # pages further apart than P rows
+        if kv.dim() != 3 or kv.shape[0] <= 1:
+            return None
         wide = torch.randn(kv.shape[0], kv.shape[1] + 1, D, generator=g).to(dtype)
         wide[:, : kv.shape[1]] = kv
-        args["kv_cache"], names = wide[:, : kv.shape[1]], ("kv_cache",)  # pages further apart than P rows
-    elif mutation == "indices":
-        args["indices"], kind = draw(bad_tensor(args["indices"], dtypes=INDEX_DTYPES))
-        mutation, names = f"indices {kind}", ("indices", "indices.shape[-1] (k)", "indices.shape[1] (k)")
-    elif mutation == "index values" and args["indices"].numel():
-        limit = num_slots if "block_table" not in args else args["block_table"].shape[1] * P
-        bad = args["indices"].clone()
-        bad.view(-1)[draw(st.integers(0, bad.numel() - 1))] = draw(st.sampled_from([-2, limit, 2**31 - 1]))
-        args["indices"], args["check_values"], names = bad, True, ("indices",)  # (unchecked: skipped, not compared)
-    elif mutation == "block_table" and "block_table" in args:
-        args["block_table"], kind = draw(bad_tensor(args["block_table"], dtypes=INDEX_DTYPES))
-        mutation, names = f"block_table {kind}", ("block_table", "kv_cache")
-    elif mutation == "table entries" and "block_table" in args:
-        used = args["indices"].reshape(args["block_table"].shape[0], -1) if phase == "decode" or \
-            args["block_table"].shape[0] == rows else args["indices"].reshape(1, -1)
+        args["kv_cache"] = wide[:, : kv.shape[1]]
+        return "", ("kv_cache",)
+
+    def table_entries(draw, args):  # a table entry an index reads: -1, or past the cache
+        if "block_table" not in args:
+            return None
+        table = args["block_table"]
+        used = args["indices"].reshape(table.shape[0], -1) if phase == "decode" or table.shape[0] == rows else \
+            args["indices"].reshape(1, -1)
         valid = (used >= 0).nonzero()
-        if valid.shape[0]:
-            r, c = valid[0].tolist()
-            table = args["block_table"].clone()
-            table[r if table.shape[0] > 1 else 0, int(used[r, c]) // P] = draw(st.sampled_from([-1, num_slots // P]))
-            args["block_table"], args["check_values"], names = table, True, ("block_table",)
-    elif mutation == "sm_scale":
-        args["sm_scale"], kind = bad_real(draw)
-        mutation, names = f"sm_scale {kind}", ("sm_scale",)
-    elif mutation == "d_v":
-        args["d_v"], kind = bad_int(draw, d_v, huge=False) if draw(st.booleans()) else (D + 1, "D + 1")
-        mutation, names = f"d_v {kind}", ("d_v",)
-    elif mutation == "nan":  # NaN in q or in a cache row an index names: NaN in, NaN out
-        target = draw(st.sampled_from(["q", "kv_cache"]))
-        t = args[target]
-        if t.numel():
-            t.view(-1)[draw(st.integers(0, t.numel() - 1))] = math.nan
-    elif mutation == "config":
-        args["config"], kind, names = bad_config(draw, DECODE_SPEC if phase == "decode" else PREFILL_SPEC)
-        mutation += f" {kind}"
-    else:
-        mutation = "valid"
+        if not valid.shape[0]:
+            return None
+        r, c = valid[0].tolist()
+        table = table.clone()
+        table[r if table.shape[0] > 1 else 0, int(used[r, c]) // P] = draw(st.sampled_from([-1, num_slots // P]))
+        args["block_table"] = table
+        return "", ("block_table",)
+
+    mutation, names = mutate(draw, args, {
+        "valid": None, "q": tensor_arg("q", DTYPES, ("q", "kv_cache", "indices", "block_table", "d_v")),
+        "kv_cache": tensor_arg("kv_cache", (dtype,), ("kv_cache", "block_table", "indices")),
+        "kv pages": kv_pages,
+        "indices": tensor_arg("indices", INDEX_DTYPES, ("indices", "indices.shape[-1] (k)", "indices.shape[1] (k)")),
+        "index values": checked(element("indices", [-2, limit, 2**31 - 1])),  # (unchecked: skipped, not compared)
+        "block_table": tensor_arg("block_table", INDEX_DTYPES, ("block_table", "kv_cache")),
+        "table entries": checked(table_entries),
+        "sm_scale": real_arg("sm_scale"),
+        "d_v": int_arg("d_v", huge=False, special=((D + 1, "D + 1"),)),
+        "nan": element(("q", "kv_cache"), [math.nan], ()),  # NaN in q or in a cache row an index names: NaN in, NaN out
+        "config": config_arg(DECODE_SPEC if phase == "decode" else PREFILL_SPEC)})
     return _case(phase, mutation, args, names)
 
 
