@@ -84,6 +84,20 @@ def check_kernel_device(name: str, t: torch.Tensor) -> torch.device:
     )
 
 
+def check_device(name: str, device: object) -> torch.device:
+    """``device`` (a ``torch.device`` or what ``torch.device()`` takes) as a ``torch.device`` this machine has;
+    a ValueError naming ``name`` for anything else: not a device, a name torch does not know, a CUDA device
+    without CUDA or past the last GPU."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name}: expected a torch.device or a device name, got {device!r}") from None
+    if device.type == "cuda" and (not torch.cuda.is_available()
+                                  or (device.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"{name}: {device} is not available ({torch.cuda.device_count()} CUDA devices)")
+    return device
+
+
 def check_positive(name: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name}: must be a positive integer, got {value!r}")

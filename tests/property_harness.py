@@ -14,6 +14,10 @@ Anything else fails: another exception type (IndexError, RuntimeError, KeyError,
 error), a valid input rejected, an error that names none of the touched arguments, a launch or a state change before
 the error, or a silent wrong answer. :func:`run_property` runs a strategy of cases through Hypothesis with fixed
 settings (300 examples, derandomized: the same cases on every run) and checks that both outcomes occurred.
+
+A strategy builds a valid call and hands :func:`mutate` a table of the mutations its op can suffer, by name; the
+builders (:func:`tensor_arg`, :func:`int_arg`, :func:`real_arg`, :func:`choice_arg`, :func:`config_arg`,
+:func:`element`, with :func:`checked` and :func:`one_of`) write the kinds every op shares once, here.
 """
 from __future__ import annotations
 
@@ -157,13 +161,15 @@ def check(case: Case) -> str:
 def run_property(cases, *, examples=(), min_ok: int = 20, min_launched: int = 10, min_error: int = 20) -> Counter:
     """Check every case of the strategy ``cases`` (300 generated, plus ``examples``: cases kept explicitly, found
     defects among them). Both outcomes must occur often enough that the property can fail either way: at least
-    ``min_ok`` results equal to the reference (``min_launched`` of them from a kernel) and ``min_error`` errors."""
+    ``min_ok`` results equal to the reference (``min_launched`` of them from a kernel) and ``min_error`` errors; and
+    every one of the 300 must have been generated (none cut short)."""
     tally: Counter = Counter()
 
     @PROPERTY_SETTINGS
     @given(case=cases)
     def prop(case):
         outcome = check(case)
+        tally["cases"] += 1
         tally[outcome] += 1
         tally["launched"] += outcome == "ok" and case.launches > 0
         tally[(case.mutation.split()[0], outcome)] += 1
@@ -171,6 +177,7 @@ def run_property(cases, *, examples=(), min_ok: int = 20, min_launched: int = 10
     for case in examples:
         prop = example(case=case)(prop)
     prop()
+    assert tally["cases"] - len(examples) >= EXAMPLES, f"{tally['cases']} cases, {len(examples)} of them given"
     assert tally["ok"] >= min_ok and tally["launched"] >= min_launched and tally["error"] >= min_error, (
         f"too few of an outcome: {dict(tally)}")
     print(dict(tally))  # (shown with pytest -s: how the cases fell)
@@ -207,6 +214,13 @@ def exact(out, ref) -> str | None:
     if len(outs) != len(refs):
         return f"{len(outs)} outputs, reference {len(refs)}"
     return exact_mismatch((f"output {i}", a, b) for i, (a, b) in enumerate(zip(outs, refs)))
+
+
+def rejecting(compare):
+    """``compare``, where a reference of None stands for input the op must reject: a result is a failure."""
+    def compared(out, ref):
+        return "accepted input it must reject" if ref is None else compare(out, ref)
+    return compared
 
 
 # -- mutations -----------------------------------------------------------------------------------------------
@@ -354,6 +368,132 @@ def bad_config(draw, spec) -> tuple[Any, str, tuple[str, ...]]:
     if kind == "none-dict":
         return 7, "config an int", ("config", spec.name)
     return {}, "empty config", ("config", spec.name, *space)
+
+
+# A *mutation* makes a valid call's arguments bad in one way: ``mutation(draw, args)`` changes ``args`` in place and
+# returns ``(kind, names)``, what it did and the arguments an error may name (empty: the call must still succeed),
+# or None where it does not apply (the case stays valid). The builders below cover the kinds every op shares; a
+# test file writes a plain function of ``(draw, args)`` only for a mutation of its own.
+Mutation = Callable[[Any, dict], "tuple[str, tuple[str, ...]] | None"]
+
+
+def mutate(draw, args: dict, mutations: dict[str, Mutation | None], mutation: str | None = None):
+    """Apply one of ``mutations`` (drawn from its keys in their order unless ``mutation`` is given; a key of None,
+    such as ``"valid"``, changes nothing) to ``args``; returns ``(label, names)``: ``("valid", ())`` where the drawn
+    mutation does not apply, else ``"<key> <kind>"`` and what an error may name."""
+    if mutation is None:
+        mutation = draw(st.sampled_from(list(mutations)))
+    apply = mutations[mutation]
+    done = apply(draw, args) if apply is not None else None
+    if done is None:
+        return "valid", ()
+    kind, names = done
+    return f"{mutation} {kind}".strip(), tuple(names)
+
+
+def _applies(mutation: Mutation, args: dict) -> bool:
+    return all(args.get(name) is not None for name in getattr(mutation, "needs", ()))
+
+
+def _needing(needs: tuple[str, ...], apply: Mutation) -> Mutation:
+    """``apply``, applied only where every argument of ``needs`` is given and not None."""
+    def mutation(draw, args):
+        return apply(draw, args) if _applies(mutation, args) else None
+    mutation.needs = needs
+    return mutation
+
+
+def tensor_arg(arg: str, dtypes=(), names=None, *, shape_ok: bool = False, like=None, none=None) -> Mutation:
+    """``args[arg]`` made bad by :func:`bad_tensor` (``dtypes``: the valid ones). ``like(args)``: the tensor to
+    start from where the argument is optional (else the mutation needs it); ``none``: the ``(value, kind)`` that
+    replaces the None kind where None is valid. ``names``: default ``(arg,)``. A resized tensor turns
+    ``args["check_values"]`` on where the case has it: the values of other arguments may index past its new size,
+    which unchecked is a broken promise (what the kernels then read is unspecified)."""
+    def apply(draw, args):
+        value, kind = draw(bad_tensor(args[arg] if like is None else like(args), dtypes=dtypes, shape_ok=shape_ok))
+        args[arg], kind = none if kind == "None" and none is not None else (value, kind)
+        if kind.split()[0] in ("dim", "ndim+", "ndim-") and "check_values" in args:
+            args["check_values"] = True
+        return kind, (arg,) if names is None else names
+    return apply if like is not None else _needing((arg,), apply)
+
+
+def int_arg(arg: str, value=None, names=None, *, special=(), **options) -> Mutation:
+    """``args[arg]`` made bad by :func:`bad_int` of ``value`` (default the argument's own; ``options``: its
+    keywords), or half the time one of the ``(value, kind)`` of ``special``. ``names``: default ``(arg,)``."""
+    def apply(draw, args):
+        if special and draw(st.booleans()):
+            args[arg], kind = draw(st.sampled_from(special))
+        else:
+            args[arg], kind = bad_int(draw, args[arg] if value is None else value, **options)
+        return kind, (arg,) if names is None else names
+    return apply
+
+
+def real_arg(arg: str, names=None, *, special=()) -> Mutation:
+    """``args[arg]`` made bad by :func:`bad_real`, or half the time one of the ``(value, kind)`` of ``special``."""
+    def apply(draw, args):
+        args[arg], kind = draw(st.sampled_from(special)) if special and draw(st.booleans()) else bad_real(draw)
+        return kind, (arg,) if names is None else names
+    return apply
+
+
+def choice_arg(arg: str, values, names=None) -> Mutation:
+    """``args[arg]`` set to one of ``values`` (of another type, unknown, out of range). ``names``: default
+    ``(arg,)``."""
+    def apply(draw, args):
+        args[arg] = draw(st.sampled_from(values))
+        return describe(args[arg])[:40], (arg,) if names is None else names
+    return apply
+
+
+def config_arg(spec) -> Mutation:
+    """``args["config"]``: a config of :func:`bad_config` (from ``spec``'s space, or made bad)."""
+    def apply(draw, args):
+        args["config"], kind, names = bad_config(draw, spec)
+        return kind, names
+    return apply
+
+
+def element(targets, values, names=None, *, if_checked: bool = False, like=None) -> Mutation:
+    """One element of ``args[target]`` set to one of ``values`` (in place, so views keep their layout: the case's own
+    tensor; the bytes of a one-byte float tensor). ``targets``: one name, or several to draw one from among those
+    given; ``like(args)``: the tensor to start from where the one argument may be None. Not applied to an empty
+    tensor. ``names``: default ``(target,)``; ``if_checked``: only with ``args["check_values"]`` on (off: NaN in,
+    NaN out)."""
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+
+    def apply(draw, args):
+        live = [t for t in targets if like is not None or args.get(t) is not None]
+        target = draw(st.sampled_from(live)) if len(live) > 1 else (live or [None])[0]
+        t = None if target is None else (args[target] if like is None else like(args))
+        if t is None or not t.numel():
+            return None
+        value = draw(st.sampled_from(values))
+        at = torch.unravel_index(torch.tensor(draw(st.integers(0, t.numel() - 1))), t.shape)
+        (t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t)[at] = value
+        args[target] = t
+        named = (target,) if names is None else names
+        return f"{target}={value}", named if args.get("check_values") or not if_checked else ()
+    return apply
+
+
+def checked(mutation: Mutation, flag: str = "check_values") -> Mutation:
+    """``mutation`` with ``args[flag]`` set: values the op checks only on request (unchecked, the call's promise)."""
+    def apply(draw, args):
+        done = mutation(draw, args)
+        if done is not None:
+            args[flag] = True
+        return done
+    return _needing(getattr(mutation, "needs", ()), apply)
+
+
+def one_of(*mutations: Mutation) -> Mutation:
+    """One of ``mutations`` (drawn among those that apply to the case)."""
+    def apply(draw, args):
+        live = [m for m in mutations if _applies(m, args)]
+        return draw(st.sampled_from(live))(draw, args) if live else None
+    return apply
 
 
 def all_slots_free(workspace) -> bool:

@@ -16,9 +16,12 @@ from dsa_triton.attention.indexer_spec import compare_logits, random_queries
 from dsa_triton.attention.page_select_reference import select_pages_torch
 from dsa_triton.attention.page_select_spec import SPEC as SELECT_SPEC
 
-from .property_harness import Case, bad_config, bad_int, bad_tensor, generator, nan_split, run_property
+from .property_harness import (Case, checked, config_arg, element, generator, int_arg, mutate, nan_split, one_of,
+                               run_property, tensor_arg)
 
 I32 = (torch.int32,)
+SUMMARY_DTYPES = (torch.bfloat16, torch.float32)
+BOUNDS = ("pmax", "pmin")
 
 
 def _problem(draw, g, paged: bool, rows_min: int = 0, most: int = 3):
@@ -63,49 +66,31 @@ def _problem(draw, g, paged: bool, rows_min: int = 0, most: int = 3):
     return p
 
 
-def _nan_values(draw, p, names=("weights", "k_scale")):
-    """A NaN in a weight or a key scale (not checked: NaN in, NaN out); never in a byte of ``q`` or ``k``, which the
-    interpreter reads as 480."""
-    t = p[draw(st.sampled_from(names))]
-    if t.numel():
-        t[torch.unravel_index(torch.tensor(draw(st.integers(0, t.numel() - 1))), t.shape)] = math.nan
-
-
-def _common_mutation(draw, mutation, p, args, g):
-    """Mutations the indexer ops share; returns ``(mutation, names)`` or None when ``mutation`` is not one."""
+def _common_mutations(p) -> dict:
+    """Mutations the indexer ops share, of the arguments :func:`_problem` makes."""
     T = p["q"].shape[0]
-    if mutation == "q":
-        args["q"], kind = draw(bad_tensor(p["q"], dtypes=(torch.float8_e4m3fn,)))
-        return f"q {kind}", ("q", "weights", "limits", "k", "pmax", "cu_seqlens_q", "pages")
-    if mutation == "weights":
-        args["weights"], kind = draw(bad_tensor(p["weights"], dtypes=(torch.float32,)))
-        return f"weights {kind}", ("weights",)
-    if mutation == "limits":
-        args["limits"], kind = draw(bad_tensor(p["limits"], dtypes=I32))
-        return f"limits {kind}", ("limits",)
-    if mutation == "limit values" and T:
-        limits = p["limits"].clone()
-        limits[draw(st.integers(0, T - 1))] = draw(st.sampled_from([-1, max(p["lens"]) + 1, 2**31 - 1]))
-        args["limits"], args["check_values"] = limits, True
-        return "limit values", ("limits", "max_len")
-    if mutation == "cu_seqlens_q":
-        cu = p["cu_seqlens_q"] if p["cu_seqlens_q"] is not None else torch.tensor([0, T], dtype=torch.int32)
-        if draw(st.booleans()):
-            args["cu_seqlens_q"], kind = draw(bad_tensor(cu, dtypes=I32))
-        else:
-            bad = cu.clone()
-            bad[draw(st.integers(0, bad.numel() - 1))] += draw(st.sampled_from([-1, 1]))
-            args["cu_seqlens_q"], kind = bad, "values"
-        args["check_values"] = True  # (unchecked: a broken promise)
-        return f"cu_seqlens_q {kind}", ("cu_seqlens_q", "max_q", "block_table", "seq_lens", "key_starts", "limits")
-    if mutation == "max_q":
-        if draw(st.booleans()):
-            args["max_q"], kind = bad_int(draw, max(p["rows"]), allow_none=True)
-        else:
-            args["max_q"], kind = max(p["rows"]) - 1, "too small"
-        args["check_values"] = True  # (unchecked: a broken promise)
-        return f"max_q {kind}", ("max_q",)
-    return None
+    cu = p["cu_seqlens_q"] if p["cu_seqlens_q"] is not None else torch.tensor([0, T], dtype=torch.int32)
+    cu_names = ("cu_seqlens_q", "max_q", "block_table", "seq_lens", "key_starts", "limits")
+
+    def cu_values(draw, args):  # one offset off by one
+        bad = cu.clone()
+        bad[draw(st.integers(0, bad.numel() - 1))] += draw(st.sampled_from([-1, 1]))
+        args["cu_seqlens_q"] = bad
+        return "values", cu_names
+
+    return {"q": tensor_arg("q", (torch.float8_e4m3fn,), ("q", "weights", "limits", "k", "pmax", "cu_seqlens_q",
+                                                          "pages")),
+            "weights": tensor_arg("weights", (torch.float32,)), "limits": tensor_arg("limits", I32),
+            "limit values": checked(element("limits", [-1, max(p["lens"]) + 1, 2**31 - 1], ("limits", "max_len"))),
+            # (unchecked, cu_seqlens_q and max_q: a broken promise)
+            "cu_seqlens_q": checked(one_of(tensor_arg("cu_seqlens_q", I32, cu_names, like=lambda args: cu), cu_values)),
+            "max_q": checked(int_arg("max_q", max(p["rows"]), special=((max(p["rows"]) - 1, "too small"),),
+                                     allow_none=True))}
+
+
+# NaN goes in a weight, a key scale or a page bound (not checked: NaN in, NaN out); never in a byte of q or k, which
+# the interpreter reads as 480
+NAN = (math.nan,)
 
 
 # -- indexer_logits ---------------------------------------------------------------------------------------------
@@ -130,52 +115,31 @@ def logits_cases(draw):
         args["num_cols"] = draw(st.sampled_from([max(p["lens"]), max(p["lens"]) + 3, max(p["lens"]) // 2, 0]))
     if draw(st.booleans()) or not args["check_values"]:
         args["max_q"] = max(p["rows"]) + draw(st.integers(0, 1))
-    names = ()
-    common = _common_mutation(draw, mutation, p, args, g)
-    if common:
-        mutation, names = common
-    elif mutation == "k":
-        args["k"], kind = draw(bad_tensor(p["k"], dtypes=(torch.float8_e4m3fn,)))
-        mutation, names = f"k {kind}", ("k", "k_scale", "block_table", "key_starts", "limits")
-    elif mutation == "k_scale":
-        args["k_scale"], kind = draw(bad_tensor(p["k_scale"], dtypes=(torch.float32,)))
-        mutation, names = f"k_scale {kind}", ("k_scale",)
-    elif mutation == "block_table":
-        args["block_table"], kind = draw(bad_tensor(p["block_table"], dtypes=I32))
-        mutation, names = f"block_table {kind}", ("block_table", "seq_lens", "key_starts", "k")
-    elif mutation == "table entries" and any(p["lens"]):
+    S, capacity = p["k"].shape[0], p["block_table"].shape[1] * p["P"] if paged else 0
+    starts = torch.zeros(p["B"], dtype=torch.int32) if paged or p["key_starts"] is None else p["key_starts"]
+    seq_names, start_names = ("seq_lens", "limits"), ("key_starts", "limits")
+
+    def table_entries(draw, args):  # a used entry of a sequence's table: -1, or past the cache
+        if not any(p["lens"]):
+            return None
         b = next(b for b, n in enumerate(p["lens"]) if n)
         table = p["block_table"].clone()
-        table[b, draw(st.integers(0, (p["lens"][b] - 1) // p["P"]))] = draw(st.sampled_from([-1, p["k"].shape[0]]))
-        args["block_table"], args["check_values"], names = table, True, ("block_table",)
-    elif mutation == "seq_lens":
-        if draw(st.booleans()):
-            args["seq_lens"], kind = draw(bad_tensor(p["seq_lens"], dtypes=I32))
-        else:
-            bad = p["seq_lens"].clone()
-            bad[draw(st.integers(0, p["B"] - 1))] = draw(st.sampled_from([-1, p["block_table"].shape[1] * p["P"] + 1]))
-            args["seq_lens"], args["check_values"], kind = bad, True, "values"
-        mutation, names = f"seq_lens {kind}", ("seq_lens", "limits")
-    elif mutation == "key_starts":
-        starts = p["key_starts"] if p["key_starts"] is not None else torch.zeros(p["B"], dtype=torch.int32)
-        if draw(st.booleans()):
-            args["key_starts"], kind = draw(bad_tensor(starts, dtypes=I32))
-        else:
-            bad = starts.clone()
-            bad[draw(st.integers(0, p["B"] - 1))] = draw(st.sampled_from([-1, p["k"].shape[0] + 1,
-                                                                          p["k"].shape[0]]))
-            args["key_starts"], args["check_values"], kind = bad, True, "values"
-        mutation, names = f"key_starts {kind}", ("key_starts", "limits")
-    elif mutation == "num_cols":
-        args["num_cols"], kind = bad_int(draw, 8, allow_none=True, huge=False)
-        mutation, names = f"num_cols {kind}", ("num_cols",)
-    elif mutation == "nan":
-        _nan_values(draw, p)
-    elif mutation == "config":
-        args["config"], kind, names = bad_config(draw, LOGITS_SPEC)
-        mutation += f" {kind}"
-    else:
-        mutation = "valid"
+        table[b, draw(st.integers(0, (p["lens"][b] - 1) // p["P"]))] = draw(st.sampled_from([-1, S]))
+        args["block_table"] = table
+        return "", ("block_table",)
+
+    mutation, names = mutate(draw, args, {
+        "valid": None, **_common_mutations(p),
+        "k": tensor_arg("k", (torch.float8_e4m3fn,), ("k", "k_scale", "block_table", "key_starts", "limits")),
+        "k_scale": tensor_arg("k_scale", (torch.float32,)),
+        "block_table": tensor_arg("block_table", I32, ("block_table", "seq_lens", "key_starts", "k")),
+        "table entries": checked(table_entries),
+        "seq_lens": one_of(tensor_arg("seq_lens", I32, seq_names),
+                           checked(element("seq_lens", [-1, capacity + 1], seq_names))),
+        "key_starts": one_of(tensor_arg("key_starts", I32, start_names, like=lambda args: starts),
+                             checked(element("key_starts", [-1, S + 1, S], start_names, like=lambda args: starts))),
+        "num_cols": int_arg("num_cols", 8, allow_none=True, huge=False),
+        "nan": element(("weights", "k_scale"), NAN, ()), "config": config_arg(LOGITS_SPEC)}, mutation)
     return _logits_case(mutation, args, names)
 
 
@@ -228,28 +192,11 @@ def bound_cases(draw):
         args["num_cols"] = -(-max(p["lens"]) // p["P"]) + draw(st.integers(-1, 1)) if max(p["lens"]) else 0
     if draw(st.booleans()) or not args["check_values"]:
         args["max_q"] = max(p["rows"])
-    mutation = draw(st.sampled_from(["valid", "q", "weights", "limits", "limit values", "cu_seqlens_q", "max_q",
-                                     "pmax", "pmin", "page_size", "block_table", "nan", "config"]))
-    names = ()
-    common = _common_mutation(draw, mutation, p, args, g)
-    if common:
-        mutation, names = common
-    elif mutation in ("pmax", "pmin"):
-        args[mutation], kind = draw(bad_tensor(args[mutation], dtypes=(torch.bfloat16, torch.float32)))
-        mutation, names = f"{mutation} {kind}", ("pmax", "pmin")
-    elif mutation == "page_size":
-        args["page_size"], kind = bad_int(draw, p["P"]) if draw(st.booleans()) else (48, "48")
-        mutation, names = f"page_size {kind}", ("page_size",)
-    elif mutation == "block_table":
-        args["block_table"], kind = draw(bad_tensor(p["block_table"], dtypes=I32))
-        mutation, names = f"block_table {kind}", ("block_table", "seq_lens")
-    elif mutation == "nan":
-        _nan_values(draw, {**p, "pmax": pmax}, ("weights", "pmax"))
-    elif mutation == "config":
-        args["config"], kind, names = bad_config(draw, PATH_SPEC)
-        mutation += f" {kind}"
-    else:
-        mutation = "valid"
+    mutation, names = mutate(draw, args, {
+        "valid": None, **_common_mutations(p), "pmax": tensor_arg("pmax", SUMMARY_DTYPES, BOUNDS),
+        "pmin": tensor_arg("pmin", SUMMARY_DTYPES, BOUNDS), "page_size": int_arg("page_size", special=((48, "48"),)),
+        "block_table": tensor_arg("block_table", I32, ("block_table", "seq_lens")),
+        "nan": element(("weights", "pmax"), NAN, ()), "config": config_arg(PATH_SPEC)})
 
     def reference():
         limits, P = args["limits"], args["page_size"]
@@ -280,19 +227,10 @@ def select_cases(draw):
         special = torch.rand(T, n_pages, generator=g) < 0.4
         bounds = torch.where(special, values[torch.randint(0, 6, (T, n_pages), generator=g)], bounds)
     args = {"bounds": bounds, "n_select": draw(st.integers(1, 14))}
-    mutation = draw(st.sampled_from(["bounds", "n_select", "config", "valid"]))  # (valid last: the least drawn)
-    names = ()
-    if mutation == "bounds":
-        args["bounds"], kind = draw(bad_tensor(bounds, dtypes=(torch.float32,)))
-        mutation, names = f"bounds {kind}", ("bounds",)
-    elif mutation == "n_select":
-        args["n_select"], kind = bad_int(draw, 3, huge=False)  # (2**31 columns: a valid, endless call)
-        mutation, names = f"n_select {kind}", ("n_select",)
-    elif mutation == "config":
-        args["config"], kind, names = bad_config(draw, SELECT_SPEC)
-        mutation += f" {kind}"
-    else:
-        mutation = "valid"
+    mutation, names = mutate(draw, args, {
+        "bounds": tensor_arg("bounds", (torch.float32,)),
+        "n_select": int_arg("n_select", 3, huge=False),  # (2**31 columns: a valid, endless call)
+        "config": config_arg(SELECT_SPEC), "valid": None})  # (valid last: the least drawn)
     return Case("select_pages", mutation, args, lambda: dt.select_pages(**args), names,
                 lambda: select_pages_torch(args["bounds"], args["n_select"]),
                 lambda out, ref: SELECT_SPEC.compare((out, args["bounds"]), (ref, None)))
@@ -324,29 +262,12 @@ def selected_cases(draw):
     args.update(cu_seqlens_q=p["cu_seqlens_q"], check_values=draw(st.booleans()))
     if draw(st.booleans()) or not args["check_values"]:
         args["max_q"] = max(p["rows"])
-    mutation = draw(st.sampled_from(["valid", "q", "weights", "limits", "limit values", "cu_seqlens_q", "max_q",
-                                     "k", "pages", "page values", "nan", "config"]))
-    names = ()
-    common = _common_mutation(draw, mutation, p, args, g)
-    if common:
-        mutation, names = common
-    elif mutation == "k":
-        args["k"], kind = draw(bad_tensor(p["k"], dtypes=(torch.float8_e4m3fn,)))
-        mutation, names = f"k {kind}", ("k", "k_scale", "block_table")
-    elif mutation == "pages":
-        args["pages"], kind = draw(bad_tensor(args["pages"], dtypes=I32))
-        mutation, names = f"pages {kind}", ("pages",)
-    elif mutation == "page values" and args["pages"].numel():
-        args["pages"].view(-1)[draw(st.integers(0, args["pages"].numel() - 1))] = draw(st.sampled_from(
-            [-2, p["block_table"].shape[1], 2**31 - 1]))
-        args["check_values"], names = True, ("pages",)
-    elif mutation == "nan":
-        _nan_values(draw, p)
-    elif mutation == "config":
-        args["config"], kind, names = bad_config(draw, PATH_SPEC)
-        mutation += f" {kind}"
-    else:
-        mutation = "valid"
+    mutation, names = mutate(draw, args, {
+        "valid": None, **_common_mutations(p),
+        "k": tensor_arg("k", (torch.float8_e4m3fn,), ("k", "k_scale", "block_table")),
+        "pages": tensor_arg("pages", I32),
+        "page values": checked(element("pages", [-2, p["block_table"].shape[1], 2**31 - 1])),
+        "nan": element(("weights", "k_scale"), NAN, ()), "config": config_arg(PATH_SPEC)})
 
     def reference():
         limits = args["limits"]
@@ -384,27 +305,12 @@ def path_cases(draw):
         args["max_len"] = max(p["lens"] + [1]) + draw(st.integers(0, 20))
     if draw(st.booleans()) or not args["check_values"]:
         args["max_q"] = max(p["rows"])
-    mutation = draw(st.sampled_from(["q", "limits", "limit values", "cu_seqlens_q", "max_q", "pmax", "n_select",
-                                     "max_len", "config", "valid"]))  # (valid last: the least drawn, 3 launches)
-    names = ()
-    common = _common_mutation(draw, mutation, p, args, g)
-    if common:
-        mutation, names = common
-    elif mutation == "pmax":
-        args["pmax"], kind = draw(bad_tensor(pmax, dtypes=(torch.bfloat16, torch.float32)))
-        mutation, names = f"pmax {kind}", ("pmax", "pmin")
-    elif mutation == "n_select":
-        args["n_select"], kind = bad_int(draw, 2, huge=False)
-        mutation, names = f"n_select {kind}", ("n_select",)
-    elif mutation == "max_len":
-        args["max_len"], kind = bad_int(draw, 8, huge=False) if draw(st.booleans()) else (1, "below a limit")
-        args["check_values"] = True
-        mutation, names = f"max_len {kind}", ("max_len",)
-    elif mutation == "config":
-        args["config"], kind, names = bad_config(draw, PATH_SPEC)
-        mutation += f" {kind}"
-    else:
-        mutation = "valid"
+    common = _common_mutations(p)
+    del common["weights"]
+    mutation, names = mutate(draw, args, {
+        **common, "pmax": tensor_arg("pmax", SUMMARY_DTYPES, BOUNDS), "n_select": int_arg("n_select", 2, huge=False),
+        "max_len": checked(int_arg("max_len", 8, huge=False, special=((1, "below a limit"),))),
+        "config": config_arg(PATH_SPEC), "valid": None})  # (valid last: the least drawn, 3 launches)
     return _path_case(mutation, args, names)
 
 

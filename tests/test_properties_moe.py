@@ -19,11 +19,13 @@ from dsa_triton.moe.layer_spec import PATH, compare_layer
 from dsa_triton.moe.sort_and_align_spec import SPEC as PERMUTE_SPEC
 from dsa_triton.moe.sort_and_align_spec import compare_permutations, permutation_tensors
 
-from .property_harness import (Case, all_slots_free, bad_config, bad_int, bad_tensor, exact, generator, nan_aware, offset_view,
-                               run_property)
+from .property_harness import (Case, all_slots_free, checked, choice_arg, config_arg, element, generator, int_arg,
+                               mutate, nan_aware, one_of, run_property, tensor_arg)
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 ACTIVATIONS = (torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+I32 = (torch.int32,)
 
 
 def _routing(draw, g, T, E, top_k):
@@ -82,30 +84,16 @@ def permute_cases(draw, kernel: bool):
     if kernel:
         args["block_m"] = draw(st.sampled_from([None, 1, 4, 7, 16, 4096]))
     args["check_ids"] = draw(st.booleans())
-    mutation = draw(st.sampled_from(["valid", "topk_ids", "ids values", "topk_weights", "num_experts"]
-                                    + (["block_m", "config"] if kernel else [])))
-    names = ()
-    if mutation == "topk_ids":
-        args["topk_ids"], kind = draw(bad_tensor(ids, dtypes=(torch.int32, torch.int64)))
-        mutation, names = f"topk_ids {kind}", ("topk_ids", "topk_weights")
-    elif mutation == "ids values" and ids.numel():
-        ids = ids.contiguous()
-        ids.view(-1)[draw(st.integers(0, ids.numel() - 1))] = draw(st.sampled_from([-1, E, 2**31 - 1]))
-        args["topk_ids"], args["check_ids"], names = ids, True, ("topk_ids",)  # (unchecked: unspecified outputs)
-    elif mutation == "topk_weights":
-        args["topk_weights"], kind = draw(bad_tensor(torch.rand(T, top_k, generator=g), dtypes=FLOATS))
-        mutation, names = f"topk_weights {kind}", ("topk_weights",)
-    elif mutation == "num_experts":
-        args["num_experts"], kind = bad_int(draw, E, huge=False) if draw(st.booleans()) else (top_k - 1, "below top_k")
-        mutation, names = f"num_experts {kind}", ("num_experts", "topk_ids")
-    elif mutation == "block_m":
-        args["block_m"], kind = bad_int(draw, 4, allow_none=True, huge=False)
-        mutation, names = f"block_m {kind}", ("block_m",)
-    elif mutation == "config":
-        args["config"], kind, names = bad_config(draw, PERMUTE_SPEC)
-        mutation += f" {kind}"
-    else:
-        mutation = "valid"
+    mutations = {
+        "valid": None, "topk_ids": tensor_arg("topk_ids", INDEX_DTYPES, ("topk_ids", "topk_weights")),
+        # (unchecked: unspecified outputs)
+        "ids values": checked(element("topk_ids", [-1, E, 2**31 - 1]), "check_ids"),
+        "topk_weights": tensor_arg("topk_weights", FLOATS, like=lambda args: torch.rand(T, top_k, generator=g)),
+        "num_experts": int_arg("num_experts", huge=False, names=("num_experts", "topk_ids"),
+                               special=((top_k - 1, "below top_k"),))}
+    if kernel:
+        mutations.update(block_m=int_arg("block_m", 4, allow_none=True, huge=False), config=config_arg(PERMUTE_SPEC))
+    mutation, names = mutate(draw, args, mutations)
     return _permute_case(mutation, args, names, kernel)
 
 
@@ -151,22 +139,16 @@ def swiglu_cases(draw):
     if h.numel() and draw(st.booleans()):
         h.view(-1)[draw(st.integers(0, h.numel() - 1))] = draw(st.sampled_from([math.nan, math.inf, -math.inf]))
     args = {"h": h, "dtype": draw(st.sampled_from([None, *FLOATS])), "class_major": inter % 4 == 0 and draw(st.booleans())}
-    mutation = draw(st.sampled_from(["valid", "h", "width", "dtype", "class_major"]))
-    names = ()
-    if mutation == "h":
-        args["h"], kind = draw(bad_tensor(h, dtypes=FLOATS))
-        mutation, names = f"h {kind}", ("h",)
-    elif mutation == "width":
-        args["h"] = torch.randn(M, 2 * inter + 1, generator=g)
-        names = ("h",)
-    elif mutation == "dtype":
-        args["dtype"] = draw(st.sampled_from([torch.int32, torch.float64, torch.float8_e4m3fn, "float16"]))
-        names = ("dtype",)
-    elif mutation == "class_major":
+
+    def odd_class_major(draw, args):  # a width class_major does not take
         args["h"], args["class_major"] = torch.randn(M, 2 * draw(st.sampled_from([1, 2, 3, 5])), generator=g), True
-        names = ("h", "class_major")
-    else:
-        mutation = "valid"
+        return "", ("h", "class_major")
+
+    mutation, names = mutate(draw, args, {
+        "valid": None, "h": tensor_arg("h", FLOATS),
+        "width": choice_arg("h", [torch.randn(M, 2 * inter + 1, generator=g)]),
+        "dtype": choice_arg("dtype", [torch.int32, torch.float64, torch.float8_e4m3fn, "float16"]),
+        "class_major": odd_class_major})
     return Case("swiglu", mutation, args, lambda: dt.swiglu(**args), names,
                 lambda: swiglu_torch(args["h"], args["dtype"], args["class_major"]), swiglu_compare)
 
@@ -193,38 +175,15 @@ def fused_cases(draw):
         x = class_major(x)
     args = {"x": x, "sort": sort, "blocks": blocks, "scales": scales, "gather_tokens": gather,
             "out_dtype": draw(st.sampled_from([None, torch.float32]))}
-    mutation = draw(st.sampled_from(["valid", "x", "sort", "blocks", "scales", "scale bytes", "out_dtype",
-                                     "gather_tokens", "config"]))
-    names = ()
-    if mutation == "x":
-        args["x"], kind = draw(bad_tensor(x, dtypes=ACTIVATIONS))
-        mutation, names = f"x {kind}", ("x",)
-    elif mutation == "sort":
-        args["sort"], kind = draw(st.sampled_from([(None, "None"), (ids, "the ids"), ({}, "a dict"),
-                                                   (sort_by_expert(ids, None, E + 1), "E + 1")]))
-        mutation, names = f"sort {kind}", ("sort", "blocks")
-    elif mutation == "blocks":
-        args["blocks"], kind = draw(bad_tensor(blocks, dtypes=(torch.uint8,)))
-        mutation, names = f"blocks {kind}", ("blocks", "scales", "x")
-    elif mutation == "scales":
-        args["scales"], kind = draw(bad_tensor(scales, dtypes=(torch.uint8,)))
-        mutation, names = f"scales {kind}", ("scales",)
-    elif mutation == "scale bytes":
-        scales = scales.clone()
-        scales.view(-1)[draw(st.integers(0, scales.numel() - 1))] = draw(st.sampled_from([241, 0xFF]))
-        args["scales"], names = scales, ("scales",)
-    elif mutation == "out_dtype":
-        args["out_dtype"] = draw(st.sampled_from([torch.int32, torch.float64, "float32",
-                                                  torch.float16 if dtype == torch.bfloat16 else torch.bfloat16]))
-        names = ("out_dtype",)
-    elif mutation == "gather_tokens":
-        args["gather_tokens"] = not gather
-        names = ("x",)
-    elif mutation == "config":
-        args["config"], kind, names = bad_config(draw, FUSED_SPEC)
-        mutation += f" {kind}"
-    else:
-        mutation = "valid"
+    mutation, names = mutate(draw, args, {
+        "valid": None, "x": tensor_arg("x", ACTIVATIONS),
+        "sort": choice_arg("sort", [None, ids, {}, sort_by_expert(ids, None, E + 1)], ("sort", "blocks")),
+        "blocks": tensor_arg("blocks", (torch.uint8,), ("blocks", "scales", "x")),
+        "scales": tensor_arg("scales", (torch.uint8,)), "scale bytes": element("scales", [241, 0xFF]),
+        "out_dtype": choice_arg("out_dtype", [torch.int32, torch.float64, "float32",
+                                              torch.float16 if dtype == torch.bfloat16 else torch.bfloat16]),
+        "gather_tokens": choice_arg("gather_tokens", [not gather], ("x",)),
+        "config": config_arg(FUSED_SPEC)})
 
     def reference():
         return fused_moe_gemm_torch(args["x"], args["sort"], args["blocks"], args["scales"], args["gather_tokens"])
@@ -263,41 +222,23 @@ def grouped_cases(draw):
         args["unfit_counter"] = torch.zeros(1, dtype=torch.int32)
     if draw(st.booleans()):
         args["workspace"] = dt.FP8Workspace(4, [(n, 32 * kb)], "cpu")
-    mutation = draw(st.sampled_from(["x_sorted", "valid", "expert_offsets", "offset values", "blocks", "scales",
-                                     "nan scale", "workspace", "unfit_counter", "config"]))
-    names, launch_before_error = (), False
-    if mutation == "x_sorted":
-        args["x_sorted"], kind = draw(bad_tensor(x, dtypes=ACTIVATIONS))
-        mutation, names = f"x_sorted {kind}", ("x_sorted",)
-    elif mutation == "expert_offsets":
-        args["expert_offsets"], kind = draw(bad_tensor(offsets, dtypes=(torch.int32, torch.int64)))
-        mutation, names = f"expert_offsets {kind}", ("expert_offsets",)
-    elif mutation == "offset values":
-        bad = offsets.clone()
-        bad[draw(st.integers(0, E))] = draw(st.sampled_from([-1, M + 1, 2**31 - 1]))
-        args["expert_offsets"], args["check_values"] = bad, True  # (unchecked: kept in bounds, not checked)
-        names, launch_before_error = ("expert_offsets",), True  # documented: read behind the activations' quantization
-    elif mutation == "blocks":
-        args["blocks"], kind = draw(bad_tensor(blocks, dtypes=(torch.uint8,)))
-        mutation, names = f"blocks {kind}", ("blocks", "scales", "x_sorted", "expert_offsets", "experts_blocks")
-    elif mutation == "scales":
-        args["scales"], kind = draw(bad_tensor(scales, dtypes=(torch.uint8,)))
-        mutation, names = f"scales {kind}", ("scales", "experts_blocks")
-    elif mutation == "nan scale":
-        scales = scales.clone()
-        scales.view(-1)[draw(st.integers(0, scales.numel() - 1))] = 0xFF
-        args["scales"], args["check_values"], names = scales, True, ("scales",)
-    elif mutation == "workspace":
-        args["workspace"] = draw(st.sampled_from([{}, "cpu", dt.FP8Workspace(1, [(1, 32)], "cpu")]))
-        names = ("workspace",)
-    elif mutation == "unfit_counter":
-        args["unfit_counter"], kind = draw(bad_tensor(torch.zeros(1, dtype=torch.int32), dtypes=(torch.int32,)))
-        mutation, names = f"unfit_counter {kind}", ("unfit_counter",)
-    elif mutation == "config":
-        args["config"], kind, names = bad_config(draw, GROUPED_SPEC)
-        mutation += f" {kind}"
-    else:
-        mutation = "valid"
+    mutation, names = mutate(draw, args, {
+        "x_sorted": tensor_arg("x_sorted", ACTIVATIONS), "valid": None,
+        "expert_offsets": tensor_arg("expert_offsets", INDEX_DTYPES),
+        # (unchecked: kept in bounds, not checked)
+        "offset values": checked(element("expert_offsets", [-1, M + 1, 2**31 - 1])),
+        "blocks": tensor_arg("blocks", (torch.uint8,), ("blocks", "scales", "x_sorted", "expert_offsets",
+                                                        "experts_blocks")),
+        "scales": tensor_arg("scales", (torch.uint8,), ("scales", "experts_blocks")),
+        "nan scale": checked(element("scales", [0xFF])),
+        "workspace": choice_arg("workspace", [{}, "cpu", dt.FP8Workspace(1, [(1, 32)], "cpu")]),
+        "unfit_counter": tensor_arg("unfit_counter", I32, like=lambda args: torch.zeros(1, dtype=torch.int32)),
+        "config": config_arg(GROUPED_SPEC)})
+    return _grouped_case(mutation, args, names)
+
+
+def _grouped_case(mutation, args, names):
+    launch_before_error = mutation.startswith("offset values")  # documented: read behind the activations' quantization
 
     def reference():
         return fp8_grouped_gemm_torch(args["x_sorted"], args["expert_offsets"], args["blocks"], args["scales"])
@@ -314,8 +255,19 @@ def grouped_cases(draw):
                 state=state, pure="unfit_counter" not in args, launch_before_error=launch_before_error)
 
 
+def _small_workspace():
+    """Found by this test: a given workspace too small for the call's stages failed inside its lease ("count: must
+    be an integer in 1..1" or "views: ... does not fit"), after the activations' quantization, naming no argument."""
+    g = torch.Generator().manual_seed(0)
+    blocks, scales = _experts(g, 2, 16, 64)
+    scales[0, 0, 0] = 80  # a block far below its row's largest: expert 0 takes the workspace route
+    return _grouped_case("workspace too small", {
+        "x_sorted": torch.randn(1, 64, generator=g).half(), "expert_offsets": torch.tensor([0, 1, 1], dtype=torch.int32),
+        "blocks": blocks, "scales": scales, "workspace": dt.FP8Workspace(1, [(1, 32)], "cpu")}, ("workspace",))
+
+
 def test_fp8_grouped_gemm():
-    run_property(grouped_cases())
+    run_property(grouped_cases(), examples=[_small_workspace()])
 
 
 # -- moe_forward -------------------------------------------------------------------------------------------------
@@ -342,44 +294,26 @@ def layer_cases(draw):
         args["shared_gate_up"] = (torch.randn(2 * inter, hidden, generator=g) * hidden ** -0.5).to(dtype)
         args["shared_down"] = (torch.randn(hidden, inter, generator=g) * inter ** -0.5).to(dtype)
     args["config"] = draw(st.sampled_from([None, {"path": "fused"}, {"path": "workspace"}]))
-    weights = WEIGHTS
-    mutation = draw(st.sampled_from(["x", "weight", "valid", "scale bytes", "routing", "router_bias", "shared",
-                                     "phase", "config"]))
-    names = ()
-    if mutation == "x":
-        args["x"], kind = draw(bad_tensor(x, dtypes=ACTIVATIONS))
-        mutation, names = f"x {kind}", ("x", "gate_up_blocks", "router_weight", "shared_gate_up")
-    elif mutation == "weight":
-        name = draw(st.sampled_from(weights))
-        args[name], kind = draw(bad_tensor(args[name], dtypes=FLOATS if name == "router_weight" else (torch.uint8,)))
-        mutation, names = f"{name} {kind}", weights + ("routing", "top_k", "n_group", "router_bias", "x")
-    elif mutation == "scale bytes":
-        name = draw(st.sampled_from(["gate_up_scales", "down_scales"]))
-        scales = args[name].clone()
-        scales.view(-1)[draw(st.integers(0, scales.numel() - 1))] = draw(st.sampled_from([0xFF, 250]))
-        args[name], names = scales, (name,)
-    elif mutation == "routing":
-        args["routing"] = draw(st.sampled_from([None, "deepseek", dt.RoutingConfig("softmax", top_k=E + 1),
-                                                dt.RoutingConfig("deepseek", top_k=1, n_group=3)]))
-        names = ("routing", "top_k", "n_group", "router_bias")
-    elif mutation == "router_bias":
-        args["router_bias"], kind = draw(bad_tensor(torch.zeros(E), dtypes=FLOATS))
-        if kind == "None":
-            args["router_bias"], kind = torch.zeros(E), "a bias"
-        mutation, names = f"router_bias {kind}", ("router_bias",)
-    elif mutation == "shared":
-        args["shared_gate_up"] = (torch.randn(2 * inter, hidden, generator=g)).to(dtype)
-        args["shared_down"], kind = draw(bad_tensor(torch.randn(hidden, inter, generator=g).to(dtype),
-                                                    dtypes=(dtype,)))
-        mutation, names = f"shared_down {kind}", ("shared_down", "shared_gate_up")
-    elif mutation == "phase":
-        args["phase"] = draw(st.sampled_from(["decode", "prefill", "load", 3, "Decode"]))
-        names = ("phase",)
-    elif mutation == "config":
-        args["config"], kind, names = bad_config(draw, PATH)
-        mutation += f" {kind}"
-    else:
-        mutation = "valid"
+    weight_names = WEIGHTS + ("routing", "top_k", "n_group", "router_bias", "x")
+    bad_down = tensor_arg("shared_down", (dtype,), ("shared_down", "shared_gate_up"),
+                          like=lambda args: torch.randn(hidden, inter, generator=g).to(dtype))
+
+    def shared(draw, args):  # a shared expert whose down projection is bad
+        args["shared_gate_up"] = torch.randn(2 * inter, hidden, generator=g).to(dtype)
+        return bad_down(draw, args)
+
+    mutation, names = mutate(draw, args, {
+        "x": tensor_arg("x", ACTIVATIONS, ("x", "gate_up_blocks", "router_weight", "shared_gate_up")),
+        "weight": one_of(*[tensor_arg(name, FLOATS if name == "router_weight" else (torch.uint8,), weight_names)
+                           for name in WEIGHTS]),
+        "valid": None, "scale bytes": element(("gate_up_scales", "down_scales"), [0xFF, 250]),
+        "routing": choice_arg("routing", [None, "deepseek", dt.RoutingConfig("softmax", top_k=E + 1),
+                                          dt.RoutingConfig("deepseek", top_k=1, n_group=3)],
+                              ("routing", "top_k", "n_group", "router_bias")),
+        "router_bias": tensor_arg("router_bias", FLOATS, like=lambda args: torch.zeros(E),
+                                  none=(torch.zeros(E), "a bias")),
+        "shared": shared, "phase": choice_arg("phase", ["decode", "prefill", "load", 3, "Decode"]),
+        "config": config_arg(PATH)})
     return _layer_case(mutation, args, names)
 
 

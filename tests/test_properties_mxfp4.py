@@ -8,12 +8,13 @@ from hypothesis import strategies as st
 
 import dsa_triton as dt
 from dsa_triton.moe.mxfp4_reference import mxfp4_dequantize_torch, mxfp4_quantize_torch
-from dsa_triton.moe.mxfp4_spec import DEQUANTIZE, QUANTIZE, random_mxfp4
+from dsa_triton.moe.mxfp4_spec import DEQUANTIZE, QUANTIZE
 from dsa_triton.moe.mxfp4_to_fp8_reference import fp8_conversion_torch
 from dsa_triton.moe.mxfp4_to_fp8_spec import SPEC as CONVERT
 from dsa_triton.moe.mxfp4_to_fp8_spec import compare_conversion
 
-from .property_harness import Case, all_slots_free, bad_config, bad_int, bad_real, bad_tensor, exact, generator, run_property
+from .property_harness import (Case, all_slots_free, bad_tensor, choice_arg, config_arg, element, exact, generator,
+                               int_arg, mutate, real_arg, run_property, tensor_arg)
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -34,7 +35,6 @@ def _mxfp4(draw, g, lead, n, kb):
 @st.composite
 def quantize_cases(draw):
     g = generator(draw)
-    mutation = draw(st.sampled_from(["valid", "w", "w values", "K", "config"]))
     lead, n, kb = _lead(draw), draw(st.integers(1, 3)), draw(st.integers(1, 3))
     dtype = draw(st.sampled_from(WEIGHT_DTYPES))
     top = 12 if dtype == torch.float16 else 40  # finite in the dtype
@@ -44,21 +44,15 @@ def quantize_cases(draw):
         ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.0, -0.0, 6.0, 7.0]) * 2.0 ** draw(st.integers(-9, 9))
         flat = w.view(-1)
         flat[: ties.numel()] = ties[: flat.numel()].to(w.dtype)
-    args, names = {"w": w}, ()
-    if mutation == "w":
-        args["w"], kind = draw(bad_tensor(w, dtypes=WEIGHT_DTYPES))
-        mutation, names = f"w {kind}", ("w",)
-    elif mutation == "w values" and w.numel():
-        w.view(-1)[draw(st.integers(0, w.numel() - 1))] = draw(st.sampled_from([math.nan, math.inf, -math.inf]))
-        names = ("w",)
-    elif mutation == "K":
+    args = {"w": w}
+
+    def short_k(draw, args):  # K not a multiple of 32
         args["w"] = w[..., : draw(st.integers(1, 31))].clone()
-        names = ("w",)
-    elif mutation == "config":
-        args["config"], kind, names = bad_config(draw, QUANTIZE)
-        mutation += f" {kind}"
-    else:
-        mutation = "valid"
+        return "", ("w",)
+
+    mutation, names = mutate(draw, args, {
+        "valid": None, "w": tensor_arg("w", WEIGHT_DTYPES), "w values": element("w", [math.nan, math.inf, -math.inf]),
+        "K": short_k, "config": config_arg(QUANTIZE)})
     return Case("mxfp4_quantize", mutation, args, lambda: dt.mxfp4_quantize(**args), names,
                 lambda: mxfp4_quantize_torch(args["w"]), exact)
 
@@ -71,35 +65,19 @@ def test_mxfp4_quantize():
 @st.composite
 def dequantize_cases(draw):
     g = generator(draw)
-    mutation = draw(st.sampled_from(["valid", "blocks", "scales", "nan scale", "dtype", "name", "config"]))
     lead, n, kb = _lead(draw), draw(st.integers(1, 3)), draw(st.integers(1, 3))
     blocks, scales = _mxfp4(draw, g, lead, n, kb)
     args = {"blocks": blocks, "scales": scales, "dtype": draw(st.sampled_from(WEIGHT_DTYPES))}
-    names = ()
     if draw(st.booleans()):
         args["name"] = "gate_up"
     label = args.get("name", "mxfp4")
-    if mutation == "blocks":
-        args["blocks"], kind = draw(bad_tensor(blocks, dtypes=(torch.uint8,)))
-        mutation, names = f"blocks {kind}", (f"{label}_blocks", f"{label}_scales")
-    elif mutation == "scales":
-        args["scales"], kind = draw(bad_tensor(scales, dtypes=(torch.uint8,)))
-        mutation, names = f"scales {kind}", (f"{label}_scales",)
-    elif mutation == "nan scale" and scales.numel():
-        scales.view(-1)[draw(st.integers(0, scales.numel() - 1))] = 0xFF
-        names = (f"{label}_scales",)
-    elif mutation == "dtype":
-        args["dtype"] = draw(st.sampled_from([torch.int32, torch.float64, torch.uint8, torch.float8_e4m3fn,
-                                              "float32", None]))
-        names = ("dtype",)
-    elif mutation == "name":
-        args["name"] = draw(st.sampled_from([3, None, ""]))
-        mutation = f"name {args['name']!r}"  # any label: errors only read it
-    elif mutation == "config":
-        args["config"], kind, names = bad_config(draw, DEQUANTIZE)
-        mutation += f" {kind}"
-    else:
-        mutation = "valid"
+    mutation, names = mutate(draw, args, {
+        "valid": None, "blocks": tensor_arg("blocks", (torch.uint8,), (f"{label}_blocks", f"{label}_scales")),
+        "scales": tensor_arg("scales", (torch.uint8,), (f"{label}_scales",)),
+        "nan scale": element("scales", [0xFF], (f"{label}_scales",)),
+        "dtype": choice_arg("dtype", [torch.int32, torch.float64, torch.uint8, torch.float8_e4m3fn, "float32", None]),
+        "name": choice_arg("name", [3, None, ""], ()),  # any label: errors only read it
+        "config": config_arg(DEQUANTIZE)})
     return _dequantize_case(mutation, args, names)
 
 
@@ -128,7 +106,7 @@ def conversion_cases(draw):
     if scales.numel() and draw(st.booleans()):  # blocks far below their group's top: unfit, counted
         low = torch.rand(scales.shape, generator=g) < 0.3
         scales = torch.where(low, scales.int() - 30, scales.int()).clamp(0, 254).to(torch.uint8)
-    args, names = {"blocks": blocks, "scales": scales}, ()
+    args = {"blocks": blocks, "scales": scales}
     k, groups = 32 * kb, -(-kb // 4)
     if draw(st.booleans()) or mutation in ("out", "out part"):
         w = torch.full((*lead, n, k), 1.0).to(torch.float8_e4m3fn)
@@ -136,30 +114,19 @@ def conversion_cases(draw):
         if draw(st.booleans()):
             s = s.transpose(-1, -2).contiguous().transpose(-1, -2)  # group-major, as workspace leases are
         args["out"] = (w, s)
-    if mutation == "blocks":
-        args["blocks"], kind = draw(bad_tensor(blocks, dtypes=(torch.uint8,)))
-        mutation, names = f"blocks {kind}", ("mxfp4_blocks", "mxfp4_scales")
-    elif mutation == "scales":
-        args["scales"], kind = draw(bad_tensor(scales, dtypes=(torch.uint8,)))
-        mutation, names = f"scales {kind}", ("mxfp4_scales", "mxfp4_blocks")
-    elif mutation == "nan scale" and scales.numel():
-        scales.view(-1)[draw(st.integers(0, scales.numel() - 1))] = 0xFF
-        names = ("mxfp4_scales",)
-    elif mutation == "out":
-        args["out"], kind = draw(st.sampled_from([(None, "None"), (args["out"][:1], "one tensor"),
-                                                  (list(args["out"]), "a list"), (args["out"] * 2, "four"),
-                                                  (args["out"][0], "a tensor")]))
-        mutation, names = f"out {kind}", ("out",)
-    elif mutation == "out part":
-        part = draw(st.integers(0, 1))
-        bad, kind = draw(bad_tensor(args["out"][part], dtypes=(args["out"][part].dtype,)))
-        args["out"] = (bad, args["out"][1]) if part == 0 else (args["out"][0], bad)
-        mutation, names = f"out[{part}] {kind}", (f"out[{part}]", "out")
-    elif mutation == "config":
-        args["config"], kind, names = bad_config(draw, CONVERT)
-        mutation += f" {kind}"
-    else:
-        mutation = "valid"
+    def out_part(draw, args):  # one of the two given tensors made bad
+        part, out = draw(st.integers(0, 1)), list(args["out"])
+        out[part], kind = draw(bad_tensor(out[part], dtypes=(out[part].dtype,)))
+        args["out"] = tuple(out)
+        return f"[{part}] {kind}", (f"out[{part}]", "out")
+
+    out = args.get("out", ())
+    mutation, names = mutate(draw, args, {
+        "valid": None, "blocks": tensor_arg("blocks", (torch.uint8,), ("mxfp4_blocks", "mxfp4_scales")),
+        "scales": tensor_arg("scales", (torch.uint8,), ("mxfp4_scales", "mxfp4_blocks")),
+        "nan scale": element("scales", [0xFF], ("mxfp4_scales",)),
+        "out": choice_arg("out", [None, out[:1], list(out), out * 2, out[0] if out else None]),
+        "out part": out_part, "config": config_arg(CONVERT)}, mutation)
 
     def compare(out, expected):
         if isinstance(args.get("out"), (tuple, list)) and (out[0] is not args["out"][0] or out[1] is not args["out"][1]):
@@ -179,7 +146,6 @@ def test_mxfp4_to_fp8():
 @st.composite
 def workspace_cases(draw):
     """Construct (maybe with bad arguments), then lease (maybe badly) and take views (maybe too large)."""
-    mutation = draw(st.sampled_from(["valid", "slots", "shapes", "device", "count", "timeout", "views"]))
     slots = draw(st.integers(1, 4))
     shapes = draw(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 300)), min_size=1, max_size=3))
     count = draw(st.integers(1, slots))
@@ -188,34 +154,23 @@ def workspace_cases(draw):
     if draw(st.booleans()):
         n, k = draw(st.integers(1, n)), draw(st.integers(1, k))
     args = {"slots": slots, "shapes": shapes, "device": "cpu", "count": count, "timeout": timeout, "n": n, "k": k}
-    names = ()
-    if mutation == "slots":
-        args["slots"], kind = bad_int(draw, slots, huge=False)
-        mutation, names = f"slots {kind}", ("slots",)
-    elif mutation == "shapes":
-        args["shapes"], kind = draw(st.sampled_from([
-            ([], "empty"), ([(4, 0)], "a zero"), ([(4.0, 32)], "a float"), ([(True, 32)], "a bool"),
-            ([(4, 32, 1)], "a triple"), ([4, 32], "not pairs"), (None, "None"), ([(-4, 32)], "negative"),
-            ([(4, "32")], "a string")]))
-        mutation, names = f"shapes {kind}", ("shapes",)
-    elif mutation == "device":
-        args["device"] = draw(st.sampled_from(["nowhere", 3.5, None]))
-        names = ("device",)
-    elif mutation == "count":
-        args["count"], kind = draw(st.sampled_from([(0, "0"), (slots + 1, "too many"), (1.0, "float"),
-                                                    (True, "bool"), (None, "None"), ("1", "string")]))
-        mutation, names = f"count {kind}", ("count",)
-    elif mutation == "timeout":
-        args["timeout"], kind = bad_real(draw) if draw(st.booleans()) else (-1, "negative")
-        mutation, names = f"timeout {kind}", ("timeout",)
-        if kind in ("inf", "None"):  # no limit: a valid wait (the slots are free)
-            names = ()
-    elif mutation == "views":
-        args["n"], args["k"] = draw(st.sampled_from([(n * 1000, k), (0, k), (-1, k), (n, -k), (n + 0.5, k),
-                                                     (None, k), (n, 1 << 40)]))
-        names = ("n", "k", "views")
-    else:
-        mutation = "valid"
+    bad_timeout = real_arg("timeout", special=((-1, "negative"),))
+
+    def wait(draw, args):
+        kind, names = bad_timeout(draw, args)
+        return kind, () if kind in ("inf", "None") else names  # no limit: a valid wait (the slots are free)
+
+    def views(draw, args):  # views too large, empty, negative or not integers
+        args["n"], args["k"] = draw(st.sampled_from([(n * 1000, k), (0, k), (-1, k), (n, -k), (n + 0.5, k), (None, k),
+                                                     (n, 1 << 40)]))
+        return "", ("n", "k", "views")
+
+    mutation, names = mutate(draw, args, {
+        "valid": None, "slots": int_arg("slots", huge=False),
+        "shapes": choice_arg("shapes", [[], [(4, 0)], [(4.0, 32)], [(True, 32)], [(4, 32, 1)], [4, 32], None,
+                                        [(-4, 32)], [(4, "32")]]),
+        "device": choice_arg("device", ["nowhere", 3.5, None, "cuda:99"]),
+        "count": int_arg("count", special=((slots + 1, "too many"),)), "timeout": wait, "views": views})
     return _workspace_case(mutation, args, names)
 
 

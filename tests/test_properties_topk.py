@@ -1,5 +1,7 @@
 """Property tests of ``dt.topk_indices``: every generated call raises a clear error or equals the reference
 (:mod:`tests.property_harness`). Valid calls run the kernels in the interpreter (at most 2 rows: about 0.2 s each)."""
+import math
+
 import torch
 from hypothesis import strategies as st
 
@@ -7,8 +9,10 @@ import dsa_triton as dt
 from dsa_triton.attention.topk_reference import check_topk, topk_indices_torch
 from dsa_triton.attention.topk_spec import SPEC
 
-from .property_harness import Case, bad_config, bad_int, bad_tensor, generator, run_property
+from .property_harness import (Case, choice_arg, config_arg, element, generator, int_arg, mutate, one_of, run_property,
+                               tensor_arg)
 
+I32 = (torch.int32,)
 MUTATIONS = ["scores", "valid", "scores values", "k", "lengths", "lengths values", "block_table",
              "table entries", "page_size", "row_to_seq", "num_pages", "out", "config", "stray"]
 
@@ -44,74 +48,44 @@ def topk_cases(draw):
     if draw(st.booleans()):
         args["out"] = torch.full((T, k), -7, dtype=torch.int32)
     args["check_values"] = draw(st.booleans()) if mutation == "valid" else True
-    names = ()
-    if mutation == "scores":
-        args["scores"], kind = draw(bad_tensor(args["scores"], dtypes=(torch.float32,)))
-        mutation += f" {kind}"
-        names = ("scores", "lengths", "out", "row_to_seq", "block_table")
-    elif mutation == "scores values" and T * L:  # any value is valid: the property is the reference's ranking
-        args["scores"] = torch.full((T, L), float(draw(st.sampled_from(["nan", "inf", "-inf", "0"]))))
-    elif mutation == "k":
-        args["k"], kind = draw(st.sampled_from([(0, "0"), (4097, "4097"), (L + 3, "k > L")])) if draw(
-            st.booleans()) else bad_int(draw, k)
-        mutation += f" {kind}"
-        names = ("k", "out")
-    elif mutation == "lengths":
-        args["lengths"], kind = draw(bad_tensor(torch.randint(0, L + 1, (T,), generator=g, dtype=torch.int32),
-                                                dtypes=(torch.int32,)))
-        mutation += f" {kind}"
-        names = ("lengths",)
-    elif mutation == "lengths values" and T:
-        lengths = torch.randint(0, L + 1, (T,), generator=g, dtype=torch.int32)
-        lengths[draw(st.integers(0, T - 1))] = draw(st.sampled_from([-1, L + 1, -2**31, 2**31 - 1]))
-        args["lengths"] = lengths
-        names = ("lengths",)
-    elif mutation == "block_table" and "block_table" in args:
-        args["block_table"], kind = draw(bad_tensor(args["block_table"], dtypes=(torch.int32,)))
-        mutation += f" {kind}"
-        names = ("block_table", "row_to_seq")
-    elif mutation == "table entries" and T:
-        table = args["block_table"]
-        row = int(args["row_to_seq"][0]) if "row_to_seq" in args else 0
-        limit = args.get("num_pages", 2**31 // args["page_size"])  # (2**31 with pages of 1: no int32 reaches it)
-        table[row, 0] = draw(st.sampled_from([-1, -5] + ([limit] if limit < 2**31 else [])))
-        names = ("block_table",)
-    elif mutation == "page_size":
-        if draw(st.booleans()):
-            args["page_size"], kind = bad_int(draw, args["page_size"])
-        else:
-            args["page_size"], kind = args["page_size"] * 4, "larger"  # a valid size: other slots
-        mutation += f" {kind}"
-        names = ("page_size", "block_table")
-    elif mutation == "row_to_seq" and "row_to_seq" in args:
-        if T and draw(st.booleans()):
-            args["row_to_seq"][0] = draw(st.sampled_from([-1, args["block_table"].shape[0]]))
-            kind = "out of range"
-        else:
-            args["row_to_seq"], kind = draw(bad_tensor(args["row_to_seq"], dtypes=(torch.int32,)))
-        mutation += f" {kind}"
-        names = ("row_to_seq",)
-    elif mutation == "num_pages":
-        args["num_pages"], kind = bad_int(draw, args.get("num_pages", 4))
-        mutation += f" {kind}"
-        names = ("num_pages", "block_table")
-    elif mutation == "out":
-        args["out"], kind = draw(bad_tensor(torch.full((T, k), -7, dtype=torch.int32), dtypes=(torch.int32,)))
-        if kind == "None":
-            args["out"] = torch.full((T + 1, k), -7, dtype=torch.int32).narrow(0, 0, 1).expand(T, k) if T > 1 else None
-            kind = "expanded (one row for all)"
-        mutation += f" {kind}"
-        names = ("out",)
-    elif mutation == "config":
-        args["config"], kind, names = bad_config(draw, SPEC)
-        mutation += f" {kind}"
-    elif mutation == "stray":  # table arguments without a table
+    P, seqs = args.get("page_size"), args["block_table"].shape[0] if "block_table" in args else 0
+    expanded = torch.full((T + 1, k), -7, dtype=torch.int32).narrow(0, 0, 1).expand(T, k) if T > 1 else None
+
+    def new_lengths(args):
+        return torch.randint(0, L + 1, (T,), generator=g, dtype=torch.int32)
+
+    def table_entries(draw, args):  # the first row's first page: -1, negative, or past num_pages
+        if not T:
+            return None
+        limit = args.get("num_pages", 2**31 // P)  # (2**31 with pages of 1: no int32 reaches it)
+        args["block_table"][int(args["row_to_seq"][0]) if "row_to_seq" in args else 0, 0] = draw(st.sampled_from(
+            [-1, -5] + ([limit] if limit < 2**31 else [])))
+        return "", ("block_table",)
+
+    def stray(draw, args):  # table arguments without a table
         for name in ("block_table", "row_to_seq", "num_pages"):
             args.pop(name, None)
         args["page_size"], args["row_to_seq"] = 16, torch.zeros(T, dtype=torch.int32)
-        names = ("page_size", "row_to_seq", "num_pages")
-    else:
-        mutation = "valid"
+        return "", ("page_size", "row_to_seq", "num_pages")
+
+    mutation, names = mutate(draw, args, {
+        "valid": None,
+        "scores": tensor_arg("scores", (torch.float32,), ("scores", "lengths", "out", "row_to_seq", "block_table")),
+        # any value is valid: the property is the reference's ranking
+        "scores values": choice_arg("scores", [torch.full((T, L), v) for v in (math.nan, math.inf, -math.inf, 0.0)],
+                                    ()),
+        "k": int_arg("k", names=("k", "out"), special=((0, "0"), (4097, "4097"), (L + 3, "k > L"))),
+        "lengths": tensor_arg("lengths", I32, like=new_lengths),
+        "lengths values": element("lengths", [-1, L + 1, -2**31, 2**31 - 1], like=new_lengths),
+        "block_table": tensor_arg("block_table", I32, ("block_table", "row_to_seq")),
+        "table entries": table_entries,
+        "page_size": int_arg("page_size", names=("page_size", "block_table"),  # (larger: a valid size, other slots)
+                             special=((P * 4, "larger"),) if P else ()),
+        "row_to_seq": one_of(element("row_to_seq", [-1, seqs]), tensor_arg("row_to_seq", I32)),
+        "num_pages": int_arg("num_pages", args.get("num_pages", 4), ("num_pages", "block_table")),
+        "out": tensor_arg("out", I32, like=lambda args: torch.full((T, k), -7, dtype=torch.int32),
+                          none=(expanded, "expanded (one row for all)")),
+        "config": config_arg(SPEC), "stray": stray}, mutation)
     return _case(mutation, args, names)
 
 

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor
+from ..checks import PlanCache, check_device, check_kernel_device, check_positive, check_tensor
 from ..hostmath import cdiv, next_pow2
 from ..launch import launch
 from .cache_kernels import append_kernel
@@ -38,7 +38,8 @@ from .cache_spec import FP8_SPEC, SPEC
 PAGE_SIZES = (16, 32, 64, 128)
 SUMMARY_DTYPES = (torch.bfloat16, torch.float32)
 KV_DTYPES = (None, "fp8")  # PagedCache(kv_dtype=...): rows in ``dtype``, or the FP8 latent layout
-FP8_SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # new rows appended to an FP8 latent cache
+ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # PagedCache(dtype=...): latent rows kept as they are
+FP8_SOURCE_DTYPES = ROW_DTYPES  # new rows appended to an FP8 latent cache
 
 
 def check_fp8_latent_layout(name: str, d_latent: int, d_rope: int) -> None:
@@ -239,6 +240,17 @@ def as_index(name: str, value) -> int:
     raise ValueError(f"{name}: must be integers, got {value!r}")
 
 
+def as_indices(name: str, values) -> list[int]:
+    """``values`` (a sequence of integers or a 1-D integer tensor) as a list of ``int``; else a ValueError naming
+    ``name`` (None, a string, a set, a float or a bool among them)."""
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(values.shape)}")
+    elif not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
+        raise ValueError(f"{name}: expected a sequence of integers, got {type(values).__name__}")
+    return [as_index(name, v) for v in values]
+
+
 def page_items(row: int, start: int, n: int, pages: Sequence[int], P: int) -> list[tuple[int, int, int, int]]:
     """The work items of appending source rows ``row .. row + n`` at logical positions ``start .. start + n`` of a
     sequence whose logical page ``j`` is physical page ``pages[j]``: one ``(row, count, page, first slot)`` per
@@ -286,8 +298,9 @@ class PageAllocator:
 
     def free(self, pages: Sequence[int]) -> None:
         """Return ``pages`` (distinct, allocated page ids) to the free list (the next ``allocate`` hands them out
-        first)."""
-        pages = [as_index("pages", p) for p in pages]
+        first). Anything else (not a sequence of integers, a page outside ``[0, num_pages)``, free or given twice)
+        raises a ValueError naming ``pages``."""
+        pages = as_indices("pages", pages)
         for p in pages:
             if not 0 <= p < self.num_pages:
                 raise ValueError(f"pages: must lie in [0, {self.num_pages}), got {p}")
@@ -303,7 +316,8 @@ class PageAllocator:
 class PagedCache:
     """Paged latent KV + FP8 indexer K caches of one layer, with block table, lengths and allocator.
 
-    ``kv_dim`` or ``index_dim`` may be 0 to leave that cache out. ``poison=True`` fills every slot with
+    ``kv_dim`` or ``index_dim`` may be 0 to leave that cache out. ``dtype`` (of the latent rows): fp32, bf16 or
+    fp16. ``device``: default :func:`~dsa_triton.runtime.default_device`. ``poison=True`` fills every slot with
     NaN (tests: a slot that was never written must never reach an output). ``summary_dtype``: bf16
     (exact, the default) or fp32. ``max_pages_per_seq`` (default ``num_pages``) is the block table's width.
     ``kv_dtype``: None keeps latent rows in ``dtype``; ``"fp8"`` keeps them in DeepSeek's FP8 latent layout
@@ -313,6 +327,9 @@ class PagedCache:
     Host-side bookkeeping (lengths, pages) lives in Python lists, so ``append`` with ``check_values=False``
     never waits on the device. A call that raises changes nothing: not the lengths, the block table, the
     allocator or the caches.
+
+    Construction checks every argument before allocating: a size, dtype, device or layout it cannot hold raises a
+    ValueError naming the argument.
     """
 
     def __init__(
@@ -341,6 +358,8 @@ class PagedCache:
                 raise ValueError(f"{name}: must be an integer >= 0, got {dim!r}")
         if kv_dim + index_dim == 0:
             raise ValueError("kv_dim, index_dim: must not both be 0")
+        if not isinstance(dtype, torch.dtype) or dtype not in ROW_DTYPES:
+            raise ValueError(f"dtype: must be one of {ROW_DTYPES}, got {dtype!r}")
         if summary_dtype not in SUMMARY_DTYPES:
             raise ValueError(f"summary_dtype: must be one of {SUMMARY_DTYPES}, got {summary_dtype}")
         if not any(kv_dtype is k or kv_dtype == k for k in KV_DTYPES):
@@ -351,7 +370,7 @@ class PagedCache:
             check_fp8_latent_layout("kv_dim, rope_dim", kv_dim - rope_dim, rope_dim)
         max_pages_per_seq = num_pages if max_pages_per_seq is None else check_positive("max_pages_per_seq",
                                                                                       max_pages_per_seq)
-        device = torch.device(device) if device is not None else default_device()
+        device = check_device("device", device) if device is not None else default_device()
         self.page_size, self.max_seqs, self.max_pages_per_seq = page_size, max_seqs, max_pages_per_seq
         self.kv_dim, self.kv_dtype, self.rope_dim = kv_dim, kv_dtype, rope_dim
         fill = float("nan") if poison else 0.0
@@ -412,13 +431,12 @@ class PagedCache:
         (``N = sum(lens)``). A decode step is
         ``lens = [1] * len(seq_ids)``. Pages are allocated as needed.
 
-        Everything is checked before anything changes (ids, lengths, tensors, free pages, ``config``), so a call
-        that raises leaves the cache as it was. ``check_values=True`` also checks that ``kv`` and ``index_k`` are
-        finite (one device-to-host transfer); with ``False`` the call never waits on the device and non-finite
-        keys propagate as NaN (see :func:`append_tokens`).
+        Everything is checked before anything changes (ids, lengths, tensors, free pages, ``config``; a ValueError
+        naming the argument), so a call that raises leaves the cache as it was. ``check_values=True`` also checks
+        that ``kv`` and ``index_k`` are finite (one device-to-host transfer); with ``False`` the call never waits on
+        the device and non-finite keys propagate as NaN (see :func:`append_tokens`).
         """
-        seq_ids = [as_index("seq_ids", s) for s in seq_ids]
-        lens = [as_index("lens", n) for n in lens]
+        seq_ids, lens = as_indices("seq_ids", seq_ids), as_indices("lens", lens)
         if len(seq_ids) != len(lens):
             raise ValueError(f"lens: {len(lens)} entries for {len(seq_ids)} seq_ids")
         if len(set(seq_ids)) != len(seq_ids) or any(not 0 <= s < self.max_seqs for s in seq_ids):
@@ -483,9 +501,14 @@ class PagedCache:
         self.seq_lens[seq_id] = 0
 
     def slots(self, seq_id: int, positions: torch.Tensor) -> torch.Tensor:
-        """Physical slots (int64) of logical ``positions`` of one sequence: ``table[i // P] * P + i % P``."""
+        """Physical slots (int64, the shape of ``positions``) of logical ``positions`` of one sequence (an integer
+        tensor of any shape and device): ``table[i // P] * P + i % P``. A ``seq_id`` outside ``[0, max_seqs)``, or
+        ``positions`` that are not integers in ``[0, length)``, raise a ValueError naming it."""
         seq_id = self._seq_id(seq_id)
         P = self.page_size
+        check_tensor("positions", positions, contiguous_last=False)
+        if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+            raise ValueError(f"positions: dtype must be an integer type, got {positions.dtype}")
         positions = positions.to(self.device, torch.int64)
         if bool(((positions < 0) | (positions >= self._lens[seq_id])).any()):
             raise ValueError(f"positions: must lie in [0, {self._lens[seq_id]})")

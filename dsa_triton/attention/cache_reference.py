@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_tensor
+
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 LATENT_GROUP = 128  # latent values per fp32 scale in the FP8 latent cache
@@ -33,9 +35,14 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x[..., D]`` float -> ``(x8[..., D] float8_e4m3fn, scale[...] fp32)``, one power-of-two scale per row.
 
     ``x8.float() * scale[..., None]`` approximates ``x`` (3 mantissa bits); a row with a NaN or an inf gets
-    scale NaN (and ``x8`` NaN).
+    scale NaN (and ``x8`` NaN); a row of no values (``D = 0``) the scale of an all-zero row. ``x`` that is not a
+    floating-point tensor of at least one dimension raises a ValueError naming ``x``.
     """
-    amax = x.float().abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
+    check_tensor("x", x, contiguous_last=False)
+    if not x.is_floating_point() or x.dim() == 0:
+        raise ValueError(f"x: expected a floating-point tensor of rows [..., D], got {x.dtype}{list(x.shape)}")
+    amax = x.float().abs().amax(dim=-1) if x.shape[-1] else x.new_zeros(x.shape[:-1], dtype=torch.float32)
+    amax = amax.clamp_min(AMAX_FLOOR)
     mant, exp = torch.frexp(amax / FP8_MAX)  # value = mant * 2^exp, mant in [0.5, 1)
     scale = torch.ldexp(torch.ones_like(amax), exp - (mant == 0.5).to(exp.dtype))  # 2^ceil(log2(value))
     scale = scale.where(amax.isfinite(), float("nan"))

@@ -144,7 +144,8 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
             Or an FP8 latent cache, uint8 ``[num_pages, P, bytes]`` / ``[num_slots, bytes]`` with ``bytes =
             fp8_latent_bytes(d_v, D - d_v)`` (656 for DSA; ``d_v`` a multiple of 4, ``D - d_v`` even).
         indices: int32 / int64, ``[B, k]``: one index set shared by the S tokens of a sequence (they form one
-            ``S * Hq``-row tile), or ``[B, S, k]``: one set per token (run as ``B * S`` one-token sequences).
+            ``S * Hq``-row tile), or ``[B, S, k]`` with a 4-D q: one set per token (run as ``B * S`` one-token
+            sequences).
             Physical slots, or logical positions when ``block_table`` is given; -1 skipped.
         sm_scale: softmax scale applied to ``q . k``.
         d_v: value width (<= D).
@@ -176,10 +177,10 @@ def _checked_decode_plan(q, kv_cache, indices, block_table, d_v, config) -> _Pla
     B, S, H, D = q.shape if q.dim() == 4 else (q.shape[0], 1, *q.shape[1:])
     page_size = _check_common(q, kv_cache, d_v, block_table)
     check_tensor("indices", indices, dtype=INDEX_DTYPES, device=q.device)
-    per_token = indices.dim() == 3
-    if indices.dim() not in (2, 3) or indices.shape[:-1] != ((B, S) if per_token else (B,)):
-        raise ValueError(f"indices: expected [B, k] = [{B}, k] or [B, S, k] = [{B}, {S}, k], got shape "
-                         f"{tuple(indices.shape)}")
+    per_token = indices.dim() == 3 and q.dim() == 4  # (q [B, Hq, D] has no S to index per token)
+    if indices.dim() != 2 + per_token or indices.shape[:-1] != ((B, S) if per_token else (B,)):
+        forms = f"[B, k] = [{B}, k]" + (f" or [B, S, k] = [{B}, {S}, k]" if q.dim() == 4 else " (q is [B, Hq, D])")
+        raise ValueError(f"indices: expected {forms}, got shape {tuple(indices.shape)}")
     check_positive("indices.shape[-1] (k)", indices.shape[-1])
     if block_table is not None and block_table.shape[0] != B:
         raise ValueError(f"block_table: expected {B} rows (one per sequence), got shape {tuple(block_table.shape)}")

@@ -293,7 +293,9 @@ def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, block
       rows of its expert;
     - ``config``: a ``moe_workspace_gemm`` config (None: the tuning database's for this shape);
     - ``workspace``: default the device's :func:`shared_workspace` (leased only when an expert takes the
-      workspace route, whose conversions run on a side stream);
+      workspace route, whose conversions run on a side stream); one given must hold ``2 * EXPERTS_PER_STAGE``
+      slots of ``[N, K_w]`` where an expert may take that route (whatever the offsets), else a ValueError naming
+      it before any launch;
     - ``unfit_counter`` int32 ``[1]``: if given, the number of unfit blocks (see :mod:`.mxfp4_to_fp8_reference`) is
       added to it, no sync (the registers and row-scaled routes only take experts that have none).
 
@@ -343,6 +345,9 @@ def prefill_call(x_sorted, offsets: list[int] | torch.Tensor, blocks, scales, y,
     staged_takes = [] if config["IN_REGISTERS"] or not any(fits) else [(fits, ref)]
     if not all(fits):
         staged_takes.append(([not f for f in fits], None))
+    if staged_takes and workspace is not None and not workspace.holds(2 * stage, n, 32 * kb):
+        raise ValueError(f"workspace: the workspace route needs {2 * stage} slots of [{n}, {32 * kb}], got one of "
+                         f"{workspace.slots} slots sized for {workspace.shapes}")
     on_device = isinstance(offsets, torch.Tensor) and trusted and fused_take is not None and all(fused_take)
     read_on_host = isinstance(offsets, torch.Tensor) and not on_device
     ready = None

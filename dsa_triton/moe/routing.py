@@ -120,7 +120,9 @@ def deepseek_topk(
     check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 routing. ``logits[T, E]``, ``bias[E]`` (the e_score_correction_bias, or None)
-    -> ``(weights [T, top_k] fp32, ids [T, top_k] int32)``. ``check_values``: the module docstring."""
+    -> ``(weights [T, top_k] fp32, ids [T, top_k] int32)``. ``check_values``: the module docstring. Among groups of
+    equal score the lowest are kept (as the kernel and the reference do); among experts of equal score the order is
+    ``torch.topk``'s. Bad arguments raise a ValueError naming them before anything runs."""
     num_experts = _check_logits(logits, top_k)
     group_size = check_grouping(num_experts, top_k, n_group, topk_group)
     check_bias(bias, "deepseek", num_experts, logits.device)
@@ -133,7 +135,7 @@ def deepseek_topk(
     if topk_group < n_group:
         grouped = choice.view(-1, n_group, group_size)
         group_score = _nan_last(grouped.topk(min(2, group_size), dim=-1).values.sum(dim=-1))  # [T, n_group]
-        kept = group_score.topk(topk_group, dim=-1).indices
+        kept = group_score.sort(dim=-1, descending=True, stable=True).indices[:, :topk_group]  # (ties: lowest group)
         dropped = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, kept, False)
         choice = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(-1, num_experts)
     ids = choice.topk(top_k, dim=-1).indices

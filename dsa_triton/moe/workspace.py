@@ -18,6 +18,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from ..checks import check_device
 from ..hostmath import cdiv
 from .mxfp4_to_fp8_reference import n_groups
 from .mxfp4_reference import BLOCK
@@ -48,7 +49,10 @@ class WorkspaceLease:
 
 
 class FP8Workspace:
-    """``slots`` expert slots, each big enough for every ``(N, K)`` in ``shapes``, on ``device``."""
+    """``slots`` expert slots, each big enough for every ``(N, K)`` in ``shapes``, on ``device``.
+
+    A ``slots`` or a shape that is not a positive integer, or a device this machine does not have, raises a
+    ValueError naming it before anything is allocated."""
 
     def __init__(self, slots: int, shapes: Iterable[tuple[int, int]], device: torch.device | str):
         self.slots = _whole("slots", slots)
@@ -59,10 +63,7 @@ class FP8Workspace:
             raise ValueError(f"shapes: expected (N, K) pairs of positive integers, got {shapes!r}") from None
         if not self.shapes:
             raise ValueError("shapes: needs at least one (N, K) pair")
-        try:
-            self.device = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"device: expected a torch.device or a device name, got {device!r}") from None
+        self.device = check_device("device", device)
         self.slot_elems = cdiv(max(n * k for n, k in self.shapes), ALIGN) * ALIGN
         self.slot_scales = cdiv(max(n * n_groups(k) for n, k in self.shapes), ALIGN // 4) * (ALIGN // 4)
         self.weights = torch.empty(self.slots, self.slot_elems, dtype=torch.float8_e4m3fn, device=self.device)
