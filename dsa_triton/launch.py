@@ -184,7 +184,8 @@ class LeanKernel:
         """Triton's check before each launch: a global the kernel read at compile time has another value now
         (Triton then raises; so does the call that takes its path)."""
         for (name, _), (value, scope) in self.fn.used_global_vals.items():
-            if scope.get(name, _Mismatch) != value:
+            now = scope.get(name, _Mismatch)
+            if now is not value and now != value:  # (identity first: a constexpr's != builds objects)
                 return True
         return False
 

@@ -42,6 +42,7 @@ def fast_key(fn: JITFunction, args: tuple, meta: dict):
 
 
 BASE = torch.empty(64)
+BASE_ARGS = (BASE, BASE, 32, 17, True, 0.5, None)
 INTS = [0, 1, 2, 15, 16, 17, -16, -1, 2**31 - 16, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 2**63 - 1, 2**63, -2**63,
         2**64 - 16]
 
@@ -155,9 +156,12 @@ def test_the_fast_key_holds_ints_by_value_and_hands_back_addresses():
     assert key != fast_of(a[:2] + (48,) + a[3:], meta, 0)[0]  # an int of the same class, another value
 
 
-class CudaLike:
-    """A tensor-like argument (``data_ptr`` and ``dtype``) that says it is on a CUDA device (BASE is not)."""
-    dtype, is_cuda = torch.float32, True
+class TensorLike:
+    """A tensor-like argument (``data_ptr`` and ``dtype``) that says whether it is on a CUDA device."""
+    dtype = torch.float32
+
+    def __init__(self, is_cuda: bool):
+        self.is_cuda = is_cuda
 
     def data_ptr(self):
         return BASE.data_ptr()
@@ -166,11 +170,22 @@ class CudaLike:
 def test_the_fast_key_tells_a_cuda_tensor_from_another():
     fn = jit_kernel()
     meta = {"BLOCK": 16}
-    a = (BASE, BASE, 32, 17, True, 0.5, None)
-    fast_of, key_of = lean.LeanKernel(fn).layout_functions(a, meta)
-    other = (CudaLike(),) + a[1:]
-    assert key_of(a, meta, 0) == key_of(other, meta, 0)  # (the key does not: the launcher checks those pointers)
-    assert fast_of(a, meta, 0)[0] != fast_of(other, meta, 0)[0]
+    cuda, host = (TensorLike(True),) + BASE_ARGS[1:], (TensorLike(False),) + BASE_ARGS[1:]
+    fast_of, key_of = lean.LeanKernel(fn).layout_functions(cuda, meta)
+    assert key_of(cuda, meta, 0) == key_of(host, meta, 0)  # (the key does not: the launcher checks those pointers)
+    assert fast_of(cuda, meta, 0)[0] != fast_of(host, meta, 0)[0]
+
+
+def test_a_fast_key_function_refuses_another_layout():
+    """Another kind at a position (a bool for an int, a tensor for None, an int for a float): another layout, whose
+    own functions key it."""
+    fn = jit_kernel()
+    meta = {"BLOCK": 16}
+    fast_of = lean.LeanKernel(fn).layout_functions(BASE_ARGS, meta)[0]
+    for i, other in ((2, True), (6, BASE), (5, 1)):
+        changed = BASE_ARGS[:i] + (other,) + BASE_ARGS[i + 1:]
+        with pytest.raises(lean._Mismatch):
+            fast_of(changed, meta, 0)
 
 
 class FakeCompiled:
