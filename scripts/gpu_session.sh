@@ -13,10 +13,11 @@
 #   step      one decode step of one layer at DeepSeek-V3.2 widths, batch 1 and 64, contexts 4096 and 32768: eager,
 #             torch.compile (inductor) and a CUDA graph replayed, checked against eager and timed; and the test
 #             module of tests/test_library.py compiled by inductor (scripts/decode_step.py; STEP_ARGS in the environment: more arguments)
+#   runner ARGS  python scripts/runner_bench.py ARGS (the model runner end to end at V3.2 layer widths)
 #   tune ARGS dsa-tune tune ARGS (needs .whl with the optuna wheels carried: optuna is not on the GPU image)
 #   day0 ARGS dsa-tune day0 --flat ARGS: tune a config's shapes within --budget, then first tokens from its
 #             checkpoint or random weights, each stage timed, one results file (--out $OUT; needs .whl as tune)
-# tune and day0 take the rest of the command line. Everything lands in $OUT/session.tgz (the device tool returns at
+# runner, tune and day0 take the rest of the command line. Everything lands in $OUT/session.tgz (the device tool returns at
 # most 8 files): logs, results files, and the tuning database after a tune or day0 (merge it back with
 # `dsa-tune merge db/*.csv` from the unpacked archive).
 set -u -o pipefail
@@ -34,9 +35,9 @@ while [ $# -gt 0 ]; do
       timeout 300 python scripts/gpu_check.py --out "$OUT" --kernels "${CHECK_KERNELS:-}" 2>&1 | tee "$OUT/gpu-check.log" | tail -40 || status=1 ;;
     sanitize)
       export PYTHONPATH PYTORCH_NO_CUDA_MEMORY_CACHING=1
-      timeout 400 compute-sanitizer --tool memcheck --print-limit 20 python scripts/gpu_check.py --configs 1 \
+      timeout 300 compute-sanitizer --tool memcheck --print-limit 20 python scripts/gpu_check.py --configs 1 \
         --seeds 1 --out "$OUT/memcheck" 2>&1 | tee "$OUT/memcheck.log" | tail -12 || status=1
-      timeout 300 compute-sanitizer --tool racecheck --print-limit 20 python scripts/gpu_check.py --defaults-only \
+      timeout 200 compute-sanitizer --tool racecheck --print-limit 20 python scripts/gpu_check.py --defaults-only \
         --seeds 1 --out "$OUT/racecheck" 2>&1 | tee "$OUT/racecheck.log" | tail -12 || status=1
       unset PYTORCH_NO_CUDA_MEMORY_CACHING ;;
     bench)
@@ -48,6 +49,10 @@ while [ $# -gt 0 ]; do
     step)
       timeout 400 python scripts/decode_step.py --out "$OUT" --flat ${STEP_ARGS:-} 2>&1 | tee "$OUT/decode-step.log" | tail -30 \
         || status=1 ;;
+    runner)
+      timeout 300 python scripts/runner_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/runner-bench.log" | tail -40 \
+        || status=1
+      shift $# ;;
     tune)
       wheels
       timeout 540 python -m tuner.cli tune --no-progress "$@" 2>&1 | tee "$OUT/tune.log" | grep "^\[" | cut -c1-220 \
