@@ -1,5 +1,6 @@
 """dsa_triton.launch on the CPU: the lean path's key against Triton's own cache key (Triton's binder, built for the
 CUDA backend without a GPU), hits and misses with a stand-in compiled kernel, and the interpreter's fallback."""
+import copy
 import itertools
 import random
 
@@ -225,7 +226,8 @@ def fake_triton(monkeypatch):
     monkeypatch.setattr(lean, "_device", lambda: 0)
     monkeypatch.setattr(lean, "_stream", lambda device: 1234)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    fn.used_global_vals = {("GLOBAL_LIMIT", id(globals())): (GLOBAL_LIMIT, globals())}
+    # (Triton keeps a deep copy of the value it compiled with)
+    fn.used_global_vals = {("GLOBAL_LIMIT", id(globals())): (copy.deepcopy(GLOBAL_LIMIT), globals())}
     return fn, compiled, through_triton
 
 
@@ -272,6 +274,20 @@ def test_anything_the_key_or_the_fast_path_cannot_vouch_for_takes_tritons_path(f
         monkeypatch.setitem(globals(), "GLOBAL_LIMIT", tl.constexpr(5))
     lean.launch(fn, grid, *args, **meta)
     assert len(through_triton) == 2 and not compiled.calls
+
+
+def test_a_global_rebound_to_an_equal_value_keeps_the_lean_path(fake_triton, monkeypatch):
+    fn, compiled, through_triton = fake_triton
+    x = torch.empty(32)
+    call = lambda: lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, None, BLOCK=16)  # noqa: E731
+    call()
+    monkeypatch.setitem(globals(), "GLOBAL_LIMIT", tl.constexpr(4))  # another object, the same value
+    call()
+    call()
+    assert len(through_triton) == 1 and len(compiled.calls) == 2
+    monkeypatch.setitem(globals(), "GLOBAL_LIMIT", tl.constexpr(6))
+    call()
+    assert len(through_triton) == 2
 
 
 def test_a_second_layout_gets_its_own_key_function(fake_triton):
