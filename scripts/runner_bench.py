@@ -11,7 +11,9 @@ Parts (``--part``, several allowed; each writes ``runner_bench-<part>-<device>-<
   steps replayed from CUDA graphs (the engine's whole step: host preparation, replay, greedy sampling), the replay's
   GPU time against the sum of its kernels' GPU times (profiled), eager steps and a reference-mode step (batches up to
   8) for comparison, graph logits against an eager step of the same tokens, and the per-op split with each op's
-  fraction of its floor (bytes over the copy bandwidth or FLOPs over the matmul rate, measured in the same run);
+  fraction of its floor (bytes over the copy bandwidth or FLOPs over the matmul rate, measured in the same run; the
+  MoE layers' expert bytes those of the experts an eager step reached, ``active_experts`` a layer: random weights
+  route far from uniformly, and uniform routing's count put the MoE at 1.30 of its floor on the H200);
 - ``decode-1m``: the same at batch 1 and a 1,048,576-token context;
 - ``prefill``: one 4K and one 16K prompt in ``--chunk``-token steps: tokens/s, the per-op split of the first chunk,
   a reference-mode run of the 4K prompt (512-token chunks);
@@ -49,6 +51,7 @@ from dsa_triton.attention.cache import page_items  # noqa: E402
 from dsa_triton.bench.harness import floor_us, measure_ceilings  # noqa: E402
 from dsa_triton.bench.results import write_results  # noqa: E402
 from dsa_triton.hostmath import cdiv  # noqa: E402
+from dsa_triton.moe.fused_moe_spec import expected_active_experts  # noqa: E402
 from dsa_triton.registry import Cost  # noqa: E402
 from model_runner import RopeConfig, tiny_config  # noqa: E402
 from model_runner.cache_manager import CacheManager  # noqa: E402
@@ -168,10 +171,13 @@ def _sum(*costs: Cost) -> Cost:
     return Cost(sum(c.bytes for c in costs), sum(c.flops for c in costs), "bf16")
 
 
-def step_floors(c, batch: int, tokens: int, context: int, phase: str) -> dict[str, Cost]:
+def step_floors(c, batch: int, tokens: int, context: int, phase: str,
+                active_experts: float | None = None) -> dict[str, Cost]:
     """The work of one step by op group, all layers: ``tokens`` new tokens of ``batch`` sequences at ``context``
     (decode: one token a sequence). The registry's costs of the ops; torch GEMMs: their weights read once and
-    ``2 x rows x weights`` FLOPs (the MoE layer's cost counts its router and shared expert)."""
+    ``2 x rows x weights`` FLOPs (the MoE layer's cost counts its router and shared expert). The MoE layer's
+    expert bytes are those of ``active_experts`` experts a layer when given (counted in the step: random weights
+    route far from uniformly), else of the experts uniform routing would reach."""
     L, P, n_layers = c.num_hidden_layers, PAGE, c.num_hidden_layers
     moe_layers = sum(c.is_moe_layer(i) for i in range(n_layers))
     spec = registry.get
@@ -189,9 +195,7 @@ def step_floors(c, batch: int, tokens: int, context: int, phase: str) -> dict[st
             "P": P, "logical": 0}) if decode else spec("sparse_attention_prefill").cost("prefill", {
                 "T": tokens, "H": c.num_attention_heads, "D": latent, "Dv": c.kv_lora_rank, "k": c.index_topk,
                 "L": context, "P": P, "logical": 0}), L),
-        "moe": _scaled(spec("moe_path").cost("decode" if decode else "prefill", {
-            "T": tokens, "E": c.n_routed_experts, "top_k": c.num_experts_per_tok, "hidden": c.hidden_size,
-            "I": c.moe_intermediate_size, "n_group": c.n_group, "topk_group": c.topk_group}), moe_layers),
+        "moe": _scaled(moe_cost(c, tokens, phase, active_experts), moe_layers),
     }
     H, D = c.num_attention_heads, c.hidden_size
     per_layer = (D * c.q_lora_rank + c.q_lora_rank * H * c.qk_head_dim + D * latent
@@ -201,6 +205,34 @@ def step_floors(c, batch: int, tokens: int, context: int, phase: str) -> dict[st
     lm_head = c.vocab_size * D
     out["gemm (torch)"] = _sum(Cost(2 * dense, 2 * tokens * dense), Cost(2 * lm_head, 2 * batch * lm_head))
     return out
+
+
+def moe_cost(c, tokens: int, phase: str, active_experts: float | None) -> Cost:
+    """One MoE layer's cost (``moe_path``'s), its expert bytes moved to ``active_experts`` experts when given."""
+    shape = {"T": tokens, "E": c.n_routed_experts, "top_k": c.num_experts_per_tok, "hidden": c.hidden_size,
+             "I": c.moe_intermediate_size, "n_group": c.n_group, "topk_group": c.topk_group}
+    cost = registry.get("moe_path").cost("decode" if phase == "decode" else "prefill", shape)
+    if active_experts is None:
+        return cost
+    per_expert = 3 * c.hidden_size * c.moe_intermediate_size * 17 / 32  # MXFP4 bytes of one expert
+    return Cost(cost.bytes + (active_experts - expected_active_experts(shape)) * per_expert, cost.flops,
+                cost.flop_dtype)
+
+
+class ExpertCounter:
+    """The step's ops, unchanged, plus the count of distinct experts each MoE layer routes its tokens to (what its
+    expert bytes scale with): the router logits and ``dt.route_topk`` once more, beside the layer's own op."""
+
+    def __init__(self, ops):
+        self.ops, self.counts = ops, []
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def moe(self, x, router, *experts, routing, router_bias):
+        _, ids = dt.route_topk(x.float() @ router.float().t(), routing, router_bias, check_values=False)
+        self.counts.append(int(torch.unique(ids).numel()))
+        return self.ops.moe(x, router, *experts, routing=routing, router_bias=router_bias)
 
 
 def op_rows(label: dict, groups: dict[str, float], floors: dict[str, Cost], ceilings) -> list[dict]:
@@ -271,7 +303,7 @@ class Bench:
                         row.update(fill_s=fill_s, capture_s=capture_s)
                         rows.append(row)
                         show("decode", row)
-                        floors = step_floors(c, B, B, L, "decode")
+                        floors = step_floors(c, B, B, L, "decode", row["active_experts"])
                         ops_rows += op_rows({"context": L, "batch": B}, groups, floors, self.ceilings)
                         for r in ops_rows[-len(groups):]:
                             show("decode ops", r)
@@ -307,6 +339,13 @@ class Bench:
         row["graph_vs_eager_argmax_equal"] = bool(torch.equal(graph_logits.argmax(1), eager_logits.argmax(1)))
         eager_ms = timed_steps(lambda: decode_step(None, model, cache, ids(), rows), max(3, steps // 4), device)
         row.update(eager_step_ms=eager_ms, eager_tokens_per_s=B / eager_ms * 1e3, graph_speedup=eager_ms / graph_ms)
+        counter = ExpertCounter(model.ops)  # one eager step with the experts it reaches counted
+        kernel_ops, model.ops = model.ops, counter
+        try:
+            decode_step(None, model, cache, ids(), rows)
+        finally:
+            model.ops = kernel_ops
+        row["active_experts"] = statistics.mean(counter.counts) if counter.counts else None
         _, eager_prof = profile_call(lambda: decode_step(None, model, cache, ids(), rows), device)
         row["eager_gpu_idle"] = eager_prof.idle_fraction
         groups = eager_prof.groups()
