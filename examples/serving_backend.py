@@ -64,12 +64,16 @@ class DSAAttentionBackend:
                    torch.tensor(items, dtype=torch.int32, device=kv.device), check_values=True)  # not in a graph
         self.seq_lens[seq] = n
 
+    def new_token_pages(self) -> torch.Tensor:
+        """The page holding each sequence's new token (at ``positions``): ``[B]`` int32, from the device's block
+        table. Its slot is ``page * P + positions % P``."""
+        return self.block_table.gather(1, (self.positions // self.P).long()[:, None])[:, 0]
+
     def decode_step(self) -> dict[str, torch.Tensor]:
         """Append the step's token of every sequence, then indexer -> top-k -> sparse attention. Device work only."""
         P = self.P
         # one work item per sequence: (source row, 1 token, its page, its slot in the page), built on the device
-        page = self.block_table.gather(1, (self.positions // P).long()[:, None])[:, 0]
-        items = torch.stack([self.rows, torch.ones_like(self.rows), page, self.positions % P], 1)
+        items = torch.stack([self.rows, torch.ones_like(self.rows), self.new_token_pages(), self.positions % P], 1)
         ops.append(self.kv, self.ik, self.ik_scale, self.summaries, self.new_kv, self.new_index_k, items,
                    check_values=False)
         self.seq_lens.copy_(self.positions + 1)
@@ -177,7 +181,7 @@ def check_step(attn: DSAAttentionBackend, moe: MXFP4MoEMethod, step: dict, y: to
                rel: float) -> None:
     """Every stage of a step against its reference."""
     P = attn.P
-    slot_new = attn.block_table.gather(1, (attn.positions // P).long()[:, None])[:, 0] * P + attn.positions % P
+    slot_new = attn.new_token_pages() * P + attn.positions % P
     assert torch.equal(attn.kv.flatten(0, 1)[slot_new.long()], attn.new_kv), "append: the new latent rows"
     assert_close(step["logits"], indexer_reference(attn), "indexer logits", rel)
     # top-k: the selected logits are the k largest (ties may pick either position)

@@ -185,8 +185,7 @@ def layer_step(attn: DSAAttentionBackend, proj: OutputProjection, moe: MXFP4MoEM
 
 def new_slots(attn: DSAAttentionBackend) -> torch.Tensor:
     """The physical cache slot of each sequence's new token: ``[B]`` int64."""
-    pages = attn.block_table.gather(1, (attn.positions // attn.P).long()[:, None])[:, 0]
-    return (pages * attn.P + attn.positions % attn.P).long()
+    return attn.new_token_pages().long() * attn.P + attn.positions % attn.P
 
 
 def written(attn: DSAAttentionBackend) -> dict[str, torch.Tensor]:

@@ -152,8 +152,8 @@ def lean_parts(kernel, grid, args: tuple, kwargs: dict, calls: int, rounds: int)
 
     state = kernel._dsa_lean
     fast_of = state.layouts[0][0]
-    _, pointers = fast_of(args, kwargs, lean._device())
-    run, head, tail = state.fast[fast_of(args, kwargs, lean._device())[0]]
+    key, pointers = fast_of(args, kwargs, lean._device())
+    run, head, tail = state.fast[key]
     gx, gy, gz = (*grid, 1, 1)[:3]
 
     def checks():

@@ -12,8 +12,8 @@ Parts (``--part``, several allowed; each writes ``runner_bench-<part>-<device>-<
   GPU time against the sum of its kernels' GPU times (profiled), eager steps and a reference-mode step (batches up to
   8) for comparison, graph logits against an eager step of the same tokens, and the per-op split with each op's
   fraction of its floor (bytes over the copy bandwidth or FLOPs over the matmul rate, measured in the same run; the
-  MoE layers' expert bytes those of the experts an eager step reached, ``active_experts`` a layer: random weights
-  route far from uniformly, and uniform routing's count put the MoE at 1.30 of its floor on the H200);
+  MoE layers' expert bytes those of the experts an eager step reached, ``active_experts`` a layer: with uniform
+  routing's count the MoE showed 1.30 of its floor on the H200, which fewer experts reached than that count would explain);
 - ``decode-1m``: the same at batch 1 and a 1,048,576-token context;
 - ``prefill``: one 4K and one 16K prompt in ``--chunk``-token steps: tokens/s, the per-op split of the first chunk,
   a reference-mode run of the 4K prompt (512-token chunks);
@@ -176,8 +176,8 @@ def step_floors(c, batch: int, tokens: int, context: int, phase: str,
     """The work of one step by op group, all layers: ``tokens`` new tokens of ``batch`` sequences at ``context``
     (decode: one token a sequence). The registry's costs of the ops; torch GEMMs: their weights read once and
     ``2 x rows x weights`` FLOPs (the MoE layer's cost counts its router and shared expert). The MoE layer's
-    expert bytes are those of ``active_experts`` experts a layer when given (counted in the step: random weights
-    route far from uniformly), else of the experts uniform routing would reach."""
+    expert bytes are those of ``active_experts`` experts a layer when given (counted in the step), else of the
+    experts uniform routing would reach."""
     L, P, n_layers = c.num_hidden_layers, PAGE, c.num_hidden_layers
     moe_layers = sum(c.is_moe_layer(i) for i in range(n_layers))
     spec = registry.get

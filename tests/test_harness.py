@@ -45,6 +45,17 @@ def test_measurement_ratios():
     assert graphed.graph_speedup == pytest.approx(4.5) and graphed.graph_floor_fraction == pytest.approx(0.625)
 
 
+@pytest.mark.parametrize("check", ["output 0: 3 of 8 elements differ from the reference", "baseline error: boom"])
+def test_a_row_that_failed_its_check_has_times_but_no_figures(check):
+    """A ratio to a baseline that failed, or of a kernel that is wrong, is no figure: only the medians stay."""
+    row = measurement(kernel="k", phase="decode", shape="T=1", config="{}", median_us=500.0,
+                      cost=Cost(bytes=1e9, flops=1e11), ceilings=CEIL, baseline_us=2000.0, check=check,
+                      graph_us=400.0, graph_baseline_us=1800.0)
+    assert row.median_us == 500.0 and row.baseline_us == 2000.0 and row.check == check
+    figures = (row.speedup, row.graph_speedup, row.floor_fraction, row.graph_floor_fraction, row.tbps, row.tflops)
+    assert all(math.isnan(x) for x in figures)
+
+
 def test_rotation_covers_twice_l2(monkeypatch):
     monkeypatch.setattr(harness, "l2_bytes", lambda device=None: 60 * 2**20)
     made = []
@@ -99,7 +110,10 @@ def test_bench_reports_a_wrong_kernel_and_a_failing_baseline(tmp_path, capsys):
     registry.register(toy_spec("toy_base", baseline=broken_baseline, baseline_name="broken"))
     try:
         assert bench.main(["--kernels", "toy_wrong,toy_base", "--out", str(tmp_path)]) == 1
-        rows = json.loads(next(tmp_path.rglob("*.json")).read_text())["rows"]
+        text = next(tmp_path.rglob("*.json")).read_text()
+        rows = json.loads(text)["rows"]
+        assert "NaN" not in text and "Infinity" not in text, "strict JSON: what was not measured is null"
+        assert all(r["speedup"] is None and r["floor_fraction"] is None for r in rows), "no figure of a failed row"
         assert [r["check"] for r in rows if r["kernel"] == "toy_wrong"] == ["mismatch"] * 2
         assert all("baseline error" in r["check"] and "no such kernel image" in r["check"]
                    for r in rows if r["kernel"] == "toy_base")

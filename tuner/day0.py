@@ -52,7 +52,7 @@ def cmd_day0(args: argparse.Namespace) -> int:
     stage("plan", start, f"{len(jobs)} jobs from {model}")
 
     start = time.monotonic()
-    tuned = tune_in_child(args) if device.type == "cuda" else tune_stage(args)
+    tuned = tune_in_child(args) if device.type == "cuda" else tune_stage(args, device, db, jobs)
     stage("tune", start, f"budget {args.budget:.0f} s; {tuned['records']} of {len(jobs)} jobs have a record in "
           f"{db.folder}")
 
@@ -69,23 +69,25 @@ def cmd_day0(args: argparse.Namespace) -> int:
     return tuned["failed"] or code
 
 
-def tune_stage(args: argparse.Namespace) -> dict:
-    """The tune stage of ``args``' jobs: ``{"rows": summary rows (:func:`tuner.tune.summary_rows`), "failed": 1
-    when a job failed, "records": jobs with an exact record}``, plain data."""
+def tune_stage(args: argparse.Namespace, device, db, jobs: list) -> dict:
+    """Tune ``jobs`` as ``args`` say: ``{"rows": summary rows (:func:`tuner.tune.summary_rows`), "failed": 1 when a
+    job failed, "records": jobs with an exact record}``, plain data."""
     from dsa_triton.runtime import device_name
 
-    from .cli import _setup, any_failed, build_jobs, run_tune
+    from .cli import any_failed, run_tune
     from .tune import summary_rows
 
-    device, db = _setup(args)
-    jobs = build_jobs(args, device)
     results = run_tune(args, jobs, device, db)
     records = sum(1 for j in jobs if (m := db.match(j.spec, j.phase, j.shape, device_name(device))) and m[0] == "exact")
     return {"rows": summary_rows(results), "failed": any_failed(results), "records": records}
 
 
 def _tune_stage_to(args: argparse.Namespace, connection) -> None:
-    connection.send(tune_stage(args))
+    """The child's side: its own device, database and jobs (a job's kernel spec does not cross processes)."""
+    from .cli import _setup, build_jobs
+
+    device, db = _setup(args)
+    connection.send(tune_stage(args, device, db, build_jobs(args, device)))
 
 
 def tune_in_child(args: argparse.Namespace) -> dict:

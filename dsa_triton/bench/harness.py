@@ -193,8 +193,11 @@ def measurement(
     graph_baseline_us: float = float("nan"),
 ) -> Measurement:
     row = Measurement(kernel, phase, shape, config, median_us, baseline, baseline_us, check=check, graph_us=graph_us,
-                      graph_baseline_us=graph_baseline_us, graph_speedup=graph_baseline_us / graph_us)
-    row.speedup = baseline_us / median_us if baseline_us == baseline_us else float("nan")
+                      graph_baseline_us=graph_baseline_us)
+    if check != "ok":  # the kernel or its baseline failed: the times stay, no figure is made of them
+        return row
+    row.graph_speedup = graph_baseline_us / graph_us
+    row.speedup = baseline_us / median_us
     row.tbps = cost.bytes / (median_us * 1e-6) / 1e12
     row.tflops = cost.flops / (median_us * 1e-6) / 1e12 if cost.flops else float("nan")
     if ceilings is not None:

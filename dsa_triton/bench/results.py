@@ -56,12 +56,24 @@ def dict_table(items: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def finite_or_null(value):
+    """``value`` with every NaN or infinite float, at any depth of its dicts, lists and tuples, made None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
 def write_results(root: str | Path, stem: str, sections: dict[str, list[dict[str, Any]]], *, note: str = "",
                   lead: str = "", data: dict[str, Any] | None = None, flat: bool = False) -> Path:
     """Write ``<stem>-<device>-<UTC date>.json`` and ``.md`` under :func:`run_folder` (``flat``: straight into
     ``root``), stamped with the environment and :func:`git_state`; returns the .md path.
 
-    JSON: ``date``, ``environment``, ``git``, ``note``, ``data``'s items and one list of rows per section.
+    JSON: ``date``, ``environment``, ``git``, ``note``, ``data``'s items and one list of rows per section; strict
+    (:func:`finite_or_null`: a figure not measured is null, never NaN).
     Markdown: a title, the environment and commit, ``note``, ``lead`` (a ready table) and one :func:`dict_table`
     per section.
     """
@@ -73,7 +85,8 @@ def write_results(root: str | Path, stem: str, sections: dict[str, list[dict[str
     path = out / f"{stem}-{env['device']}-{stamp:%Y%m%d-%H%M%S}"
     payload = {"date": stamp.isoformat(timespec="seconds"), "environment": env, "git": git, "note": note,
                **(data or {}), **sections}
-    path.with_suffix(".json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    path.with_suffix(".json").write_text(json.dumps(finite_or_null(payload), indent=1, default=str, allow_nan=False)
+                                         + "\n")
     dirty = " (dirty tree)" if git["dirty"] else ""
     text = [f"# {stem} on {env['device']}, {payload['date']}", "",
             " ".join(f"{k}={v}" for k, v in env.items()) + f" commit={git['commit']}{dirty}"]
