@@ -50,7 +50,7 @@ while [ $# -gt 0 ]; do
       timeout 400 python scripts/decode_step.py --out "$OUT" --flat ${STEP_ARGS:-} 2>&1 | tee "$OUT/decode-step.log" | tail -30 \
         || status=1 ;;
     runner)
-      timeout 300 python scripts/runner_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/runner-bench.log" | tail -40 \
+      timeout 590 python scripts/runner_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/runner-bench.log" | tail -40 \
         || status=1
       shift $# ;;
     tune)
