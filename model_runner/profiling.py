@@ -16,13 +16,15 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 STEP_RANGE = "model_runner.step"
-# kernel-name fragments of each op (Triton kernels by their function names; torch's GEMM libraries by theirs)
+# kernel-name fragments of each op, first match wins (Triton kernels by their function names, so the MoE's
+# `_fused_gemm_kernel` before torch's "gemm"; torch's GEMM libraries by theirs)
 OP_GROUPS = (
     ("append", ("append_kernel",)),
-    ("indexer", ("logits_kernel", "_select_pages_kernel", "_quantize_rows_kernel")),
+    ("indexer", ("logits_kernel", "_select_pages_kernel")),
     ("top-k", ("topk_",)),
     ("attention", ("_sparse_attention_fwd", "_combine_splits")),
-    ("moe", ("_route_kernel", "_permute_kernel", "_fused_moe_kernel", "_grouped_gemm_kernel", "_convert_kernel")),
+    ("moe", ("_route_kernel", "_permute_kernel", "_fused_moe_kernel", "_grouped_gemm_kernel", "_fused_gemm_kernel",
+             "_quantize_rows_kernel", "_convert_kernel")),
     ("swiglu", ("_swiglu_kernel",)),
     ("fp8 linear", ("fp8_linear_kernel",)),
     ("gemm (torch)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "sm90_", "dot_kernel")),

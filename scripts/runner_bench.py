@@ -10,17 +10,21 @@ Parts (``--part``, several allowed; each writes ``runner_bench-<part>-<device>-<
 - ``decode``: contexts ``--contexts`` (4K, 32K, 128K) x batches ``--batches`` (1, 8, 64, 128): tokens/s of decode
   steps replayed from CUDA graphs (the engine's whole step: host preparation, replay, greedy sampling), the replay's
   GPU time against the sum of its kernels' GPU times (profiled), eager steps and a reference-mode step (batches up to
-  8) for comparison, graph logits against an eager step of the same tokens, and the per-op split with each op's
+  8) for comparison, graph logits against an eager step of the same tokens, the replay's GPU time right after the
+  graph steps (``replay_first_ms``) and after the eager ones (``replay_ms``), and the per-op split with each op's
   fraction of its floor (bytes over the copy bandwidth or FLOPs over the matmul rate, measured in the same run; the
   MoE layers' expert bytes those of the experts an eager step reached, ``active_experts`` a layer: with uniform
-  routing's count the MoE showed 1.30 of its floor on the H200, which fewer experts reached than that count would explain);
+  routing's count, 222 of 256 at batch 64, the MoE showed 1.30 of its floor on the H200; random weights reach 133,
+  and the MoE 0.74 of that floor);
 - ``decode-1m``: the same at batch 1 and a 1,048,576-token context;
-- ``prefill``: one 4K and one 16K prompt in ``--chunk``-token steps: tokens/s, the per-op split of the first chunk,
-  a reference-mode run of the 4K prompt (512-token chunks);
+- ``prefill``: one 4K and one 16K prompt in ``--chunk``-token steps: tokens/s (timed without the profiler), the
+  per-op split of the first chunk (from a profiled warm-up run), a reference-mode run of the 4K prompt (512-token
+  chunks);
 - ``preemption``: 256 requests of mixed lengths through a cache smaller than their tokens, against a cache that
   holds them all, on a small model of the same structure: reference mode (fp32: every token equal) and kernel mode
   (bf16: equal tokens counted; where a request's tokens part, the logit gap of the two tokens in the large-cache
-  run, so a near-tie shows as one).
+  run, so a near-tie shows as one; and the large-cache run repeated, counted the same way: the top-k's output order
+  is not deterministic, so two runs of one schedule part too, and that count is what preemption is held to).
 
 Run on the GPU machine (each call well under 10 minutes; ``--budget-s`` stops a part early with a note):
 
@@ -255,6 +259,21 @@ def show(section: str, row: dict) -> None:
     print(section, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
 
 
+def compare_runs(run, base) -> tuple[int, list[float]]:
+    """How many requests of ``run`` produced the tokens of ``base`` (runs: ``(sequences, engine, logits by (seed,
+    counter), seconds)``), and for each request whose tokens part, the logit gap in ``base`` between its token and
+    ``run``'s at the first position they differ (a near-tie shows as a small gap)."""
+    equal, gaps = 0, []
+    for a, b in zip(run[0], base[0]):
+        if a.output == b.output:
+            equal += 1
+            continue
+        j = next(i for i, (x, y) in enumerate(zip(a.output, b.output)) if x != y)
+        logits = base[2][(b.seed, j)]
+        gaps.append((logits[b.output[j]] - logits[a.output[j]]).item())
+    return equal, gaps
+
+
 class Bench:
     def __init__(self, args):
         self.args, self.device = args, torch.device(args.device)
@@ -327,6 +346,8 @@ class Bench:
         graph_ms = timed_steps(lambda: decode_step(graphs, model, cache, ids(), rows), steps, device)
         row = {"context": L, "batch": B, "bucket": graphs.bucket(B), "graph_step_ms": graph_ms,
                "graph_tokens_per_s": B / graph_ms * 1e3}
+        if self.cuda:  # the replay alone, before any eager step (replay_ms below comes after them)
+            row["replay_first_ms"] = replay_ms(graphs.graphs[graphs.bucket(B)][0], steps)
         # the same step eagerly and from the graph: logits compared
         tokens, start = ids(), [cache.length(r) for r in rows]
         for r in rows:
@@ -381,19 +402,21 @@ class Bench:
                 cache = CacheManager(c, cdiv(n + 1, PAGE) + 1, PAGE, 1, n + PAGE, self.dtype, self.device)
                 ops, model.ops = model.ops, (model.ops if mode == "kernel" else ReferenceOps())
                 try:
-                    eng = Engine(model, cache, chunk, profiler=StepProfiler() if mode == "kernel" else None)
                     prompt = torch.randint(0, c.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-                    if mode == "kernel":  # a warm-up prompt: compiles and tuning lookups out of the timing
-                        warm = Engine(model, cache, chunk)
-                        warm.generate([prompt[: min(n, 2 * chunk)]], SamplingParams(max_new_tokens=1), progress=False)
+                    profiled = None
+                    if mode == "kernel":  # a profiled warm-up prompt: compiles and tuning lookups out of the timing,
+                        profiled = Engine(model, cache, chunk, profiler=StepProfiler())  # the first chunk's split
+                        profiled.generate([prompt[: min(n, 2 * chunk)]], SamplingParams(max_new_tokens=1),
+                                          progress=False)
+                    eng = Engine(model, cache, chunk)  # timed without the profiler
                     eng.generate([prompt], SamplingParams(max_new_tokens=1), progress=False)
                     steps = [r for r in eng.steps if r.prefill_tokens]
                     seconds = sum(r.seconds for r in steps)
                     rows.append({"prompt": n, "mode": mode, "chunk": chunk, "steps": len(steps), "seconds": seconds,
                                  "tokens_per_s": n / seconds})
                     show("prefill", rows[-1])
-                    if mode == "kernel":
-                        tokens, prof = eng.profiler.profiles["prefill"]
+                    if profiled is not None:
+                        tokens, prof = profiled.profiler.profiles["prefill"]
                         rows[-1]["first_chunk_gpu_idle"] = prof.idle_fraction
                         floors = step_floors(c, 1, tokens, tokens, "prefill")
                         ops_rows += op_rows({"prompt": n, "chunk_tokens": tokens}, prof.groups(), floors,
@@ -430,7 +453,11 @@ class Bench:
             ops = ReferenceOps() if mode == "reference" else KernelOps(check_values=False)
             model = build_model(c, dtype, self.device, ops, seed=3)
             runs = {}
-            for name, pages, max_seqs in (("small", small_pages, 64), ("large", cdiv(need, page) + n_req, n_req)):
+            large = ("large", cdiv(need, page) + n_req, n_req)
+            # kernel mode: the large-cache run twice, to count what parts between two runs of the same schedule
+            # (the top-k's output order is not deterministic, so bf16 sums are not either)
+            again = [("large again", *large[1:])] if mode == "kernel" else []
+            for name, pages, max_seqs in [("small", small_pages, 64), large, *again]:
                 cache = CacheManager(c, pages, page, max_seqs, 256, dtype, self.device)
                 eng = Engine(model, cache, 256)
                 if self.cuda and mode == "kernel":
@@ -452,19 +479,19 @@ class Bench:
                     engine_module.sample = real_sample
                 runs[name] = (seqs, eng, logged, seconds)
             small, large = runs["small"], runs["large"]
-            equal = sum(a.output == b.output for a, b in zip(small[0], large[0]))
-            gaps = []
-            for a, b in zip(small[0], large[0]):
-                if a.output != b.output:
-                    j = next(i for i, (x, y) in enumerate(zip(a.output, b.output)) if x != y)
-                    logits = large[2][(b.seed, j)]
-                    gaps.append((logits[b.output[j]] - logits[a.output[j]]).item())
+            equal, gaps = compare_runs(small, large)
             rows.append({"mode": mode, "requests": n_req, "tokens": need, "cache_tokens_small": small_pages * page,
                          "preemptions": small[1].scheduler.preemptions,
                          "requests_preempted": sum(s.preemptions > 0 for s in small[0]),
                          "complete": all(len(s.output) == p.max_new_tokens for s, p in zip(small[0], params)),
                          "requests_equal": equal, "parted_max_logit_gap": max(gaps) if gaps else None,
+                         "preempted_requests_equal": sum(a.output == b.output for a, b in zip(small[0], large[0])
+                                                         if a.preemptions > 0),
                          "small_s": small[3], "large_s": large[3]})
+            if "large again" in runs:
+                equal_again, gaps_again = compare_runs(runs["large again"], large)
+                rows[-1].update(large_runs_equal=equal_again,
+                                large_runs_parted_max_logit_gap=max(gaps_again) if gaps_again else None)
             show("preemption", rows[-1])
         return {"preemption": rows}
 

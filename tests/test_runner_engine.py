@@ -300,6 +300,8 @@ def test_profile_mode(checkpoint, tmp_path, capsys):
     assert any("matmul" in name for name in prof.ops) and prof.busy_us is None and prof.idle_fraction is None
     assert op_group("_sparse_attention_fwd") == "attention" and op_group("append_kernel") == "append"
     assert op_group("sm90_xmma_gemm_bf16") == "gemm (torch)" and op_group("aten::add") == "torch other"
+    # the MoE prefill GEMM's name holds "gemm": still the MoE's
+    assert op_group("_fused_gemm_kernel") == "moe" and op_group("_quantize_rows_kernel") == "moe"
     eng = engine(checkpoint, profile=True)
     assert isinstance(eng.profiler, StepProfiler)
     eng.generate([[1, 2, 3], list(range(30))], SamplingParams(max_new_tokens=3), progress=False)
