@@ -10,8 +10,9 @@ Parts (``--part``, several allowed; each writes ``runner_bench-<part>-<device>-<
 - ``decode``: contexts ``--contexts`` (4K, 32K, 128K) x batches ``--batches`` (1, 8, 64, 128): tokens/s of decode
   steps replayed from CUDA graphs (the engine's whole step: host preparation, replay, greedy sampling), the replay's
   GPU time against the sum of its kernels' GPU times (profiled), eager steps and a reference-mode step (batches up to
-  8) for comparison, graph logits against an eager step of the same tokens, the replay's GPU time right after the
-  graph steps (``replay_first_ms``) and after the eager ones (``replay_ms``), and the per-op split with each op's
+  8) for comparison, graph logits against an eager step of the same tokens, the replay's mean GPU time right after
+  the graph steps (``replay_first_ms``) and after the eager ones (``replay_ms``, with its min and max; against the
+  kernels' GPU time a replay over as many profiled replays), and the per-op split with each op's
   fraction of its floor (bytes over the copy bandwidth or FLOPs over the matmul rate, measured in the same run; the
   MoE layers' expert bytes those of the experts an eager step reached, ``active_experts`` a layer: with uniform
   routing's count, 222 of 256 at batch 64, the MoE showed 1.30 of its floor on the H200; random weights reach 133,
@@ -23,8 +24,9 @@ Parts (``--part``, several allowed; each writes ``runner_bench-<part>-<device>-<
 - ``preemption``: 256 requests of mixed lengths through a cache smaller than their tokens, against a cache that
   holds them all, on a small model of the same structure: reference mode (fp32: every token equal) and kernel mode
   (bf16: equal tokens counted; where a request's tokens part, the logit gap of the two tokens in the large-cache
-  run, so a near-tie shows as one; and the large-cache run repeated, counted the same way: the top-k's output order
-  is not deterministic, so two runs of one schedule part too, and that count is what preemption is held to).
+  run, so a near-tie shows as one, against the largest logit difference of the two runs where they share a prefix:
+  the two schedules batch differently, so bf16 sums round differently; and the large-cache run repeated, to show
+  that one schedule reproduces its own tokens).
 
 Run on the GPU machine (each call well under 10 minutes; ``--budget-s`` stops a part early with a note):
 
@@ -152,8 +154,8 @@ def timed_steps(fn, n: int, device) -> float:
     return statistics.median(samples)
 
 
-def replay_ms(graph, n: int) -> float:
-    """Median GPU milliseconds of ``graph.replay()`` (CUDA events)."""
+def replay_times(graph, n: int) -> list[float]:
+    """GPU milliseconds of each of ``n`` calls of ``graph.replay()`` (CUDA events)."""
     times = []
     for _ in range(n):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -162,7 +164,7 @@ def replay_ms(graph, n: int) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return times
 
 
 # -- floors --------------------------------------------------------------------------------------------------------
@@ -259,19 +261,23 @@ def show(section: str, row: dict) -> None:
     print(section, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
 
 
-def compare_runs(run, base) -> tuple[int, list[float]]:
-    """How many requests of ``run`` produced the tokens of ``base`` (runs: ``(sequences, engine, logits by (seed,
-    counter), seconds)``), and for each request whose tokens part, the logit gap in ``base`` between its token and
-    ``run``'s at the first position they differ (a near-tie shows as a small gap)."""
-    equal, gaps = 0, []
+def compare_runs(run, base) -> tuple[int, list[float], float]:
+    """Between two runs of the same requests (each ``(sequences, engine, logits by (seed, counter), seconds)``): how
+    many requests produced the same tokens; for each request whose tokens part, the logit gap in ``base`` between
+    its token and ``run``'s at the first position they differ (a near-tie shows as a small gap); and the largest
+    difference of the two runs' logits at any position whose prefix both runs share (the numerical noise between
+    the two schedules, against which the gaps are read)."""
+    equal, gaps, noise = 0, [], 0.0
     for a, b in zip(run[0], base[0]):
+        shared = next((i for i, (x, y) in enumerate(zip(a.output, b.output)) if x != y), len(b.output) - 1)
+        for i in range(shared + 1):
+            noise = max(noise, (run[2][(a.seed, i)] - base[2][(b.seed, i)]).abs().max().item())
         if a.output == b.output:
             equal += 1
             continue
-        j = next(i for i, (x, y) in enumerate(zip(a.output, b.output)) if x != y)
-        logits = base[2][(b.seed, j)]
-        gaps.append((logits[b.output[j]] - logits[a.output[j]]).item())
-    return equal, gaps
+        logits = base[2][(b.seed, shared)]
+        gaps.append((logits[b.output[shared]] - logits[a.output[shared]]).item())
+    return equal, gaps, noise
 
 
 class Bench:
@@ -347,7 +353,7 @@ class Bench:
         row = {"context": L, "batch": B, "bucket": graphs.bucket(B), "graph_step_ms": graph_ms,
                "graph_tokens_per_s": B / graph_ms * 1e3}
         if self.cuda:  # the replay alone, before any eager step (replay_ms below comes after them)
-            row["replay_first_ms"] = replay_ms(graphs.graphs[graphs.bucket(B)][0], steps)
+            row["replay_first_ms"] = statistics.mean(replay_times(graphs.graphs[graphs.bucket(B)][0], steps))
         # the same step eagerly and from the graph: logits compared
         tokens, start = ids(), [cache.length(r) for r in rows]
         for r in rows:
@@ -372,12 +378,14 @@ class Bench:
         groups = eager_prof.groups()
         if self.cuda:
             graph = graphs.graphs[graphs.bucket(B)][0]
-            row["replay_ms"] = replay_ms(graph, steps)
-            _, prof = profile_call(graph.replay, device)
-            kernel_ms = (prof.op_us or eager_prof.op_us) / 1e3
+            times = replay_times(graph, steps)
+            row.update(replay_ms=statistics.mean(times), replay_min_ms=min(times), replay_max_ms=max(times))
+            # the kernels of as many replays, profiled: their GPU time a replay
+            _, prof = profile_call(lambda: [graph.replay() for _ in range(steps)], device)
+            kernel_ms = (prof.op_us / steps or eager_prof.op_us) / 1e3
             row.update(kernel_sum_ms=kernel_ms, replay_over_kernel_sum=row["replay_ms"] / kernel_ms,
                        graph_gpu_idle=prof.idle_fraction, kernels_seen_in_replay=bool(prof.op_us))
-            groups = prof.groups() if prof.op_us else groups
+            groups = {op: us / steps for op, us in prof.groups().items()} if prof.op_us else groups
         if B <= self.args.reference_max_batch and L <= self.args.reference_max_context:
             kernel_ops, model.ops = model.ops, ReferenceOps()
             try:
@@ -454,8 +462,7 @@ class Bench:
             model = build_model(c, dtype, self.device, ops, seed=3)
             runs = {}
             large = ("large", cdiv(need, page) + n_req, n_req)
-            # kernel mode: the large-cache run twice, to count what parts between two runs of the same schedule
-            # (the top-k's output order is not deterministic, so bf16 sums are not either)
+            # kernel mode: the large-cache run twice (does one schedule reproduce its own tokens?)
             again = [("large again", *large[1:])] if mode == "kernel" else []
             for name, pages, max_seqs in [("small", small_pages, 64), large, *again]:
                 cache = CacheManager(c, pages, page, max_seqs, 256, dtype, self.device)
@@ -479,19 +486,21 @@ class Bench:
                     engine_module.sample = real_sample
                 runs[name] = (seqs, eng, logged, seconds)
             small, large = runs["small"], runs["large"]
-            equal, gaps = compare_runs(small, large)
+            equal, gaps, noise = compare_runs(small, large)
             rows.append({"mode": mode, "requests": n_req, "tokens": need, "cache_tokens_small": small_pages * page,
                          "preemptions": small[1].scheduler.preemptions,
                          "requests_preempted": sum(s.preemptions > 0 for s in small[0]),
                          "complete": all(len(s.output) == p.max_new_tokens for s, p in zip(small[0], params)),
                          "requests_equal": equal, "parted_max_logit_gap": max(gaps) if gaps else None,
+                         "shared_prefix_logit_max_abs": noise,
                          "preempted_requests_equal": sum(a.output == b.output for a, b in zip(small[0], large[0])
                                                          if a.preemptions > 0),
                          "small_s": small[3], "large_s": large[3]})
             if "large again" in runs:
-                equal_again, gaps_again = compare_runs(runs["large again"], large)
+                equal_again, gaps_again, noise_again = compare_runs(runs["large again"], large)
                 rows[-1].update(large_runs_equal=equal_again,
-                                large_runs_parted_max_logit_gap=max(gaps_again) if gaps_again else None)
+                                large_runs_parted_max_logit_gap=max(gaps_again) if gaps_again else None,
+                                large_runs_logit_max_abs=noise_again)
             show("preemption", rows[-1])
         return {"preemption": rows}
 
