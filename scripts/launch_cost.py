@@ -151,9 +151,16 @@ def lean_parts(kernel, grid, args: tuple, kwargs: dict, calls: int, rounds: int)
     from dsa_triton import launch as lean
 
     state = kernel._dsa_lean
-    fast_of = state.layouts[0][0]
-    key, pointers = fast_of(args, kwargs, lean._device())
-    run, head, tail = state.fast[key]
+    for layout in state.layouts:  # the one that takes the call
+        fast_of = layout.fast_key
+        try:
+            key, pointers = fast_of(args, kwargs, lean._device())
+            break
+        except Exception:
+            continue
+    else:
+        raise RuntimeError(f"no layout of {kernel.fn.__name__} takes the call")
+    run, head, tail, _ = state.fast[key]
     gx, gy, gz = (*grid, 1, 1)[:3]
 
     def checks():
