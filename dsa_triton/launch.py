@@ -15,7 +15,8 @@ and type. Then every keyword argument's value and type (constexprs and options s
 device and Triton's two global option knobs (``debug`` and the instrumentation mode). That is at least as fine as
 Triton's own cache key, so an equal key launches the kernel Triton itself would launch. In front of it sits a
 cheaper key of the same call, the fast key: ints by value instead of by class, each tensor's dtype, the addresses'
-residues modulo 16 (one 0 when all are aligned), the keyword values and types by name. The layout's hit function
+residues modulo 16 (one 0 when all are aligned) and a token of the keyword values and types (the last call's while
+each value is the same object, else that of an equal set; never one of another set). The layout's hit function
 (:func:`launch` calls the first layout's; each hands a call of another layout to the next) builds it, looks it up
 and launches a hit itself, with the tensors' addresses as ints (the launcher then skips its per-pointer
 ``data_ptr`` call and driver query); a tensor not on a CUDA device is of no layout there, so its call takes
@@ -37,6 +38,7 @@ The host cost per launch, Triton's path against this one with the kernels' own l
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from typing import NamedTuple
@@ -49,10 +51,11 @@ from triton.runtime.jit import JITFunction
 
 ENABLED = os.environ.get("DSA_LEAN_LAUNCH", "1") != "0"  # off (DSA_LEAN_LAUNCH=0): every launch is Triton's
 MAX_ENTRIES = 256  # compiled launches kept per kernel; past this the cache starts over (misses take Triton's path)
-MAX_FAST_ENTRIES = 1024  # fast keys (ints by value) kept per kernel; past this they start over
+MAX_FAST_ENTRIES = 1024  # fast keys (ints by value) per kernel, keyword-set tokens per layout; past this, start over
 MAX_LAYOUTS = 4  # argument layouts (kinds of the positional arguments, keyword names) with functions, per kernel
 KEY_SAFE = (int, bool, str, type(None), tl.dtype)  # keyword values whose equality (with their type) fixes str()
 _ATTRIBUTE = "_dsa_lean"
+_TOKENS = itertools.count()  # the keyword-set tokens (_meta_token): none is handed out twice
 # The current CUDA device (torch.cuda.current_device() without its init check: the first launch, through Triton,
 # initialised CUDA) and a device's current stream as Triton's launcher takes it (a raw CUstream); None without CUDA
 _device = getattr(torch._C, "_cuda_getDevice", None)
@@ -87,6 +90,17 @@ class _Mismatch(Exception):
 
 def _mismatch():
     raise _Mismatch
+
+
+def _meta_token(tokens: dict, part: tuple) -> int:
+    """The token of keyword values and types ``part`` in a layout's ``tokens``: one per part, never another's (a
+    token is not handed out twice, even once ``tokens`` has started over)."""
+    token = tokens.get(part)
+    if token is None:
+        if len(tokens) >= MAX_FAST_ENTRIES:
+            tokens.clear()
+        token = tokens.setdefault(part, next(_TOKENS))
+    return token
 
 
 def _hashed(key):
@@ -136,9 +150,11 @@ def key_of(args, meta, device):
             *meta, *meta.values(), *map(type, meta.values()))
 
 def fast_key(args, meta, device):
+    global LAST
 {body4}    return ({fast_key}), ({launched})
 
 def hit(grid, args, meta):
+    global LAST
     try:
 {body8}        device = lean_module._device()
         key = ({fast_key})
@@ -300,6 +316,13 @@ class LeanKernel:
                 f"if {' or '.join(checks)}:", "    _mismatch()",
                 *(f"p{i} = a{i}.data_ptr() if a{i}.is_cuda else _mismatch()" for i in tensors),
                 "runtime = knobs.runtime"]
+        if meta:  # keyword values and types: a token, the last call's while every value is the same object
+            js = range(len(meta))
+            body += [f"m{j} = meta[{name!r}]" for j, name in enumerate(meta)]
+            body += [f"({''.join(f'v{j}, ' for j in js)}token) = LAST",
+                     f"if not ({' and '.join(f'm{j} is v{j}' for j in js)}):",
+                     f"    token = _meta_token(TOKENS, ({''.join(f'm{j}, type(m{j}), ' for j in js)}))",
+                     f"    LAST = ({''.join(f'm{j}, ' for j in js)}token)"]
         parts = [repr(" ".join(kinds) + " | " + " ".join(meta)), "device", "runtime.debug",
                  "knobs.compilation.instrumentation_mode", *(f"a{i}.dtype" for i in tensors)]
         if tensors:
@@ -310,7 +333,7 @@ class LeanKernel:
                 parts.append(f"a{i} if type(a{i}) is {kind} else _mismatch()")
             elif kind == "constexpr":
                 parts.append(f"a{i}, type(a{i})")
-        parts += [f"(m{j} := meta[{name!r}]), type(m{j})" for j, name in enumerate(meta)]
+        parts += ["token"] if meta else []
         source = _SOURCE.format(
             args="".join(f"a{i}, " for i in range(len(args))), n=len(args),
             key_parts="".join(f"{_key_expression(kind, f'a{i}')}, " for i, kind in enumerate(kinds)),
@@ -319,7 +342,8 @@ class LeanKernel:
             launched="".join(f"p{i}, " if kind == "tensor" else f"a{i}, " for i, kind in enumerate(kinds)))
         scope = {"knobs": knobs, "HookChain": HookChain, "_mismatch": _mismatch, "NAMES": set(meta),
                  "lean_module": sys.modules[__name__], "lean": self, "fn": self.fn, "fast": self.fast,
-                 "NEXT": self.unmatched}
+                 "NEXT": self.unmatched, "TOKENS": {}, "_meta_token": _meta_token,
+                 "LAST": (_Mismatch,) * len(meta) + (None,)}
         exec(source, scope)
         return _Layout(scope["hit"], scope["key_of"], scope["fast_key"])
 

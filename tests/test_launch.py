@@ -41,7 +41,15 @@ def lean_key(fn: JITFunction, args: tuple, meta: dict):
 
 
 def fast_key(fn: JITFunction, args: tuple, meta: dict):
-    return lean.LeanKernel(fn).layout_functions(args, meta).fast_key(args, meta, 0)[0]
+    """The fast key of a launch from the layout functions of one LeanKernel of ``fn`` (the tokens of keyword values
+    are a layout's own)."""
+    state = fn.__dict__.setdefault("_test_lean", lean.LeanKernel(fn))
+    state.key(args, meta, 0)  # (builds the call's layout first)
+    for layout in state.layouts:
+        try:
+            return layout.fast_key(args, meta, 0)[0]
+        except Exception:  # another layout's
+            continue
 
 
 class CudaTensor(torch.Tensor):
@@ -179,6 +187,27 @@ def test_the_fast_key_tells_which_pointer_is_misaligned():
     keys = {fast_of((x, y) + BASE_ARGS[2:], meta, 0)[0] for x, y in pairs}
     assert len(keys) == len(pairs)
     assert len({triton_key(fn, (x, y) + BASE_ARGS[2:], meta) for x, y in pairs[:4]}) == 4
+
+
+def test_keyword_values_are_keyed_by_value_and_type_whatever_object_holds_them():
+    """The fast key holds a token of the keyword values and types: the last call's while each value is the same
+    object, else the token of an equal part (equal values of one type, in other objects: one token)."""
+    fn = jit_kernel()
+    layout = lean.LeanKernel(fn).layout_functions(BASE_ARGS, {"BLOCK": 16, "MODE": 2})
+    key = lambda block, mode: layout.fast_key(BASE_ARGS, {"BLOCK": block, "MODE": mode}, 0)[0]  # noqa: E731
+    big = 2**40
+    assert key(16, big) == key(16, big) == key(16, int(str(big))) == key(16, big + 0)
+    assert len({key(16, big), key(16, 2), key(True, 2), key(1, 2), key(1.0, 2), key(16, big)}) == 5
+    assert key(16, 2) != key(2, 16)  # (by name)
+    assert key(16, 2) == layout.fast_key(BASE_ARGS, {"MODE": 2, "BLOCK": 16}, 0)[0]  # (in any order)
+
+
+def test_a_new_token_is_never_one_handed_out_before(monkeypatch):
+    monkeypatch.setattr(lean, "MAX_FAST_ENTRIES", 2)
+    tokens = {}
+    handed = [lean._meta_token(tokens, (value, int)) for value in range(6)]
+    assert len(set(handed)) == 6 and len(tokens) <= 2
+    assert lean._meta_token(tokens, (5, int)) == handed[5]
 
 
 def test_a_tensor_not_on_a_cuda_device_is_of_no_fast_layout():
