@@ -1,6 +1,7 @@
 """Lean eager launches: a repeated launch calls the compiled kernel directly, past Triton's Python launcher.
 
-An op launches with ``launch(kernel, grid, *args, **meta)`` where it would write ``kernel[grid](*args, **meta)``.
+An op launches with ``launch(kernel, grid, *args, **meta)`` where it would write ``kernel[grid](*args, **meta)``
+(or ``launch_with(kernel, grid, meta, *args)``, with a dict of keyword arguments its plan keeps).
 Triton's own launch (``JITFunction.run``) rebuilds on every call what a repeated call already knew: it binds the
 arguments, specializes each one, formats the options into a string key, looks the compiled kernel up, builds the
 launch metadata and calls the (empty) launch hooks. Here the first call of each specialization goes through
@@ -66,6 +67,18 @@ def launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)``, through the kernel's :class:`LeanKernel` when it is a compiled-mode
     ``@triton.jit`` function. Pass every argument that is not a constexpr positionally: keyword arguments are
     keyed by value. Returns what Triton's launch returns (the compiled kernel)."""
+    if not ENABLED or (type(kernel) is not JITFunction and not isinstance(kernel, JITFunction)):
+        return kernel[grid](*args, **meta)
+    lean = kernel.__dict__.get(_ATTRIBUTE)
+    if lean is None:
+        lean = LeanKernel(kernel)
+        setattr(kernel, _ATTRIBUTE, lean)
+    return lean.call(grid, args, meta)
+
+
+def launch_with(kernel, grid, meta: dict, *args):
+    """:func:`launch` with the keyword arguments in a dict the caller keeps (a plan's; not modified here): a call
+    then spends nothing on packing them (13 keywords: 0.75 us on the dev CPU)."""
     if not ENABLED or (type(kernel) is not JITFunction and not isinstance(kernel, JITFunction)):
         return kernel[grid](*args, **meta)
     lean = kernel.__dict__.get(_ATTRIBUTE)

@@ -397,6 +397,17 @@ def test_the_cuda_launcher_is_called_without_its_python_wrapper(monkeypatch, fak
                                head + (x.data_ptr(), x.data_ptr(), 48, 17, True, 0.5, None, 16, 2)]
 
 
+def test_launch_with_takes_the_keywords_in_a_dict_it_leaves_alone(fake_triton):
+    fn, compiled, through_triton = fake_triton
+    x = cuda_empty(32)
+    meta = {"BLOCK": 16, "num_warps": 4}
+    lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, None, **meta)
+    for _ in range(2):
+        assert lean.launch_with(fn, (1,), meta, x, x, 48, 17, True, 0.5, None) is compiled
+    assert len(through_triton) == 1 and compiled.calls[-1][9] == x.data_ptr()
+    assert meta == {"BLOCK": 16, "num_warps": 4}
+
+
 def test_the_cache_of_a_kernel_is_bounded(fake_triton, monkeypatch):
     fn, compiled, through_triton = fake_triton
     monkeypatch.setattr(lean, "MAX_ENTRIES", 3)
@@ -433,3 +444,4 @@ def test_the_interpreter_takes_tritons_path_unchanged(monkeypatch):
             return lambda *a, **k: ("stub", grid, a, k)
 
     assert lean.launch(Stub(), (2,), 1, X=3) == ("stub", (2,), (1,), {"X": 3})
+    assert lean.launch_with(Stub(), (2,), {"X": 3}, 1) == ("stub", (2,), (1,), {"X": 3})
