@@ -1,26 +1,32 @@
 """Lean eager launches: a repeated launch calls the compiled kernel directly, past Triton's Python launcher.
 
-An op launches with ``launch(kernel, grid, *args, **meta)`` where it would write ``kernel[grid](*args, **meta)``.
+An op launches with ``launch(kernel, grid, *args, **meta)`` where it would write ``kernel[grid](*args, **meta)``
+(or ``launch_with(kernel, grid, meta, *args)``, with a dict of keyword arguments its plan keeps).
 Triton's own launch (``JITFunction.run``) rebuilds on every call what a repeated call already knew: it binds the
 arguments, specializes each one, formats the options into a string key, looks the compiled kernel up, builds the
 launch metadata and calls the (empty) launch hooks. Here the first call of each specialization goes through
 Triton unchanged (it compiles when needed and launches), and its compiled kernel is kept under a key of
 everything Triton specializes on; a later call with an equal key launches that kernel with the current stream.
 
-The key (:meth:`LeanKernel.key_function` builds one function per argument layout, as Triton's binder is built
-per signature) holds, per positional argument: a tensor's dtype and whether its address is a multiple of 16; an
-int's class (equal to 1; else int32, int64 or uint64 range, each split by divisibility by 16); the kind of a
-bool, float or None; a constexpr's value and type. Then every keyword argument's value and type (constexprs and
-options such as ``num_warps``), the current device and Triton's two global option knobs (``debug`` and the
-instrumentation mode). That is at least as fine as Triton's own cache key, so an equal key launches the kernel
-Triton itself would launch. In front of it sits a cheaper key of the same call (:meth:`LeanKernel.layout_functions`):
-ints by value instead of by class, each tensor's dtype, alignment and ``is_cuda``; it also hands back the tensors'
-addresses, and a hit launches with those ints (the launcher then skips its per-pointer ``data_ptr`` call and driver
-query). A miss there that hits the class key launches once with the tensors themselves, whose pointers the launcher
-checks, before its key is kept. Anything else (an argument of another kind, a callable grid, a launch hook or
-pre-run hook set, a global the kernel reads changed since it compiled, a keyword value other than an int, bool,
-str, None or ``tl.dtype``: floats, say, where ``0.0 == -0.0`` but Triton compiles them apart) takes Triton's path.
-A key that differs only where Triton's does not costs one more pass through Triton's path, never a wrong kernel.
+The key (:meth:`LeanKernel.layout_functions` builds the functions of each argument layout: the kind of each
+positional argument and the keyword names, as Triton's binder is built per signature) holds, per positional
+argument: a tensor's dtype and whether its address is a multiple of 16; an int's class (equal to 1; else int32,
+int64 or uint64 range, each split by divisibility by 16); the kind of a bool, float or None; a constexpr's value
+and type. Then every keyword argument's value and type (constexprs and options such as ``num_warps``), the current
+device and Triton's two global option knobs (``debug`` and the instrumentation mode). That is at least as fine as
+Triton's own cache key, so an equal key launches the kernel Triton itself would launch. In front of it sits a
+cheaper key of the same call, the fast key: ints by value instead of by class, each tensor's dtype, the addresses'
+residues modulo 16 (one 0 when all are aligned) and a token of the keyword values and types (the last call's while
+each value is the same object, else that of an equal set; never one of another set). The layout's hit function
+(:func:`launch` calls the first layout's; each hands a call of another layout to the next) builds it, looks it up
+and launches a hit itself, with the tensors' addresses as ints (the launcher then skips its per-pointer
+``data_ptr`` call and driver query); a tensor not on a CUDA device is of no layout there, so its call takes
+Triton's path. A fast miss that hits the class key launches once with the tensors themselves, whose pointers the
+launcher checks, before its fast key is kept. Anything else (an argument of another kind, a callable grid, a
+launch hook or pre-run hook set, a global the kernel reads changed since it compiled, a keyword value other than
+an int, bool, str, None or ``tl.dtype``: floats, say, where ``0.0 == -0.0`` but Triton compiles them apart) takes
+Triton's path. A key that differs only where Triton's does not costs one more pass through Triton's path, never a
+wrong kernel.
 
 On a hit nothing is allocated, no file is touched and no device memory is read: the launch is capturable in a
 CUDA graph once each specialization has run once eagerly. In the Triton interpreter (``TRITON_INTERPRET=1``)
@@ -33,7 +39,10 @@ The host cost per launch, Triton's path against this one with the kernels' own l
 """
 from __future__ import annotations
 
+import itertools
 import os
+import sys
+from typing import NamedTuple
 
 import torch
 import triton.language as tl
@@ -43,10 +52,15 @@ from triton.runtime.jit import JITFunction
 
 ENABLED = os.environ.get("DSA_LEAN_LAUNCH", "1") != "0"  # off (DSA_LEAN_LAUNCH=0): every launch is Triton's
 MAX_ENTRIES = 256  # compiled launches kept per kernel; past this the cache starts over (misses take Triton's path)
-MAX_FAST_ENTRIES = 1024  # fast keys (ints by value) kept per kernel; past this they start over
-MAX_LAYOUTS = 4  # argument layouts (kinds of the positional arguments, arity) with a key function, per kernel
+MAX_FAST_ENTRIES = 1024  # fast keys (ints by value) per kernel, keyword-set tokens per layout; past this, start over
+MAX_LAYOUTS = 4  # argument layouts (kinds of the positional arguments, keyword names) with functions, per kernel
 KEY_SAFE = (int, bool, str, type(None), tl.dtype)  # keyword values whose equality (with their type) fixes str()
 _ATTRIBUTE = "_dsa_lean"
+_TOKENS = itertools.count()  # the keyword-set tokens (_meta_token): none is handed out twice
+# The current CUDA device (torch.cuda.current_device() without its init check: the first launch, through Triton,
+# initialised CUDA) and a device's current stream as Triton's launcher takes it (a raw CUstream); None without CUDA
+_device = getattr(torch._C, "_cuda_getDevice", None)
+_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def launch(kernel, grid, *args, **meta):
@@ -59,51 +73,19 @@ def launch(kernel, grid, *args, **meta):
     if lean is None:
         lean = LeanKernel(kernel)
         setattr(kernel, _ATTRIBUTE, lean)
-    if not lean.layouts:  # the first call (CUDA may be uninitialised: _device does not initialise it)
-        return lean.through_triton(grid, args, meta, None, None)
-    device = _device()
-    for fast_of, key_of in lean.layouts:  # (the hit path is inline: one Python frame less per launch)
-        try:
-            fast, pointers = fast_of(args, meta, device)
-            break
-        except Exception:  # another layout (or a value that cannot be keyed): the next one, or none
-            pass
-    else:
-        return lean.through_triton(grid, args, meta, None, device)
-    try:
-        entry = lean.fast.get(fast)
-    except TypeError:  # an unhashable keyword value
-        return lean.through_triton(grid, args, meta, None, device)
-    if type(grid) is not tuple or kernel.pre_run_hooks or not hooks_idle() or lean.globals_changed():
-        return lean.through_triton(grid, args, meta, None, device)
-    if entry is None:
-        try:
-            key = key_of(args, meta, device)
-            entry = lean.entries.get(key)
-        except Exception:  # a value the key cannot take (an int past uint64: Triton raises) or cannot hash
-            key = None
-        if entry is None:
-            return lean.through_triton(grid, args, meta, key, device)
-        pointers = args  # this once, the tensors: the launcher checks each pointer before the fast key is kept
-    n = len(grid)
-    run, head, tail = entry
-    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(device), *head, *pointers, *tail)
-    if pointers is args:
-        if len(lean.fast) >= MAX_FAST_ENTRIES:
-            lean.fast.clear()
-        lean.fast[fast] = entry
-    return entry.kernel
+    return lean.call(grid, args, meta)
 
 
-def _device() -> int:
-    """The current CUDA device (Triton launches on it; :func:`torch.cuda.current_device` without the init check:
-    the first launch, through Triton, initialised CUDA)."""
-    return torch._C._cuda_getDevice()
-
-
-def _stream(device: int) -> int:
-    """The current stream of ``device`` as Triton's launcher takes it (a raw ``CUstream``)."""
-    return torch._C._cuda_getCurrentRawStream(device)
+def launch_with(kernel, grid, meta: dict, *args):
+    """:func:`launch` with the keyword arguments in a dict the caller keeps (a plan's; not modified here): a call
+    then spends nothing on packing them (13 keywords: 0.75 us on the dev CPU)."""
+    if not ENABLED or (type(kernel) is not JITFunction and not isinstance(kernel, JITFunction)):
+        return kernel[grid](*args, **meta)
+    lean = kernel.__dict__.get(_ATTRIBUTE)
+    if lean is None:
+        lean = LeanKernel(kernel)
+        setattr(kernel, _ATTRIBUTE, lean)
+    return lean.call(grid, args, meta)
 
 
 def hooks_idle() -> bool:
@@ -116,11 +98,22 @@ def hooks_idle() -> bool:
 
 
 class _Mismatch(Exception):
-    """An argument is not of the kind a key function was built for."""
+    """An argument is not of the kind a layout's functions were built for."""
 
 
 def _mismatch():
     raise _Mismatch
+
+
+def _meta_token(tokens: dict, part: tuple) -> int:
+    """The token of keyword values and types ``part`` in a layout's ``tokens``: one per part, never another's (a
+    token is not handed out twice, even once ``tokens`` has started over)."""
+    token = tokens.get(part)
+    if token is None:
+        if len(tokens) >= MAX_FAST_ENTRIES:
+            tokens.clear()
+        token = tokens.setdefault(part, next(_TOKENS))
+    return token
 
 
 def _hashed(key):
@@ -159,73 +152,143 @@ def _key_expression(kind: str, a: str) -> str:
     }[kind]
 
 
+# The functions of a layout, as LeanKernel.layout_functions fills them in. The fast key starts with the layout,
+# so that layouts share one table; the hit path reads Triton's launch hooks as hooks_idle does.
+_SOURCE = """\
+def key_of(args, meta, device):
+    ({args}) = args
+    if meta.keys() != NAMES:
+        _mismatch()
+    return (device, {n}, knobs.runtime.debug, knobs.compilation.instrumentation_mode, {key_parts}
+            *meta, *meta.values(), *map(type, meta.values()))
 
-def _fast_expression(kind: str, a: str, p: str) -> str:
-    """A positional argument's part of the fast key: an int by value; a tensor (address ``p``) as in the key, plus
-    whether it is a CUDA tensor (its address is passed to the launcher unchecked). The fast key starts with the
-    layout's kinds, so that a bool and an int of equal value in two layouts never share one."""
-    return {
-        "tensor": f"{a}.dtype, {a}.is_cuda, not {p} & 15",
-        "int": f"{a} if type({a}) is int else _mismatch()",
-        "bool": f"{a} if type({a}) is bool else _mismatch()",
-    }.get(kind) or _key_expression(kind, a)
+def fast_key(args, meta, device):
+    global LAST
+{body4}    return ({fast_key}), ({launched})
+
+def hit(grid, args, meta):
+    global LAST
+    try:
+{body8}        device = lean_module._device()
+        key = ({fast_key})
+        entry = fast.get(key)
+    except Exception:  # another layout, or a value that cannot be keyed
+        key = None
+    if key is None:
+        return NEXT(grid, args, meta)
+    if (entry is None or type(grid) is not tuple or fn.pre_run_hooks
+            or (h := runtime.launch_enter_hook) is not None and (type(h) is not HookChain or h.calls)
+            or (h := runtime.launch_exit_hook) is not None and (type(h) is not HookChain or h.calls)
+            or lean.globals_changed()):
+        return lean.miss(grid, args, meta, key, device, key_of)
+    run, head, tail, kernel = entry
+    n = len(grid)
+    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, lean_module._stream(device), *head, {launched}
+        *tail)
+    return kernel
+"""
+
+
+class _Layout(NamedTuple):
+    """The functions of one argument layout (module docstring), each raising on a call of another layout."""
+    hit: object  # (grid, args, meta) -> the compiled kernel: launches a hit, else the miss path or the next layout's
+    key: object  # (args, meta, device) -> the key
+    fast_key: object  # (args, meta, device) -> (the fast key, the arguments to launch with: addresses for tensors)
+
 
 class LeanKernel:
     """The compiled launches of one ``@triton.jit`` function by key and by fast key (module docstring), and the
-    key functions of the argument layouts it was launched with; :func:`launch` looks them up."""
+    functions of the argument layouts it was launched with; :func:`launch` calls :attr:`call`."""
 
     def __init__(self, fn: JITFunction) -> None:
         self.fn = fn
-        self.entries: dict = {}  # key -> _Entry
-        self.fast: dict = {}  # fast key -> _Entry (the same entries)
-        self.layouts: list = []  # (fast key function, key function) per argument layout
-        self.seen_globals: dict = {}  # used global's key -> the object found equal to its compile-time value
+        self.entries: dict = {}  # key -> entry (_entry)
+        self.fast: dict = {}  # fast key -> entry (the same entries)
+        self.layouts: list[_Layout] = []
+        self.call = self.unmatched  # the first layout's hit function (each hands a call of another layout on)
+        self.watched: tuple = ()  # (scope, name, object found equal to its compile-time value) per used global
+        self.watched_of = None  # the used_global_vals those are of
 
     def globals_changed(self) -> bool:
         """Triton's check before each launch: a global the kernel read at compile time has another value now
         (Triton then raises; so does the call that takes its path). Triton keeps deep copies of the values, so an
         equality test (a constexpr's ``!=`` builds objects: 10-13 us a launch for the top-k kernels on the H200
-        host) runs once per object a global is bound to; after that the same object passes on identity."""
-        for key, (value, scope) in self.fn.used_global_vals.items():
-            now = scope.get(key[0], _Mismatch)
-            if now is self.seen_globals.get(key):
-                continue
+        host) runs only when a global is bound to another object than the one last found equal; else identity."""
+        used = self.fn.used_global_vals
+        if used is self.watched_of and len(used) == len(self.watched):
+            for scope, name, seen in self.watched:
+                if scope.get(name, _Mismatch) is not seen:
+                    break
+            else:
+                return False
+        watched = []
+        for (name, _), (value, scope) in used.items():
+            now = scope.get(name, _Mismatch)
             if now != value:
                 return True
-            self.seen_globals[key] = now
+            watched.append((scope, name, now))
+        self.watched, self.watched_of = tuple(watched), used
         return False
 
-    def through_triton(self, grid, args: tuple, meta: dict, key, device: int | None):
+    def unmatched(self, grid, args: tuple, meta: dict):
+        """A call no layout's functions take: Triton's launch."""
+        return self.through_triton(grid, args, meta, None)
+
+    def through_triton(self, grid, args: tuple, meta: dict, key):
         """Triton's own launch; then keep the compiled kernel under ``key`` (None: the call's key, from its layout's
         key function, built first for a new layout)."""
         kernel = self.fn[grid](*args, **meta)
         if kernel is None or not hasattr(kernel, "packed_metadata"):
             return kernel
         if key is None:
-            key = self.key(args, meta, torch.cuda.current_device() if device is None else device)
+            key = self.key(args, meta, torch.cuda.current_device())
         tail = self.tail(args, meta)
         if key is not None and tail is not None:
             if len(self.entries) >= MAX_ENTRIES:
                 self.entries.clear()
-            self.entries[key] = _Entry(kernel, tail)
+            self.entries[key] = _entry(kernel, tail)
+        return kernel
+
+    def miss(self, grid, args: tuple, meta: dict, fast_key: tuple, device: int, key_of):
+        """A call whose fast key has no entry, or that failed a check of the hit path: Triton's launch, unless its
+        key (``key_of``: its layout's) has an entry, which then launches with the tensors themselves (the launcher
+        checks each pointer) before the fast key is kept."""
+        if type(grid) is not tuple or self.fn.pre_run_hooks or not hooks_idle() or self.globals_changed():
+            return self.through_triton(grid, args, meta, None)
+        try:
+            key = key_of(args, meta, device)
+            entry = self.entries.get(key)
+        except Exception:  # a value the key cannot take (an int past uint64: Triton raises) or cannot hash
+            key = entry = None
+        if entry is None:
+            return self.through_triton(grid, args, meta, key)
+        run, head, tail, kernel = entry
+        n = len(grid)
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(device), *head, *args, *tail)
+        if len(self.fast) >= MAX_FAST_ENTRIES:
+            self.fast.clear()
+        self.fast[fast_key] = entry
         return kernel
 
     def key(self, args: tuple, meta: dict, device: int):
         """The call's key from the first layout's key function that takes it, else from a new layout's (at most
-        ``MAX_LAYOUTS``); None when none takes it."""
-        for _, key_of in self.layouts:
+        ``MAX_LAYOUTS``; its hit function joins the chain :attr:`call` starts); None when none takes it."""
+        for layout in self.layouts:
             try:
-                return _hashed(key_of(args, meta, device))
+                return _hashed(layout.key(args, meta, device))
             except Exception:
                 continue
-        functions = self.layout_functions(args, meta) if len(self.layouts) < MAX_LAYOUTS else None
-        if functions is None:
+        layout = self.layout_functions(args, meta) if len(self.layouts) < MAX_LAYOUTS else None
+        if layout is None:
             return None
         try:
-            key = _hashed(functions[1](args, meta, device))
+            key = _hashed(layout.key(args, meta, device))
         except Exception:
             return None
-        self.layouts.append(functions)
+        self.layouts.append(layout)
+        for this, following in zip(self.layouts, self.layouts[1:] + [None]):
+            this.hit.__globals__["NEXT"] = following.hit if following else self.unmatched
+        self.call = self.layouts[0].hit
         return key
 
     def tail(self, args: tuple, meta: dict) -> tuple | None:
@@ -246,11 +309,10 @@ class LeanKernel:
                 return None
         return tuple(tail)
 
-    def layout_functions(self, args: tuple, meta: dict):
-        """Two functions ``(args, meta, device) -> ...`` for calls with the layout of ``args`` (the kind of each
-        positional argument, their number), each raising on a call of another layout: the fast key with the
-        arguments to launch with (every tensor replaced by its address), and the key. None when an argument has no
-        kind (:func:`argument_kind`) or there are more arguments than parameters."""
+    def layout_functions(self, args: tuple, meta: dict) -> _Layout | None:
+        """The functions for calls with the layout of ``args`` and ``meta`` (the kind of each positional argument,
+        the keyword names); None when an argument has no kind (:func:`argument_kind`) or there are more arguments
+        than parameters."""
         params = self.fn.params
         if len(args) > len(params):
             return None
@@ -259,39 +321,55 @@ class LeanKernel:
             kinds.append("constexpr" if p.is_constexpr else argument_kind(value))
             if kinds[-1] is None:
                 return None
-        names = "".join(f"a{i}, " for i in range(len(args)))
-        common = ("device, {n}, knobs.runtime.debug, knobs.compilation.instrumentation_mode, {parts}"
-                  "*meta, *meta.values(), *map(type, meta.values())")
-        key_parts = "".join(f"{_key_expression(kind, f'a{i}')}, " for i, kind in enumerate(kinds))
-        fast_parts = "".join(f"{_fast_expression(kind, f'a{i}', f'p{i}')}, " for i, kind in enumerate(kinds))
-        addresses = "".join(f"    p{i} = a{i}.data_ptr()\n" for i, kind in enumerate(kinds) if kind == "tensor")
-        launched = "".join(f"p{i}, " if kind == "tensor" else f"a{i}, " for i, kind in enumerate(kinds))
-        source = (f"def key(args, meta, device):\n"
-                  f"    ({names}) = args\n"
-                  f"    return ({common.format(n=len(args), parts=key_parts)})\n"
-                  f"def fast(args, meta, device):\n"
-                  f"    ({names}) = args\n"
-                  f"{addresses}"
-                  f"    return ({' '.join(kinds)!r}, {common.format(n=len(args), parts=fast_parts)}), ({launched})\n")
-        scope = {"knobs": knobs, "_mismatch": _mismatch}
+        tensors = [i for i, kind in enumerate(kinds) if kind == "tensor"]
+        checks = [f"len(meta) != {len(meta)}"]
+        checks += [f"type(a{i}) is not float" for i, kind in enumerate(kinds) if kind == "float"]
+        checks += [f"a{i} is not None" for i, kind in enumerate(kinds) if kind == "none"]
+        body = [f"({''.join(f'a{i}, ' for i in range(len(args)))}) = args",
+                f"if {' or '.join(checks)}:", "    _mismatch()",
+                *(f"p{i} = a{i}.data_ptr() if a{i}.is_cuda else _mismatch()" for i in tensors),
+                "runtime = knobs.runtime"]
+        if meta:  # keyword values and types: a token, the last call's while every value is the same object
+            js = range(len(meta))
+            body += [f"m{j} = meta[{name!r}]" for j, name in enumerate(meta)]
+            body += [f"({''.join(f'v{j}, ' for j in js)}token) = LAST",
+                     f"if not ({' and '.join(f'm{j} is v{j}' for j in js)}):",
+                     f"    token = _meta_token(TOKENS, ({''.join(f'm{j}, type(m{j}), ' for j in js)}))",
+                     f"    LAST = ({''.join(f'm{j}, ' for j in js)}token)"]
+        parts = [repr(" ".join(kinds) + " | " + " ".join(meta)), "device", "runtime.debug",
+                 "knobs.compilation.instrumentation_mode", *(f"a{i}.dtype" for i in tensors)]
+        if tensors:
+            parts.append(f"({''.join(f'p{i} & 15, ' for i in tensors)}) "
+                         f"if ({' | '.join(f'p{i}' for i in tensors)}) & 15 else 0")
+        for i, kind in enumerate(kinds):
+            if kind in ("int", "bool"):
+                parts.append(f"a{i} if type(a{i}) is {kind} else _mismatch()")
+            elif kind == "constexpr":
+                parts.append(f"a{i}, type(a{i})")
+        parts += ["token"] if meta else []
+        source = _SOURCE.format(
+            args="".join(f"a{i}, " for i in range(len(args))), n=len(args),
+            key_parts="".join(f"{_key_expression(kind, f'a{i}')}, " for i, kind in enumerate(kinds)),
+            body4="".join(f"    {line}\n" for line in body), body8="".join(f"        {line}\n" for line in body),
+            fast_key=", ".join(parts),
+            launched="".join(f"p{i}, " if kind == "tensor" else f"a{i}, " for i, kind in enumerate(kinds)))
+        scope = {"knobs": knobs, "HookChain": HookChain, "_mismatch": _mismatch, "NAMES": set(meta),
+                 "lean_module": sys.modules[__name__], "lean": self, "fn": self.fn, "fast": self.fast,
+                 "NEXT": self.unmatched, "TOKENS": {}, "_meta_token": _meta_token,
+                 "LAST": (_Mismatch,) * len(meta) + (None,)}
         exec(source, scope)
-        return scope["fast"], scope["key"]
+        return _Layout(scope["hit"], scope["key_of"], scope["fast_key"])
 
 
-class _Entry(tuple):
-    """``(run, head, tail)``: the launcher to call as ``run(gx, gy, gz, stream, *head, *args, *tail)``, and the
-    compiled kernel (``.kernel``). ``run`` is the compiled kernel's ``run``, or, when that is Triton's CUDA
-    launcher and the kernel needs no scratch memory, the C function it calls with the same arguments."""
-
-    def __new__(cls, kernel, tail: tuple):
-        run = kernel.run  # (loads the module on first use)
-        function, packed = kernel.function, kernel.packed_metadata
-        if (getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0
-                and callable(getattr(run, "launch", None))):
-            # CudaLauncher.__call__ adds (cooperative grid, PDL, scratch buffers: None without scratch)
-            entry = super().__new__(cls, (run.launch, (function, run.launch_cooperative_grid, run.launch_pdl, None,
-                                                       None, packed, None, None, None), tail))
-        else:
-            entry = super().__new__(cls, (run, (function, packed, None, None, None), tail))
-        entry.kernel = kernel
-        return entry
+def _entry(kernel, tail: tuple) -> tuple:
+    """``(run, head, tail, kernel)``: the launcher to call as ``run(gx, gy, gz, stream, *head, *args, *tail)``,
+    and the compiled kernel. ``run`` is the compiled kernel's ``run``, or, when that is Triton's CUDA launcher and
+    the kernel needs no scratch memory, the C function it calls with the same arguments."""
+    run = kernel.run  # (loads the module on first use)
+    function, packed = kernel.function, kernel.packed_metadata
+    if (getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0
+            and callable(getattr(run, "launch", None))):
+        # CudaLauncher.__call__ adds (cooperative grid, PDL, scratch buffers: None without scratch)
+        return (run.launch, (function, run.launch_cooperative_grid, run.launch_pdl, None, None, packed, None, None,
+                             None), tail, kernel)
+    return run, (function, packed, None, None, None), tail, kernel

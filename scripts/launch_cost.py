@@ -8,7 +8,8 @@ every launch through Triton's launcher, recording the launches (kernel, grid, ar
 
 - launches: each recorded launch, repeated ``--calls`` times back to back, the host clock read before the final
   ``torch.cuda.synchronize`` (the enqueue cost per launch; the launch queue does not fill at these counts) - through
-  Triton (``kernel[grid](...)``), through the lean path (``launch(kernel, grid, ...)``) and through the compiled
+  Triton (``kernel[grid](...)``), through the lean path (``launch(kernel, grid, ...)``; ``lean_with_us``:
+  ``launch_with``, the keyword arguments in a dict, as the ops with a plan's dict call it) and through the compiled
   kernel's own runner (``compiled[grid](...)``, the floor Triton's ``CompiledKernel`` offers) - and the same launch
   replayed from a CUDA graph (20 a graph: its device time). ``lean_misses``: lean calls that still took Triton's
   path after the first (0 when every argument is keyable);
@@ -116,12 +117,13 @@ def misses_of(fn, calls: int) -> int:
 
 
 def launch_rows(name: str, records: list, calls: int, rounds: int, device) -> list[dict]:
-    from dsa_triton.launch import LeanKernel, launch
+    from dsa_triton.launch import LeanKernel, launch, launch_with
 
     rows = []
     for i, (kernel, grid, args, kwargs) in enumerate(records):
         triton_call = lambda: kernel[grid](*args, **kwargs)  # noqa: E731
         lean_call = lambda: launch(kernel, grid, *args, **kwargs)  # noqa: E731
+        lean_with_call = lambda: launch_with(kernel, grid, kwargs, *args)  # noqa: E731
         compiled = triton_call()
         tail = LeanKernel(kernel).tail(args, kwargs)
         runner = compiled[(*grid, 1, 1)[:3]] if tail is not None else None  # (its runner reads three grid sizes)
@@ -131,6 +133,7 @@ def launch_rows(name: str, records: list, calls: int, rounds: int, device) -> li
             lean_call()
             misses = misses_of(lean_call, 20)
             lean_us, _ = host_us(lean_call, calls, rounds)
+            lean_with_us, _ = host_us(lean_with_call, calls, rounds)
         with lean_path(False):
             triton_us, _ = host_us(triton_call, calls, rounds)
         compiled_us = host_us(lambda: runner(*full), calls, rounds)[0] if runner is not None else math.nan
@@ -139,7 +142,8 @@ def launch_rows(name: str, records: list, calls: int, rounds: int, device) -> li
             parts = lean_parts(kernel, grid, args, kwargs, calls, rounds)
         rows.append({"op": name, "launch": i, "kernel": kernel.fn.__name__, "grid": "x".join(map(str, grid)),
                      "args": len(args) + len(kwargs), "triton_us": triton_us, "lean_us": lean_us,
-                     "compiled_us": compiled_us, "device_us": dev, "lean_vs_triton": triton_us / lean_us,
+                     "lean_with_us": lean_with_us, "compiled_us": compiled_us, "device_us": dev,
+                     "lean_vs_triton": triton_us / lean_us,
                      "lean_misses": misses, **parts})
     return rows
 
@@ -151,9 +155,16 @@ def lean_parts(kernel, grid, args: tuple, kwargs: dict, calls: int, rounds: int)
     from dsa_triton import launch as lean
 
     state = kernel._dsa_lean
-    fast_of = state.layouts[0][0]
-    key, pointers = fast_of(args, kwargs, lean._device())
-    run, head, tail = state.fast[key]
+    for layout in state.layouts:  # the one that takes the call
+        fast_of = layout.fast_key
+        try:
+            key, pointers = fast_of(args, kwargs, lean._device())
+            break
+        except Exception:
+            continue
+    else:
+        raise RuntimeError(f"no layout of {kernel.fn.__name__} takes the call")
+    run, head, tail, _ = state.fast[key]
     gx, gy, gz = (*grid, 1, 1)[:3]
 
     def checks():
@@ -227,8 +238,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"{name}: done", flush=True)
     lean = [r["lean_us"] for r in launches]
+    with_dict = sorted(r["lean_with_us"] for r in launches)
     summary = (f"lean path: {max(lean):.1f} us a launch at most, median {sorted(lean)[len(lean) // 2]:.1f} "
-               f"(target {TARGET_US:.0f}); Triton's: median "
+               f"(target {TARGET_US:.0f}; launch_with: {with_dict[-1]:.1f}, median {with_dict[len(lean) // 2]:.1f}); "
+               f"Triton's: median "
                f"{sorted(r['triton_us'] for r in launches)[len(lean) // 2]:.1f}; "
                f"{sum(r['lean_misses'] > 0 for r in launches)} launches missing the lean cache") if lean else "no launch"
     print(dict_table(launches))

@@ -1,5 +1,7 @@
 """dsa_triton.launch on the CPU: the lean path's key against Triton's own cache key (Triton's binder, built for the
-CUDA backend without a GPU), hits and misses with a stand-in compiled kernel, and the interpreter's fallback."""
+CUDA backend without a GPU), hits and misses with a stand-in compiled kernel, and the interpreter's fallback. CPU
+tensors that say they are on a CUDA device (:class:`CudaTensor`) stand in for CUDA tensors: the lean path keeps no
+fast key of any other."""
 import copy
 import itertools
 import random
@@ -35,14 +37,31 @@ def triton_key(fn: JITFunction, args: tuple, meta: dict) -> str:
 
 
 def lean_key(fn: JITFunction, args: tuple, meta: dict):
-    return lean.LeanKernel(fn).layout_functions(args, meta)[1](args, meta, 0)
+    return lean.LeanKernel(fn).layout_functions(args, meta).key(args, meta, 0)
 
 
 def fast_key(fn: JITFunction, args: tuple, meta: dict):
-    return lean.LeanKernel(fn).layout_functions(args, meta)[0](args, meta, 0)[0]
+    """The fast key of a launch from the layout functions of one LeanKernel of ``fn`` (the tokens of keyword values
+    are a layout's own)."""
+    state = fn.__dict__.setdefault("_test_lean", lean.LeanKernel(fn))
+    state.key(args, meta, 0)  # (builds the call's layout first)
+    for layout in state.layouts:
+        try:
+            return layout.fast_key(args, meta, 0)[0]
+        except Exception:  # another layout's
+            continue
 
 
-BASE = torch.empty(64)
+class CudaTensor(torch.Tensor):
+    """A CPU tensor that says it is on a CUDA device (its slices and conversions too)."""
+    is_cuda = True
+
+
+def cuda_empty(n: int) -> CudaTensor:
+    return torch.empty(n).as_subclass(CudaTensor)
+
+
+BASE = cuda_empty(64)
 BASE_ARGS = (BASE, BASE, 32, 17, True, 0.5, None)
 INTS = [0, 1, 2, 15, 16, 17, -16, -1, 2**31 - 16, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 2**63 - 1, 2**63, -2**63,
         2**64 - 16]
@@ -57,7 +76,7 @@ def random_launch(r: random.Random) -> tuple[tuple, dict]:
         if field == 0:
             args[0] = BASE[r.randrange(0, 8):]  # 16-byte aligned or not
         elif field == 1:
-            args[1] = BASE.to(r.choice([torch.float16, torch.int32, torch.float32]))
+            args[1] = BASE.to(r.choice([torch.float16, torch.int32, torch.float32]))[r.choice([0, 0, 2, 4]):]
         elif field in (2, 3):
             args[field] = r.choice(INTS)
         elif field == 4:
@@ -122,14 +141,15 @@ def test_each_specialized_property_changes_the_key(change):
         changed[4] = 1
     elif change == "none":
         changed[6] = BASE
-    for which in (0, 1):  # the fast key, the key
-        key_of = lean.LeanKernel(fn).layout_functions(tuple(args), meta)[which]
+    for which in ("fast_key", "key"):
+        key_of = getattr(lean.LeanKernel(fn).layout_functions(tuple(args), meta), which)
         before = key_of(tuple(args), meta, 0)
         try:
             after = key_of(tuple(changed), meta2, 0)
-        except Exception:  # another argument kind: this layout's function refuses it (a new layout gets its own)
-            after = lean.LeanKernel(fn).layout_functions(tuple(changed), meta2)[which](tuple(changed), meta2, 0)
-        if which == 0:  # (the key, not the arguments handed back)
+        except Exception:  # another layout: this layout's function refuses it (a new layout gets its own)
+            other = lean.LeanKernel(fn).layout_functions(tuple(changed), meta2)
+            after = getattr(other, which)(tuple(changed), meta2, 0)
+        if which == "fast_key":  # (the key, not the arguments handed back)
             before, after = before[0], after[0]
         assert before != after
     assert triton_key(fn, tuple(args), meta) != triton_key(fn, tuple(changed), meta2)
@@ -141,7 +161,7 @@ def test_a_key_does_not_move_with_what_triton_ignores():
     meta = {"BLOCK": 16, "num_warps": 4}
     a = (BASE, BASE, 32, 17, True, 0.5, None)
     b = (BASE[4:], BASE[8:], 48, 19, False, -3.0, None)
-    key_of = lean.LeanKernel(fn).layout_functions(a, meta)[1]
+    key_of = lean.LeanKernel(fn).layout_functions(a, meta).key
     assert key_of(a, meta, 0) == key_of(b, meta, 0)
     assert key_of(a, meta, 0) != key_of(a, meta, 1)  # another device
 
@@ -150,43 +170,71 @@ def test_the_fast_key_holds_ints_by_value_and_hands_back_addresses():
     fn = jit_kernel()
     meta = {"BLOCK": 16, "num_warps": 4}
     a = (BASE, BASE[4:], 32, 17, True, 0.5, None)
-    fast_of = lean.LeanKernel(fn).layout_functions(a, meta)[0]
+    fast_of = lean.LeanKernel(fn).layout_functions(a, meta).fast_key
     key, launched = fast_of(a, meta, 0)
     assert launched == (BASE.data_ptr(), BASE[4:].data_ptr(), 32, 17, True, 0.5, None)
     assert key == fast_of((BASE[8:],) + a[1:], meta, 0)[0]  # addresses 16 bytes apart
     assert key != fast_of(a[:2] + (48,) + a[3:], meta, 0)[0]  # an int of the same class, another value
 
 
-class TensorLike:
-    """A tensor-like argument (``data_ptr`` and ``dtype``) that says whether it is on a CUDA device."""
-    dtype = torch.float32
-
-    def __init__(self, is_cuda: bool):
-        self.is_cuda = is_cuda
-
-    def data_ptr(self):
-        return BASE.data_ptr()
-
-
-def test_the_fast_key_tells_a_cuda_tensor_from_another():
+def test_the_fast_key_tells_which_pointer_is_misaligned():
+    """All aligned: one 0 for every address; else each address's residue (the same bits of one address or another
+    are two keys, as they are for Triton)."""
     fn = jit_kernel()
     meta = {"BLOCK": 16}
-    cuda, host = (TensorLike(True),) + BASE_ARGS[1:], (TensorLike(False),) + BASE_ARGS[1:]
-    fast_of, key_of = lean.LeanKernel(fn).layout_functions(cuda, meta)
-    assert key_of(cuda, meta, 0) == key_of(host, meta, 0)  # (the key does not: the launcher checks those pointers)
-    assert fast_of(cuda, meta, 0)[0] != fast_of(host, meta, 0)[0]
+    fast_of = lean.LeanKernel(fn).layout_functions(BASE_ARGS, meta).fast_key
+    pairs = ((BASE, BASE[4:]), (BASE[1:], BASE), (BASE, BASE[1:]), (BASE[1:], BASE[1:]), (BASE[2:], BASE[1:]))
+    keys = {fast_of((x, y) + BASE_ARGS[2:], meta, 0)[0] for x, y in pairs}
+    assert len(keys) == len(pairs)
+    assert len({triton_key(fn, (x, y) + BASE_ARGS[2:], meta) for x, y in pairs[:4]}) == 4
+
+
+def test_keyword_values_are_keyed_by_value_and_type_whatever_object_holds_them():
+    """The fast key holds a token of the keyword values and types: the last call's while each value is the same
+    object, else the token of an equal part (equal values of one type, in other objects: one token)."""
+    fn = jit_kernel()
+    layout = lean.LeanKernel(fn).layout_functions(BASE_ARGS, {"BLOCK": 16, "MODE": 2})
+    key = lambda block, mode: layout.fast_key(BASE_ARGS, {"BLOCK": block, "MODE": mode}, 0)[0]  # noqa: E731
+    big = 2**40
+    assert key(16, big) == key(16, big) == key(16, int(str(big))) == key(16, big + 0)
+    assert len({key(16, big), key(16, 2), key(True, 2), key(1, 2), key(1.0, 2), key(16, big)}) == 5
+    assert key(16, 2) != key(2, 16)  # (by name)
+    assert key(16, 2) == layout.fast_key(BASE_ARGS, {"MODE": 2, "BLOCK": 16}, 0)[0]  # (in any order)
+
+
+def test_a_new_token_is_never_one_handed_out_before(monkeypatch):
+    monkeypatch.setattr(lean, "MAX_FAST_ENTRIES", 2)
+    tokens = {}
+    handed = [lean._meta_token(tokens, (value, int)) for value in range(6)]
+    assert len(set(handed)) == 6 and len(tokens) <= 2
+    assert lean._meta_token(tokens, (5, int)) == handed[5]
+
+
+def test_a_tensor_not_on_a_cuda_device_is_of_no_fast_layout():
+    """The fast key refuses a CPU tensor (its call takes Triton's path, whose launcher checks the pointer); the key
+    takes it as it takes a CUDA tensor."""
+    fn = jit_kernel()
+    meta = {"BLOCK": 16}
+    host = (torch.empty(64),) + BASE_ARGS[1:]
+    layout = lean.LeanKernel(fn).layout_functions(BASE_ARGS, meta)
+    with pytest.raises(lean._Mismatch):
+        layout.fast_key(host, meta, 0)
+    assert layout.key(host, meta, 0) == layout.key(BASE_ARGS, meta, 0)
 
 
 def test_a_fast_key_function_refuses_another_layout():
-    """Another kind at a position (a bool for an int, a tensor for None, an int for a float): another layout, whose
-    own functions key it."""
+    """Another kind at a position (a bool for an int, a tensor for None, an int for a float) or another keyword set:
+    another layout, whose own functions key it."""
     fn = jit_kernel()
     meta = {"BLOCK": 16}
-    fast_of = lean.LeanKernel(fn).layout_functions(BASE_ARGS, meta)[0]
+    fast_of = lean.LeanKernel(fn).layout_functions(BASE_ARGS, meta).fast_key
     for i, other in ((2, True), (6, BASE), (5, 1)):
         changed = BASE_ARGS[:i] + (other,) + BASE_ARGS[i + 1:]
         with pytest.raises(lean._Mismatch):
             fast_of(changed, meta, 0)
+    for other in ({}, {"MODE": 16}, {"BLOCK": 16, "MODE": 2}):
+        with pytest.raises(Exception):
+            fast_of(BASE_ARGS, other, 0)
 
 
 class FakeCompiled:
@@ -233,10 +281,10 @@ def fake_triton(monkeypatch):
 
 def test_a_repeated_launch_calls_the_compiled_kernel(fake_triton):
     fn, compiled, through_triton = fake_triton
-    x, y = torch.empty(32), torch.empty(32)
+    x, y = cuda_empty(32), cuda_empty(32)
     returned = lean.launch(fn, (3, 2), x, y, 48, 17, True, 0.5, None, BLOCK=16, num_warps=4)
     assert returned is compiled and len(through_triton) == 1 and not compiled.calls
-    x2 = torch.empty(32)
+    x2 = cuda_empty(32)
     for _ in range(2):
         lean.launch(fn, (5,), x2, y, 64, 33, False, 2.0, None, BLOCK=16, num_warps=4)
     assert len(through_triton) == 1
@@ -252,14 +300,14 @@ def test_a_repeated_launch_calls_the_compiled_kernel(fake_triton):
                                     "pre-run hook", "global changed", "float keyword"])
 def test_anything_the_key_or_the_fast_path_cannot_vouch_for_takes_tritons_path(fake_triton, change, monkeypatch):
     fn, compiled, through_triton = fake_triton
-    args = (torch.empty(32), torch.empty(32), 48, 17, True, 0.5, None)
+    args = (cuda_empty(32), cuda_empty(32), 48, 17, True, 0.5, None)
     meta = dict(BLOCK=16, num_warps=4)
     grid = (3,)
     if change == "float keyword":
         meta["SCALE"] = 0.5  # (a keyword Triton takes as an option here: only its effect on caching matters)
     lean.launch(fn, grid, *args, **meta)
     if change == "misaligned":
-        args = (torch.empty(33)[1:],) + args[1:]
+        args = (cuda_empty(33)[1:],) + args[1:]
     elif change == "int one":
         args = args[:2] + (1,) + args[3:]
     elif change == "new constexpr":
@@ -276,9 +324,43 @@ def test_anything_the_key_or_the_fast_path_cannot_vouch_for_takes_tritons_path(f
     assert len(through_triton) == 2 and not compiled.calls
 
 
+@pytest.mark.parametrize("change", ["cpu tensor", "dtype", "alignment", "int value", "keyword type"])
+def test_a_call_that_differs_never_launches_through_another_calls_fast_entry(fake_triton, change):
+    """After a call has hit, one that differs in a tensor's device, dtype or alignment, or in a keyword's type, takes
+    Triton's path (a CPU tensor each time: no fast key is kept of it); an int of the same class but another value
+    launches once with the tensors (checked by the launcher, from the class key's entry), then hits its own fast key."""
+    fn, compiled, through_triton = fake_triton
+    x, y = cuda_empty(32), cuda_empty(32)
+    meta = {"BLOCK": 1}
+    for _ in range(3):
+        lean.launch(fn, (1,), x, y, 48, 17, True, 0.5, None, **meta)
+    assert len(through_triton) == 1 and compiled.calls[-1][9:11] == (x.data_ptr(), y.data_ptr())
+    args = [x, y, 48, 17, True, 0.5, None]
+    if change == "cpu tensor":
+        args[1] = torch.empty(32)
+    elif change == "dtype":
+        args[1] = y.half()
+    elif change == "alignment":
+        args[1] = cuda_empty(33)[1:]
+    elif change == "int value":
+        args[2] = 64  # (divisible by 16, as 48 is)
+    else:
+        meta["BLOCK"] = True  # (equal to 1, and of one hash)
+    launched = len(compiled.calls)
+    for _ in range(3):
+        lean.launch(fn, (1,), *args, **meta)
+    if change == "cpu tensor":
+        assert len(through_triton) == 4 and len(compiled.calls) == launched
+    elif change == "int value":
+        assert len(through_triton) == 1 and compiled.calls[launched][9:12] == (x, y, 64)
+        assert compiled.calls[-1][9:12] == (x.data_ptr(), y.data_ptr(), 64)
+    else:
+        assert len(through_triton) == 2 and compiled.calls[launched][9:11] == tuple(args[:2])
+
+
 def test_a_global_rebound_to_an_equal_value_keeps_the_lean_path(fake_triton, monkeypatch):
     fn, compiled, through_triton = fake_triton
-    x = torch.empty(32)
+    x = cuda_empty(32)
     call = lambda: lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, None, BLOCK=16)  # noqa: E731
     call()
     monkeypatch.setitem(globals(), "GLOBAL_LIMIT", tl.constexpr(4))  # another object, the same value
@@ -292,7 +374,7 @@ def test_a_global_rebound_to_an_equal_value_keeps_the_lean_path(fake_triton, mon
 
 def test_a_second_layout_gets_its_own_key_function(fake_triton):
     fn, compiled, through_triton = fake_triton
-    x = torch.empty(32)
+    x = cuda_empty(32)
     lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, None, BLOCK=16)
     lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, x, BLOCK=16)  # a tensor where None was
     lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, x, BLOCK=16)
@@ -305,7 +387,7 @@ def test_the_cuda_launcher_is_called_without_its_python_wrapper(monkeypatch, fak
     fn, compiled, through_triton = fake_triton
     launcher = CudaLauncherLike()
     compiled.run = launcher
-    x = torch.empty(32)
+    x = cuda_empty(32)
     for _ in range(3):
         lean.launch(fn, (2, 3, 4), x, x, 48, 17, True, 0.5, None, BLOCK=16)
     assert not launcher.wrapped
@@ -315,11 +397,22 @@ def test_the_cuda_launcher_is_called_without_its_python_wrapper(monkeypatch, fak
                                head + (x.data_ptr(), x.data_ptr(), 48, 17, True, 0.5, None, 16, 2)]
 
 
+def test_launch_with_takes_the_keywords_in_a_dict_it_leaves_alone(fake_triton):
+    fn, compiled, through_triton = fake_triton
+    x = cuda_empty(32)
+    meta = {"BLOCK": 16, "num_warps": 4}
+    lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, None, **meta)
+    for _ in range(2):
+        assert lean.launch_with(fn, (1,), meta, x, x, 48, 17, True, 0.5, None) is compiled
+    assert len(through_triton) == 1 and compiled.calls[-1][9] == x.data_ptr()
+    assert meta == {"BLOCK": 16, "num_warps": 4}
+
+
 def test_the_cache_of_a_kernel_is_bounded(fake_triton, monkeypatch):
     fn, compiled, through_triton = fake_triton
     monkeypatch.setattr(lean, "MAX_ENTRIES", 3)
     monkeypatch.setattr(lean, "MAX_FAST_ENTRIES", 3)
-    x = torch.empty(32)
+    x = cuda_empty(32)
     for block in itertools.islice(itertools.cycle([16, 32, 64, 128]), 8):
         lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, None, BLOCK=block)
     for n in range(40, 48):  # one entry, many fast keys
@@ -351,3 +444,4 @@ def test_the_interpreter_takes_tritons_path_unchanged(monkeypatch):
             return lambda *a, **k: ("stub", grid, a, k)
 
     assert lean.launch(Stub(), (2,), 1, X=3) == ("stub", (2,), (1,), {"X": 3})
+    assert lean.launch_with(Stub(), (2,), {"X": 3}, 1) == ("stub", (2,), (1,), {"X": 3})

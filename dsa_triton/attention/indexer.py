@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..checks import PlanCache, check_out
 from ..hostmath import cdiv, next_pow2
-from ..launch import launch
+from ..launch import launch_with
 from ..runtime import interpreting
 from .indexer_checks import QueryRows, check_contiguous_keys, check_paged_keys, check_queries, check_size
 from .indexer_kernels import BOUND, DENSE, logits_kernel
@@ -48,8 +48,8 @@ class LogitsLaunch:
                  pages) -> torch.Tensor:
         """Launch on checked tensors; absent ones are passed as any tensor (``cu``), never read."""
         if self.grid is not None:
-            launch(logits_kernel, self.grid, q, w, k, k2, k_scale, out, positions, limits, cu, block_table, key_starts,
-                   pages, *self.args, **self.meta)
+            launch_with(logits_kernel, self.grid, self.meta, q, w, k, k2, k_scale, out, positions, limits, cu,
+                        block_table, key_starts, pages, *self.args)
         return out
 
 

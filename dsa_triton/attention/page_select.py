@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..checks import PlanCache, check_kernel_device, check_out, check_positive, check_tensor
-from ..launch import launch
+from ..launch import launch_with
 from .page_select_spec import SPEC
 
 _NEG_INF_KEY = tl.constexpr(0x7FFFFF)  # key of -inf (and of NaN)
@@ -86,7 +86,7 @@ class SelectLaunch:
         if pages is None:
             pages = torch.empty(self.shape, dtype=torch.int32, device=bounds.device)
         if self.grid is not None:
-            launch(_select_pages_kernel, self.grid, bounds, pages, *self.args, **self.meta)
+            launch_with(_select_pages_kernel, self.grid, self.meta, bounds, pages, *self.args)
         return pages
 
 

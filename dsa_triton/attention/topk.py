@@ -11,7 +11,7 @@ import torch
 
 from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor
 from ..hostmath import cdiv
-from ..launch import launch
+from ..launch import launch_with
 from .topk_kernels import INFO_WORDS, topk_bound_kernel, topk_collect_kernel, topk_select_kernel
 from .topk_reference import pages_in_use
 from .topk_spec import PHASE, SPEC
@@ -60,15 +60,15 @@ def _launch(plan: _Plan, scores, lengths, block_table, page_size, row_to_seq, ou
     lengths_arg = dummy if lengths is None else lengths
     if plan.two_pass:
         grid = (T, plan.split)
-        launch(topk_bound_kernel, grid, scores, scores.stride(0), L, lengths_arg, work, info_off, plan.chunk,
-               plan.route_min, plan.group_min, k, **plan.bound_meta)
-        launch(topk_collect_kernel, grid, scores, scores.stride(0), L, lengths_arg, work, info_off, cand_off, k,
-               plan.chunk, plan.route_min, plan.cap, **plan.collect_meta)
-    launch(
-        topk_select_kernel, (T,),
+        launch_with(topk_bound_kernel, grid, plan.bound_meta, scores, scores.stride(0), L, lengths_arg, work,
+                    info_off, plan.chunk, plan.route_min, plan.group_min, k)
+        launch_with(topk_collect_kernel, grid, plan.collect_meta, scores, scores.stride(0), L, lengths_arg, work,
+                    info_off, cand_off, k, plan.chunk, plan.route_min, plan.cap)
+    launch_with(
+        topk_select_kernel, (T,), plan.select_meta,
         scores, scores.stride(0), L, lengths_arg, work, info_off, cand_off, out, k, plan.route_min, plan.cap,
         dummy if block_table is None else block_table, 0 if block_table is None else block_table.stride(0),
-        dummy if row_to_seq is None else row_to_seq, page_size or 1, **plan.select_meta)
+        dummy if row_to_seq is None else row_to_seq, page_size or 1)
     return out
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ..checks import PlanCache, check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
-from ..launch import launch
+from ..launch import launch_with
 from ..runtime import interpreting
 from .fp8_linear_kernels import fp8_linear_kernel
 from .fp8_linear_reference import BLOCK
@@ -40,7 +40,7 @@ class LinearLaunch:
             if x.shape[1] == 0:
                 y.zero_()
             else:
-                launch(fp8_linear_kernel, self.grid, x, weight, weight_scale_inv, y, *self.args, **self.meta)
+                launch_with(fp8_linear_kernel, self.grid, self.meta, x, weight, weight_scale_inv, y, *self.args)
         return y
 
 

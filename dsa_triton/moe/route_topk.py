@@ -20,7 +20,7 @@ import torch
 
 from ..checks import PlanCache, check_kernel_device
 from ..hostmath import cdiv, next_pow2
-from ..launch import launch
+from ..launch import launch_with
 from .route_topk_kernels import _route_kernel, ranked_groups, tile_of
 from .route_topk_spec import SPEC
 from .routing import RoutingConfig, check_route, check_route_values, route
@@ -55,8 +55,8 @@ class RouteLaunch:
         weights = torch.empty(self.shape, dtype=torch.float32, device=logits.device)
         ids = torch.empty(self.shape, dtype=torch.int32, device=logits.device)
         if self.shape[0]:
-            launch(_route_kernel, self.grid, logits, logits if bias is None else bias, weights, ids, *self.args,
-                   float(routing.routed_scaling_factor), **self.meta)
+            launch_with(_route_kernel, self.grid, self.meta, logits, logits if bias is None else bias, weights, ids,
+                        *self.args, float(routing.routed_scaling_factor))
         return weights, ids
 
 

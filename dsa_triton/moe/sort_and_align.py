@@ -27,7 +27,7 @@ import torch
 
 from ..checks import PlanCache, check_kernel_device, check_positive
 from ..hostmath import next_pow2
-from ..launch import launch
+from ..launch import launch_with
 from .permute import (BlockAlignment, ExpertSort, check_id_range, check_routing, max_padded_rows,
                       sort_by_expert)
 from .sort_and_align_kernels import _permute_kernel
@@ -84,8 +84,8 @@ class PermuteLaunch:
         offsets, slot, token, expert, slot_row, *rest = out.split(self.sizes)
         slot_weight = topk_weights.view(-1) if self.weights_view else rest.pop(0).view(torch.float32)
         padded, shift = rest if rest else (out, out)  # not aligning: never touched
-        launch(_permute_kernel, (1,), topk_ids, topk_ids if topk_weights is None else topk_weights, offsets, slot,
-               token, expert, slot_row, slot_weight, padded, shift, *self.args, **self.meta)
+        launch_with(_permute_kernel, (1,), self.meta, topk_ids, topk_ids if topk_weights is None else topk_weights,
+                    offsets, slot, token, expert, slot_row, slot_weight, padded, shift, *self.args)
         aligned = {}
         if self.block_m is not None:
             padded = padded.view(2, -1)
