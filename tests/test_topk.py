@@ -204,6 +204,23 @@ def test_windows_across_zero_keep_the_candidates_in_the_buffer(hist_bits, candid
         assert e["lo"] <= 0.0 < e["hi"] and e["route"] == "buffer" and e["count"] == int(counts[t]), (t, e)
 
 
+def test_route_script_counts_equal_the_kernels(tmp_path):
+    """scripts/topk_route.py (issue 17's study of indexer-like rows): its emulated candidate counts are the
+    kernels'."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "topk_route.py"
+    spec = importlib.util.spec_from_file_location("topk_route", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "rows.json"
+    script.main(["--n", "8192", "--k", "64", "--queries", "2", "--kernel", "--device", "cpu", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 and all(r["route"] == "buffer" and r["kernel_count"] == r["count"] for r in rows), rows
+
+
 @pytest.mark.parametrize("k", [10, 60])
 def test_all_pairs_finish_with_ties(k, candidate_counts):
     """Scores on a 1/64 grid (many ties). With 4 warps pass 3 ranks up to PAIR = 64 entries at once:
