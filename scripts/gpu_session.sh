@@ -14,10 +14,12 @@
 #             torch.compile (inductor) and a CUDA graph replayed, checked against eager and timed; and the test
 #             module of tests/test_library.py compiled by inductor (scripts/decode_step.py; STEP_ARGS in the environment: more arguments)
 #   runner ARGS  python scripts/runner_bench.py ARGS (the model runner end to end at V3.2 layer widths)
+#   topk-route ARGS  python scripts/topk_route.py --kernel ARGS (top-k candidate counts, routes and times on
+#             indexer-like rows, against their emulation; issue 17)
 #   tune ARGS dsa-tune tune ARGS (needs .whl with the optuna wheels carried: optuna is not on the GPU image)
 #   day0 ARGS dsa-tune day0 --flat ARGS: tune a config's shapes within --budget, then first tokens from its
 #             checkpoint or random weights, each stage timed, one results file (--out $OUT; needs .whl as tune)
-# runner, tune and day0 take the rest of the command line. Everything lands in $OUT/session.tgz (the device tool returns at
+# runner, topk-route, tune and day0 take the rest of the command line. Everything lands in $OUT/session.tgz (the device tool returns at
 # most 8 files): logs, results files, and the tuning database after a tune or day0 (merge it back with
 # `dsa-tune merge db/*.csv` from the unpacked archive).
 set -u -o pipefail
@@ -52,6 +54,10 @@ while [ $# -gt 0 ]; do
     runner)
       timeout 590 python scripts/runner_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/runner-bench.log" | tail -40 \
         || status=1
+      shift $# ;;
+    topk-route)
+      timeout 590 python scripts/topk_route.py --kernel --json "$OUT/topk-route.json" "$@" 2>&1 \
+        | tee "$OUT/topk-route.log" | grep summary || status=1
       shift $# ;;
     tune)
       wheels

@@ -12,7 +12,8 @@ Parts (``--part``, several allowed; each writes ``runner_bench-<part>-<device>-<
   GPU time against the sum of its kernels' GPU times (profiled), eager steps and a reference-mode step (batches up to
   8) for comparison, graph logits against an eager step of the same tokens, the replay's mean GPU time right after
   the graph steps (``replay_first_ms``) and after the eager ones (``replay_ms``, with its min and max; against the
-  kernels' GPU time a replay over as many profiled replays), and the per-op split with each op's
+  kernels' GPU time a replay over as many profiled replays; ``replays_bitwise_equal``: whether two replays of the same
+  inputs gave the same logits), and the per-op split with each op's
   fraction of its floor (bytes over the copy bandwidth or FLOPs over the matmul rate, measured in the same run; the
   MoE layers' expert bytes those of the experts an eager step reached, ``active_experts`` a layer: with uniform
   routing's count, 222 of 256 at batch 64, the MoE showed 1.30 of its floor on the H200; random weights reach 133,
@@ -377,9 +378,12 @@ class Bench:
         row["eager_gpu_idle"] = eager_prof.idle_fraction
         groups = eager_prof.groups()
         if self.cuda:
-            graph = graphs.graphs[graphs.bucket(B)][0]
+            graph, graph_out = graphs.graphs[graphs.bucket(B)]
             times = replay_times(graph, steps)
             row.update(replay_ms=statistics.mean(times), replay_min_ms=min(times), replay_max_ms=max(times))
+            last = graph_out.clone()  # whether replays of the same inputs are bitwise equal (the top-k's output
+            graph.replay()  # order is not deterministic: attention then sums in another order)
+            row["replays_bitwise_equal"] = bool(torch.equal(last, graph_out))
             # the kernels of as many replays, profiled: their GPU time a replay
             _, prof = profile_call(lambda: [graph.replay() for _ in range(steps)], device)
             kernel_ms = (prof.op_us / steps or eager_prof.op_us) / 1e3

@@ -6,7 +6,7 @@ import torch
 import dsa_triton as dt
 from dsa_triton.attention import topk as tk
 from dsa_triton.attention.topk_kernels import INFO_COUNT
-from dsa_triton.attention.topk_reference import check_topk, topk_indices_torch
+from dsa_triton.attention.topk_reference import check_topk, emulate_bound, topk_indices_torch
 from dsa_triton.attention.topk_spec import SPACE
 from dsa_triton.bench.reports import REPORTS
 
@@ -177,6 +177,48 @@ def test_bins_follow_the_scores_shift_and_scale(candidate_counts):
     run_and_check(scores, k)
     counts = candidate_counts()
     assert ((counts >= k) & (counts <= 4 * k)).all(), counts.tolist()
+    assert [emulate_bound(row, k, SMALL)["count"] for row in scores] == counts.tolist()  # key bins, emulated
+
+
+@pytest.mark.parametrize("hist_bits", [8, 10])
+def test_windows_across_zero_keep_the_candidates_in_the_buffer(hist_bits, candidate_counts):
+    """Mostly negative rows whose top is positive: the bin window runs from the third smallest sample piece
+    maximum (<= 0) to the largest (> 0). Bins linear in the sort key spent nearly all of themselves on the
+    magnitudes near zero, so tau fell binades below the k-th score and the buffer overflowed into the whole-row
+    route (here 36-121 candidates for a buffer of 32; DeepSeek-V3.2-like indexer scores at 1M columns: 1e4-5e4
+    for 8192, issue 17). Value bins keep about k. Also +-inf and NaN in such a row, and a window from exactly
+    +0.0 (relu scores). The counts are those of the PyTorch emulation of passes 1-2."""
+    g = torch.Generator().manual_seed(17)
+    n, k = 4096, 8  # cap 32
+    scores = torch.randn(6, n, generator=g) - 1.5
+    scores[4] = scores[4].relu()  # most pieces peak at +0.0: lo = +0.0
+    scores[5, 40:4000:300] = float("inf")  # 14 of the top 8, out of the sample
+    scores[5, 41:4000:300] = float("-inf")
+    scores[5, 42:4000:300] = float("nan")
+    config = cfg(HIST_BITS=hist_bits)
+    run_and_check(scores, k, config=config)
+    counts = candidate_counts()
+    assert ((counts >= k) & (counts <= 4 * k)).all(), counts.tolist()
+    for t in range(5):  # (NaN-free rows: a group maximum over a NaN is NaN in the interpreter, not on the GPU)
+        e = emulate_bound(scores[t], k, config)
+        assert e["lo"] <= 0.0 < e["hi"] and e["route"] == "buffer" and e["count"] == int(counts[t]), (t, e)
+
+
+def test_route_script_counts_equal_the_kernels(tmp_path):
+    """scripts/topk_route.py (issue 17's study of indexer-like rows): its emulated candidate counts are the
+    kernels'."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "topk_route.py"
+    spec = importlib.util.spec_from_file_location("topk_route", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "rows.json"
+    script.main(["--n", "8192", "--k", "64", "--queries", "2", "--kernel", "--device", "cpu", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 and all(r["route"] == "buffer" and r["kernel_count"] == r["count"] for r in rows), rows
 
 
 @pytest.mark.parametrize("k", [10, 60])

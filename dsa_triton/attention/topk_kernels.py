@@ -15,7 +15,8 @@ A row of ``n`` selectable positions takes one of three routes, decided inside th
      Bins are
      linear in the sort key over a window read off a fixed sample of the row, so they stay fine for any
      shift or scale of the scores (bins on the top key bits, i.e. the float exponent, would put the top
-     of N(100, 1) or of U(0, 1) into one bin and overflow the buffer).
+     of N(100, 1) or of U(0, 1) into one bin and overflow the buffer); a window across zero gets bins
+     linear in the value (keys spend it on the tiny magnitudes: see :func:`_bin_window`).
   2. *collect* (grid ``T x SPLIT``): append every score ``>= tau`` and its position to the row's candidate
      buffer of ``CAP_K * k`` entries (one atomic per tile), and keep the largest. Correctness never
      rests on the bound: pass 3 uses the buffer only when it holds at least k and at most ``CAP_K * k``
@@ -41,8 +42,9 @@ from . import topk_reference
 _INVALID = tl.constexpr(topk_reference.INVALID_KEY)
 _NEG_INF_KEY = tl.constexpr(topk_reference.NEG_INF_KEY)
 # info[t, :]: the pass-1 bin window (key_lo, shift), the candidate count, the largest candidate's key,
-# and ``tau``'s key minus one (every candidate's key is above it, -0.0 included when tau is +0.0)
-INFO_KEY_LO, INFO_SHIFT, INFO_COUNT, INFO_MAX, INFO_BASE = (tl.constexpr(i) for i in range(5))
+# ``tau``'s key minus one (every candidate's key is above it, -0.0 included when tau is +0.0), and the window
+# of value bins (lo, step: fp32 bits; step 0 for key bins)
+INFO_KEY_LO, INFO_SHIFT, INFO_COUNT, INFO_MAX, INFO_BASE, INFO_LO, INFO_STEP = (tl.constexpr(i) for i in range(7))
 INFO_WORDS = tl.constexpr(8)
 
 
@@ -79,7 +81,7 @@ def _bit_length(x):
 
 @triton.jit
 def _bin_window(row, n, k, every, HIST_BITS: tl.constexpr, SCORE_HIST: tl.constexpr):
-    """Pass 1's bins for a row: ``(key_lo, shift)`` (see :func:`_bin`), from a fixed sample of the row.
+    """Pass 1's bins for a row: ``(key_lo, shift, lo, step)`` (see :func:`_bin`), from a fixed sample of the row.
 
     The sample (32 pieces of 16 scores, evenly spread) is the same in every program of the row, so all
     agree. ``key_lo`` is the third smallest finite piece maximum (one or two outlying pieces, e.g. a
@@ -89,6 +91,15 @@ def _bin_window(row, n, k, every, HIST_BITS: tl.constexpr, SCORE_HIST: tl.conste
     the score of rank ``2 k / n`` from the top of a 128-score sample (the first 4 of each piece): its k-th
     largest score is that low (k/n from 1/64 up to 1/2), below most piece maxima, and a window above it
     would put tau at -inf and collect the whole row.
+
+    A row that histograms group maxima and whose window runs from ``lo <= 0`` to ``hi > 0`` gets bins linear in
+    the value instead (``step > 0``): ``NB - 2`` bins of ``step = (hi - lo) / 2^(HIST_BITS - 1)`` from ``lo``. Linear
+    in the key, such a window spends nearly all of its bins on the magnitudes near zero (between -0.4 and 0.5 lie
+    the keys of every float down to 1e-38, about 250 binades of 2^23 keys), so a bin spans about two binades:
+    mostly negative rows of indexer scores (DeepSeek-V3.2's head weights have either sign) put tau binades below
+    the k-th largest score, and at 1M columns 1e4-5e4 candidates overflowed a buffer of 8192 into the
+    one-program route over the whole row (about 3 ms on an H200). Rows that histogram every score keep key bins:
+    their window starts near their 2k-th largest score, so tau >= lo already bounds the count.
     """
     NB: tl.constexpr = 1 << HIST_BITS
     offs = tl.arange(0, 32)[:, None] * (n // 32) + tl.arange(0, 16)[None, :]
@@ -111,7 +122,10 @@ def _bin_window(row, n, k, every, HIST_BITS: tl.constexpr, SCORE_HIST: tl.conste
     span = 2 * (_sort_key(hi.to(tl.int32, bitcast=True)).to(tl.int64) - key_lo)
     shift = tl.sum(((span >> tl.arange(0, 64).to(tl.int64)) >= NB - 2).to(tl.int32), 0)
     found = lo <= hi
-    return tl.where(found, key_lo, -(2**31)), tl.where(found, shift, 32 - HIST_BITS)
+    width = hi - lo
+    by_value = found & (not every) & (lo <= 0.0) & (hi > 0.0) & (width > 2.0**-100) & (width < 2.0**120)
+    step = tl.where(by_value, width / (1 << (HIST_BITS - 1)), 0.0)  # (by a power of two: exact)
+    return tl.where(found, key_lo, -(2**31)), tl.where(found, shift, 32 - HIST_BITS), tl.where(by_value, lo, 0.0), step
 
 
 @triton.jit
@@ -122,10 +136,24 @@ def _bin(key, key_lo, shift, NB: tl.constexpr):
 
 
 @triton.jit
-def _hist_of_group_max(x, key_lo, shift, NB: tl.constexpr, mask):
-    """Histogram of the column maxima of an ``x[GROUP, COLS]`` tile (NaN-ignoring; all-NaN is -inf)."""
-    key = _sort_key(tl.max(x, axis=0).to(tl.int32, bitcast=True))
-    return tl.histogram(_bin(key, key_lo, shift, NB), NB, mask=mask)
+def _value_bin(x, lo, step, NB: tl.constexpr):
+    """Value bin of scores (``step > 0``): 0 below ``lo`` (and NaN), else ``min(floor((x - lo) / step), NB - 2) + 1``,
+    from the clamped score times ``1 / step``: no inf or NaN arises, and the bin is monotone in ``x``, which is all
+    that :func:`_bound` needs."""
+    top = lo + (NB - 1) * step
+    clamped = tl.where(x >= lo, tl.where(x < top, x, top), lo)
+    inv = 1.0 / tl.where(step > 0.0, step, 1.0)
+    return tl.where(x >= lo, tl.minimum(((clamped - lo) * inv).to(tl.int32), NB - 2) + 1, 0)
+
+
+@triton.jit
+def _hist_of_group_max(x, key_lo, shift, lo, step, NB: tl.constexpr, mask):
+    """Histogram of the column maxima of an ``x[GROUP, COLS]`` tile (NaN-ignoring; all-NaN is -inf), in key bins
+    or (``step > 0``) value bins."""
+    m = tl.max(x, axis=0)
+    bins = _bin(_sort_key(m.to(tl.int32, bitcast=True)), key_lo, shift, NB)
+    bins = tl.where(step > 0.0, _value_bin(m, lo, step, NB), bins)
+    return tl.histogram(bins, NB, mask=mask)
 
 
 @triton.jit
@@ -141,16 +169,16 @@ def _hist_of_scores(x, key_lo, shift, NB: tl.constexpr, mask):
 
 
 @triton.jit
-def _tile_hist(x, every, key_lo, shift, NB: tl.constexpr, col_mask, score_mask, SCORE_HIST: tl.constexpr):
+def _tile_hist(x, every, key_lo, shift, lo, step, NB: tl.constexpr, col_mask, score_mask, SCORE_HIST: tl.constexpr):
     """Pass 1's histogram of a tile: of every score when ``every`` (only compiled in with ``SCORE_HIST``),
     else of the column maxima; ``col_mask`` / ``score_mask``: the columns / scores to count (None: all)."""
     if SCORE_HIST:
         if every:
             hist = _hist_of_scores(x, key_lo, shift, NB, score_mask)
         else:
-            hist = _hist_of_group_max(x, key_lo, shift, NB, col_mask)
+            hist = _hist_of_group_max(x, key_lo, shift, lo, step, NB, col_mask)
     else:
-        hist = _hist_of_group_max(x, key_lo, shift, NB, col_mask)
+        hist = _hist_of_group_max(x, key_lo, shift, lo, step, NB, col_mask)
     return hist
 
 
@@ -173,11 +201,13 @@ def topk_bound_kernel(scores, stride_t, L, lengths, work, info_off, chunk, route
         NB: tl.constexpr = 1 << HIST_BITS
         STEP: tl.constexpr = GROUP * COLS
         row = scores + t.to(tl.int64) * stride_t
-        key_lo, shift = _bin_window(row, n, k, every, HIST_BITS, SCORE_HIST)
+        key_lo, shift, v_lo, step = _bin_window(row, n, k, every, HIST_BITS, SCORE_HIST)
         if split == 0:
             info = work + info_off + t * INFO_WORDS
             tl.store(info + INFO_KEY_LO, key_lo)
             tl.store(info + INFO_SHIFT, shift)
+            tl.store(info + INFO_LO, v_lo.to(tl.int32, bitcast=True))
+            tl.store(info + INFO_STEP, step.to(tl.int32, bitcast=True))
             tl.store(info + INFO_COUNT, 0)
             tl.store(info + INFO_MAX, _INVALID)
         lo = split * chunk
@@ -187,10 +217,12 @@ def topk_bound_kernel(scores, stride_t, L, lengths, work, info_off, chunk, route
         tile = tl.arange(0, GROUP)[:, None] * COLS + cols[None, :]
         acc = tl.zeros([NB], tl.int32)
         for start in range(lo, full_end, STEP):
-            acc += _tile_hist(tl.load(row + start + tile), every, key_lo, shift, NB, None, None, SCORE_HIST)
+            acc += _tile_hist(tl.load(row + start + tile), every, key_lo, shift, v_lo, step, NB, None, None,
+                              SCORE_HIST)
         if full_end < hi:
             x = tl.load(row + full_end + tile, mask=full_end + tile < hi, other=float("-inf"))
-            acc += _tile_hist(x, every, key_lo, shift, NB, full_end + cols < hi, full_end + tile < hi, SCORE_HIST)
+            acc += _tile_hist(x, every, key_lo, shift, v_lo, step, NB, full_end + cols < hi, full_end + tile < hi,
+                              SCORE_HIST)
         slot = t.to(tl.int64) * tl.num_programs(1) + split
         tl.store(work + slot * NB + tl.arange(0, NB), acc)
 
@@ -199,6 +231,7 @@ def topk_bound_kernel(scores, stride_t, L, lengths, work, info_off, chunk, route
 def _bound(work, info, t, k, SPLIT: tl.constexpr, HIST_BITS: tl.constexpr):
     """Lower edge ``tau`` of the bin holding the k-th largest counted value (group maximum or score) of row t,
     as a float. ``-inf`` for the bin below the window; NaN (collects nothing) when fewer than k were counted.
+    Value bins: the edge less 1/16 of a bin (below every value of the bin, whatever the rounding of ``x - lo``).
     """
     NB: tl.constexpr = 1 << HIST_BITS
     parts = t.to(tl.int64) * SPLIT * NB + tl.arange(0, SPLIT)[:, None] * NB + tl.arange(0, NB)[None, :]
@@ -207,6 +240,9 @@ def _bound(work, info, t, k, SPLIT: tl.constexpr, HIST_BITS: tl.constexpr):
     shift = tl.load(info + INFO_SHIFT)
     key = tl.where(d > 0, key_lo + ((d - 1).to(tl.int64) << shift), _NEG_INF_KEY).to(tl.int32)
     tau = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)  # the key map is its own inverse
+    step = tl.load(info + INFO_STEP).to(tl.float32, bitcast=True)
+    tau_value = tl.load(info + INFO_LO).to(tl.float32, bitcast=True) + ((d - 1).to(tl.float32) - 0.0625) * step
+    tau = tl.where((d > 0) & (step > 0.0), tau_value, tau)
     return tl.where(d >= 0, tau, float("nan"))
 
 

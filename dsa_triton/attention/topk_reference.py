@@ -154,3 +154,108 @@ def check_topk(
         rank = int((got[t] != want[t]).nonzero()[0])
         return f"idx row {t}: the selected scores differ from the exact top-{k} (first at rank {rank})"
     return None
+
+
+def _key_to_float(key: int) -> float:
+    """Inverse of the sort-key map for one int32 key (the map is its own inverse)."""
+    k = torch.tensor([key], dtype=torch.int32)
+    return float((k ^ ((k >> 31) & 0x7FFFFFFF)).view(torch.float32))
+
+
+def _key(x: float) -> int:
+    return int(sort_keys(torch.tensor([x], dtype=torch.float32))[0])
+
+
+def _wrap32(v: int) -> int:
+    return (v + 2**31) % 2**32 - 2**31
+
+
+def emulate_bound(row: torch.Tensor, k: int, config: dict, n: int | None = None, L: int | None = None) -> dict:
+    """Passes 1-2 of :func:`dsa_triton.topk_indices` on one row, emulated in PyTorch with the kernels' integer and
+    fp32 math (see :mod:`.topk_kernels`): the bin window, ``tau``, the candidate count and the route of pass 3.
+
+    ``row``: fp32 scores, the first ``n`` selectable (default all); ``L``: the scores' width (default
+    ``row.numel()``, only for ``cap``); ``config``: the op's launch config. Returns a dict: ``lo``, ``hi`` (the
+    window's sample values), ``key_lo`` and ``shift`` (key bins) or ``step`` (> 0: value bins from ``lo``), ``tau``,
+    ``count``, ``cap``, ``route`` (``"all"`` for n <= k, ``"short"``, ``"buffer"`` or ``"row"``: pass 3 over the whole
+    row) and ``kth`` (the k-th largest score, for comparison). The count equals the kernels' except where a group
+    holds a NaN (its maximum here ignores the NaN, as on the GPU; the interpreter's is NaN) or the GPU contracts
+    ``tau``'s multiply-add (value bins: one rounding).
+    """
+    row = row.detach().float().cpu().reshape(-1)
+    n = row.numel() if n is None else n
+    L = row.numel() if L is None else L
+    x = row[:n]
+    NB = 1 << config["HIST_BITS"]
+    GROUP, TILE = config["GROUP"], config["TILE"]
+    cap = min(config["CAP_K"] * k, L)
+    group_min = 2 * k * GROUP
+    route_min = min(config["ROUTE_MIN"] * k, group_min)
+    out = {"cap": cap, "count": None, "tau": None, "lo": None, "hi": None, "key_lo": None, "shift": None, "step": None,
+           "kth": float(x.topk(min(k, n)).values[-1]) if n else None}
+    if n <= k:
+        return {**out, "route": "all"}
+    if n < route_min:
+        return {**out, "route": "short"}
+    every = config["ROUTE_MIN"] * k < group_min and n < group_min
+    # the window, from a fixed sample: 32 pieces of 16 scores
+    offs = torch.arange(32)[:, None] * (n // 32) + torch.arange(16)[None, :]
+    s = torch.where(offs < n, row[offs.clamp(max=max(n - 1, 0))], float("-inf"))
+    piece_max = torch.where(s.abs() < float("inf"), s, float("-inf")).amax(1)
+    ascending = torch.where(piece_max > float("-inf"), piece_max, float("inf")).sort().values
+    lo = float(ascending[2]) + 0.0  # (a sum in the kernel: -0.0 becomes +0.0)
+    if every:
+        at = (torch.arange(128) // 4) * (n // 32) + torch.arange(128) % 4
+        v = torch.where(at < n, row[at.clamp(max=max(n - 1, 0))], float("-inf"))
+        v = torch.where(v.abs() < float("inf"), v, float("-inf"))
+        finite = int((v > float("-inf")).sum())
+        rank = min(2 * k * 128 // max(n, 1), finite - 1)
+        if finite >= 3:
+            lo = float(v.sort(descending=True).values[rank]) + 0.0
+    hi = float(piece_max.max())
+    found = lo <= hi
+    key_lo = _key(lo)
+    span = 2 * (_key(hi) - key_lo)
+    shift = sum(1 for j in range(64) if (span >> j) >= NB - 2)
+    if not found:
+        key_lo, shift = -(2**31), 32 - config["HIST_BITS"]
+    width = float(torch.tensor(hi, dtype=torch.float32) - torch.tensor(lo, dtype=torch.float32))
+    value = found and not every and lo <= 0.0 < hi and 2.0**-100 < width < 2.0**120
+    step = width / (1 << (config["HIST_BITS"] - 1)) if value else 0.0
+    # pass 1's histogram: of every score, or of the column maxima of GROUP x TILE/GROUP tiles at multiples of TILE
+    xk = torch.where(torch.isnan(x), float("-inf"), x)
+    if every:
+        counted = xk
+    else:
+        cols = TILE // GROUP
+        full = n // TILE * TILE
+        maxima = [xk[:full].view(-1, GROUP, cols).amax(1).reshape(-1)]
+        if full < n:
+            tail = torch.full((TILE,), float("-inf"))
+            tail[:n - full] = xk[full:]
+            maxima.append(tail.view(GROUP, cols).amax(0)[:min(cols, n - full)])
+        counted = torch.cat(maxima)
+    if value:  # the kernel's float math (fp32 throughout)
+        lo_t, step_t = torch.tensor(lo, dtype=torch.float32), torch.tensor(step, dtype=torch.float32)
+        top = lo_t + (NB - 1) * step_t
+        clamped = torch.where(counted >= lo_t, torch.where(counted < top, counted, top), lo_t)
+        f = ((clamped - lo_t) * (1.0 / step_t)).to(torch.int32).clamp(max=NB - 2)
+        bins = torch.where(counted >= lo_t, f.long() + 1, 0)
+    else:
+        d = sort_keys(counted).long() - key_lo
+        bins = torch.where(d < 0, 0, (d >> shift).clamp(max=NB - 2) + 1)
+    hist = torch.bincount(bins, minlength=NB)
+    at_or_above = hist.flip(0).cumsum(0).flip(0)
+    dk = int((at_or_above >= k).sum()) - 1
+    if dk < 0:
+        tau = float("nan")
+    elif dk == 0:
+        tau = float("-inf")
+    elif value:
+        tau = float(lo_t + (torch.tensor(dk - 1, dtype=torch.float32) - 0.0625) * step_t)
+    else:
+        tau = _key_to_float(_wrap32(key_lo + ((dk - 1) << shift)))
+    count = int((x >= tau).sum())
+    route = "buffer" if k <= count <= cap else "row"
+    return {**out, "lo": lo, "hi": hi, "key_lo": key_lo, "shift": shift, "step": step, "tau": tau, "count": count,
+            "route": route}
