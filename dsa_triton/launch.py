@@ -1,7 +1,8 @@
 """Lean eager launches: a repeated launch calls the compiled kernel directly, past Triton's Python launcher.
 
 An op launches with ``launch(kernel, grid, *args, **meta)`` where it would write ``kernel[grid](*args, **meta)``
-(or ``launch_with(kernel, grid, meta, *args)``, with a dict of keyword arguments its plan keeps).
+(or ``launch_with(kernel, grid, meta, *args)``, with a dict of keyword arguments its plan keeps, or that a builder
+memoized with :func:`cached_meta` hands back).
 Triton's own launch (``JITFunction.run``) rebuilds on every call what a repeated call already knew: it binds the
 arguments, specializes each one, formats the options into a string key, looks the compiled kernel up, builds the
 launch metadata and calls the (empty) launch hooks. Here the first call of each specialization goes through
@@ -39,6 +40,7 @@ The host cost per launch, Triton's path against this one with the kernels' own l
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -80,6 +82,15 @@ def launch_with(kernel, grid, meta: dict, *args):
     if lean is None and (lean := _lean_kernel(kernel)) is None:
         return kernel[grid](*args, **meta)
     return lean.call(grid, args, meta)
+
+
+def cached_meta(build):
+    """``build`` (the keyword arguments of a launch, made from its arguments alone: sizes, flags, config entries and
+    any module constant a test may change) memoized for :func:`launch_with`: calls with equal arguments of equal
+    types (``True`` and ``1`` apart) get the one dict, which no one may modify; at most ``MAX_ENTRIES`` are kept.
+    Arguments are ints, bools, strings, None or dtypes: not floats (``0.0 == -0.0``, which Triton compiles apart) nor
+    tuples (the types inside are not told apart)."""
+    return functools.lru_cache(maxsize=MAX_ENTRIES, typed=True)(build)
 
 
 def _lean_kernel(kernel) -> LeanKernel | None:

@@ -445,3 +445,54 @@ def test_the_interpreter_takes_tritons_path_unchanged(monkeypatch):
 
     assert lean.launch(Stub(), (2,), 1, X=3) == ("stub", (2,), (1,), {"X": 3})
     assert lean.launch_with(Stub(), (2,), {"X": 3}, 1) == ("stub", (2,), (1,), {"X": 3})
+
+
+def test_a_cached_meta_is_one_dict_per_value_and_type():
+    build = lean.cached_meta(lambda flag, n: {"FLAG": flag, "N": n})
+    assert build(True, 4) is build(True, 4) and build(True, 4) == {"FLAG": True, "N": 4}
+    assert build(1, 4) is not build(True, 4) and type(build(1, 4)["FLAG"]) is int  # 1 == True, another constexpr
+    assert build(True, 8)["N"] == 8
+
+
+def test_a_repeated_op_call_launches_with_the_keyword_dicts_of_the_first(monkeypatch):
+    """Every registered op but the load-time MXFP4 ones launches through ``launch_with``, and a repeated call (the
+    same shapes and config) hands it the very dicts of the first call: none is built per call."""
+    import sys
+
+    from dsa_triton import registry
+
+    seen = []
+
+    def recording(kernel, grid, meta, *args):
+        seen.append(("launch_with", meta))
+        return lean.launch_with(kernel, grid, meta, *args)
+
+    def recording_launch(kernel, grid, *args, **meta):
+        seen.append(("launch", meta))
+        return lean.launch(kernel, grid, *args, **meta)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("dsa_triton.") and module is not lean:
+            if getattr(module, "launch_with", None) is lean.launch_with:
+                monkeypatch.setattr(module, "launch_with", recording)
+            if getattr(module, "launch", None) is lean.launch:
+                monkeypatch.setattr(module, "launch", recording_launch)
+    device = torch.device("cpu")
+    for spec in registry.kernels():
+        for phase in spec.phases:
+            shapes = spec.bench_shapes(phase, False)
+            if not shapes:
+                continue
+            shape = shapes[0]
+            inputs, config = spec.make_inputs(phase, shape, device, 0), spec.launch_config(phase, shape, device)
+            calls = []
+            for _ in range(2):
+                seen.clear()
+                spec.run(inputs, config)
+                calls.append(list(seen))
+            first, second = calls
+            assert first and len(first) == len(second), spec.name
+            if spec.name in ("mxfp4_quantize", "mxfp4_dequantize"):  # load-time ops
+                continue
+            assert all(how == "launch_with" for how, _ in first), spec.name
+            assert all(a is b for (_, a), (_, b) in zip(first, second)), spec.name

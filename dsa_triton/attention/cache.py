@@ -30,7 +30,7 @@ import torch
 
 from ..checks import PlanCache, check_device, check_kernel_device, check_positive, check_tensor
 from ..hostmath import cdiv, next_pow2
-from ..launch import launch
+from ..launch import cached_meta, launch_with
 from .cache_kernels import append_kernel
 from .cache_reference import LATENT_GROUP, fp8_latent_bytes
 from .cache_spec import FP8_SPEC, SPEC
@@ -50,6 +50,19 @@ def check_fp8_latent_layout(name: str, d_latent: int, d_rope: int) -> None:
                          f"even rope width, got {d_latent} + {d_rope}")
 
 
+@cached_meta
+def _append_meta(P: int, has_kv: bool, has_index: bool, DK: int, block_t: int, block_d: int, num_warps: int,
+                 D: int, row_bytes: int | None, rope_dim: int | None) -> dict:
+    """The append kernel's keyword arguments; ``row_bytes`` and ``rope_dim``: of an FP8 latent cache's rows (None:
+    rows in kv's dtype)."""
+    meta = dict(P=P, HAS_KV=has_kv, HAS_INDEX=int(has_index), BLOCK_T=block_t, BLOCK_D=block_d,
+                DKP=next_pow2(max(DK, 16)), num_warps=num_warps)
+    if row_bytes is not None:
+        meta.update(KV_FP8=True, ROW_BYTES=row_bytes, ROPE_AT=D + 4 * cdiv(D, LATENT_GROUP), DR=rope_dim,
+                    GROUP=min(LATENT_GROUP, next_pow2(D)), BLOCK_R=next_pow2(max(rope_dim, 16)))
+    return meta
+
+
 def launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config, rope_dim: int = 64) -> None:
     n_items = items.shape[0]
     has_kv, has_index = kv is not None, index_k is not None
@@ -59,25 +72,22 @@ def launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config,
     P = cache.shape[1]
     D = kv_cache.shape[-1] if has_kv else 0
     DK = ik.shape[-1] if has_index else 0
-    fp8 = {}
+    row_bytes = rope = None
     if has_kv and kv_cache.dtype == torch.uint8:  # one part per 128-value latent group, one for the rope values
-        D = kv.shape[-1] - rope_dim
-        groups = cdiv(D, LATENT_GROUP)
-        fp8 = {"KV_FP8": True, "ROW_BYTES": kv_cache.shape[-1], "ROPE_AT": D + 4 * groups, "DR": rope_dim,
-               "GROUP": min(LATENT_GROUP, next_pow2(D)), "BLOCK_R": next_pow2(max(rope_dim, 16))}
-        kv_parts = groups + int(rope_dim > 0)
+        D, row_bytes, rope = kv.shape[-1] - rope_dim, kv_cache.shape[-1], rope_dim
+        kv_parts = cdiv(D, LATENT_GROUP) + int(rope_dim > 0)
     else:
         kv_parts = cdiv(D, config["BLOCK_D"]) if has_kv else 0
+    meta = _append_meta(P, has_kv, has_index, DK, config["BLOCK_T"], config["BLOCK_D"], config["num_warps"],
+                        D, row_bytes, rope)
     dummy = items  # never dereferenced: the constexpr flags remove those loads
-    launch(append_kernel, (n_items, kv_parts + int(has_index)),
+    launch_with(append_kernel, (n_items, kv_parts + int(has_index)), meta,
         items,
         kv if has_kv else dummy, kv_cache if has_kv else dummy, kv.stride(0) if has_kv else 0,
         index_k if has_index else dummy, ik if has_index else dummy,
         ik_scale if has_index else dummy, summaries if has_index else dummy,
         index_k.stride(0) if has_index else 0,
-        D, DK, P=P, HAS_KV=has_kv, HAS_INDEX=int(has_index),
-        BLOCK_T=config["BLOCK_T"], BLOCK_D=config["BLOCK_D"], DKP=next_pow2(max(DK, 16)),
-        num_warps=config["num_warps"], **fp8,
+        D, DK,
     )
 
 

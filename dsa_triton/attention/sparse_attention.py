@@ -40,7 +40,7 @@ from ..checks import PlanCache, check_kernel_device, check_positive, check_tenso
 from ..registry import KernelSpec
 from .cache import check_fp8_latent_layout
 from .cache_reference import fp8_latent_bytes
-from .sparse_attention_kernels import logical_to_slots, sparse_attention_fwd
+from .sparse_attention_kernels import AttentionLaunch, launch_state, logical_to_slots, sparse_attention_fwd
 from .sparse_attention_spec import DECODE_FP8_SPEC, DECODE_SPEC, PREFILL_FP8_SPEC, PREFILL_SPEC
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -104,21 +104,28 @@ def _launch_config(spec: KernelSpec, shape: dict[str, int], device: torch.device
     return spec.validate(config, shape)
 
 
+def _attention_launch(spec: KernelSpec, shape: dict[str, int], q: torch.Tensor, kv_cache: torch.Tensor,
+                      page_size: int, config: dict | None) -> AttentionLaunch:
+    """The launches' keyword arguments for the registry ``shape`` of a checked call."""
+    return AttentionLaunch(shape["D"], shape["Dv"], shape["k"], page_size, q.dtype, kv_cache.dtype == torch.uint8,
+                           _launch_config(spec, shape, q.device, config), launch_state())
+
+
 def _attend(plan: "_Plan", q4: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, block_table: torch.Tensor | None,
             sm_scale: float, check_values: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if check_values and idx.numel():
         _check_index_range(idx, block_table, plan.bt_div, kv.shape[0], plan.page_size)
     if block_table is not None:
-        idx = logical_to_slots(idx, block_table, plan.bt_div, plan.page_size, kv.shape[0] // plan.page_size)
-    out, lse = sparse_attention_fwd(q4, kv, idx, plan.d_v, float(sm_scale), plan.config)
+        idx = logical_to_slots(idx, block_table, plan.bt_div, kv.shape[0] // plan.page_size, plan.launch)
+    out, lse = sparse_attention_fwd(q4, kv, idx, float(sm_scale), plan.launch)
     return (out, lse) if plan.out_shape is None else (out.view(plan.out_shape), lse.view(plan.out_shape[:-1]))
 
 
 class _Plan(NamedTuple):
-    """What an op's checks and its launch config work out from the arguments' metadata."""
+    """What an op's checks and its launch config work out from the arguments' metadata (and the launch state the
+    plans' key has: :func:`.sparse_attention_kernels.launch_state`)."""
 
-    config: dict
-    d_v: int
+    launch: AttentionLaunch  # d_v, the config and the kernels' keyword arguments
     bt_div: int  # index row r reads block-table row r // bt_div
     page_size: int
     per_token: bool  # decode with [B, S, k] indices: run as B * S one-token sequences
@@ -158,7 +165,7 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
         ``out`` ``[B, (S,) Hq, d_v]`` in q's dtype and ``lse`` ``[B, (S,) Hq]`` fp32 (natural log).
     """
     _check_sm_scale(sm_scale)
-    key, plan = _DECODE_PLANS.find((q, kv_cache, indices, block_table), (d_v,), config)
+    key, plan = _DECODE_PLANS.find((q, kv_cache, indices, block_table), (d_v, *launch_state()), config)
     if plan is None:
         plan = _DECODE_PLANS.put(key, _checked_decode_plan(q, kv_cache, indices, block_table, d_v, config))
     kv = kv_cache.flatten(0, 1) if kv_cache.dim() == 3 else kv_cache
@@ -188,7 +195,8 @@ def _checked_decode_plan(q, kv_cache, indices, block_table, d_v, config) -> _Pla
     shape = {"B": rows, "S": tile, "H": H, "D": D, "Dv": d_v, "k": indices.shape[-1]}
     out_shape = (B, S, H, d_v) if per_token else (B, H, d_v) if q.dim() == 3 else None
     spec = DECODE_FP8_SPEC if kv_cache.dtype == torch.uint8 else DECODE_SPEC
-    return _Plan(_launch_config(spec, shape, q.device, config), d_v, bt_div, page_size, per_token, out_shape)
+    return _Plan(_attention_launch(spec, shape, q, kv_cache, page_size, config), bt_div, page_size, per_token,
+                 out_shape)
 
 
 def sparse_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
@@ -210,7 +218,7 @@ def sparse_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: t
         ``out`` ``[T, Hq, d_v]`` in q's dtype and ``lse`` ``[T, Hq]`` fp32 (natural log).
     """
     _check_sm_scale(sm_scale)
-    key, plan = _PREFILL_PLANS.find((q, kv_cache, indices, block_table), (d_v,), config)
+    key, plan = _PREFILL_PLANS.find((q, kv_cache, indices, block_table), (d_v, *launch_state()), config)
     if plan is None:
         plan = _PREFILL_PLANS.put(key, _checked_prefill_plan(q, kv_cache, indices, block_table, d_v, config))
     kv = kv_cache.flatten(0, 1) if kv_cache.dim() == 3 else kv_cache
@@ -231,4 +239,4 @@ def _checked_prefill_plan(q, kv_cache, indices, block_table, d_v, config) -> _Pl
         raise ValueError(f"block_table: expected 1 or {T} rows (T), got shape {tuple(block_table.shape)}")
     shape = {"T": T, "H": H, "D": D, "Dv": d_v, "k": indices.shape[1]}
     spec = PREFILL_FP8_SPEC if kv_cache.dtype == torch.uint8 else PREFILL_SPEC
-    return _Plan(_launch_config(spec, shape, q.device, config), d_v, 1, page_size, False, (T, H, d_v))
+    return _Plan(_attention_launch(spec, shape, q, kv_cache, page_size, config), 1, page_size, False, (T, H, d_v))

@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from ..hostmath import cdiv, next_pow2
+from ..launch import launch_with
 from ..runtime import interpreting
-from ..launch import launch
 from .cache_reference import LATENT_GROUP
 
 LOG2E = 1.4426950408889634
@@ -202,29 +202,64 @@ def head_blocks(d: int, d_v: int) -> tuple[int, int]:
     return max(16, next_pow2(d_v)), max(16, next_pow2(d - d_v))
 
 
-def logical_to_slots(indices: torch.Tensor, block_table: torch.Tensor, bt_div: int, page_size: int,
-                     num_pages: int) -> torch.Tensor:
+def launch_state() -> tuple[int, int]:
+    """What an :class:`AttentionLaunch` is made of besides a call's arguments (the ops' plan keys hold it): whether
+    the interpreter runs, and :data:`COMBINE_ELEMENTS` (tests change it)."""
+    return int(interpreting()), COMBINE_ELEMENTS
+
+
+class AttentionLaunch:
+    """The keyword arguments of one sparse attention call's launches (:func:`logical_to_slots`, the attention kernel
+    and the combine of its splits), worked out once: the ops keep it in their plans, whose key holds all it is made
+    of (``D`` from q's shape, ``k`` from the indices', q's dtype, whether the cache is FP8, ``d_v``, the page size,
+    the config, and ``state``: :func:`launch_state`)."""
+
+    def __init__(self, D: int, d_v: int, k: int, page_size: int, q_dtype: torch.dtype, kv_fp8: bool, config: dict,
+                 state: tuple[int, int]) -> None:
+        interpreted, combine_elements = state
+        self.d_v, self.num_splits, self.block_n = d_v, config["num_splits"], config["BLOCK_N"]
+        self.block_h = config["BLOCK_H"]
+        self.slots_block = min(1024, next_pow2(k))
+        self.slots_meta = dict(PAGE_SIZE=page_size, BLOCK=self.slots_block, num_warps=4)
+        block_dv, block_dr = head_blocks(D, d_v)
+        fp8 = {}
+        if kv_fp8:
+            fp8 = {"KV_FP8": True, "GROUP": min(LATENT_GROUP, block_dv), "ROPE_AT": d_v + 4 * cdiv(d_v, LATENT_GROUP)}
+        self.fwd_meta = dict(
+            D_V=d_v, D_R=D - d_v, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
+            NUM_SPLITS=self.num_splits, BLOCK_H=self.block_h, BLOCK_N=self.block_n,
+            DOT_FP32=q_dtype == torch.bfloat16 and bool(interpreted),
+            num_warps=config["num_warps"], num_stages=config["num_stages"], **fp8)
+        self.block_c = self.combine_meta = None
+        if self.num_splits > 1:
+            block_s = next_pow2(self.num_splits)
+            self.block_c = min(block_dv, max(16, combine_elements // block_s))
+            self.combine_meta = dict(D_V=d_v, NUM_SPLITS=self.num_splits, BLOCK_S=block_s, BLOCK_C=self.block_c,
+                                     num_warps=4)
+
+
+def logical_to_slots(indices: torch.Tensor, block_table: torch.Tensor, bt_div: int, num_pages: int,
+                     launch: AttentionLaunch) -> torch.Tensor:
     """``indices[R, k]`` logical positions -> ``slots[R, k]`` int32 (-1 where invalid); index row r reads
-    block-table row ``r // bt_div``."""
+    block-table row ``r // bt_div`` (pages of ``launch``'s page size)."""
     R, k = indices.shape
     slots = torch.empty((R, k), dtype=torch.int32, device=indices.device)
     if slots.numel():
-        block = min(1024, next_pow2(k))
-        launch(_logical_to_slots, (R, cdiv(k, block)),
-            indices, block_table, slots, k, block_table.shape[1], num_pages, bt_div, indices.stride(0),
-            block_table.stride(0), PAGE_SIZE=page_size, BLOCK=block, num_warps=4)
+        launch_with(_logical_to_slots, (R, cdiv(k, launch.slots_block)), launch.slots_meta,
+                    indices, block_table, slots, k, block_table.shape[1], num_pages, bt_div, indices.stride(0),
+                    block_table.stride(0))
     return slots
 
 
-def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, d_v: int, sm_scale: float,
-                         config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sm_scale: float,
+                         launch: AttentionLaunch) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked arguments. ``q[R, S, H, D]`` (the S tokens share index row r), ``kv[num_slots, D]``
     (row stride free, last dim contiguous) or uint8 FP8 latent cache rows ``kv[num_slots, bytes]`` (latent
     width ``d_v``), ``slots[R, k]`` (negative or >= num_slots: skipped) -> ``out[R, S, H, d_v]`` in q's dtype,
-    ``lse[R, S, H]`` fp32."""
-    R, S, H, D = q.shape
+    ``lse[R, S, H]`` fp32; ``d_v``, the config and the constexprs from ``launch``."""
+    R, S, H = q.shape[:3]
     M, k = S * H, slots.shape[1]
-    num_splits, block_n = config["num_splits"], config["BLOCK_N"]
+    d_v, num_splits, block_n = launch.d_v, launch.num_splits, launch.block_n
     out = torch.empty((R, S, H, d_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((R, S, H), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
@@ -235,23 +270,14 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
         part_out, part_lse = part[:parts * d_v], part[parts * d_v:]
     else:
         part_out, part_lse = out, lse
-    block_dv, block_dr = head_blocks(D, d_v)
-    fp8 = {}
-    if kv.dtype == torch.uint8:
-        fp8 = {"KV_FP8": True, "GROUP": min(LATENT_GROUP, block_dv), "ROPE_AT": d_v + 4 * cdiv(d_v, LATENT_GROUP)}
-    grid = (R * num_splits * cdiv(M, config["BLOCK_H"]),)
-    launch(_sparse_attention_fwd, grid,
+    grid = (R * num_splits * cdiv(M, launch.block_h),)
+    launch_with(
+        _sparse_attention_fwd, grid, launch.fwd_meta,
         q, kv, slots, part_out, part_lse,
         M, H, k, cdiv(cdiv(k, num_splits), block_n) * block_n, kv.shape[0], sm_scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), slots.stride(0),
-        D_V=d_v, D_R=D - d_v, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
-        NUM_SPLITS=num_splits, BLOCK_H=config["BLOCK_H"], BLOCK_N=block_n,
-        DOT_FP32=q.dtype == torch.bfloat16 and interpreting(),
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **fp8,
     )
     if num_splits > 1:
-        block_s = next_pow2(num_splits)
-        block_c = min(block_dv, max(16, COMBINE_ELEMENTS // block_s))
-        launch(_combine_splits, (R * M, cdiv(d_v, block_c)), part_out, part_lse, out, lse, D_V=d_v,
-               NUM_SPLITS=num_splits, BLOCK_S=block_s, BLOCK_C=block_c, num_warps=4)
+        launch_with(_combine_splits, (R * M, cdiv(d_v, launch.block_c)), launch.combine_meta,
+                    part_out, part_lse, out, lse)
     return out, lse

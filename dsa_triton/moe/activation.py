@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..checks import check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
-from ..launch import launch
+from ..launch import cached_meta, launch_with
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_Q = 256  # column quarters (4 columns each) per program
@@ -36,6 +36,11 @@ def _swiglu_kernel(h_ptr, y_ptr, I, stride_h, stride_y, CLASS_MAJOR: tl.constexp
     else:
         dest = cols
     tl.store(y_ptr + row * stride_y + dest, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@cached_meta
+def _swiglu_meta(class_major: bool, block_q: int) -> dict:
+    return dict(CLASS_MAJOR=class_major, BLOCK_Q=block_q, num_warps=4)
 
 
 def swiglu(h: torch.Tensor, dtype: torch.dtype | None = None, class_major: bool = False, *,
@@ -60,6 +65,6 @@ def swiglu(h: torch.Tensor, dtype: torch.dtype | None = None, class_major: bool 
     shape = (rows, 4, inter // 4) if class_major else (rows, inter)
     y = torch.empty(shape, dtype=dtype, device=h.device) if out is None else check_out(out, shape, dtype, h.device)
     if rows and inter:
-        launch(_swiglu_kernel, (rows, cdiv(inter, 4 * BLOCK_Q)), h, y, inter, h.stride(0), inter,
-               CLASS_MAJOR=class_major, BLOCK_Q=BLOCK_Q, num_warps=4)
+        launch_with(_swiglu_kernel, (rows, cdiv(inter, 4 * BLOCK_Q)), _swiglu_meta(class_major, BLOCK_Q),
+                    h, y, inter, h.stride(0), inter)
     return y

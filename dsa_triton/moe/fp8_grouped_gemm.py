@@ -52,7 +52,7 @@ import triton
 
 from ..checks import check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
-from ..launch import launch
+from ..launch import cached_meta, launch_with
 from .fp8_grouped_gemm_kernels import _fused_gemm_kernel, _grouped_gemm_kernel, _quantize_rows_kernel
 from .fp8_grouped_gemm_spec import SPEC
 from .mxfp4_to_fp8 import check_experts_layout, check_scales, conversion_config, convert_experts, row_references
@@ -71,6 +71,17 @@ def interleaves(k: int, kb: int) -> bool:
     return k == 32 * kb and kb % 4 == 0
 
 
+@cached_meta
+def _quantize_meta(k: int, interleaved: bool, tile: int, step_m: int, step_k: int) -> dict:
+    """The activation quantization's keyword arguments for rows of ``k``, up to ``tile`` elements of a row tile in
+    registers (else steps of ``step_m`` rows x ``step_k``)."""
+    one_pass = triton.next_power_of_2(k) <= tile
+    block_k = triton.next_power_of_2(k) if one_pass else step_k
+    block_m = tile // block_k if one_pass else step_m
+    return dict(BLOCK_M=block_m, BLOCK_K=block_k, ONE_PASS=one_pass, INTERLEAVED=interleaved,
+                num_warps=8 if one_pass else 4)
+
+
 def quantize_activations_fp8(x: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``x[M, K]`` fp16/bf16/fp32 (rows contiguous) -> ``(q e4m3 [M, K], scale fp32 [M])``, launch only.
     ``interleaved`` (K a multiple of 128): ``q``'s k order is :func:`.mxfp4_to_fp8_kernels.interleave_blocks`'s."""
@@ -80,12 +91,8 @@ def quantize_activations_fp8(x: torch.Tensor, interleaved: bool = False) -> tupl
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
-        one_pass = triton.next_power_of_2(k) <= QUANTIZE_TILE
-        block_k = triton.next_power_of_2(k) if one_pass else QUANTIZE_STEP[1]
-        block_m = QUANTIZE_TILE // block_k if one_pass else QUANTIZE_STEP[0]
-        launch(_quantize_rows_kernel, (cdiv(m, block_m),), x, q, s, m, k, x.stride(0), q.stride(0),
-               BLOCK_M=block_m, BLOCK_K=block_k, ONE_PASS=one_pass, INTERLEAVED=interleaved,
-               num_warps=8 if one_pass else 4)
+        meta = _quantize_meta(k, interleaved, QUANTIZE_TILE, *QUANTIZE_STEP)
+        launch_with(_quantize_rows_kernel, (cdiv(m, meta["BLOCK_M"]),), meta, x, q, s, m, k, x.stride(0), q.stride(0))
     return q, s
 
 
@@ -154,6 +161,13 @@ def plan_on_device(expert_offsets: torch.Tensor, block_m: int, rows: int) -> Sta
     return StagePlan(max(1, e), experts, tiles.to(torch.int32), ((0, e, 0, tiles.shape[0]),))
 
 
+@cached_meta
+def _gemm_meta(block_m: int, block_n: int, block_k: int, group_m: int, even_k: bool, row_scaled: bool,
+               num_warps: int, num_stages: int) -> dict:
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, EVEN_K=even_k,
+                ROW_SCALED=row_scaled, num_warps=num_warps, num_stages=num_stages)
+
+
 def launch_gemm(xq, sx, w_half, s_half, y, tiles, config, row_scaled: bool = False) -> None:
     """The FP8 GEMM of one workspace stage: rows ``tiles`` of ``xq`` against the stage's experts in ``w_half`` /
     ``s_half`` (``row_scaled``: converted against their rows' references, one scale per row)."""
@@ -162,14 +176,20 @@ def launch_gemm(xq, sx, w_half, s_half, y, tiles, config, row_scaled: bool = Fal
     if n_mtiles == 0:
         return
     grid = (n_mtiles * cdiv(n, config["BLOCK_N"]),)
-    launch(
-        _grouped_gemm_kernel, grid, xq, sx, w_half, s_half, y, tiles, n_mtiles, n, k,
+    meta = _gemm_meta(config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["GROUP_M"],
+                      k % config["BLOCK_K"] == 0, row_scaled, config["num_warps"], config["num_stages"])
+    launch_with(
+        _grouped_gemm_kernel, grid, meta, xq, sx, w_half, s_half, y, tiles, n_mtiles, n, k,
         xq.stride(0), w_half.stride(0), w_half.stride(1), s_half.stride(0), s_half.stride(1), s_half.stride(2),
         y.stride(0),
-        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
-        EVEN_K=k % config["BLOCK_K"] == 0, ROW_SCALED=row_scaled, num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
     )
+
+
+@cached_meta
+def _fused_meta(block_m: int, block_n: int, group_m: int, w_smem: int, even_k: bool, ptx: bool, unroll: int,
+                num_warps: int, num_stages: int) -> dict:
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=group_m, W_SMEM=w_smem, EVEN_K=even_k, PTX=ptx,
+                UNROLL=unroll, num_warps=num_warps, num_stages=num_stages)
 
 
 def launch_fused(xq, sx, blocks, scales, ref, y, plan: StagePlan, config) -> None:
@@ -181,14 +201,13 @@ def launch_fused(xq, sx, blocks, scales, ref, y, plan: StagePlan, config) -> Non
         return
     codes = blocks.view(torch.int16)  # [E, N, K/32, 8]: four codes per element
     grid = (n_mtiles * cdiv(n, config["BLOCK_N"]),)
-    launch(
-        _fused_gemm_kernel, grid, xq, sx, codes, scales, ref, y, plan.tiles, plan.experts, n_mtiles, n, k, kb,
+    meta = _fused_meta(config["BLOCK_M"], config["BLOCK_N"], config["GROUP_M"], config["W_SMEM"], interleaves(k, kb),
+                       xq.device.type == "cuda" and torch.version.hip is None, config["UNROLL"],
+                       config["num_warps"], config["num_stages"])
+    launch_with(
+        _fused_gemm_kernel, grid, meta, xq, sx, codes, scales, ref, y, plan.tiles, plan.experts, n_mtiles, n, k, kb,
         xq.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), ref.stride(0),
         y.stride(0),
-        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"], W_SMEM=config["W_SMEM"],
-        EVEN_K=interleaves(k, kb), PTX=xq.device.type == "cuda" and torch.version.hip is None,
-        UNROLL=config["UNROLL"],
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
 
 

@@ -41,7 +41,7 @@ import torch
 
 from ..checks import PlanCache, check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
-from ..launch import launch
+from ..launch import launch_with
 from .activation_reference import class_major
 from .fused_moe_kernels import _fused_moe_kernel
 from .fused_moe_spec import SPEC, random_experts
@@ -116,14 +116,17 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
     (``ValueError`` naming ``scales``); ``x`` is not read on the host: a NaN or infinity in it propagates to the
     output rows that read it (NaN in, NaN out, never a finite wrong number).
     """
-    if isinstance(sort, ExpertSort):  # checks and config once per (tensor metadata, sort sizes, gather, config)
+    # checks, config and launch once per (tensor metadata, sort sizes, gather, config); none kept for a sort that is
+    # not an ExpertSort (the checks name it) or a gather flag that is not a bool (the launch takes it as it is)
+    key, plan = None, None
+    if isinstance(sort, ExpertSort) and type(gather_tokens) is bool:
         key, plan = _PLANS.find((x, blocks, scales, sort.expert_offsets),
-                                (sort.num_experts, sort.num_rows, sort.top_k, int(bool(gather_tokens))), config)
-    else:  # not a sort: the checks name it
-        key, plan = None, None
+                                (sort.num_experts, sort.num_rows, sort.top_k, int(gather_tokens)), config)
     if plan is None:
-        shape = problem_shape(sort, *_check(x, sort, blocks, scales, gather_tokens), gather_tokens)
-        plan = _PLANS.put(key, launch_config(shape, x.device) if config is None else SPEC.validate(config, shape))
+        n, k = _check(x, sort, blocks, scales, gather_tokens)
+        shape = problem_shape(sort, n, k, gather_tokens)
+        config = launch_config(shape, x.device) if config is None else SPEC.validate(config, shape)
+        plan = _PLANS.put(key, FusedLaunch(x, k, gather_tokens, config))
     if blocks.data_ptr() % 4:  # not in the plan's key
         raise ValueError("blocks: the data must be 4-byte aligned (read as int16 pairs)")
     out_dtype = x.dtype if out_dtype is None else out_dtype
@@ -132,10 +135,28 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
     if out is not None:
         check_out(out, (sort.num_rows, blocks.shape[1]), out_dtype, x.device, contiguous=False)
     check_scale_range(scales, fast_path(x))
-    return _launch(x, sort, blocks, scales, gather_tokens, plan, out_dtype, out)
+    return _launch(x, sort, blocks, scales, plan, out_dtype, out)
 
 
-_PLANS = PlanCache(1024)  # the launch config by tensor metadata, sort sizes, gather and the caller's config
+class FusedLaunch:
+    """A checked call's config and the keyword arguments of its launch, fixed by its plan's key: x's dtype, device
+    and dimensions, K, ``gather_tokens`` and the config."""
+
+    def __init__(self, x: torch.Tensor, k: int, gather_tokens: bool, config: dict) -> None:
+        self.config = config
+        # class-major [rows, 4, K/4] ([c, q] of 4q + c) as given, or copied so (X_COPY); else x itself
+        self.copy = x.dim() == 2 and config["X_COPY"]
+        split, fast = config["SPLIT_K"], fast_path(x)
+        self.meta = dict(
+            GATHER=gather_tokens, ATOMIC=split > 1, EVEN_K=(k // 4) % (split * config["BLOCK_K"] // 4) == 0,
+            FAST=fast, DOT_F32=not fast and x.dtype == torch.bfloat16 and x.device.type != "cuda",
+            X_COPY=x.dim() == 3 or bool(self.copy), BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
+            BLOCK_K=config["BLOCK_K"], SPLIT_K=split,
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
+        )
+
+
+_PLANS = PlanCache(1024)  # the FusedLaunch by tensor metadata, sort sizes, gather and the caller's config
 
 
 _scales_checked: dict[int, tuple] = {}  # id(scales) -> (weakref to it, version, bound) once its range was read
@@ -169,9 +190,10 @@ def fast_path(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and x.dtype == torch.bfloat16
 
 
-def _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype, out=None) -> torch.Tensor:
+def _launch(x, sort, blocks, scales, plan: FusedLaunch, out_dtype, out=None) -> torch.Tensor:
     """The launch into ``out`` (given, checked) or a new tensor. ``SPLIT_K > 1`` adds fp32 partials: into a zeroed
     fp32 ``out``, else into fp32 zeros rounded to ``out_dtype`` after."""
+    config = plan.config
     m, n, split = sort.num_rows, blocks.shape[1], config["SPLIT_K"]
     if split == 1 or (out is not None and out.dtype == torch.float32):
         y = torch.empty(m, n, dtype=out_dtype, device=x.device) if out is None else out
@@ -183,21 +205,13 @@ def _launch(x, sort, blocks, scales, gather_tokens, config, out_dtype, out=None)
         return y.to(out_dtype) if out is None else out
     alignment = sort.aligned(config["BLOCK_M"])
     quarters = blocks.view(torch.int16).flatten(-2)  # [E, N, K/4]
-    k_quarters = quarters.shape[-1]
-    # class-major [rows, 4, K/4] ([c, q] of 4q + c) as given, or copied so (X_COPY); else x itself (rows contiguous)
-    x_classes = class_major(x) if x.dim() == 2 and config["X_COPY"] else x
-    fast = fast_path(x)
+    x_classes = class_major(x) if plan.copy else x  # (rows contiguous)
     grid = (alignment.num_blocks, cdiv(n, config["BLOCK_N"]), split)
-    launch(
-        _fused_moe_kernel, grid,
+    launch_with(
+        _fused_moe_kernel, grid, plan.meta,
         x_classes, sort.sorted_token, quarters, scales, y, alignment.padded_rows, alignment.block_expert,
-        n, k_quarters,
+        n, quarters.shape[-1],
         x_classes.stride(0), quarters.stride(0), quarters.stride(1), scales.stride(0), scales.stride(1), y.stride(0),
-        GATHER=gather_tokens, ATOMIC=split > 1, EVEN_K=k_quarters % (split * config["BLOCK_K"] // 4) == 0,
-        FAST=fast, DOT_F32=not fast and x.dtype == torch.bfloat16 and x.device.type != "cuda",
-        X_COPY=x_classes.dim() == 3, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
-        BLOCK_K=config["BLOCK_K"], SPLIT_K=split,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     if out is None:
         return y.to(out_dtype)

@@ -14,11 +14,17 @@ import torch
 
 from ..checks import check_kernel_device, check_tensor
 from ..hostmath import cdiv
-from ..launch import launch
+from ..launch import cached_meta, launch_with
 from .mxfp4_reference import BLOCK, SCALE_NAN, check_no_nan_scale, validate_mxfp4
 from .mxfp4_to_fp8_kernels import _convert_kernel
 from .mxfp4_to_fp8_reference import BLOCKS_PER_GROUP, n_groups
 from .mxfp4_to_fp8_spec import SPEC
+
+
+@cached_meta
+def _convert_meta(block_n: int, groups: int, count_unfit: bool, row_ref: bool, ptx: bool, num_warps: int) -> dict:
+    return dict(BLOCK_N=block_n, GROUPS=groups, COUNT_UNFIT=count_unfit, ROW_REF=row_ref, PTX=ptx,
+                num_warps=num_warps)
 
 
 def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torch.Tensor, w_out: torch.Tensor,
@@ -38,13 +44,13 @@ def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torc
     grid = (count, cdiv(n, config["BLOCK_N"]), cdiv(kb, groups * BLOCKS_PER_GROUP))
     codes, words = blocks.view(torch.int16), w_out.view(torch.int32)  # [E, N, K/32, 8], [G, N, K/4]
     refs = scales if row_ref is None else row_ref  # (any tensor when unused)
-    launch(
-        _convert_kernel, grid,
+    meta = _convert_meta(config["BLOCK_N"], groups, unfit is not None, row_ref is not None,
+                         blocks.device.type == "cuda" and torch.version.hip is None, config["num_warps"])
+    launch_with(
+        _convert_kernel, grid, meta,
         codes, scales, expert_ids, refs, words, s_out, unfit if unfit is not None else expert_ids, n, kb,
         s_out.shape[2], codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), refs.stride(0),
         words.stride(0), words.stride(1), s_out.stride(0), s_out.stride(1), s_out.stride(2),
-        BLOCK_N=config["BLOCK_N"], GROUPS=groups, COUNT_UNFIT=unfit is not None, ROW_REF=row_ref is not None,
-        PTX=blocks.device.type == "cuda" and torch.version.hip is None, num_warps=config["num_warps"],
     )
 
 
