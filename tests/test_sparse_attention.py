@@ -8,7 +8,8 @@ import torch
 
 import dsa_triton as dt
 from dsa_triton import registry
-from dsa_triton.attention import sparse_attention_kernels
+from dsa_triton.checks import PlanCache
+from dsa_triton.attention import sparse_attention, sparse_attention_kernels
 from dsa_triton.attention.cache import PagedCache
 from dsa_triton.attention.sparse_attention_spec import random_paged_cache
 from dsa_triton.attention.sparse_attention_reference import (slots_from_indices, sparse_attention_decode_torch,
@@ -101,6 +102,7 @@ def test_decode_k_and_splits(k, config):
 def test_combine_in_column_chunks(monkeypatch):
     """The combine over several column chunks of d_v (as at d_v=512 with 32 splits), some splits empty."""
     monkeypatch.setattr(sparse_attention_kernels, "COMBINE_ELEMENTS", 64)  # 4 splits -> 16-column chunks
+    monkeypatch.setattr(sparse_attention, "_DECODE_PLANS", PlanCache())  # plans made with the constant changed
     g = torch.Generator().manual_seed(11)
     B, H, L, k = 3, 5, 64, 64
     kv, table = paged_cache(1, L, 16, g)

@@ -40,7 +40,7 @@ from ..checks import PlanCache, check_kernel_device, check_positive, check_tenso
 from ..registry import KernelSpec
 from .cache import check_fp8_latent_layout
 from .cache_reference import fp8_latent_bytes
-from .sparse_attention_kernels import AttentionLaunch, launch_state, logical_to_slots, sparse_attention_fwd
+from .sparse_attention_kernels import AttentionLaunch, logical_to_slots, sparse_attention_fwd
 from .sparse_attention_spec import DECODE_FP8_SPEC, DECODE_SPEC, PREFILL_FP8_SPEC, PREFILL_SPEC
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -108,7 +108,7 @@ def _attention_launch(spec: KernelSpec, shape: dict[str, int], q: torch.Tensor, 
                       page_size: int, config: dict | None) -> AttentionLaunch:
     """The launches' keyword arguments for the registry ``shape`` of a checked call."""
     return AttentionLaunch(shape["D"], shape["Dv"], shape["k"], page_size, q.dtype, kv_cache.dtype == torch.uint8,
-                           _launch_config(spec, shape, q.device, config), launch_state())
+                           _launch_config(spec, shape, q.device, config))
 
 
 def _attend(plan: "_Plan", q4: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, block_table: torch.Tensor | None,
@@ -122,8 +122,7 @@ def _attend(plan: "_Plan", q4: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor
 
 
 class _Plan(NamedTuple):
-    """What an op's checks and its launch config work out from the arguments' metadata (and the launch state the
-    plans' key has: :func:`.sparse_attention_kernels.launch_state`)."""
+    """What an op's checks and its launch config work out from the arguments' metadata."""
 
     launch: AttentionLaunch  # d_v, the config and the kernels' keyword arguments
     bt_div: int  # index row r reads block-table row r // bt_div
@@ -165,7 +164,7 @@ def sparse_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: to
         ``out`` ``[B, (S,) Hq, d_v]`` in q's dtype and ``lse`` ``[B, (S,) Hq]`` fp32 (natural log).
     """
     _check_sm_scale(sm_scale)
-    key, plan = _DECODE_PLANS.find((q, kv_cache, indices, block_table), (d_v, *launch_state()), config)
+    key, plan = _DECODE_PLANS.find((q, kv_cache, indices, block_table), (d_v,), config)
     if plan is None:
         plan = _DECODE_PLANS.put(key, _checked_decode_plan(q, kv_cache, indices, block_table, d_v, config))
     kv = kv_cache.flatten(0, 1) if kv_cache.dim() == 3 else kv_cache
@@ -218,7 +217,7 @@ def sparse_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: t
         ``out`` ``[T, Hq, d_v]`` in q's dtype and ``lse`` ``[T, Hq]`` fp32 (natural log).
     """
     _check_sm_scale(sm_scale)
-    key, plan = _PREFILL_PLANS.find((q, kv_cache, indices, block_table), (d_v, *launch_state()), config)
+    key, plan = _PREFILL_PLANS.find((q, kv_cache, indices, block_table), (d_v,), config)
     if plan is None:
         plan = _PREFILL_PLANS.put(key, _checked_prefill_plan(q, kv_cache, indices, block_table, d_v, config))
     kv = kv_cache.flatten(0, 1) if kv_cache.dim() == 3 else kv_cache

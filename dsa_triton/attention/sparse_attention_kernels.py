@@ -202,21 +202,14 @@ def head_blocks(d: int, d_v: int) -> tuple[int, int]:
     return max(16, next_pow2(d_v)), max(16, next_pow2(d - d_v))
 
 
-def launch_state() -> tuple[int, int]:
-    """What an :class:`AttentionLaunch` is made of besides a call's arguments (the ops' plan keys hold it): whether
-    the interpreter runs, and :data:`COMBINE_ELEMENTS` (tests change it)."""
-    return int(interpreting()), COMBINE_ELEMENTS
-
-
 class AttentionLaunch:
     """The keyword arguments of one sparse attention call's launches (:func:`logical_to_slots`, the attention kernel
     and the combine of its splits), worked out once: the ops keep it in their plans, whose key holds all it is made
     of (``D`` from q's shape, ``k`` from the indices', q's dtype, whether the cache is FP8, ``d_v``, the page size,
-    the config, and ``state``: :func:`launch_state`)."""
+    the config; the interpreter's state and :data:`COMBINE_ELEMENTS` are read here, fixed for a process)."""
 
-    def __init__(self, D: int, d_v: int, k: int, page_size: int, q_dtype: torch.dtype, kv_fp8: bool, config: dict,
-                 state: tuple[int, int]) -> None:
-        interpreted, combine_elements = state
+    def __init__(self, D: int, d_v: int, k: int, page_size: int, q_dtype: torch.dtype, kv_fp8: bool,
+                 config: dict) -> None:
         self.d_v, self.num_splits, self.block_n = d_v, config["num_splits"], config["BLOCK_N"]
         self.block_h = config["BLOCK_H"]
         self.slots_block = min(1024, next_pow2(k))
@@ -228,12 +221,12 @@ class AttentionLaunch:
         self.fwd_meta = dict(
             D_V=d_v, D_R=D - d_v, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
             NUM_SPLITS=self.num_splits, BLOCK_H=self.block_h, BLOCK_N=self.block_n,
-            DOT_FP32=q_dtype == torch.bfloat16 and bool(interpreted),
+            DOT_FP32=q_dtype == torch.bfloat16 and interpreting(),
             num_warps=config["num_warps"], num_stages=config["num_stages"], **fp8)
         self.block_c = self.combine_meta = None
         if self.num_splits > 1:
             block_s = next_pow2(self.num_splits)
-            self.block_c = min(block_dv, max(16, combine_elements // block_s))
+            self.block_c = min(block_dv, max(16, COMBINE_ELEMENTS // block_s))
             self.combine_meta = dict(D_V=d_v, NUM_SPLITS=self.num_splits, BLOCK_S=block_s, BLOCK_C=self.block_c,
                                      num_warps=4)
 
