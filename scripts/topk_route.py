@@ -29,7 +29,6 @@ import dsa_triton as dt  # noqa: E402
 from dsa_triton.attention import topk as tk  # noqa: E402
 from dsa_triton.attention.cache_reference import fp8_quantize_rows  # noqa: E402
 from dsa_triton.attention.indexer_reference import head_sum_logits  # noqa: E402
-from dsa_triton.attention.topk_kernels import INFO_COUNT  # noqa: E402
 from dsa_triton.attention.topk_reference import emulate_bound  # noqa: E402
 from model_runner.model import hadamard  # noqa: E402
 
@@ -58,34 +57,12 @@ def indexer_scores(n: int, queries: int, seed: int, device="cpu", heads=64, dim=
     return out
 
 
-class CountSpy:
-    """Wraps the op's workspace allocation: ``count()`` is the last call's pass-2 candidate count of row 0."""
-
-    def __init__(self):
-        self.info = None
-        self.real = tk._workspace
-
-    def __enter__(self):
-        def spy(T, split, NB, cap, device):
-            work, info_off, cand_off = self.real(T, split, NB, cap, device)
-            self.info = work[info_off:cand_off].view(T, -1)
-            return work, info_off, cand_off
-        tk._workspace = spy
-        return self
-
-    def __exit__(self, *exc):
-        tk._workspace = self.real
-
-    def count(self) -> int:
-        return int(self.info[0, INFO_COUNT.value])
-
-
 def run_kernel(row: torch.Tensor, k: int, config: dict, repeat: int) -> tuple[int, float | None]:
     """The kernels' candidate count for ``row`` and, on a GPU, the median time of a call (ms)."""
     scores = row[None].contiguous()
-    with CountSpy() as spy:
+    with tk.recorded_candidate_counts() as counts:
         idx = dt.topk_indices(scores, k, check_values=False, config=config)
-        count = spy.count()
+        count = int(counts()[0])
     assert torch.equal(row[idx[0].long()].sort().values, torch.topk(row, k).values.sort().values), "not the top k"
     if not row.is_cuda:
         return count, None

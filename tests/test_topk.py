@@ -5,7 +5,6 @@ import torch
 
 import dsa_triton as dt
 from dsa_triton.attention import topk as tk
-from dsa_triton.attention.topk_kernels import INFO_COUNT
 from dsa_triton.attention.topk_reference import check_topk, emulate_bound, topk_indices_torch
 from dsa_triton.attention.topk_spec import SPACE
 from dsa_triton.bench.reports import REPORTS
@@ -21,18 +20,10 @@ def cfg(**changes):
 
 
 @pytest.fixture
-def candidate_counts(monkeypatch):
+def candidate_counts():
     """After a call, ``read()`` gives each row's pass-2 candidate count (meaningful on two-pass rows only)."""
-    seen = {}
-    real = tk._workspace
-
-    def spy(T, split, NB, cap, device):
-        work, info_off, cand_off = real(T, split, NB, cap, device)
-        seen.update(info=work[info_off:cand_off].view(T, -1))
-        return work, info_off, cand_off
-
-    monkeypatch.setattr(tk, "_workspace", spy)
-    return lambda: seen["info"][:, INFO_COUNT.value]
+    with tk.recorded_candidate_counts() as read:
+        yield read
 
 
 def run_and_check(scores, k, lengths=None, config=SMALL, num_pages=None, check_values=True, **table):

@@ -7,12 +7,14 @@ The kernels and the algorithm (three passes of a radix select, routes by row len
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor
 from ..hostmath import cdiv
 from ..launch import launch_with
-from .topk_kernels import INFO_WORDS, topk_bound_kernel, topk_collect_kernel, topk_select_kernel
+from .topk_kernels import INFO_COUNT, INFO_WORDS, topk_bound_kernel, topk_collect_kernel, topk_select_kernel
 from .topk_reference import pages_in_use
 from .topk_spec import PHASE, SPEC
 
@@ -25,6 +27,25 @@ def _workspace(T: int, split: int, NB: int, cap: int, device: torch.device):
     info_off = T * split * NB
     cand_off = info_off + T * INFO_WORDS.value
     return torch.empty(cand_off + 2 * T * cap, dtype=torch.int32, device=device), info_off, cand_off
+
+
+@contextmanager
+def recorded_candidate_counts():
+    """Within the block, the returned function gives the last call's pass-2 candidate count of each row (meaningful
+    on two-pass rows only), read from the workspace after the call: for tests and route studies."""
+    global _workspace
+    seen, real = {}, _workspace
+
+    def spy(T, split, NB, cap, device):
+        work, info_off, cand_off = real(T, split, NB, cap, device)
+        seen["info"] = work[info_off:cand_off].view(T, -1)
+        return work, info_off, cand_off
+
+    _workspace = spy
+    try:
+        yield lambda: seen["info"][:, INFO_COUNT.value]
+    finally:
+        _workspace = real
 
 
 class _Plan:
