@@ -10,10 +10,10 @@ Parts (``--part``, several allowed; each writes ``runner_bench-<part>-<device>-<
 - ``decode``: contexts ``--contexts`` (4K, 32K, 128K) x batches ``--batches`` (1, 8, 64, 128): tokens/s of decode
   steps replayed from CUDA graphs (the engine's whole step: host preparation, replay, greedy sampling), the replay's
   GPU time against the sum of its kernels' GPU times (profiled), eager steps and a reference-mode step (batches up to
-  8) for comparison, graph logits against an eager step of the same tokens, the replay's mean GPU time right after
-  the graph steps (``replay_first_ms``) and after the eager ones (``replay_ms``, with its min and max; against the
-  kernels' GPU time a replay over as many profiled replays; ``replays_bitwise_equal``: whether two replays of the same
-  inputs gave the same logits), and the per-op split with each op's
+  8) for comparison, graph logits against an eager step of the same tokens, the replay's mean GPU time
+  (``replay_ms``, with its min and max; against the kernels' GPU time a replay over as many profiled replays;
+  ``replays_bitwise_equal``: whether two replays of the same inputs gave the same logits), and the per-op split with
+  each op's
   fraction of its floor (bytes over the copy bandwidth or FLOPs over the matmul rate, measured in the same run; the
   MoE layers' expert bytes those of the experts an eager step reached, ``active_experts`` a layer: with uniform
   routing's count, 222 of 256 at batch 64, the MoE showed 1.30 of its floor on the H200; random weights reach 133,
@@ -353,8 +353,6 @@ class Bench:
         graph_ms = timed_steps(lambda: decode_step(graphs, model, cache, ids(), rows), steps, device)
         row = {"context": L, "batch": B, "bucket": graphs.bucket(B), "graph_step_ms": graph_ms,
                "graph_tokens_per_s": B / graph_ms * 1e3}
-        if self.cuda:  # the replay alone, before any eager step (replay_ms below comes after them)
-            row["replay_first_ms"] = statistics.mean(replay_times(graphs.graphs[graphs.bucket(B)][0], steps))
         # the same step eagerly and from the graph: logits compared
         tokens, start = ids(), [cache.length(r) for r in rows]
         for r in rows:
