@@ -117,9 +117,10 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
     output rows that read it (NaN in, NaN out, never a finite wrong number).
     """
     # checks, config and launch once per (tensor metadata, sort sizes, gather, config); none kept for a sort that is
-    # not an ExpertSort (the checks name it) or a gather flag that is not a bool (the launch takes it as it is)
+    # not an ExpertSort (the checks name it)
+    gather_tokens = bool(gather_tokens)  # (the kernel's GATHER constexpr: one specialization for 1 and True)
     key, plan = None, None
-    if isinstance(sort, ExpertSort) and type(gather_tokens) is bool:
+    if isinstance(sort, ExpertSort):
         key, plan = _PLANS.find((x, blocks, scales, sort.expert_offsets),
                                 (sort.num_experts, sort.num_rows, sort.top_k, int(gather_tokens)), config)
     if plan is None:
