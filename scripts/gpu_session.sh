@@ -16,10 +16,11 @@
 #   runner ARGS  python scripts/runner_bench.py ARGS (the model runner end to end at V3.2 layer widths)
 #   topk-route ARGS  python scripts/topk_route.py --kernel ARGS (top-k candidate counts, routes and times on
 #             indexer-like rows, against their emulation; issue 17)
+#   sweep ARGS  python scripts/config_sweep.py ARGS (given configs against the launch config, checked and timed)
 #   tune ARGS dsa-tune tune ARGS (needs .whl with the optuna wheels carried: optuna is not on the GPU image)
 #   day0 ARGS dsa-tune day0 --flat ARGS: tune a config's shapes within --budget, then first tokens from its
 #             checkpoint or random weights, each stage timed, one results file (--out $OUT; needs .whl as tune)
-# runner, topk-route, tune and day0 take the rest of the command line. Everything lands in $OUT/session.tgz (the device tool returns at
+# runner, topk-route, sweep, tune and day0 take the rest of the command line. Everything lands in $OUT/session.tgz (the device tool returns at
 # most 8 files): logs, results files, and the tuning database after a tune or day0 (merge it back with
 # `dsa-tune merge db/*.csv` from the unpacked archive).
 set -u -o pipefail
@@ -53,6 +54,10 @@ while [ $# -gt 0 ]; do
         || status=1 ;;
     runner)
       timeout 590 python scripts/runner_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/runner-bench.log" | tail -40 \
+        || status=1
+      shift $# ;;
+    sweep)
+      timeout 590 python scripts/config_sweep.py --out "$OUT" "$@" 2>&1 | tee "$OUT/config-sweep.log" | tail -60 \
         || status=1
       shift $# ;;
     topk-route)

@@ -33,6 +33,7 @@ SPACE = {
     "num_splits": (1, 2, 4, 8, 16, 32, 64),
     "num_warps": (4, 8),
     "num_stages": (1, 2, 3, 4),
+    "TOKEN_MAJOR": (0, 1),
 }
 SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
 REG_BUDGET = 128  # 32-bit registers per thread for the fp32 accumulator (+ q where mma.sync keeps it in registers)
@@ -72,6 +73,8 @@ def _constraint(phase: str, fp8: bool = False):
         smem = 2 * (bh + min(config["num_stages"], 2) * bn) * (bdv + bdr)
         if fp8:
             smem = 2 * (bh + bn) * (bdv + bdr) + min(config["num_stages"], 2) * bn * (bdv + bdr)
+        if config.get("TOKEN_MAJOR"):
+            smem += 2 * bn * bh  # the probabilities pass through shared memory (the value dot's second operand)
         if smem > SMEM_BYTES:
             return f"q tile + KV buffers need ~{smem} bytes of shared memory (> {SMEM_BYTES})"
         return None
@@ -94,7 +97,8 @@ def _default(phase: str, fp8: bool = False):
         top = min(WGMMA_ROWS, max(16, next_pow2(M)))
         fitting = []  # per head tile (widest first): its first valid (warps, token tile)
         for bh in (64, 32, 16):
-            candidates = ({"BLOCK_N": bn, "BLOCK_H": bh, "num_splits": 1, "num_warps": w, "num_stages": 2}
+            candidates = ({"BLOCK_N": bn, "BLOCK_H": bh, "num_splits": 1, "num_warps": w, "num_stages": 2,
+                           "TOKEN_MAJOR": 0}
                           for w in (4, 8) for bn in (64, 32, 16))
             fitting += [c for c in candidates if bh <= top and constraint(c, shape) is None][:1]
         config = next((c for c in fitting if R * cdiv(M, c["BLOCK_H"]) * cdiv(k, c["BLOCK_N"]) >= sms), fitting[-1])
@@ -209,7 +213,8 @@ def _decode_shapes(_phase, gpu: bool) -> list[dict[str, int]]:
 
 def _prefill_shapes(_phase, gpu: bool) -> list[dict[str, int]]:
     if gpu:
-        return [{"T": 4096, "H": 128, "D": 576, "Dv": 512, "k": 2048, "L": 8192, "P": 64, "logical": 0}]
+        # the rows spread over a 128K-token pool (151 MB in bf16): larger than the L2, as a long sequence's cache
+        return [{"T": 4096, "H": 128, "D": 576, "Dv": 512, "k": 2048, "L": 131072, "P": 64, "logical": 0}]
     return [{"T": 5, "H": 3, "D": 80, "Dv": 64, "k": 24, "L": 64, "P": 16, "logical": 1}]
 
 
