@@ -206,7 +206,7 @@ def test_append_registry_entry(name, phase):
     (3, 2, False, 16, True, {"num_splits": 2, "TOKEN_MAJOR": 1}),  # two tokens share an index set; block table;
     # splits; token-major
     (5, 3, True, 64, True, {"BLOCK_N": 32}),            # per-token index sets; block table, page 64
-    (24, 1, False, 16, False, {"BLOCK_H": 32, "num_splits": 2, "num_warps": 8, "TOKEN_MAJOR": 1}),  # 24 heads in a
+    (24, 1, False, 16, False, {"BLOCK_H": 32, "num_splits": 2, "num_warps": 8, "TOKEN_MAJOR": 2}),  # 24 heads in a
     # 32-row tile
 ])
 def test_decode(H, S, per_token, P, logical, config):

@@ -60,7 +60,7 @@ def check(out, lse, ref_out, ref_lse, dtype=torch.float16):
     (3, 2, False, 16, True, 16, 1),       # 2 tokens sharing one index set: a 6-row tile; block table; token-major
     (16, 4, True, 64, True, 16, 0),       # 4 tokens with their own index sets; block table, page 64
     (5, 3, True, 64, False, 16, 1),       # per-token sets, physical slots; token-major
-    (24, 1, False, 16, True, 32, 1),      # a tensor-parallel shard's head count: 24 rows in a 32-row tile
+    (24, 1, False, 16, True, 32, 2),      # a tensor-parallel shard's head count: 24 rows in a 32-row tile
 ])
 def test_decode(H, S, per_token, P, logical, block_h, token_major):
     g = torch.Generator().manual_seed(H * 10 + P)

@@ -87,6 +87,27 @@ def _fp8_latent_tile(rows, ok, D_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D
 
 
 @triton.jit
+def _dot(a, b, acc, DOT_FP32: tl.constexpr):
+    """``tl.dot(a, b, acc)``; with ``DOT_FP32`` on fp32 copies of the operands."""
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _online_softmax(qk, ok, m_i, l_i, qk_scale, AXIS: tl.constexpr):
+    """One tile's step of the base-2 online softmax over the token axis ``AXIS`` of the scores ``qk`` (``ok``: the
+    valid tokens): ``(p, alpha, m_new, l_new)``, ``alpha`` the factor of what was summed before."""
+    qk = tl.where(tl.expand_dims(ok, 1 - AXIS), qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, AXIS))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while nothing is valid yet
+    p = tl.exp2(qk - tl.expand_dims(m_ref, AXIS))
+    alpha = tl.exp2(m_i - m_ref)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, AXIS)
+
+
+@triton.jit
 def _sparse_attention_fwd(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
     M, H, k_len, tokens_per_split, num_slots, qk_scale,
@@ -94,7 +115,7 @@ def _sparse_attention_fwd(
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr = False, GROUP: tl.constexpr = 128, ROPE_AT: tl.constexpr = 0,
-    TOKEN_MAJOR: tl.constexpr = False,
+    TOKEN_MAJOR: tl.constexpr = 0,
 ):
     """Query row (r, m) is ``q_ptr + r*s_qr + (m // H)*s_qs + (m % H)*s_qh``; outputs are contiguous
     ``[R, M, NUM_SPLITS, D_V]`` and lse ``[R, M, NUM_SPLITS]`` (with one split: the final out and lse).
@@ -141,16 +162,6 @@ def _sparse_attention_fwd(
         else:
             k_nope = tl.load(rows[:, None] + offs_dv[None, :], mask=_tile_mask(ok, offs_dv, D_V, BLOCK_DV),
                              other=0.0)
-        if TOKEN_MAJOR:  # scores [BLOCK_N, BLOCK_H]: the warpgroups split the tokens; acc [BLOCK_DV, BLOCK_H]
-            if DOT_FP32:
-                qk = tl.dot(k_nope.to(tl.float32), q_nope_t.to(tl.float32))
-            else:
-                qk = tl.dot(k_nope, q_nope_t)
-        else:
-            if DOT_FP32:
-                qk = tl.dot(q_nope.to(tl.float32), tl.trans(k_nope.to(tl.float32)))
-            else:
-                qk = tl.dot(q_nope, tl.trans(k_nope))
         if D_R > 0:
             if KV_FP8:
                 rope_rows = (rows + ROPE_AT).to(tl.pointer_type(tl.bfloat16))
@@ -159,52 +170,40 @@ def _sparse_attention_fwd(
             else:
                 k_rope = tl.load(rows[:, None] + D_V + offs_dr[None, :],
                                  mask=_tile_mask(ok, offs_dr, D_R, BLOCK_DR), other=0.0)
-            if TOKEN_MAJOR:
-                if DOT_FP32:
-                    qk = tl.dot(k_rope.to(tl.float32), q_rope_t.to(tl.float32), qk)
-                else:
-                    qk = tl.dot(k_rope, q_rope_t, qk)
-            else:
-                if DOT_FP32:
-                    qk = tl.dot(q_rope.to(tl.float32), tl.trans(k_rope.to(tl.float32)), qk)
-                else:
-                    qk = tl.dot(q_rope, tl.trans(k_rope), qk)
         if TOKEN_MAJOR:
-            qk = tl.where(ok[:, None], qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 0))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(qk - m_ref[None, :])
-            alpha = tl.exp2(m_i - m_ref)
-            l_i = l_i * alpha + tl.sum(p, 0)
-            if DOT_FP32:
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(k_nope.to(tl.float32)),
-                                                    p.to(k_nope.dtype).to(tl.float32))
+            if TOKEN_MAJOR == 2:
+                if k_len > 0:  # always taken: it ends the score dot's forward slice (see the module docstring)
+                    qk = _dot(k_nope, q_nope_t, None, DOT_FP32)
+                else:
+                    qk = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+                if D_R > 0:  # a branch of its own too: as the first dot's accumulator, it would chain them
+                    if k_len > 0:
+                        qk_rope = _dot(k_rope, q_rope_t, None, DOT_FP32)
+                    else:
+                        qk_rope = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+                    qk += qk_rope
             else:
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(k_nope), p.to(k_nope.dtype))
+                qk = _dot(k_nope, q_nope_t, None, DOT_FP32)
+                if D_R > 0:
+                    qk = _dot(k_rope, q_rope_t, qk, DOT_FP32)
+            p, alpha, m_i, l_i = _online_softmax(qk, ok, m_i, l_i, qk_scale, 0)
+            acc = _dot(tl.trans(k_nope), p.to(k_nope.dtype), acc * alpha[None, :], DOT_FP32)
         else:
-            qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while nothing is valid yet
-            p = tl.exp2(qk - m_ref[:, None])
-            alpha = tl.exp2(m_i - m_ref)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if DOT_FP32:
-                acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype).to(tl.float32), k_nope.to(tl.float32))
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope)
-        m_i = m_new
+            qk = _dot(q_nope, tl.trans(k_nope), None, DOT_FP32)
+            if D_R > 0:
+                qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_FP32)
+            p, alpha, m_i, l_i = _online_softmax(qk, ok, m_i, l_i, qk_scale, 1)
+            acc = _dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], DOT_FP32)
 
     empty = l_i == 0  # not NaN: a NaN score propagates to out and lse
     l_ref = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_ref)) * _LN2)
     out_row = (r * M + offs_m) * NUM_SPLITS + split
     if TOKEN_MAJOR:
-        out = acc / l_ref[None, :]
-        tl.store(out_ptr + out_row[None, :] * D_V + offs_dv[:, None], out.to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + out_row[None, :] * D_V + offs_dv[:, None], (acc / l_ref[None, :]).to(out_ptr.dtype.element_ty),
                  mask=m_ok[None, :] & (offs_dv < D_V)[:, None])
     else:
-        out = acc / l_ref[:, None]
-        tl.store(out_ptr + out_row[:, None] * D_V + offs_dv[None, :], out.to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + out_row[:, None] * D_V + offs_dv[None, :], (acc / l_ref[:, None]).to(out_ptr.dtype.element_ty),
                  mask=_tile_mask(m_ok, offs_dv, D_V, BLOCK_DV))
     tl.store(lse_ptr + out_row, lse, mask=m_ok)
 
@@ -258,7 +257,7 @@ class AttentionLaunch:
         self.fwd_meta = dict(
             D_V=d_v, D_R=D - d_v, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
             NUM_SPLITS=self.num_splits, BLOCK_H=self.block_h, BLOCK_N=self.block_n,
-            DOT_FP32=q_dtype == torch.bfloat16 and interpreting(), TOKEN_MAJOR=bool(config.get("TOKEN_MAJOR", 0)),
+            DOT_FP32=q_dtype == torch.bfloat16 and interpreting(), TOKEN_MAJOR=config["TOKEN_MAJOR"],
             num_warps=config["num_warps"], num_stages=config["num_stages"], **fp8)
         self.block_c = self.combine_meta = None
         if self.num_splits > 1:
