@@ -115,7 +115,7 @@ def _sparse_attention_fwd(
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr = False, GROUP: tl.constexpr = 128, ROPE_AT: tl.constexpr = 0,
-    TOKEN_MAJOR: tl.constexpr = 0,
+    IDX_AHEAD: tl.constexpr = 0,
 ):
     """Query row (r, m) is ``q_ptr + r*s_qr + (m // H)*s_qs + (m % H)*s_qh``; outputs are contiguous
     ``[R, M, NUM_SPLITS, D_V]`` and lse ``[R, M, NUM_SPLITS]`` (with one split: the final out and lse).
@@ -142,19 +142,18 @@ def _sparse_attention_fwd(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    if TOKEN_MAJOR:
-        acc = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
-        q_nope_t = tl.trans(q_nope)
-        if D_R > 0:
-            q_rope_t = tl.trans(q_rope)
-    else:
-        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, k_len)
     idx_row = idx_ptr + r * s_ir
+    offs_t = tl.arange(0, BLOCK_N)
+    slot_next = tl.load(idx_row + lo + offs_t, mask=lo + offs_t < hi, other=-1)
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        slot = tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1)
+        if IDX_AHEAD:  # the next tile's indices loaded a tile ahead
+            slot = slot_next
+            slot_next = tl.load(idx_row + start + BLOCK_N + offs_t, mask=start + BLOCK_N + offs_t < hi, other=-1)
+        else:
+            slot = tl.load(idx_row + start + offs_t, mask=start + offs_t < hi, other=-1)
         ok = (slot >= 0) & (slot < num_slots)
         rows = kv_ptr + tl.where(ok, slot, 0).to(tl.int64) * s_kv
         if KV_FP8:
@@ -162,6 +161,7 @@ def _sparse_attention_fwd(
         else:
             k_nope = tl.load(rows[:, None] + offs_dv[None, :], mask=_tile_mask(ok, offs_dv, D_V, BLOCK_DV),
                              other=0.0)
+        qk = _dot(q_nope, tl.trans(k_nope), None, DOT_FP32)
         if D_R > 0:
             if KV_FP8:
                 rope_rows = (rows + ROPE_AT).to(tl.pointer_type(tl.bfloat16))
@@ -170,41 +170,16 @@ def _sparse_attention_fwd(
             else:
                 k_rope = tl.load(rows[:, None] + D_V + offs_dr[None, :],
                                  mask=_tile_mask(ok, offs_dr, D_R, BLOCK_DR), other=0.0)
-        if TOKEN_MAJOR:
-            if TOKEN_MAJOR == 2:
-                if k_len > 0:  # always taken: it ends the score dot's forward slice (see the module docstring)
-                    qk = _dot(k_nope, q_nope_t, None, DOT_FP32)
-                else:
-                    qk = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
-                if D_R > 0:  # a branch of its own too: as the first dot's accumulator, it would chain them
-                    if k_len > 0:
-                        qk_rope = _dot(k_rope, q_rope_t, None, DOT_FP32)
-                    else:
-                        qk_rope = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
-                    qk += qk_rope
-            else:
-                qk = _dot(k_nope, q_nope_t, None, DOT_FP32)
-                if D_R > 0:
-                    qk = _dot(k_rope, q_rope_t, qk, DOT_FP32)
-            p, alpha, m_i, l_i = _online_softmax(qk, ok, m_i, l_i, qk_scale, 0)
-            acc = _dot(tl.trans(k_nope), p.to(k_nope.dtype), acc * alpha[None, :], DOT_FP32)
-        else:
-            qk = _dot(q_nope, tl.trans(k_nope), None, DOT_FP32)
-            if D_R > 0:
-                qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_FP32)
-            p, alpha, m_i, l_i = _online_softmax(qk, ok, m_i, l_i, qk_scale, 1)
-            acc = _dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], DOT_FP32)
+            qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_FP32)
+        p, alpha, m_i, l_i = _online_softmax(qk, ok, m_i, l_i, qk_scale, 1)
+        acc = _dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], DOT_FP32)
 
     empty = l_i == 0  # not NaN: a NaN score propagates to out and lse
     l_ref = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_ref)) * _LN2)
     out_row = (r * M + offs_m) * NUM_SPLITS + split
-    if TOKEN_MAJOR:
-        tl.store(out_ptr + out_row[None, :] * D_V + offs_dv[:, None], (acc / l_ref[None, :]).to(out_ptr.dtype.element_ty),
-                 mask=m_ok[None, :] & (offs_dv < D_V)[:, None])
-    else:
-        tl.store(out_ptr + out_row[:, None] * D_V + offs_dv[None, :], (acc / l_ref[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=_tile_mask(m_ok, offs_dv, D_V, BLOCK_DV))
+    tl.store(out_ptr + out_row[:, None] * D_V + offs_dv[None, :], (acc / l_ref[:, None]).to(out_ptr.dtype.element_ty),
+             mask=_tile_mask(m_ok, offs_dv, D_V, BLOCK_DV))
     tl.store(lse_ptr + out_row, lse, mask=m_ok)
 
 
@@ -257,7 +232,7 @@ class AttentionLaunch:
         self.fwd_meta = dict(
             D_V=d_v, D_R=D - d_v, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
             NUM_SPLITS=self.num_splits, BLOCK_H=self.block_h, BLOCK_N=self.block_n,
-            DOT_FP32=q_dtype == torch.bfloat16 and interpreting(), TOKEN_MAJOR=config["TOKEN_MAJOR"],
+            DOT_FP32=q_dtype == torch.bfloat16 and interpreting(), IDX_AHEAD=config["IDX_AHEAD"],
             num_warps=config["num_warps"], num_stages=config["num_stages"], **fp8)
         self.block_c = self.combine_meta = None
         if self.num_splits > 1:

@@ -33,7 +33,7 @@ SPACE = {
     "num_splits": (1, 2, 4, 8, 16, 32, 64),
     "num_warps": (4, 8),
     "num_stages": (1, 2, 3, 4),
-    "TOKEN_MAJOR": (0, 1, 2),
+    "IDX_AHEAD": (0, 1),
 }
 SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
 REG_BUDGET = 128  # 32-bit registers per thread for the fp32 accumulator (+ q where mma.sync keeps it in registers)
@@ -73,8 +73,6 @@ def _constraint(phase: str, fp8: bool = False):
         smem = 2 * (bh + min(config["num_stages"], 2) * bn) * (bdv + bdr)
         if fp8:
             smem = 2 * (bh + bn) * (bdv + bdr) + min(config["num_stages"], 2) * bn * (bdv + bdr)
-        if config["TOKEN_MAJOR"] and config["num_stages"] > 1:  # the probabilities pass through shared memory
-            smem += 2 * bn * bh  # (the value dot's second operand); with one stage the sm_90a compiles find it room
         if smem > SMEM_BYTES:
             return f"q tile + KV buffers need ~{smem} bytes of shared memory (> {SMEM_BYTES})"
         return None
@@ -98,7 +96,7 @@ def _default(phase: str, fp8: bool = False):
         fitting = []  # per head tile (widest first): its first valid (warps, token tile)
         for bh in (64, 32, 16):
             candidates = ({"BLOCK_N": bn, "BLOCK_H": bh, "num_splits": 1, "num_warps": w, "num_stages": 2,
-                           "TOKEN_MAJOR": 0}
+                           "IDX_AHEAD": 0}
                           for w in (4, 8) for bn in (64, 32, 16))
             fitting += [c for c in candidates if bh <= top and constraint(c, shape) is None][:1]
         config = next((c for c in fitting if R * cdiv(M, c["BLOCK_H"]) * cdiv(k, c["BLOCK_N"]) >= sms), fitting[-1])
