@@ -203,11 +203,9 @@ def test_append_registry_entry(name, phase):
 
 @pytest.mark.parametrize("H, S, per_token, P, logical, config", [
     (1, None, False, 16, False, {}),                    # q [B, Hq, D], physical slots
-    (3, 2, False, 16, True, {"num_splits": 2, "IDX_AHEAD": 1}),  # two tokens share an index set; block table;
-    # splits
+    (3, 2, False, 16, True, {"num_splits": 2}),         # two tokens share an index set; block table; splits
     (5, 3, True, 64, True, {"BLOCK_N": 32}),            # per-token index sets; block table, page 64
-    (24, 1, False, 16, False, {"BLOCK_H": 32, "num_splits": 2, "num_warps": 8, "IDX_AHEAD": 1}),  # 24 heads in a
-    # 32-row tile
+    (24, 1, False, 16, False, {"BLOCK_H": 32, "num_splits": 2, "num_warps": 8}),  # 24 heads in a 32-row tile
 ])
 def test_decode(H, S, per_token, P, logical, config):
     """Full rows, -1 padded rows, rows without a valid index (out 0, lse -inf) and rows with one."""
@@ -345,7 +343,7 @@ def test_attention_registry_entries(name):
     assert bf16.cost(phase, dsa).bytes - spec.cost(phase, dsa).bytes == rows * (1152 - 656)
     assert spec.cost(phase, dsa).flops == bf16.cost(phase, dsa).flops
     assert all(spec.is_valid(spec.default(phase, s), s) for s in spec.bench_shapes(phase, True))
-    long_tile = {"BLOCK_N": 128, "BLOCK_H": 64, "num_splits": 1, "num_warps": 8, "num_stages": 1, "IDX_AHEAD": 0}
+    long_tile = {"BLOCK_N": 128, "BLOCK_H": 64, "num_splits": 1, "num_warps": 8, "num_stages": 1}
     assert bf16.constraint(long_tile, dsa) is None and "dequantized tile" in spec.constraint(long_tile, dsa)
 
 

@@ -18,7 +18,7 @@ from dsa_triton.attention.sparse_attention_reference import (slots_from_indices,
 from .poison import poisoned_allocations
 
 D, DV = 80, 64  # 64 value dims + 16 rope dims: the DSA split (512 + 64) in small
-CFG = {"BLOCK_N": 16, "BLOCK_H": 16, "num_splits": 1, "num_warps": 4, "num_stages": 2, "IDX_AHEAD": 0}
+CFG = {"BLOCK_N": 16, "BLOCK_H": 16, "num_splits": 1, "num_warps": 4, "num_stages": 2}
 
 
 @pytest.fixture(autouse=True)
@@ -55,14 +55,14 @@ def check(out, lse, ref_out, ref_lse, dtype=torch.float16):
     torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("H, S, per_token, P, logical, block_h, idx_ahead", [
-    (1, None, False, 16, False, 16, 0),   # q [B, Hq, D], physical slots
-    (3, 2, False, 16, True, 16, 1),       # 2 tokens sharing one index set: a 6-row tile; block table
-    (16, 4, True, 64, True, 16, 0),       # 4 tokens with their own index sets; block table, page 64
-    (5, 3, True, 64, False, 16, 1),       # per-token sets, physical slots
-    (24, 1, False, 16, True, 32, 1),      # a tensor-parallel shard's head count: 24 rows in a 32-row tile
+@pytest.mark.parametrize("H, S, per_token, P, logical, block_h", [
+    (1, None, False, 16, False, 16),   # q [B, Hq, D], physical slots
+    (3, 2, False, 16, True, 16),       # 2 tokens sharing one index set: a 6-row tile; block table
+    (16, 4, True, 64, True, 16),       # 4 tokens with their own index sets; block table, page 64
+    (5, 3, True, 64, False, 16),       # per-token sets, physical slots
+    (24, 1, False, 16, True, 32),      # a tensor-parallel shard's head count: 24 rows in a 32-row tile
 ])
-def test_decode(H, S, per_token, P, logical, block_h, idx_ahead):
+def test_decode(H, S, per_token, P, logical, block_h):
     g = torch.Generator().manual_seed(H * 10 + P)
     B, L, k = 4, 70, 40
     kv, table = paged_cache(B, L, P, g)
@@ -74,7 +74,7 @@ def test_decode(H, S, per_token, P, logical, block_h, idx_ahead):
     shape = (B, S) if per_token else (B,)
     indices = (idx if logical else slots).view(*shape, k)
     table_arg = table if logical else None
-    config = {**CFG, "BLOCK_H": block_h, "IDX_AHEAD": idx_ahead}
+    config = {**CFG, "BLOCK_H": block_h}
     out, lse = dt.sparse_attention_decode(q, kv, indices, 0.2, d_v=DV, block_table=table_arg, config=config)
     check(out, lse, *sparse_attention_decode_torch(q, kv, indices, 0.2, DV, table_arg))
     flat = dt.sparse_attention_decode(q, kv.flatten(0, 1), slots.view(*shape, k), 0.2, d_v=DV, config=config)
@@ -84,8 +84,7 @@ def test_decode(H, S, per_token, P, logical, block_h, idx_ahead):
 @pytest.mark.parametrize("k, config", [
     (1, {}),
     (17, {"BLOCK_N": 16, "num_splits": 2}),
-    (64, {"BLOCK_N": 16, "num_splits": 4, "BLOCK_H": 32, "num_warps": 8, "IDX_AHEAD": 1}),  # rows 3/4: later
-    # splits all -1
+    (64, {"BLOCK_N": 16, "num_splits": 4, "BLOCK_H": 32, "num_warps": 8}),  # rows 3/4: later splits all -1
     (64, {"BLOCK_N": 32, "num_splits": 2, "num_stages": 1}),
 ])
 def test_decode_k_and_splits(k, config):
@@ -184,8 +183,8 @@ def test_out_of_range_indices_rejected_or_skipped():
         check(out, lse, *sparse_attention_decode_torch(q, kv, torch.where(skip, -1, indices), 0.2, DV, table))
 
 
-@pytest.mark.parametrize("decode, idx_ahead", [(True, 0), (False, 1)])
-def test_bf16_against_the_reference(decode, idx_ahead):
+@pytest.mark.parametrize("decode", [True, False])
+def test_bf16_against_the_reference(decode):
     """bf16 (a documented dtype) through both ops; in the interpreter the kernels upcast bf16 dot operands to fp32
     (its bf16 ``tl.dot`` returns garbage)."""
     g = torch.Generator().manual_seed(21)
@@ -195,7 +194,7 @@ def test_bf16_against_the_reference(decode, idx_ahead):
     idx = pick(B, L, k, [k, 7, 0], g)
     bt = table if decode else table.expand(B, -1)
     slots = slots_from_indices(idx, bt, P).to(torch.int32)
-    config = {**CFG, "num_splits": 2, "IDX_AHEAD": idx_ahead}
+    config = {**CFG, "num_splits": 2}
     if decode:
         out, lse = dt.sparse_attention_decode(q, kv, idx, 0.2, d_v=DV, block_table=table, config=config)
         ref = sparse_attention_decode_torch(q, kv, idx, 0.2, DV, table)

@@ -14,15 +14,18 @@ bytes (656 for DSA): the ``D_V`` e4m3 latent bytes as a ``[BLOCK_N, groups, 128]
 each 128-value group, converted to q's dtype (exact in bf16: the append op's scales are powers of two), and the
 ``D_R`` bf16 rope values; then the same two dots as rows in q's dtype.
 
-Hopper notes (Triton 3.6, sm_90a): a 64 rows x 512 fp32 accumulator is what 8 warps can hold (255 registers,
-no spills with BLOCK_N=64, 2 stages, 221 KB shared memory), so one program runs per SM and 128 heads take two
-programs per tile (the second gather hits L2). Both dots use wgmma, but Triton gives a score dot that feeds
-another dot all warps along M, so with 64 rows the two warpgroups compute the same score tile (the 576-deep dot
-runs twice, the 512-wide value dot once). Splitting it over the warpgroups (score dots in an always-true branch,
-which ends their forward slice) cuts the wgmma count from 76 to 40 but costs as much in shared-memory layout
-conversions, and does not fit shared memory at BLOCK_N=64. The row gathers are 16-byte cp.async. The gather,
-score dot, softmax and value dot of a tile run one after another, with nothing else on the SM to overlap them:
-a tile costs a fixed latency plus a little per token, so longer token tiles are faster.
+Hopper notes (Triton 3.6, sm_90a; measurements in results/JOURNAL.md, session 10): a 64 rows x 512 fp32
+accumulator is what 8 warps can hold (255 registers, no spills with BLOCK_N=64, 2 stages, 221 KB shared memory: q
+and two gathered tiles), so one program runs per SM and 128 heads take two programs per tile (the second gather
+hits L2). Both dots use wgmma; Triton gives a score dot that feeds another dot all warps along M, so with 64 rows
+the two warpgroups compute the same score tile, both reading q and the tile from shared memory: per 64-token tile
+about 300 KB of shared-memory reads for the scores against 64 KB for the value dot, over an SM's 128 bytes a
+clock. The pipeliner issues the next tile's gather at the end of the loop body (after a synchronous load of its
+indices), so the gather overlaps only the value dot. Tried and slower on the H200: a token-major form (scores
+[tokens, heads], accumulator [Dv, heads], probabilities through shared memory: both operands of every wgmma from
+shared memory, the softmax state rematerialized per layout), 1.34x slower at decode B=64; the indices loaded a
+tile ahead, 1.27x slower at BLOCK_N=64 (at BLOCK_N=32, 3 stages, 1.26x faster than without, still under 64). The
+row gathers are 16-byte cp.async.
 """
 from __future__ import annotations
 
@@ -96,18 +99,6 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax(qk, ok, m_i, l_i, qk_scale, AXIS: tl.constexpr):
-    """One tile's step of the base-2 online softmax over the token axis ``AXIS`` of the scores ``qk`` (``ok``: the
-    valid tokens): ``(p, alpha, m_new, l_new)``, ``alpha`` the factor of what was summed before."""
-    qk = tl.where(tl.expand_dims(ok, 1 - AXIS), qk * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, AXIS))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while nothing is valid yet
-    p = tl.exp2(qk - tl.expand_dims(m_ref, AXIS))
-    alpha = tl.exp2(m_i - m_ref)
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, AXIS)
-
-
-@triton.jit
 def _sparse_attention_fwd(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
     M, H, k_len, tokens_per_split, num_slots, qk_scale,
@@ -115,7 +106,6 @@ def _sparse_attention_fwd(
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr = False, GROUP: tl.constexpr = 128, ROPE_AT: tl.constexpr = 0,
-    IDX_AHEAD: tl.constexpr = 0,
 ):
     """Query row (r, m) is ``q_ptr + r*s_qr + (m // H)*s_qs + (m % H)*s_qh``; outputs are contiguous
     ``[R, M, NUM_SPLITS, D_V]`` and lse ``[R, M, NUM_SPLITS]`` (with one split: the final out and lse).
@@ -146,14 +136,9 @@ def _sparse_attention_fwd(
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, k_len)
     idx_row = idx_ptr + r * s_ir
-    offs_t = tl.arange(0, BLOCK_N)
-    slot_next = tl.load(idx_row + lo + offs_t, mask=lo + offs_t < hi, other=-1)
     for start in range(lo, hi, BLOCK_N):
-        if IDX_AHEAD:  # the next tile's indices loaded a tile ahead
-            slot = slot_next
-            slot_next = tl.load(idx_row + start + BLOCK_N + offs_t, mask=start + BLOCK_N + offs_t < hi, other=-1)
-        else:
-            slot = tl.load(idx_row + start + offs_t, mask=start + offs_t < hi, other=-1)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        slot = tl.load(idx_row + offs_n, mask=offs_n < hi, other=-1)
         ok = (slot >= 0) & (slot < num_slots)
         rows = kv_ptr + tl.where(ok, slot, 0).to(tl.int64) * s_kv
         if KV_FP8:
@@ -171,14 +156,21 @@ def _sparse_attention_fwd(
                 k_rope = tl.load(rows[:, None] + D_V + offs_dr[None, :],
                                  mask=_tile_mask(ok, offs_dr, D_R, BLOCK_DR), other=0.0)
             qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_FP32)
-        p, alpha, m_i, l_i = _online_softmax(qk, ok, m_i, l_i, qk_scale, 1)
+        qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while nothing is valid yet
+        p = tl.exp2(qk - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
         acc = _dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], DOT_FP32)
+        m_i = m_new
 
     empty = l_i == 0  # not NaN: a NaN score propagates to out and lse
     l_ref = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_ref)) * _LN2)
+    out = acc / l_ref[:, None]
     out_row = (r * M + offs_m) * NUM_SPLITS + split
-    tl.store(out_ptr + out_row[:, None] * D_V + offs_dv[None, :], (acc / l_ref[:, None]).to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + out_row[:, None] * D_V + offs_dv[None, :], out.to(out_ptr.dtype.element_ty),
              mask=_tile_mask(m_ok, offs_dv, D_V, BLOCK_DV))
     tl.store(lse_ptr + out_row, lse, mask=m_ok)
 
@@ -232,7 +224,7 @@ class AttentionLaunch:
         self.fwd_meta = dict(
             D_V=d_v, D_R=D - d_v, BLOCK_DV=block_dv, BLOCK_DR=block_dr,
             NUM_SPLITS=self.num_splits, BLOCK_H=self.block_h, BLOCK_N=self.block_n,
-            DOT_FP32=q_dtype == torch.bfloat16 and interpreting(), IDX_AHEAD=config["IDX_AHEAD"],
+            DOT_FP32=q_dtype == torch.bfloat16 and interpreting(),
             num_warps=config["num_warps"], num_stages=config["num_stages"], **fp8)
         self.block_c = self.combine_meta = None
         if self.num_splits > 1:

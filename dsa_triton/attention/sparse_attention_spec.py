@@ -33,7 +33,6 @@ SPACE = {
     "num_splits": (1, 2, 4, 8, 16, 32, 64),
     "num_warps": (4, 8),
     "num_stages": (1, 2, 3, 4),
-    "IDX_AHEAD": (0, 1),
 }
 SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
 REG_BUDGET = 128  # 32-bit registers per thread for the fp32 accumulator (+ q where mma.sync keeps it in registers)
@@ -95,8 +94,7 @@ def _default(phase: str, fp8: bool = False):
         top = min(WGMMA_ROWS, max(16, next_pow2(M)))
         fitting = []  # per head tile (widest first): its first valid (warps, token tile)
         for bh in (64, 32, 16):
-            candidates = ({"BLOCK_N": bn, "BLOCK_H": bh, "num_splits": 1, "num_warps": w, "num_stages": 2,
-                           "IDX_AHEAD": 0}
+            candidates = ({"BLOCK_N": bn, "BLOCK_H": bh, "num_splits": 1, "num_warps": w, "num_stages": 2}
                           for w in (4, 8) for bn in (64, 32, 16))
             fitting += [c for c in candidates if bh <= top and constraint(c, shape) is None][:1]
         config = next((c for c in fitting if R * cdiv(M, c["BLOCK_H"]) * cdiv(k, c["BLOCK_N"]) >= sms), fitting[-1])
