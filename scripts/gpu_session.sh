@@ -16,6 +16,8 @@
 #   runner ARGS  python scripts/runner_bench.py ARGS (the model runner end to end at V3.2 layer widths)
 #   topk-route ARGS  python scripts/topk_route.py --kernel ARGS (top-k candidate counts, routes and times on
 #             indexer-like rows, against their emulation; issue 17)
+#   quantize  the MoE prefill's activation quantization: bit for bit against its oracle, timed against copy
+#             (scripts/quantize_bench.py)
 #   sweep ARGS  python scripts/config_sweep.py ARGS (given configs against the launch config, checked and timed)
 #   tune ARGS dsa-tune tune ARGS (needs .whl with the optuna wheels carried: optuna is not on the GPU image)
 #   day0 ARGS dsa-tune day0 --flat ARGS: tune a config's shapes within --budget, then first tokens from its
@@ -56,6 +58,9 @@ while [ $# -gt 0 ]; do
       timeout 590 python scripts/runner_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/runner-bench.log" | tail -40 \
         || status=1
       shift $# ;;
+    quantize)
+      timeout 200 python scripts/quantize_bench.py --out "$OUT" 2>&1 | tee "$OUT/quantize-bench.log" | tail -40 \
+        || status=1 ;;
     sweep)
       timeout 590 python scripts/config_sweep.py --out "$OUT" "$@" 2>&1 | tee "$OUT/config-sweep.log" | tail -60 \
         || status=1

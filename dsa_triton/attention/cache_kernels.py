@@ -9,20 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def round_to_e4m3(x):
-    """Round fp32 ``x`` (|x| <= 448) to the nearest e4m3 value, ties to even, in fp32 arithmetic.
-
-    The cast that follows is then exact. (The Triton interpreter's own fp32 -> e4m3 cast rounds
-    wrongly near binade edges and ties; the GPU's cvt is right, and agrees with this.)
-    """
-    bits = x.to(tl.int32, bitcast=True)
-    ulp_exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3  # e4m3: 3 mantissa bits, min normal 2^-6
-    y = x * ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)  # exact: |y| < 16
-    y = (y + 12582912.0) - 12582912.0  # 1.5 * 2^23: fp32 addition rounds y to an integer, ties to even
-    y = tl.where(y == 0.0, x * 0.0, y)  # keep the sign of zero
-    return y * ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
+from ..fp8_rounding import round_to_e4m3
 
 
 @triton.jit

@@ -53,15 +53,19 @@ import triton
 from ..checks import check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
 from ..launch import cached_meta, launch_with
+from ..runtime import interpreting
 from .fp8_grouped_gemm_kernels import _fused_gemm_kernel, _grouped_gemm_kernel, _quantize_rows_kernel
 from .fp8_grouped_gemm_spec import SPEC
 from .mxfp4_to_fp8 import check_experts_layout, check_scales, conversion_config, convert_experts, row_references
 from .workspace import FP8Workspace, shared_workspace
 
 
-# activation quantization: up to this many elements of a row tile in registers (one read of x; 32 fp32 a thread at
-# 8 warps); longer rows are read twice in steps of QUANTIZE_STEP (4 rows x 1024, 4 warps)
+# activation quantization: rows of up to QUANTIZE_TILE elements (padded to a power of two) are read once and kept in
+# registers, a row tile of at least QUANTIZE_ROW elements a program (4 warps; up to 64 fp32 a thread); longer rows
+# are read twice in steps of QUANTIZE_STEP (4 rows x 1024). H200 (scripts/quantize_bench.py): 0.93-0.97 of the copy
+# bandwidth at K = 7168, 0.82-0.91 at K = 2048 (one row, 4 warps; 8 warps and software rounding: 0.53-0.58)
 QUANTIZE_TILE = 8192
+QUANTIZE_ROW = 2048
 QUANTIZE_STEP = (4, 1024)
 
 
@@ -72,14 +76,15 @@ def interleaves(k: int, kb: int) -> bool:
 
 
 @cached_meta
-def _quantize_meta(k: int, interleaved: bool, tile: int, step_m: int, step_k: int) -> dict:
-    """The activation quantization's keyword arguments for rows of ``k``, up to ``tile`` elements of a row tile in
-    registers (else steps of ``step_m`` rows x ``step_k``)."""
+def _quantize_meta(k: int, interleaved: bool, tile: int, row: int, step_m: int, step_k: int) -> dict:
+    """The activation quantization's keyword arguments for rows of ``k``: rows of up to ``tile`` elements in
+    registers, ``row`` elements or more a program (else steps of ``step_m`` rows x ``step_k``); software rounding
+    in the interpreter (:mod:`..fp8_rounding`)."""
     one_pass = triton.next_power_of_2(k) <= tile
     block_k = triton.next_power_of_2(k) if one_pass else step_k
-    block_m = tile // block_k if one_pass else step_m
+    block_m = max(1, row // block_k) if one_pass else step_m
     return dict(BLOCK_M=block_m, BLOCK_K=block_k, ONE_PASS=one_pass, INTERLEAVED=interleaved,
-                num_warps=8 if one_pass else 4)
+                SOFTWARE_ROUND=interpreting(), num_warps=4)
 
 
 def quantize_activations_fp8(x: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +96,7 @@ def quantize_activations_fp8(x: torch.Tensor, interleaved: bool = False) -> tupl
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
-        meta = _quantize_meta(k, interleaved, QUANTIZE_TILE, *QUANTIZE_STEP)
+        meta = _quantize_meta(k, interleaved, QUANTIZE_TILE, QUANTIZE_ROW, *QUANTIZE_STEP)
         launch_with(_quantize_rows_kernel, (cdiv(m, meta["BLOCK_M"]),), meta, x, q, s, m, k, x.stride(0), q.stride(0))
     return q, s
 

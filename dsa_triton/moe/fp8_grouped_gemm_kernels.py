@@ -14,24 +14,14 @@ The kernels keep their leading underscore: profiles and recorded launches name t
 import triton
 import triton.language as tl
 
+from ..fp8_rounding import to_e4m3
 from .mxfp4_kernels import widen_to_fp32
 from .mxfp4_to_fp8_kernels import e4m3_words, interleave_blocks, reference_scale, words_to_fp8
 
 
 @triton.jit
-def round_to_e4m3(v):
-    """fp32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still fp32 (so the cast is exact);
-    the sign survives a rounding to zero (-0.0, as the cast itself gives)."""
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    subnormal = (tl.abs(v) + 24576.0) - 24576.0  # below 2^-6 e4m3 steps by 2^-9, the ulp of 1.5 * 2^14
-    subnormal = (subnormal.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # v's sign
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
-
-
-@triton.jit
-def _store_e4m3(q_ptrs, scaled, mask, INTERLEAVED: tl.constexpr):
-    q = round_to_e4m3(scaled).to(tl.float8e4nv)
+def _store_e4m3(q_ptrs, scaled, mask, INTERLEAVED: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
+    q = to_e4m3(scaled, SOFTWARE_ROUND)
     if INTERLEAVED:  # K a multiple of 128: ``mask`` is the same over each 128-k group, interleaved or not
         q = interleave_blocks(q, 4)
     tl.store(q_ptrs, q, mask=mask)
@@ -46,7 +36,7 @@ def _non_finite_rows(x):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                          ONE_PASS: tl.constexpr, INTERLEAVED: tl.constexpr):
+                          ONE_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, SOFTWARE_ROUND: tl.constexpr):
     """``BLOCK_M`` rows per program; ``ONE_PASS`` (``BLOCK_K >= K``): each row tile is read once and kept in
     registers, else read twice, ``BLOCK_K`` at a time (the row maximum, then the quantization). A row holding NaN
     or inf gets scale NaN and elements 0: every product of it is NaN, as the exact one would be."""
@@ -73,14 +63,15 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_M
     inv_scale = ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]
     zero = (bad > 0)[:, None]
     if ONE_PASS:
-        _store_e4m3(q_ptr + rows64 * stride_q + k[None, :], tl.where(zero, 0.0, x * inv_scale), inside, INTERLEAVED)
+        _store_e4m3(q_ptr + rows64 * stride_q + k[None, :], tl.where(zero, 0.0, x * inv_scale), inside, INTERLEAVED,
+                    SOFTWARE_ROUND)
     else:
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             inside = (rows < M)[:, None] & (k < K)[None, :]
             x = widen_to_fp32(tl.load(x_ptr + rows64 * stride_x + k[None, :], mask=inside, other=0.0))
             _store_e4m3(q_ptr + rows64 * stride_q + k[None, :], tl.where(zero, 0.0, x * inv_scale), inside,
-                        INTERLEAVED)
+                        INTERLEAVED, SOFTWARE_ROUND)
     scale = tl.where(bad > 0, float("nan"), ((e + 127) << 23).to(tl.float32, bitcast=True))
     tl.store(s_ptr + rows, scale, mask=rows < M)
 
