@@ -47,14 +47,16 @@ PyObject* read(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     const at::Tensor& t = THPVariable_Unpack(obj);
     void* data = nullptr;
-    bool taken = false;
-    try {
-      taken = static_cast<long>(t.device().type()) == device_type;
-      data = taken ? t.data_ptr() : nullptr;
+    PyObject* dtype = nullptr;
+    try {  // (no C++ exception may leave this function)
+      if (static_cast<long>(t.device().type()) == device_type) {
+        data = t.data_ptr();
+        dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
+      }
     } catch (...) {
-      taken = false;
+      dtype = nullptr;
     }
-    if (!taken) {
+    if (dtype == nullptr) {
       Py_DECREF(out);
       Py_RETURN_NONE;
     }
@@ -63,7 +65,6 @@ PyObject* read(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       Py_DECREF(out);
       return nullptr;
     }
-    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
     Py_INCREF(dtype);
     PyTuple_SET_ITEM(key, i, dtype);
     PyTuple_SET_ITEM(out, i + 1, address);
