@@ -24,7 +24,7 @@ from ..runtime import interpreting
 
 
 @contextlib.contextmanager
-def recorded_launches(records: list):
+def launches_recorded_not_run(records: list):
     """Triton's launch records ``(kernel, grid, args, kwargs)`` instead of compiling (the lean path off); the ops'
     checks take CPU tensors."""
     run, enabled, checked = JITFunction.run, launch.ENABLED, checks.interpreting
@@ -42,7 +42,7 @@ def recorded_launches(records: list):
 def first_launches(names: list[str]) -> list[tuple]:
     """The first recorded launch of each kernel (of those named, or all) over the registered ops' runs."""
     records, device = [], torch.device("cpu")
-    with recorded_launches(records):
+    with launches_recorded_not_run(records):
         for spec in registry.kernels():
             for phase in spec.phases:
                 shapes = spec.bench_shapes(phase, False)
