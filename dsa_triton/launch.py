@@ -21,15 +21,20 @@ residues modulo 16 (one 0 when all are aligned) and a token of the keyword value
 each value is the same object, else that of an equal set; never one of another set). The layout's hit function
 (:func:`launch` calls the first layout's; each hands a call of another layout to the next) builds it, looks it up
 and launches a hit itself, with the tensors' addresses as ints (the launcher then skips its per-pointer
-``data_ptr`` call and driver query); a tensor not on a CUDA device is of no layout there, so its call takes
-Triton's path. A fast miss that hits the class key launches once with the tensors themselves, whose pointers the
-launcher checks, before its fast key is kept. Anything else (an argument of another kind, a callable grid, a
-launch hook or pre-run hook set, a global the kernel reads changed since it compiled, a keyword value other than
-an int, bool, str, None or ``tl.dtype``: floats, say, where ``0.0 == -0.0`` but Triton compiles them apart) takes
-Triton's path. A key that differs only where Triton's does not costs one more pass through Triton's path, never a
-wrong kernel.
+``data_ptr`` call and driver query); a tensor not on a CUDA device (``FAST_DEVICE``) is of no layout there, so its
+call takes Triton's path. The tensors' part of the fast key (their dtypes, the residues) and their addresses come
+from one call of a compiled reader (:mod:`dsa_triton.launch_reader`: C++ on torch's own tensor structure, built at
+first use and cached; about 0.03 us a tensor against 0.18 through Python's attributes on the dev CPU). The hit
+function's Python lines for the same reads are the reference: they read the call where the reader declines (a tensor
+subclass, whose attributes may be its own; a torch function mode; a tensor of another device or without storage)
+and every call where it could not be built. A fast miss that hits the class key launches once with the tensors
+themselves, whose pointers the launcher checks, before its fast key is kept. Anything else (an argument of another
+kind, a callable grid, a launch hook or pre-run hook set, a global the kernel reads changed since it compiled, a
+keyword value other than an int, bool, str, None or ``tl.dtype``: floats, say, where ``0.0 == -0.0`` but Triton
+compiles them apart) takes Triton's path. A key that differs only where Triton's does not costs one more pass
+through Triton's path, never a wrong kernel.
 
-On a hit nothing is allocated, no file is touched and no device memory is read: the launch is capturable in a
+On a hit no device memory is allocated or read and no file is touched: the launch is capturable in a
 CUDA graph once each specialization has run once eagerly. In the Triton interpreter (``TRITON_INTERPRET=1``)
 kernels are not :class:`~triton.runtime.jit.JITFunction` objects and ``launch`` is ``kernel[grid](...)``, as is
 any other launchable object (an autotuner, a test's stub).
@@ -52,10 +57,13 @@ from triton import knobs
 from triton.knobs import HookChain
 from triton.runtime.jit import JITFunction
 
+from .launch_reader import compiled_reader
+
 ENABLED = os.environ.get("DSA_LEAN_LAUNCH", "1") != "0"  # off (DSA_LEAN_LAUNCH=0): every launch is Triton's
 MAX_ENTRIES = 256  # compiled launches kept per kernel; past this the cache starts over (misses take Triton's path)
 MAX_FAST_ENTRIES = 1024  # fast keys (ints by value) per kernel, keyword-set tokens per layout; past this, start over
 MAX_LAYOUTS = 4  # argument layouts (kinds of the positional arguments, keyword names) with functions, per kernel
+FAST_DEVICE = "cuda"  # the device type of the tensors a hit passes by address (Triton's CUDA launcher's; tests: cpu)
 KEY_SAFE = (int, bool, str, type(None), tl.dtype)  # keyword values whose equality (with their type) fixes str()
 _ATTRIBUTE = "_dsa_lean"
 _TOKENS = itertools.count()  # the keyword-set tokens (_meta_token): none is handed out twice
@@ -154,6 +162,22 @@ def argument_kind(value) -> str | None:
         if type(value) is t:
             return kind
     return "none" if value is None else None
+
+
+def _tensor_lines(tensors: list[int], compiled: bool) -> list[str]:
+    """The lines of a hit function that read the tensors ``a{i}`` (``i`` in ``tensors``): ``tensor_key``, each one's
+    dtype, then 0 when every address is a multiple of 16, else the tuple of each address modulo 16; ``p{i}``, each
+    one's address. A tensor not on a ``FAST_DEVICE`` device raises. The Python lines are the reference; ``compiled``:
+    the compiled reader's call first (:mod:`dsa_triton.launch_reader`), the Python lines where it declines (None)."""
+    addresses = [f"p{i}" for i in tensors]
+    python = [f"p{i} = a{i}.data_ptr() if a{i}.is_{FAST_DEVICE} else _mismatch()" for i in tensors]
+    python.append(f"tensor_key = ({''.join(f'a{i}.dtype, ' for i in tensors)}"
+                  f"({''.join(f'{p} & 15, ' for p in addresses)}) if ({' | '.join(addresses)}) & 15 else 0)")
+    if not compiled:
+        return python
+    return [f"read = READ(DEVICE_TYPE, {', '.join(f'a{i}' for i in tensors)})", "if read is None:",
+            *(f"    {line}" for line in python),
+            "else:", f"    (tensor_key, {''.join(f'{p}, ' for p in addresses)}) = read"]
 
 
 def _key_expression(kind: str, a: str) -> str:
@@ -340,10 +364,11 @@ class LeanKernel:
         checks = [f"len(meta) != {len(meta)}"]
         checks += [f"type(a{i}) is not float" for i, kind in enumerate(kinds) if kind == "float"]
         checks += [f"a{i} is not None" for i, kind in enumerate(kinds) if kind == "none"]
+        reader = compiled_reader() if tensors else None  # (a module with read() and the device types' numbers)
+        device_type = getattr(reader, FAST_DEVICE.upper(), None)
         body = [f"({''.join(f'a{i}, ' for i in range(len(args)))}) = args",
                 f"if {' or '.join(checks)}:", "    _mismatch()",
-                *(f"p{i} = a{i}.data_ptr() if a{i}.is_cuda else _mismatch()" for i in tensors),
-                "runtime = knobs.runtime"]
+                *_tensor_lines(tensors, device_type is not None), "runtime = knobs.runtime"]
         if meta:  # keyword values and types: a token, the last call's while every value is the same object
             js = range(len(meta))
             body += [f"m{j} = meta[{name!r}]" for j, name in enumerate(meta)]
@@ -352,10 +377,7 @@ class LeanKernel:
                      f"    token = _meta_token(TOKENS, ({''.join(f'm{j}, type(m{j}), ' for j in js)}))",
                      f"    LAST = ({''.join(f'm{j}, ' for j in js)}token)"]
         parts = [repr(" ".join(kinds) + " | " + " ".join(meta)), "device", "runtime.debug",
-                 "knobs.compilation.instrumentation_mode", *(f"a{i}.dtype" for i in tensors)]
-        if tensors:
-            parts.append(f"({''.join(f'p{i} & 15, ' for i in tensors)}) "
-                         f"if ({' | '.join(f'p{i}' for i in tensors)}) & 15 else 0")
+                 "knobs.compilation.instrumentation_mode", *(["tensor_key"] if tensors else [])]
         for i, kind in enumerate(kinds):
             if kind in ("int", "bool"):
                 parts.append(f"a{i} if type(a{i}) is {kind} else _mismatch()")
@@ -371,7 +393,8 @@ class LeanKernel:
         scope = {"knobs": knobs, "HookChain": HookChain, "_mismatch": _mismatch, "NAMES": set(meta),
                  "lean_module": sys.modules[__name__], "lean": self, "fn": self.fn, "fast": self.fast,
                  "NEXT": self.unmatched, "TOKENS": {}, "_meta_token": _meta_token,
-                 "LAST": (_Mismatch,) * len(meta) + (None,)}
+                 "LAST": (_Mismatch,) * len(meta) + (None,), "READ": getattr(reader, "read", None),
+                 "DEVICE_TYPE": device_type}
         exec(source, scope)
         return _Layout(scope["hit"], scope["key_of"], scope["fast_key"])
 

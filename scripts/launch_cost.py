@@ -150,8 +150,9 @@ def launch_rows(name: str, records: list, calls: int, rounds: int, device) -> li
 
 def lean_parts(kernel, grid, args: tuple, kwargs: dict, calls: int, rounds: int) -> dict:
     """Host microseconds of the lean path's parts for one launch (after it has hit): ``key_us`` the fast key (with
-    the addresses), ``checks_us`` device, stream, hooks and globals, ``run_ints_us`` / ``run_tensors_us`` the
-    launcher given the addresses / the tensors (each of these launches the kernel)."""
+    the addresses), ``key_python_us`` the same with the tensors read by the Python lines alone (the reference the
+    compiled reader replaces), ``checks_us`` device, stream, hooks and globals, ``run_ints_us`` / ``run_tensors_us``
+    the launcher given the addresses / the tensors (each of these launches the kernel)."""
     from dsa_triton import launch as lean
 
     state = kernel._dsa_lean
@@ -175,8 +176,14 @@ def lean_parts(kernel, grid, args: tuple, kwargs: dict, calls: int, rounds: int)
     def best(fn):
         return min(host_us(fn, calls, 1)[0] for _ in range(rounds))
 
+    reader, lean.compiled_reader = lean.compiled_reader, lambda: None
+    try:
+        python_fast_of = lean.LeanKernel(kernel).layout_functions(args, kwargs).fast_key
+    finally:
+        lean.compiled_reader = reader
     stream = lean._stream(lean._device())
-    return {"key_us": best(lambda: fast_of(args, kwargs, 0)), "checks_us": best(checks),
+    return {"key_us": best(lambda: fast_of(args, kwargs, 0)),
+            "key_python_us": best(lambda: python_fast_of(args, kwargs, 0)), "checks_us": best(checks),
             "run_ints_us": best(lambda: run(gx, gy, gz, stream, *head, *pointers, *tail)),
             "run_tensors_us": best(lambda: run(gx, gy, gz, stream, *head, *args, *tail))}
 
@@ -237,19 +244,23 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: {ops[-1]['error']}", flush=True)
                 continue
             print(f"{name}: done", flush=True)
+    from dsa_triton.launch import compiled_reader
+
+    reader = "the compiled reader" if compiled_reader() is not None else "Python (the compiled reader did not build)"
     lean = [r["lean_us"] for r in launches]
     with_dict = sorted(r["lean_with_us"] for r in launches)
     summary = (f"lean path: {max(lean):.1f} us a launch at most, median {sorted(lean)[len(lean) // 2]:.1f} "
                f"(target {TARGET_US:.0f}; launch_with: {with_dict[-1]:.1f}, median {with_dict[len(lean) // 2]:.1f}); "
                f"Triton's: median "
                f"{sorted(r['triton_us'] for r in launches)[len(lean) // 2]:.1f}; "
-               f"{sum(r['lean_misses'] > 0 for r in launches)} launches missing the lean cache") if lean else "no launch"
+               f"{sum(r['lean_misses'] > 0 for r in launches)} launches missing the lean cache; tensors read by "
+               f"{reader}") if lean else "no launch"
     print(dict_table(launches))
     print()
     print(dict_table(ops))
     print(summary)
     path = write_results(args.out, "launch-cost", {"launches": launches, "ops": ops}, note=summary,
-                         data={"calls": args.calls, "rounds": args.rounds}, flat=args.flat)
+                         data={"calls": args.calls, "rounds": args.rounds, "tensor_reader": reader}, flat=args.flat)
     print(f"wrote {path}")
     return 0
 

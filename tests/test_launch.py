@@ -1,7 +1,8 @@
 """dsa_triton.launch on the CPU: the lean path's key against Triton's own cache key (Triton's binder, built for the
 CUDA backend without a GPU), hits and misses with a stand-in compiled kernel, and the interpreter's fallback. CPU
 tensors that say they are on a CUDA device (:class:`CudaTensor`) stand in for CUDA tensors: the lean path keeps no
-fast key of any other."""
+fast key of any other. The compiled tensor reader takes no subclass (the Python lines read those), so its own tests
+set ``FAST_DEVICE`` to the CPU's type, where plain CPU tensors are the ones a hit launches by address."""
 import copy
 import itertools
 import random
@@ -14,6 +15,7 @@ from triton.runtime.jit import JITFunction, compute_cache_key, create_function_f
 
 import dsa_triton as dt
 from dsa_triton import launch as lean
+from dsa_triton import launch_reader
 from dsa_triton.attention.topk_kernels import topk_select_kernel
 
 GLOBAL_LIMIT = tl.constexpr(4)  # a global the kernel below reads
@@ -237,6 +239,71 @@ def test_a_fast_key_function_refuses_another_layout():
             fast_of(BASE_ARGS, other, 0)
 
 
+def built_reader():
+    """The compiled tensor reader; the test is skipped on a machine without a C++ compiler (where it is not built)."""
+    module = launch_reader.compiled_reader()
+    if module is None and launch_reader.compiler() is None:
+        pytest.skip("no C++ compiler: the lean path reads tensors in Python")
+    assert module is not None
+    return module
+
+
+def plain(value):
+    """A tensor as a plain torch.Tensor viewing its memory (a Parameter for one address in three); other values as
+    they are."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.as_subclass(torch.Tensor)
+    return torch.nn.Parameter(value, requires_grad=False) if value.data_ptr() % 3 == 0 else value
+
+
+def test_the_compiled_reader_reads_as_the_python_lines(monkeypatch):
+    """Plain tensors and parameters of FAST_DEVICE's type (the CPU's here) over random launches: the fast key and
+    the launch arguments from the compiled reader equal those from the Python lines (the reference); the compiled
+    reader took every call (none declined)."""
+    module = built_reader()
+    monkeypatch.setattr(lean, "FAST_DEVICE", "cpu")
+    fn, r = jit_kernel(), random.Random(1)
+    for _ in range(200):
+        args, meta = random_launch(r)
+        args = tuple(plain(a) for a in args)
+        read = lean.LeanKernel(fn).layout_functions(args, meta)
+        with monkeypatch.context() as python_only:
+            python_only.setattr(lean, "compiled_reader", lambda: None)
+            reference = lean.LeanKernel(fn).layout_functions(args, meta)
+        (key, launched), (expected, expected_launched) = read.fast_key(args, meta, 0), reference.fast_key(args, meta, 0)
+        assert key[:-1] == expected[:-1] and launched == expected_launched  # (the last: each layout's own token)
+        assert read.hit.__globals__["READ"] is module.read
+        assert module.read(module.CPU, *(a for a in args if isinstance(a, torch.Tensor))) is not None
+
+
+def test_the_compiled_reader_declines_what_the_python_lines_must_read():
+    """None (the Python lines read the call) for a tensor of another device type, a subclass (its attributes may be
+    its own), a tensor without storage, a non-tensor, or any tensor while a torch function mode is on."""
+    from torch.overrides import TorchFunctionMode
+
+    module = built_reader()
+    x = torch.empty(8)
+    assert module.read(module.CPU, x, x[1:]) == ((torch.float32, torch.float32, (x.data_ptr() % 16,
+                                                                                 x[1:].data_ptr() % 16)),
+                                                 x.data_ptr(), x[1:].data_ptr())
+    assert module.read(module.CUDA, x) is None
+    for other in (BASE, torch.eye(2).to_sparse(), torch.empty(2, device="meta"), 3):
+        assert module.read(module.CPU, x, other) is None
+    with TorchFunctionMode():
+        assert module.read(module.CPU, x) is None
+
+
+def test_without_the_compiled_reader_the_python_lines_read(monkeypatch):
+    """A reader that cannot be built (no compiler, a failed build) is None, with a warning saying why."""
+    def fail():
+        raise RuntimeError("no C++ compiler (set CXX)")
+
+    monkeypatch.setattr(launch_reader, "_load", fail)
+    with pytest.warns(RuntimeWarning, match="no C.. compiler"):
+        assert launch_reader.compiled_reader.__wrapped__() is None
+
+
 class FakeCompiled:
     """Stands in for Triton's CompiledKernel: its ``run`` records the launches it is given."""
 
@@ -259,9 +326,20 @@ class CudaLauncherLike:
         self.wrapped.append(a)
 
 
+@pytest.fixture(params=["python", "compiled"])
+def reader(request, monkeypatch):
+    """How hit functions read tensors: the Python lines alone, or the compiled reader first."""
+    if request.param == "python":
+        monkeypatch.setattr(lean, "compiled_reader", lambda: None)
+    else:
+        built_reader()
+    return request.param
+
+
 @pytest.fixture
-def fake_triton(monkeypatch):
-    """A JITFunction whose Triton launch is recorded and returns a FakeCompiled; the CUDA queries stubbed."""
+def fake_triton(monkeypatch, reader):
+    """A JITFunction whose Triton launch is recorded and returns a FakeCompiled; the CUDA queries stubbed. Each test
+    of it runs with either tensor reader (:func:`reader`)."""
     fn = jit_kernel()
     compiled = FakeCompiled()
     through_triton = []
@@ -324,24 +402,35 @@ def test_anything_the_key_or_the_fast_path_cannot_vouch_for_takes_tritons_path(f
     assert len(through_triton) == 2 and not compiled.calls
 
 
-@pytest.mark.parametrize("change", ["cpu tensor", "dtype", "alignment", "int value", "keyword type"])
-def test_a_call_that_differs_never_launches_through_another_calls_fast_entry(fake_triton, change):
-    """After a call has hit, one that differs in a tensor's device, dtype or alignment, or in a keyword's type, takes
-    Triton's path (a CPU tensor each time: no fast key is kept of it); an int of the same class but another value
-    launches once with the tensors (checked by the launcher, from the class key's entry), then hits its own fast key."""
+# FAST_DEVICE -> (a tensor a hit launches by address, a tensor on another device) of n elements: CudaTensor with a
+# CPU tensor, or plain CPU tensors (which the compiled reader reads itself) with a meta tensor
+STAND_INS = {"cuda": (cuda_empty, lambda n: torch.empty(n)),
+             "cpu": (lambda n: torch.empty(n), lambda n: torch.empty(n, device="meta"))}
+
+
+@pytest.mark.parametrize("fast_device", STAND_INS)
+@pytest.mark.parametrize("change", ["other device", "dtype", "alignment", "int value", "keyword type"])
+def test_a_call_that_differs_never_launches_through_another_calls_fast_entry(fake_triton, change, fast_device,
+                                                                              monkeypatch):
+    """After a call has hit, one that differs in a tensor's device (a CPU tensor where CUDA ones hit), dtype or
+    alignment, or in a keyword's type, takes Triton's path (another device each time: no fast key is kept of it); an
+    int of the same class but another value launches once with the tensors (checked by the launcher, from the class
+    key's entry), then hits its own fast key."""
     fn, compiled, through_triton = fake_triton
-    x, y = cuda_empty(32), cuda_empty(32)
+    monkeypatch.setattr(lean, "FAST_DEVICE", fast_device)
+    empty, elsewhere = STAND_INS[fast_device]
+    x, y = empty(32), empty(32)
     meta = {"BLOCK": 1}
     for _ in range(3):
         lean.launch(fn, (1,), x, y, 48, 17, True, 0.5, None, **meta)
     assert len(through_triton) == 1 and compiled.calls[-1][9:11] == (x.data_ptr(), y.data_ptr())
     args = [x, y, 48, 17, True, 0.5, None]
-    if change == "cpu tensor":
-        args[1] = torch.empty(32)
+    if change == "other device":
+        args[1] = elsewhere(32)
     elif change == "dtype":
         args[1] = y.half()
     elif change == "alignment":
-        args[1] = cuda_empty(33)[1:]
+        args[1] = empty(33)[1:]
     elif change == "int value":
         args[2] = 64  # (divisible by 16, as 48 is)
     else:
@@ -349,7 +438,7 @@ def test_a_call_that_differs_never_launches_through_another_calls_fast_entry(fak
     launched = len(compiled.calls)
     for _ in range(3):
         lean.launch(fn, (1,), *args, **meta)
-    if change == "cpu tensor":
+    if change == "other device":
         assert len(through_triton) == 4 and len(compiled.calls) == launched
     elif change == "int value":
         assert len(through_triton) == 1 and compiled.calls[launched][9:12] == (x, y, 64)
