@@ -92,7 +92,7 @@ def test_activation_quantization_in_the_interleaved_k_order(tile, monkeypatch):
     ([9, 4, 13], 72, 256, {**CONFIG, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "EXPERTS_PER_STAGE": 4}),
     ([7, 0, 12, 5, 9], 48, 96, REGISTERS),
     ([3, 18, 0, 0, 6, 1, 11], 40, 160, {**REGISTERS, "GROUP_M": 4}),
-    ([9, 4, 13], 72, 256, {**REGISTERS, "BLOCK_M": 32, "BLOCK_N": 64}),
+    ([9, 40, 13], 72, 256, {**REGISTERS, "BLOCK_M": 32, "BLOCK_N": 64}),  # 32-row tiles and 16-row last tiles
     ([7, 0, 12, 5, 9], 48, 96, {**REGISTERS, "W_SMEM": 1}),
     ([9, 4, 13], 72, 256, {**REGISTERS, "BLOCK_M": 32, "BLOCK_N": 64, "W_SMEM": 1}),
     ([7, 0, 12, 5, 9], 48, 96, ROWS),

@@ -127,36 +127,19 @@ def _grouped_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, tiles_ptr, n_mtile
 
 
 @triton.jit
-def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, tiles_ptr, experts_ptr, n_mtiles,
-                       N, K, KB, stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_re, stride_ym,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-                       W_SMEM: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, UNROLL: tl.constexpr):
-    """``acc[BLOCK_N, BLOCK_M]`` = weights (converted in registers: the MMA's register operand) x tokens^T, or with
-    ``W_SMEM`` ``acc[BLOCK_M, BLOCK_N]`` = tokens x weights^T (the converted tile stored to shared memory as the
-    second operand: sm_90 SASS then issues a k-step's four wgmma back to back instead of waiting after each).
-    ``UNROLL=2`` unrolls the k loop twice: with software pipelining, ptxas then issues the register-operand
-    wgmmas of a step back to back too (unrolled once, 2-4 stages serialize them at 64 x 128 / 4 warps: advisory
-    C7515)."""
-    slot, row0, row_end, nt = _tile(tiles_ptr, n_mtiles, N, BLOCK_N, GROUP_M)
+def _fused_tile(x_ptr, sx_ptr, code_rows, scale_rows, ref, y_ptr, row0, row_end, cols, N, K, KB, stride_xm,
+                stride_ym, BLOCK_M: tl.constexpr, W_SMEM: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
+                UNROLL: tl.constexpr):
+    """Rows ``row0 + [0, BLOCK_M)`` (below ``row_end``) x the weight rows ``cols`` of one expert (``code_rows``,
+    ``scale_rows``, ``ref``: theirs): the k loop and the store."""
     rows = row0 + tl.arange(0, BLOCK_M)
-    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-    y_mask = (rows < row_end)[:, None] & (cols < N)[None, :]
-    if slot < 0:  # rows of no expert (a schedule planned on the device): zeros; its padding tiles have no rows
-        tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), y_ptr.dtype.element_ty), mask=y_mask)
-        return
-    expert = tl.load(experts_ptr + slot).to(tl.int64)
     rows_in = tl.minimum(rows, row_end - 1).to(tl.int64)  # clamped: the loads need no masks
-    cols_in = tl.minimum(cols, N - 1).to(tl.int64)
-    ref = tl.load(ref_ptr + expert * stride_re + cols_in).to(tl.int32)  # each weight row's largest block scale
-    code_rows = codes_ptr + expert * stride_ce + cols_in[:, None] * stride_cn  # int16: four codes each
-    scale_rows = scales_ptr + expert * stride_se + cols_in[:, None] * stride_sn
     x_rows = x_ptr + rows_in[:, None] * stride_xm
     j, b, kk = tl.arange(0, 32), tl.arange(0, 4), tl.arange(0, 128)
     if W_SMEM:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, cols.shape[0]), dtype=tl.float32)
     else:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc = tl.zeros((cols.shape[0], BLOCK_M), dtype=tl.float32)
     for g in tl.range(0, tl.cdiv(KB, 4), loop_unroll_factor=UNROLL):  # one 128-k group (four 32-blocks) per step
         if EVEN_K:  # x_ptr then holds :func:`interleave_blocks` order: the codes are read into it
             codes = interleave_blocks(tl.load(code_rows + g * 32 + j[None, :]), 1)
@@ -177,4 +160,42 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
         out = acc * sx[:, None] * reference_scale(ref)[None, :]
     else:
         out = tl.trans(acc * reference_scale(ref)[:, None] * sx[None, :])
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], out.to(y_ptr.dtype.element_ty),
+             mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, tiles_ptr, experts_ptr, n_mtiles,
+                       N, K, KB, stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_re, stride_ym,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                       W_SMEM: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, UNROLL: tl.constexpr):
+    """``acc[BLOCK_N, BLOCK_M]`` = weights (converted in registers: the MMA's register operand) x tokens^T, or with
+    ``W_SMEM`` ``acc[BLOCK_M, BLOCK_N]`` = tokens x weights^T (the converted tile stored to shared memory as the
+    second operand: sm_90 SASS then issues a k-step's four wgmma back to back instead of waiting after each).
+    ``UNROLL=2`` unrolls the k loop twice: with software pipelining, ptxas then issues the register-operand
+    wgmmas of a step back to back too (unrolled once, 2-4 stages serialize them at 64 x 128 / 4 warps: advisory
+    C7515). An expert's last tile holding at most ``BLOCK_M / 2`` rows runs as a tile of ``BLOCK_M / 2`` rows (from
+    32 rows): half the MMA and the token loads, the same conversion."""
+    slot, row0, row_end, nt = _tile(tiles_ptr, n_mtiles, N, BLOCK_N, GROUP_M)
+    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    if slot < 0:  # rows of no expert (a schedule planned on the device): zeros; its padding tiles have no rows
+        rows = row0 + tl.arange(0, BLOCK_M)
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :],
+                 tl.zeros((BLOCK_M, BLOCK_N), y_ptr.dtype.element_ty),
+                 mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+        return
+    expert = tl.load(experts_ptr + slot).to(tl.int64)
+    cols_in = tl.minimum(cols, N - 1).to(tl.int64)
+    ref = tl.load(ref_ptr + expert * stride_re + cols_in).to(tl.int32)  # each weight row's largest block scale
+    code_rows = codes_ptr + expert * stride_ce + cols_in[:, None] * stride_cn  # int16: four codes each
+    scale_rows = scales_ptr + expert * stride_se + cols_in[:, None] * stride_sn
+    if BLOCK_M >= 32:
+        if row_end - row0 <= BLOCK_M // 2:
+            _fused_tile(x_ptr, sx_ptr, code_rows, scale_rows, ref, y_ptr, row0, row_end, cols, N, K, KB, stride_xm,
+                        stride_ym, BLOCK_M // 2, W_SMEM, EVEN_K, PTX, UNROLL)
+        else:
+            _fused_tile(x_ptr, sx_ptr, code_rows, scale_rows, ref, y_ptr, row0, row_end, cols, N, K, KB, stride_xm,
+                        stride_ym, BLOCK_M, W_SMEM, EVEN_K, PTX, UNROLL)
+    else:
+        _fused_tile(x_ptr, sx_ptr, code_rows, scale_rows, ref, y_ptr, row0, row_end, cols, N, K, KB, stride_xm,
+                    stride_ym, BLOCK_M, W_SMEM, EVEN_K, PTX, UNROLL)
