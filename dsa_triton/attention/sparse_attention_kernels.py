@@ -14,7 +14,7 @@ bytes (656 for DSA): the ``D_V`` e4m3 latent bytes as a ``[BLOCK_N, groups, 128]
 each 128-value group, converted to q's dtype (exact in bf16: the append op's scales are powers of two), and the
 ``D_R`` bf16 rope values; then the same two dots as rows in q's dtype.
 
-Hopper notes (Triton 3.6, sm_90a; measurements in results/JOURNAL.md, session 10): a 64 rows x 512 fp32
+Hopper notes (Triton 3.6, sm_90a; the measurements are in results/JOURNAL.md): a 64 rows x 512 fp32
 accumulator is what 8 warps can hold (255 registers, no spills with BLOCK_N=64, 2 stages, 221 KB shared memory: q
 and two gathered tiles), so one program runs per SM and 128 heads take two programs per tile (the second gather
 hits L2). Both dots use wgmma; Triton gives a score dot that feeds another dot all warps along M, so with 64 rows
