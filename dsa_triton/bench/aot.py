@@ -149,8 +149,9 @@ def ptxas_info(kernel, arch: str = "sm_90a") -> dict:
 
 def compile_in_subprocess(records: list[dict], timeout: float = 900, info: bool = False) -> list[dict]:
     """Run ``python -m dsa_triton.bench.aot`` on ``records``: ``[{"kernel", "error", "seconds"}]`` in the same order;
-    ``info`` adds :func:`ptxas_info`'s fields, the shared memory bytes, the SASS's wgmma counts (``gmma``, ``arrive``, ``depbar``) and,
-    per string of a record's optional ``ptx_needles``, whether the PTX holds it (``ptx_has``)."""
+    ``info`` adds :func:`ptxas_info`'s fields, the shared memory bytes (``shared``), the SASS's wgmma counts
+    (``gmma``, ``arrive``, ``depbar``) and, per string of a record's optional ``ptx_needles``, whether the PTX holds
+    it (``ptx_has``)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(records, f, default=str)
         f.flush()
@@ -170,7 +171,8 @@ def main(path: str, info: bool = False) -> None:
             kernel = compile_for(record)
             if info:
                 ops = [line.split()[0] for line in sass(kernel) if line.split()]
-                result.update(ptxas_info(kernel), shared=kernel.metadata.shared, gmma=sum("GMMA" in op for op in ops),
+                result.update(ptxas_info(kernel), shared=kernel.metadata.shared,
+                              gmma=sum("GMMA" in op for op in ops),
                               arrive=ops.count("WARPGROUP.ARRIVE"), depbar=ops.count("WARPGROUP.DEPBAR.LE"),
                               ptx_has={s: s in kernel.asm["ptx"] for s in record.get("ptx_needles", ())})
         except Exception as exc:  # every failure is the answer for that record
