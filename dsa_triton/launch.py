@@ -34,14 +34,22 @@ keyword value other than an int, bool, str, None or ``tl.dtype``: floats, say, w
 compiles them apart) takes Triton's path. A key that differs only where Triton's does not costs one more pass
 through Triton's path, never a wrong kernel.
 
+A hit's launcher is the lean path's own (:mod:`dsa_triton.launcher`: C, built at first use as Triton builds its
+launchers) where it serves the compiled kernel: from a descriptor made once per compiled kernel (each signature
+entry's type code, the block size, the dynamic shared memory, the PDL attribute) it packs the kernel parameters
+Triton 3.6's CUDA launcher passes for the same arguments and calls ``cuLaunchKernelEx`` as that launcher does,
+without its ``PyArg_ParseTuple`` of every argument. For any other kernel (scratch memory, clusters, a cooperative
+grid, a tensor descriptor, another Triton release or backend), or with ``DSA_OWN_LAUNCHER=0``, a hit calls the C
+function of Triton's launcher with the same arguments. A miss launches through Triton's launcher.
+
 On a hit no device memory is allocated or read and no file is touched: the launch is capturable in a
 CUDA graph once each specialization has run once eagerly. In the Triton interpreter (``TRITON_INTERPRET=1``)
 kernels are not :class:`~triton.runtime.jit.JITFunction` objects and ``launch`` is ``kernel[grid](...)``, as is
 any other launchable object (an autotuner, a test's stub).
 
 ``DSA_LEAN_LAUNCH=0`` in the environment (or ``ENABLED = False`` here) sends every launch through Triton's path.
-The host cost per launch, Triton's path against this one with the kernels' own launches:
-``scripts/launch_cost.py``.
+The host cost per launch, Triton's path against this one (its hits through either launcher) with the kernels' own
+launches: ``scripts/launch_cost.py``.
 """
 from __future__ import annotations
 
@@ -57,6 +65,7 @@ from triton import knobs
 from triton.knobs import HookChain
 from triton.runtime.jit import JITFunction
 
+from . import launcher
 from .launch_reader import compiled_reader
 
 ENABLED = os.environ.get("DSA_LEAN_LAUNCH", "1") != "0"  # off (DSA_LEAN_LAUNCH=0): every launch is Triton's
@@ -220,7 +229,7 @@ def hit(grid, args, meta):
             or (h := runtime.launch_exit_hook) is not None and (type(h) is not HookChain or h.calls)
             or lean.globals_changed()):
         return lean.miss(grid, args, meta, key, device, key_of)
-    run, head, tail, kernel = entry
+    run, head, tail, kernel, _ = entry
     n = len(grid)
     run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, lean_module._stream(device), *head, {launched}
         *tail)
@@ -301,7 +310,7 @@ class LeanKernel:
             key = entry = None
         if entry is None:
             return self.through_triton(grid, args, meta, key)
-        run, head, tail, kernel = entry
+        _, _, tail, kernel, (run, head) = entry
         n = len(grid)
         run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(device), *head, *args, *tail)
         if len(self.fast) >= MAX_FAST_ENTRIES:
@@ -400,14 +409,26 @@ class LeanKernel:
 
 
 def _entry(kernel, tail: tuple) -> tuple:
-    """``(run, head, tail, kernel)``: the launcher to call as ``run(gx, gy, gz, stream, *head, *args, *tail)``,
-    and the compiled kernel. ``run`` is the compiled kernel's ``run``, or, when that is Triton's CUDA launcher and
-    the kernel needs no scratch memory, the C function it calls with the same arguments."""
+    """``(run, head, tail, kernel, checked)``: a hit calls ``run(gx, gy, gz, stream, *head, *args, *tail)`` with
+    the tensors' addresses, a miss calls ``checked``, ``(run, head)`` of Triton's launcher (:func:`_triton_launcher`),
+    the same way with the tensors themselves (that launcher checks each pointer); ``kernel``: the compiled kernel.
+    A hit's launcher is the own one (:mod:`dsa_triton.launcher`, given the kernel's descriptor) where it serves the
+    kernel, else Triton's."""
+    checked = _triton_launcher(kernel)
+    described = launcher.descriptor(kernel) if launcher.ENABLED else None
+    run, head = (launcher.compiled_launcher().launch, (described,)) if described is not None else checked
+    return run, head, tail, kernel, checked
+
+
+def _triton_launcher(kernel) -> tuple:
+    """``(run, head)``: Triton's launcher of the compiled kernel, called as ``run(gx, gy, gz, stream, *head, *args,
+    *tail)``. ``run`` is the kernel's ``run``, or, when that is Triton's CUDA launcher and the kernel needs no scratch
+    memory, the C function it calls with the same arguments."""
     run = kernel.run  # (loads the module on first use)
     function, packed = kernel.function, kernel.packed_metadata
     if (getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0
             and callable(getattr(run, "launch", None))):
         # CudaLauncher.__call__ adds (cooperative grid, PDL, scratch buffers: None without scratch)
-        return (run.launch, (function, run.launch_cooperative_grid, run.launch_pdl, None, None, packed, None, None,
-                             None), tail, kernel)
-    return run, (function, packed, None, None, None), tail, kernel
+        return run.launch, (function, run.launch_cooperative_grid, run.launch_pdl, None, None, packed, None, None,
+                            None)
+    return run, (function, packed, None, None, None)

@@ -11,14 +11,18 @@ every launch through Triton's launcher, recording the launches (kernel, grid, ar
   Triton (``kernel[grid](...)``), through the lean path (``launch(kernel, grid, ...)``; ``lean_with_us``:
   ``launch_with``, the keyword arguments in a dict, as the ops with a plan's dict call it) and through the compiled
   kernel's own runner (``compiled[grid](...)``, the floor Triton's ``CompiledKernel`` offers) - and the same launch
-  replayed from a CUDA graph (20 a graph: its device time). ``lean_misses``: lean calls that still took Triton's
-  path after the first (0 when every argument is keyable);
-- ops: the whole call the same way (host enqueue and wall clock per call with the sync at the end, Triton's path
-  and the lean one), and the call replayed from a CUDA graph (NaN when it does not capture: an op that syncs).
+  replayed from a CUDA graph (20 a graph: its device time). ``launcher``: which launcher served the lean path's hits
+  (``own``: :mod:`dsa_triton.launcher`; ``triton``: Triton's C launcher, for a kernel the own one does not serve or
+  with it off); ``lean_with_triton_us``: ``launch_with`` with the own launcher off (as ``DSA_OWN_LAUNCHER=0``), its
+  hits through Triton's C launcher (rounds alternating with ``lean_with_us``'s). ``lean_misses``: lean calls that
+  still took Triton's path after the first (0 when every argument is keyable);
+- ops: the whole call the same way (host enqueue and wall clock per call with the sync at the end, Triton's path,
+  the lean one, and the lean one with the own launcher off), and the call replayed from a CUDA graph (NaN when it
+  does not capture: an op that syncs).
 
-Best of ``--rounds``. Prints both tables and the largest lean cost of a launch (target: at most 10 us on the H200
-host), and writes them with :func:`dsa_triton.bench.results.write_results` (``--out``; ``--flat`` puts the files
-straight into it, e.g. ``--out $OUT --flat`` on the GPU machine).
+Best of ``--rounds``. Prints both tables and the largest lean cost of a launch with either launcher (target: at
+most 10 us on the H200 host), and writes them with :func:`dsa_triton.bench.results.write_results` (``--out``;
+``--flat`` puts the files straight into it, e.g. ``--out $OUT --flat`` on the GPU machine).
 """
 from __future__ import annotations
 
@@ -68,6 +72,48 @@ def lean_path(on: bool):
         yield
     finally:
         lean.ENABLED = enabled
+
+
+@contextlib.contextmanager
+def own_launcher(on: bool, kernels):
+    """The lean path's hits through the own launcher (``on``, where it serves the kernel) or Triton's C launcher:
+    the lean state of ``kernels`` is dropped on entering and on leaving, so that their launches are kept anew with
+    the launcher chosen."""
+    from dsa_triton import launcher
+
+    enabled = launcher.ENABLED
+    launcher.ENABLED = on
+    for kernel in kernels:
+        kernel.__dict__.pop("_dsa_lean", None)
+    try:
+        yield
+    finally:
+        launcher.ENABLED = enabled
+        for kernel in kernels:
+            kernel.__dict__.pop("_dsa_lean", None)
+
+
+def by_launcher(kernels, call, calls: int, rounds: int) -> dict:
+    """Host enqueue microseconds per ``call`` (lean launches of ``kernels``, the lean path on) with the hits through
+    Triton's C launcher and through the own one, ``{"triton": us, "own": us}``: a lean state of each kernel kept per
+    launcher (three calls: through Triton's path, a miss, a hit), then the rounds alternating between the two (best
+    of ``rounds``). The kernels keep their own launcher's state."""
+    states = {}
+    for name in ("triton", "own"):
+        with own_launcher(name == "own", kernels):
+            for _ in range(3):
+                call()
+            states[name] = {kernel: kernel.__dict__.get("_dsa_lean") for kernel in kernels}
+    best = dict.fromkeys(states, math.inf)
+    for _ in range(rounds):
+        for name, kept in states.items():
+            for kernel, state in kept.items():
+                if state is None:  # (not kept: a kernel the lean path does not take)
+                    kernel.__dict__.pop("_dsa_lean", None)
+                else:
+                    kernel._dsa_lean = state
+            best[name] = min(best[name], host_us(call, calls, 1)[0])
+    return best
 
 
 def host_us(fn, calls: int, rounds: int) -> tuple[float, float]:
@@ -133,7 +179,7 @@ def launch_rows(name: str, records: list, calls: int, rounds: int, device) -> li
             lean_call()
             misses = misses_of(lean_call, 20)
             lean_us, _ = host_us(lean_call, calls, rounds)
-            lean_with_us, _ = host_us(lean_with_call, calls, rounds)
+            lean_with = by_launcher([kernel], lean_with_call, calls, rounds)
         with lean_path(False):
             triton_us, _ = host_us(triton_call, calls, rounds)
         compiled_us = host_us(lambda: runner(*full), calls, rounds)[0] if runner is not None else math.nan
@@ -142,18 +188,21 @@ def launch_rows(name: str, records: list, calls: int, rounds: int, device) -> li
             parts = lean_parts(kernel, grid, args, kwargs, calls, rounds)
         rows.append({"op": name, "launch": i, "kernel": kernel.fn.__name__, "grid": "x".join(map(str, grid)),
                      "args": len(args) + len(kwargs), "triton_us": triton_us, "lean_us": lean_us,
-                     "lean_with_us": lean_with_us, "compiled_us": compiled_us, "device_us": dev,
-                     "lean_vs_triton": triton_us / lean_us,
+                     "lean_with_us": lean_with["own"], "lean_with_triton_us": lean_with["triton"],
+                     "compiled_us": compiled_us, "device_us": dev, "lean_vs_triton": triton_us / lean_us,
                      "lean_misses": misses, **parts})
     return rows
 
 
 def lean_parts(kernel, grid, args: tuple, kwargs: dict, calls: int, rounds: int) -> dict:
-    """Host microseconds of the lean path's parts for one launch (after it has hit): ``key_us`` the fast key (with
-    the addresses), ``key_python_us`` the same with the tensors read by the Python lines alone (the reference the
-    compiled reader replaces), ``checks_us`` device, stream, hooks and globals, ``run_ints_us`` / ``run_tensors_us``
-    the launcher given the addresses / the tensors (each of these launches the kernel)."""
+    """Host microseconds of the lean path's parts for one launch (after it has hit), and ``launcher``, which
+    launcher served its hits (``own`` or ``triton``): ``key_us`` the fast key (with the addresses),
+    ``key_python_us`` the same with the tensors read by the Python lines alone (the reference the compiled reader
+    replaces), ``checks_us`` device, stream, hooks and globals, ``run_ints_us`` / ``run_tensors_us`` Triton's C
+    launcher given the addresses / the tensors, ``run_own_us`` the own launcher given the addresses (NaN where it
+    does not serve the kernel; each of these launches the kernel)."""
     from dsa_triton import launch as lean
+    from dsa_triton import launcher
 
     state = kernel._dsa_lean
     for layout in state.layouts:  # the one that takes the call
@@ -165,7 +214,9 @@ def lean_parts(kernel, grid, args: tuple, kwargs: dict, calls: int, rounds: int)
             continue
     else:
         raise RuntimeError(f"no layout of {kernel.fn.__name__} takes the call")
-    run, head, tail, _ = state.fast[key]
+    run, head, tail, _, (triton_run, triton_head) = state.fast[key]
+    own = launcher.compiled_launcher()
+    served = own is not None and run is own.launch
     gx, gy, gz = (*grid, 1, 1)[:3]
 
     def checks():
@@ -182,24 +233,29 @@ def lean_parts(kernel, grid, args: tuple, kwargs: dict, calls: int, rounds: int)
     finally:
         lean.compiled_reader = reader
     stream = lean._stream(lean._device())
-    return {"key_us": best(lambda: fast_of(args, kwargs, 0)),
+    return {"launcher": "own" if served else "triton", "key_us": best(lambda: fast_of(args, kwargs, 0)),
             "key_python_us": best(lambda: python_fast_of(args, kwargs, 0)), "checks_us": best(checks),
-            "run_ints_us": best(lambda: run(gx, gy, gz, stream, *head, *pointers, *tail)),
-            "run_tensors_us": best(lambda: run(gx, gy, gz, stream, *head, *args, *tail))}
+            "run_ints_us": best(lambda: triton_run(gx, gy, gz, stream, *triton_head, *pointers, *tail)),
+            "run_own_us": best(lambda: run(gx, gy, gz, stream, *head, *pointers, *tail)) if served else math.nan,
+            "run_tensors_us": best(lambda: triton_run(gx, gy, gz, stream, *triton_head, *args, *tail))}
 
 
-def op_row(name: str, call, n_launches: int, calls: int, rounds: int, device) -> dict:
+def op_row(name: str, call, kernels: set, n_launches: int, calls: int, rounds: int, device) -> dict:
+    """The op's call (``kernels``: the ones it launches): host enqueue and wall clock through Triton's path and the
+    lean one (the host enqueue with the hits through the own launcher and, ``lean_triton_host_us``, through Triton's
+    C launcher: :func:`by_launcher`); its time replayed from a CUDA graph."""
     with lean_path(False):
         call()
         triton_host, triton_wall = host_us(call, calls, rounds)
     with lean_path(True):
         call()
         call()
-        lean_host, lean_wall = host_us(call, calls, rounds)
+        _, lean_wall = host_us(call, calls, rounds)
+        lean_host = by_launcher(kernels, call, calls, rounds)
         graph = device_us(call, device)
-    return {"op": name, "launches": n_launches, "triton_host_us": triton_host, "lean_host_us": lean_host,
-            "triton_wall_us": triton_wall, "lean_wall_us": lean_wall, "graph_us": graph,
-            "host_saved_per_launch_us": (triton_host - lean_host) / max(n_launches, 1)}
+    return {"op": name, "launches": n_launches, "triton_host_us": triton_host, "lean_host_us": lean_host["own"],
+            "lean_triton_host_us": lean_host["triton"], "triton_wall_us": triton_wall, "lean_wall_us": lean_wall,
+            "graph_us": graph, "host_saved_per_launch_us": (triton_host - lean_host["own"]) / max(n_launches, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                 with recorded_launches(records):
                     call()
                 torch.cuda.synchronize()
-                ops.append(op_row(name, call, len(records), args.calls, args.rounds, device))
+                ops.append(op_row(name, call, {r[0] for r in records}, len(records), args.calls, args.rounds,
+                                  device))
                 launches += launch_rows(name, records, args.calls, args.rounds, device)
             except Exception as exc:  # one op's failure is its row; the others still run
                 ops.append({"op": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
@@ -245,22 +302,30 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"{name}: done", flush=True)
     from dsa_triton.launch import compiled_reader
+    from dsa_triton.launcher import compiled_launcher
 
     reader = "the compiled reader" if compiled_reader() is not None else "Python (the compiled reader did not build)"
-    lean = [r["lean_us"] for r in launches]
-    with_dict = sorted(r["lean_with_us"] for r in launches)
-    summary = (f"lean path: {max(lean):.1f} us a launch at most, median {sorted(lean)[len(lean) // 2]:.1f} "
-               f"(target {TARGET_US:.0f}; launch_with: {with_dict[-1]:.1f}, median {with_dict[len(lean) // 2]:.1f}); "
-               f"Triton's: median "
-               f"{sorted(r['triton_us'] for r in launches)[len(lean) // 2]:.1f}; "
+    own = "built" if compiled_launcher() is not None else "not built (hits through Triton's C launcher)"
+    n = len(launches)
+
+    def spread(column):
+        values = sorted(r[column] for r in launches)
+        over = sum(v > TARGET_US for v in values)
+        return f"{values[-1]:.1f} at most, median {values[n // 2]:.1f}, {over} over {TARGET_US:.0f}"
+
+    summary = (f"lean path: {spread('lean_us')}; launch_with: {spread('lean_with_us')} (hits through the own "
+               f"launcher in {sum(r['launcher'] == 'own' for r in launches)} of {n} launches), with Triton's "
+               f"launcher on hits: {spread('lean_with_triton_us')}; Triton's path: median "
+               f"{sorted(r['triton_us'] for r in launches)[n // 2]:.1f}; "
                f"{sum(r['lean_misses'] > 0 for r in launches)} launches missing the lean cache; tensors read by "
-               f"{reader}") if lean else "no launch"
+               f"{reader}") if launches else "no launch"
     print(dict_table(launches))
     print()
     print(dict_table(ops))
     print(summary)
     path = write_results(args.out, "launch-cost", {"launches": launches, "ops": ops}, note=summary,
-                         data={"calls": args.calls, "rounds": args.rounds, "tensor_reader": reader}, flat=args.flat)
+                         data={"calls": args.calls, "rounds": args.rounds, "tensor_reader": reader,
+                               "own_launcher": own}, flat=args.flat)
     print(f"wrote {path}")
     return 0
 

@@ -4,16 +4,32 @@
   read from the C source its ``make_launcher`` generates (each argument's ``PyArg_ParseTuple`` format character, the
   C type it is stored in, its float pack function, the ``params[]`` list), and packed with ``struct`` as that
   conversion and storage pack them.
+- ``python tests/launcher_stub.py check``: on a stand-in libcuda (``stub_libcuda.c``: each launch recorded, nothing
+  run), Triton's real ``CudaLauncher`` (its generated launcher built against the stand-in) and the lean path's
+  launcher of the same kernel (``dsa_triton.launch._entry``) launch random arguments, grids, PDL settings, with and
+  without a current context, with a failing driver: equal launches (function, grid, block, shared memory, stream,
+  attributes, each parameter's bytes), driver calls and errors. Prints one JSON line; ``tests/test_launcher.py``
+  runs it in a fresh interpreter (the stand-in takes libcuda.so.1's name there before anything opens the real one).
+- ``python tests/launcher_stub.py bench``: host microseconds a launch of each launcher (the stand-in's driver call
+  does nothing) for kernels of about 10 and 30 arguments.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import json
+import os
 import random
 import re
 import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
+STUB = Path(__file__).with_name("stub_libcuda.c")
 # Scalar and pointer signature types (Triton's ty_to_cpp table, pointers, constexpr) a signature may hold
 TYPES = ["*fp32", "*bf16", "*i8", "i1", "i8", "i16", "i32", "i64", "u1", "u8", "u16", "u32", "u64", "fp16", "bf16",
          "fp32", "f32", "fp64", "constexpr"]
@@ -144,3 +160,149 @@ def kernel_of(signature: dict, metadata: SimpleNamespace, num_warps: int = 4, sh
     src = SimpleNamespace(signature=signature, constants={}, fn=None)
     return SimpleNamespace(run=run or CudaLauncher(src, metadata), src=src, metadata=metadata, function=function,
                            packed_metadata=(num_warps, metadata.num_ctas, shared))
+
+
+def build_stub(directory: str) -> str:
+    """The stand-in built as ``directory/libcuda.so.1`` (soname libcuda.so.1)."""
+    from triton.backends.nvidia.driver import include_dirs
+
+    path = os.path.join(directory, "libcuda.so.1")
+    subprocess.run([os.environ.get("CC", "gcc"), "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1",
+                    *(f"-I{d}" for d in include_dirs), str(STUB), "-o", path], check=True)
+    return path
+
+
+class Stub:
+    """The loaded stand-in (under libcuda.so.1's name, its symbols global)."""
+
+    def __init__(self, path: str):
+        self.lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        self.lib.stub_record.restype = self.lib.stub_log.restype = ctypes.c_size_t
+
+    def expect(self, sizes: list[int]) -> None:
+        self.lib.stub_expect(len(sizes), (ctypes.c_int * max(len(sizes), 1))(*sizes))
+
+    def reset(self, record: bool = True, result: int = 0, context: bool = True) -> None:
+        self.lib.stub_reset(int(record), result, int(context))
+
+    def _read(self, fn) -> bytes:
+        out = ctypes.c_void_p()
+        n = fn(ctypes.byref(out))
+        return ctypes.string_at(out, n) if n else b""
+
+    def record(self) -> bytes:
+        return self._read(self.lib.stub_record)
+
+    def log(self) -> str:
+        return self._read(self.lib.stub_log).decode()
+
+
+def outcome(stub: Stub, call, result: int, context: bool) -> tuple:
+    """``(record, driver calls, error)`` of one launch, the driver's launches returning ``result``; the record empty
+    when nothing launched."""
+    stub.reset(True, result, context)
+    try:
+        call()
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}" if isinstance(exc, RuntimeError) else type(exc).__name__
+    log = stub.log()
+    return (stub.record() if "l" in log else b""), log, error
+
+
+def parameter_sizes(signature: dict) -> list[int]:
+    """The bytes of each kernel parameter Triton's launcher passes, the scratch pointers' last."""
+    sizes = [struct.calcsize(STORAGE[storage]) for _, storage, _ in triton_parameters(signature) if storage]
+    return sizes + [8, 8]
+
+
+def check(seed: int) -> dict:
+    """Random launches through both launchers: the differences found (none expected), the launches compared, and
+    the calls both refused (an argument out of range: the same exception; ours before launching, Triton's after,
+    for a negative address or an fp16 overflow, in ``refused_after_launch``)."""
+    from dsa_triton import launch, launcher
+
+    stub = Stub(os.environ["DSA_STUB_LIBCUDA"])
+    r = random.Random(seed)
+    signatures = [random_signature(r, n) for n in (1, 12, 30)] + [{f"a{i}": ty for i, ty in enumerate(TYPES)}]
+    differences, launches, refused, refused_after_launch = [], 0, 0, 0
+    for s, signature in enumerate(signatures):
+        stub.expect(parameter_sizes(signature))
+        for pdl in (False, True):
+            kernel = kernel_of(signature, metadata_of(launch_pdl=pdl), r.choice([1, 4, 8]),
+                               r.choice([0, 1024, 232448]), 0xF000 + s)
+            run, head, tail, _, _ = launch._entry(kernel, ())
+            assert run is launcher.compiled_launcher().launch, "the own launcher does not serve the kernel"
+            for case in range(40):
+                args = tuple(random_value(r, ty, out_of_range=case % 10 == 9) for ty in signature.values())
+                grid = r.choice([(1, 1, 1), (7, 3, 2), (0, 1, 1), (65535, 1, 1), (2, 0, 3)])
+                stream = r.choice([0, 2**40 + 8])
+                result = 1 if case % 13 == 12 else 0  # (CUDA_ERROR_INVALID_VALUE)
+                context = case % 7 != 3
+                ours = outcome(stub, lambda: run(*grid, stream, *head, *args, *tail), result, context)
+                theirs = outcome(stub, lambda: kernel.run(*grid, stream, kernel.function, kernel.packed_metadata,
+                                                          None, None, None, *args), result, context)
+                if ours[2] is not None and ours[2] == theirs[2] and not ours[0]:
+                    refused += 1
+                    refused_after_launch += bool(theirs[0])
+                elif ours != theirs:
+                    differences.append({"signature": signature, "args": repr(args), "grid": grid, "pdl": pdl,
+                                        "ours": repr(ours), "triton": repr(theirs)})
+                launches += bool(ours[0])
+    return {"differences": differences[:5], "n_differences": len(differences), "launches": launches,
+            "refused": refused, "refused_after_launch": refused_after_launch}
+
+
+def bench() -> dict:
+    """Host microseconds a launch (best of 5 rounds of 20000) of Triton's C launcher given addresses (as a hit calls
+    it with the own launcher off), of the own launcher, of the own launcher's packing alone, for kernels of 10 and 30
+    arguments (pointers, int32s, a float, constexprs), the driver call the stand-in's (it does nothing)."""
+    from dsa_triton import launch, launcher
+
+    stub = Stub(os.environ["DSA_STUB_LIBCUDA"])
+    stub.expect([])
+    stub.reset(record=False)
+    module = launcher.compiled_launcher()
+    rows = {}
+    for n in (10, 30):
+        types = (["*fp32"] * (n // 3) + ["i32"] * (n // 3) + ["fp32"] + ["constexpr"] * n)[:n]
+        signature = {f"a{i}": ty for i, ty in enumerate(types)}
+        kernel = kernel_of(signature, metadata_of())
+        run, head, tail, _, (triton_run, triton_head) = launch._entry(kernel, ())
+        args = tuple(2**40 + 16 * i if ty[0] == "*" else 0.5 if ty == "fp32" else 16 if ty == "constexpr"
+                     else 1000 + i for i, ty in enumerate(types))
+        (descriptor,) = head
+
+        def best(fn, calls=20000):
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times.append((time.perf_counter() - start) / calls * 1e6)
+            return min(times)
+
+        rows[f"{n} args"] = {
+            "triton_c_launcher_us": best(lambda: triton_run(1, 1, 1, 0, *triton_head, *args)),
+            "own_launcher_us": best(lambda: run(1, 1, 1, 0, *head, *args, *tail)),
+            "own_pack_us": best(lambda: module.pack(descriptor, *args)),
+            "loop_us": best(lambda: len(args)),  # (the timing loop's own cost, in each of the above)
+        }
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    mode = argv[0] if argv else "check"
+    if "DSA_STUB_LIBCUDA" not in os.environ:  # build the stand-in, then run in a fresh interpreter pointed at it
+        with tempfile.TemporaryDirectory() as tmp:
+            env = dict(os.environ, DSA_STUB_LIBCUDA=build_stub(tmp), TRITON_LIBCUDA_PATH=tmp)
+            return subprocess.run([sys.executable, __file__, *argv], env=env).returncode
+    Stub(os.environ["DSA_STUB_LIBCUDA"])  # (loaded before any launcher opens libcuda.so.1)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    result = check(int(argv[1]) if len(argv) > 1 else 0) if mode == "check" else bench()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

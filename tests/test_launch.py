@@ -486,6 +486,43 @@ def test_the_cuda_launcher_is_called_without_its_python_wrapper(monkeypatch, fak
                                head + (x.data_ptr(), x.data_ptr(), 48, 17, True, 0.5, None, 16, 2)]
 
 
+@pytest.mark.parametrize("own", [True, False])
+def test_a_hit_calls_the_own_launcher_with_the_parameters_tritons_would_pass(monkeypatch, fake_triton, own):
+    """With Triton's CUDA launcher (the kernel's signature from Triton's binder), a hit calls the own launcher
+    (:mod:`dsa_triton.launcher`; DSA_OWN_LAUNCHER=0: Triton's C function) with the addresses, and packs the
+    parameters Triton's generated launcher would pass; a miss still calls Triton's, with the tensors."""
+    from types import SimpleNamespace
+
+    from dsa_triton import launcher
+    from tests.launcher_stub import metadata_of, reference_pack, unbuilt_cuda_launcher
+
+    fn, compiled, through_triton = fake_triton
+    module = launcher.compiled_launcher()
+    if module is None:
+        pytest.skip("the own launcher is not built here")
+    own_calls, triton_calls = [], []
+    monkeypatch.setattr(launcher, "ENABLED", own)
+    monkeypatch.setattr(launcher, "compiled_launcher", lambda: SimpleNamespace(
+        describe=module.describe, TYPES=module.TYPES, launch=lambda *a: own_calls.append(a)))
+    x, y = cuda_empty(32), cuda_empty(32)
+    args, meta = (x, y, 48, 17, True, 0.5, None), {"BLOCK": 16}
+    _, specialization, _ = create_function_from_signature(fn.signature, fn.params, CUDABackend)(*args, **meta)
+    compiled.src = SimpleNamespace(signature={p.name: s[0] for p, s in zip(fn.params, specialization)})
+    compiled.metadata = metadata_of(launch_pdl=True)
+    compiled.run = unbuilt_cuda_launcher(compiled.metadata, launch=lambda *a: triton_calls.append(a))
+    for _ in range(4):
+        lean.launch(fn, (3, 2), *args, **meta)
+    launched = (x.data_ptr(), y.data_ptr(), 48, 17, True, 0.5, None, 16, 2)
+    assert len(through_triton) == 1 and triton_calls[0][13:] == (*args, 16, 2)  # (the miss: the tensors)
+    if not own:
+        assert not own_calls and len(triton_calls) == 3 and triton_calls[-1][13:] == launched
+        return
+    assert len(triton_calls) == 1 and len(own_calls) == 2
+    grid_x, grid_y, grid_z, stream, described, *rest = own_calls[-1]
+    assert (grid_x, grid_y, grid_z, stream, tuple(rest)) == (3, 2, 1, 1234, launched)
+    assert module.pack(described, *rest) == reference_pack(compiled.src.signature, launched)
+
+
 def test_launch_with_takes_the_keywords_in_a_dict_it_leaves_alone(fake_triton):
     fn, compiled, through_triton = fake_triton
     x = cuda_empty(32)

@@ -1,14 +1,18 @@
 """dsa_triton.launcher on the CPU: its packing of kernel parameters against Triton 3.6's generated CUDA launcher
 (:mod:`tests.launcher_stub`: the conversions and storage read from that launcher's C source) over random signatures
-and arguments, and which kernels it serves."""
+and arguments, which kernels it serves, and both launchers launching on a stand-in libcuda (a fresh interpreter)."""
+import json
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 import triton
 from triton.backends.nvidia.driver import ty_to_cpp
 
 from dsa_triton import launcher
+from tests import launcher_stub
 from tests.launcher_stub import (TYPES, kernel_of, metadata_of, random_signature, random_value, reference_pack,
                                  unbuilt_cuda_launcher)
 
@@ -108,3 +112,17 @@ def test_without_the_module_triton_launches(monkeypatch):
     monkeypatch.setattr(launcher, "compiled_launcher", lambda: None)
     metadata = metadata_of()
     assert launcher.descriptor(kernel_of({"x": "*fp32"}, metadata, run=unbuilt_cuda_launcher(metadata))) is None
+
+
+def test_the_launches_equal_tritons_on_a_stand_in_driver():
+    """``tests/launcher_stub.py check`` in a fresh interpreter: Triton's CudaLauncher (its generated launcher, built
+    against a stand-in libcuda) and the lean path's launcher of the same kernels launch random arguments alike:
+    function, grid, block, dynamic shared memory, stream, PDL attribute, every parameter's bytes, the context
+    calls, the driver's error, nothing for an empty grid; arguments out of range raise the same exception."""
+    built()
+    done = subprocess.run([sys.executable, launcher_stub.__file__, "check", "0"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["n_differences"] == 0, result["differences"]
+    assert result["launches"] > 100 and result["refused"] > 0

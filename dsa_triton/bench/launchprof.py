@@ -109,7 +109,7 @@ def per_call_us(fn, calls: int) -> float:
 def kernel_row(kernel, grid, args: tuple, kwargs: dict, calls: int = 2000, rounds: int = 15) -> dict:
     readers = ("python", "compiled") if launch.compiled_reader() is not None else ("python",)
     states = {reader: lean_state(kernel, grid, args, kwargs, reader == "compiled") for reader in readers}
-    _, head, tail, _ = next(iter(states["python"].fast.values()))
+    _, head, tail, _, _ = next(iter(states["python"].fast.values()))
     best: dict = {}
 
     def keep(name, us):
