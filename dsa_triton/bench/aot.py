@@ -6,7 +6,8 @@ steps, because a process runs Triton either in the interpreter or compiled, not 
 1. in the interpreter (the test suite's mode), :func:`record_launches` notes every kernel launch of some ops: the
    kernel, its arguments' Triton types and constexprs, warps and stages;
 2. ``python -m dsa_triton.bench.aot RECORDS.json [--info]`` (a process with ``TRITON_INTERPRET=0``) compiles each record
-   with :func:`compile_for` and prints one JSON line per record: its kernel and the error, or None (``--info``:
+   with :func:`compile_for` and prints one JSON line per record: its kernel and the error, or None, and whether the
+   lean path's own launcher would pass the compiled kernel's parameters (:func:`launcher_mismatch`) (``--info``:
    registers, spills, ptxas's performance advisories and the wgmma counts too).
 
 Arguments are specialized as Triton's launcher does (pointers and integers divisible by 16 marked so, integers
@@ -147,8 +148,30 @@ def ptxas_info(kernel, arch: str = "sm_90a") -> dict:
                            for line in report.splitlines() if "Potential Performance Loss:" in line]}
 
 
+def launcher_mismatch(kernel) -> str | None:
+    """How the lean path's own launcher (:mod:`dsa_triton.launcher`) would not pass a compiled kernel's parameters:
+    None when its type codes of the kernel's signature give one parameter of the PTX entry's size for each, in order
+    (the two scratch pointers last), else what differs; "not built" without the launcher's module."""
+    from .. import launcher
+
+    module = launcher.compiled_launcher()
+    if module is None:
+        return "not built"
+    codes = launcher.type_codes(kernel.src.signature, module.TYPES)
+    if codes is None:
+        return f"no type codes for the signature {kernel.src.signature}"
+    ours = [module.SIZES[code] for code in codes if code != module.TYPES["constexpr"]] + [8, 8]
+    entry = re.search(r"\.entry\s+\w+\s*\(([^)]*)\)", kernel.asm["ptx"]).group(1)
+    ptx = []  # (".param .u32 name", ".param .u64 .ptr .global .align 1 name", ".param .align 2 .b8 name[2]")
+    for param in entry.split(","):
+        array = re.search(r"\[(\d+)\]", param)
+        ptx.append(int(array.group(1)) if array else int(re.search(r"\.param\s+\.[a-z]+(\d+)", param).group(1)) // 8)
+    return None if ours == ptx else f"the launcher's parameter bytes {ours}, the PTX entry's {ptx}"
+
+
 def compile_in_subprocess(records: list[dict], timeout: float = 900, info: bool = False) -> list[dict]:
-    """Run ``python -m dsa_triton.bench.aot`` on ``records``: ``[{"kernel", "error", "seconds"}]`` in the same order;
+    """Run ``python -m dsa_triton.bench.aot`` on ``records``: ``[{"kernel", "error", "launcher", "seconds"}]`` in the
+    same order (``launcher``: :func:`launcher_mismatch`, None when the own launcher passes the kernel's parameters);
     ``info`` adds :func:`ptxas_info`'s fields, the shared memory bytes (``shared``), the SASS's wgmma counts
     (``gmma``, ``arrive``, ``depbar``) and, per string of a record's optional ``ptx_needles``, whether the PTX holds
     it (``ptx_has``)."""
@@ -166,9 +189,10 @@ def main(path: str, info: bool = False) -> None:
         records = json.load(f)
     for record in records:
         start = time.perf_counter()
-        result = {"kernel": f"{record['module']}.{record['kernel']}", "error": None}
+        result = {"kernel": f"{record['module']}.{record['kernel']}", "error": None, "launcher": None}
         try:
             kernel = compile_for(record)
+            result["launcher"] = launcher_mismatch(kernel)
             if info:
                 ops = [line.split()[0] for line in sass(kernel) if line.split()]
                 result.update(ptxas_info(kernel), shared=kernel.metadata.shared,
