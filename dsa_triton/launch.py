@@ -35,12 +35,13 @@ compiles them apart) takes Triton's path. A key that differs only where Triton's
 through Triton's path, never a wrong kernel.
 
 A hit's launcher is the lean path's own (:mod:`dsa_triton.launcher`: C, built at first use as Triton builds its
-launchers) where it serves the compiled kernel: from a descriptor made once per compiled kernel (each signature
-entry's type code, the block size, the dynamic shared memory, the PDL attribute) it packs the kernel parameters
+launchers) where it serves the compiled kernel: from a descriptor of the kernel made once (each signature entry's
+type code, the block size, the dynamic shared memory, the PDL attribute) it packs the kernel parameters
 Triton 3.6's CUDA launcher passes for the same arguments and calls ``cuLaunchKernelEx`` as that launcher does,
-without its ``PyArg_ParseTuple`` of every argument. For any other kernel (scratch memory, clusters, a cooperative
-grid, a tensor descriptor, another Triton release or backend), or with ``DSA_OWN_LAUNCHER=0``, a hit calls the C
-function of Triton's launcher with the same arguments. A miss launches through Triton's launcher.
+without its ``PyArg_ParseTuple`` of every argument (and is not handed the keyword arguments when they are all
+constexprs, which it would skip). For any other kernel (scratch memory, clusters, a cooperative grid, a tensor
+descriptor, another Triton release or backend), or with ``DSA_OWN_LAUNCHER=0``, a hit calls the C function of
+Triton's launcher with the same arguments. A miss launches through Triton's launcher.
 
 On a hit no device memory is allocated or read and no file is touched: the launch is capturable in a
 CUDA graph once each specialization has run once eagerly. In the Triton interpreter (``TRITON_INTERPRET=1``)
@@ -310,7 +311,7 @@ class LeanKernel:
             key = entry = None
         if entry is None:
             return self.through_triton(grid, args, meta, key)
-        _, _, tail, kernel, (run, head) = entry
+        _, _, _, kernel, (run, head, tail) = entry
         n = len(grid)
         run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(device), *head, *args, *tail)
         if len(self.fast) >= MAX_FAST_ENTRIES:
@@ -409,15 +410,18 @@ class LeanKernel:
 
 
 def _entry(kernel, tail: tuple) -> tuple:
-    """``(run, head, tail, kernel, checked)``: a hit calls ``run(gx, gy, gz, stream, *head, *args, *tail)`` with
-    the tensors' addresses, a miss calls ``checked``, ``(run, head)`` of Triton's launcher (:func:`_triton_launcher`),
-    the same way with the tensors themselves (that launcher checks each pointer); ``kernel``: the compiled kernel.
-    A hit's launcher is the own one (:mod:`dsa_triton.launcher`, given the kernel's descriptor) where it serves the
-    kernel, else Triton's."""
-    checked = _triton_launcher(kernel)
-    described = launcher.descriptor(kernel) if launcher.ENABLED else None
-    run, head = (launcher.compiled_launcher().launch, (described,)) if described is not None else checked
-    return run, head, tail, kernel, checked
+    """``(run, head, hit_tail, kernel, checked)``: a hit calls ``run(gx, gy, gz, stream, *head, *args,
+    *hit_tail)`` with the tensors' addresses; a miss calls Triton's launcher, ``checked`` being ``(run, head, tail)``
+    (:func:`_triton_launcher`), the same way with the tensors themselves (that launcher checks each pointer);
+    ``kernel``: the compiled kernel. A hit's launcher is the own one (:mod:`dsa_triton.launcher`, given the kernel's
+    descriptor; ``hit_tail`` is empty when ``tail`` holds only constexprs) where it serves the kernel, else Triton's
+    (then ``hit_tail`` is ``tail``)."""
+    checked = (*_triton_launcher(kernel), tail)
+    own = launcher.descriptor(kernel, tail) if launcher.ENABLED else None
+    if own is None:
+        return *checked, kernel, checked
+    described, own_tail = own
+    return launcher.compiled_launcher().launch, (described,), own_tail, kernel, checked
 
 
 def _triton_launcher(kernel) -> tuple:

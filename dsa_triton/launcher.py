@@ -4,10 +4,10 @@ A hit of :mod:`dsa_triton.launch` (the arguments known, tensors as addresses) ca
 ``PyArg_ParseTuple`` of a format string of every argument, then per-pointer and float conversions, cost a fair
 part of a launch (4.4-6.4 us with the driver call, for kernels of 16-34 arguments on the H200 host). ``launch()``
 here packs the same kernel parameters from a descriptor made once per compiled kernel (each signature entry's type
-code, the block size, dynamic shared memory, the PDL attribute) and calls ``cuLaunchKernelEx`` as Triton's launcher
-does. The C source is built as Triton builds its launchers (``compile_module_from_src``: the system C compiler,
-Triton's ``cuda.h``, the module cached in Triton's cache directory; libcuda is opened at the first launch, so it
-builds and packs without a GPU).
+code, the block size, dynamic shared memory, the PDL attribute; one per number of entries a hit passes, as a tail
+of constexprs is not passed) and calls ``cuLaunchKernelEx`` as Triton's launcher does. The C source is built as
+Triton builds its launchers (``compile_module_from_src``: the system C compiler, Triton's ``cuda.h``, the module
+cached in Triton's cache directory; libcuda is opened at the first launch, so it builds and packs without a GPU).
 
 :func:`descriptor` decides once per compiled kernel: the launcher serves a kernel of Triton 3.6's CUDA launcher
 (whose C source it mirrors) with no global or profile scratch memory, ``num_ctas`` 1, no cooperative grid, and a
@@ -29,7 +29,7 @@ ENABLED = os.environ.get("DSA_OWN_LAUNCHER", "1") != "0"  # off: hits call Trito
 TRITON = "3.6"  # the Triton release whose CUDA launcher launcher.c mirrors
 NAME = "dsa_launcher"  # the module's name (its PyInit_ function)
 SOURCE = Path(__file__).with_name("launcher.c")
-_ATTRIBUTE = "_dsa_own_launch"  # on a CompiledKernel: its descriptor, or None
+_ATTRIBUTE = "_dsa_own_launch"  # on a CompiledKernel: what the own launcher knows of it (_Described)
 
 
 @functools.cache
@@ -68,28 +68,47 @@ def type_codes(signature: dict, types: dict) -> bytes | None:
     return bytes(codes)
 
 
-def descriptor(kernel):
-    """The own launcher's descriptor of ``kernel`` (a CompiledKernel whose ``run`` is loaded), or None where
-    Triton's launcher must serve it (module docstring); kept on the kernel."""
-    known = kernel.__dict__.get(_ATTRIBUTE, _ATTRIBUTE)
-    if known is _ATTRIBUTE:
-        known = _describe(kernel)
+def descriptor(kernel, tail: tuple) -> tuple | None:
+    """``(descriptor, tail)``: the own launcher's descriptor of ``kernel`` (a CompiledKernel whose ``run`` is
+    loaded) for calls whose last arguments are ``tail``, and what of ``tail`` to pass it: nothing when each of its
+    entries is a constexpr (the descriptor then covers the entries before it: a hit builds no tuple of them), else
+    all of it. None where Triton's launcher must serve the kernel (module docstring): decided once per kernel, kept on
+    it with each descriptor made."""
+    known = kernel.__dict__.get(_ATTRIBUTE)
+    if known is None:
+        known = _Described(kernel)
         setattr(kernel, _ATTRIBUTE, known)
-    return known
-
-
-def _describe(kernel):
-    from triton.backends.nvidia.driver import CudaLauncher
-
-    run = kernel.run
-    if (triton.__version__.split(".")[:2] != TRITON.split(".") or type(run) is not CudaLauncher
-            or run.global_scratch_size or run.profile_scratch_size or run.launch_cooperative_grid
-            or run.num_ctas != 1 or getattr(kernel.metadata, "tensordesc_meta", None)):
+    codes = known.codes
+    if codes is None or len(tail) > len(codes):
         return None
-    signature = getattr(kernel.src, "signature", None)
-    module = compiled_launcher() if isinstance(signature, dict) else None
-    codes = type_codes(signature, module.TYPES) if module is not None else None
-    if codes is None:
-        return None
-    num_warps, _, shared = kernel.packed_metadata
-    return module.describe(kernel.function, num_warps, shared, bool(run.launch_pdl), codes)
+    kept = len(codes) - len(tail)
+    if any(code != known.skip for code in codes[kept:]):
+        kept = len(codes)
+    made = known.made.get(kept)
+    if made is None:
+        made = known.made[kept] = compiled_launcher().describe(*known.launch, codes[:kept])
+    return made, tail if kept == len(codes) else ()
+
+
+class _Described:
+    """What the own launcher knows of a compiled kernel: ``codes``, each signature entry's type code (None where
+    Triton's launcher must serve the kernel), the code of a constexpr (``skip``), ``launch`` (its function handle,
+    warps, dynamic shared memory and PDL flag, as ``describe`` takes them), and the descriptors ``made`` by the
+    number of entries they cover."""
+
+    def __init__(self, kernel) -> None:
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        self.codes, self.made = None, {}
+        run = kernel.run
+        if (triton.__version__.split(".")[:2] != TRITON.split(".") or type(run) is not CudaLauncher
+                or run.global_scratch_size or run.profile_scratch_size or run.launch_cooperative_grid
+                or run.num_ctas != 1 or getattr(kernel.metadata, "tensordesc_meta", None)):
+            return
+        signature = getattr(kernel.src, "signature", None)
+        module = compiled_launcher() if isinstance(signature, dict) else None
+        if module is None:
+            return
+        num_warps, _, shared = kernel.packed_metadata
+        self.codes, self.skip = type_codes(signature, module.TYPES), module.TYPES["constexpr"]
+        self.launch = (kernel.function, num_warps, shared, bool(run.launch_pdl))

@@ -214,7 +214,7 @@ def lean_parts(kernel, grid, args: tuple, kwargs: dict, calls: int, rounds: int)
             continue
     else:
         raise RuntimeError(f"no layout of {kernel.fn.__name__} takes the call")
-    run, head, tail, _, (triton_run, triton_head) = state.fast[key]
+    run, head, tail, _, (triton_run, triton_head, triton_tail) = state.fast[key]
     own = launcher.compiled_launcher()
     served = own is not None and run is own.launch
     gx, gy, gz = (*grid, 1, 1)[:3]
@@ -235,9 +235,9 @@ def lean_parts(kernel, grid, args: tuple, kwargs: dict, calls: int, rounds: int)
     stream = lean._stream(lean._device())
     return {"launcher": "own" if served else "triton", "key_us": best(lambda: fast_of(args, kwargs, 0)),
             "key_python_us": best(lambda: python_fast_of(args, kwargs, 0)), "checks_us": best(checks),
-            "run_ints_us": best(lambda: triton_run(gx, gy, gz, stream, *triton_head, *pointers, *tail)),
+            "run_ints_us": best(lambda: triton_run(gx, gy, gz, stream, *triton_head, *pointers, *triton_tail)),
             "run_own_us": best(lambda: run(gx, gy, gz, stream, *head, *pointers, *tail)) if served else math.nan,
-            "run_tensors_us": best(lambda: triton_run(gx, gy, gz, stream, *triton_head, *args, *tail))}
+            "run_tensors_us": best(lambda: triton_run(gx, gy, gz, stream, *triton_head, *args, *triton_tail))}
 
 
 def op_row(name: str, call, kernels: set, n_launches: int, calls: int, rounds: int, device) -> dict:

@@ -224,22 +224,28 @@ def check(seed: int) -> dict:
 
     stub = Stub(os.environ["DSA_STUB_LIBCUDA"])
     r = random.Random(seed)
-    signatures = [random_signature(r, n) for n in (1, 12, 30)] + [{f"a{i}": ty for i, ty in enumerate(TYPES)}]
+    ours_like = ["*fp32"] * 4 + ["i32"] * 4 + ["fp32", "i64"] + ["constexpr"] * 6  # (constexprs last, as ours)
+    signatures = [random_signature(r, n) for n in (1, 12, 30)] + [{f"a{i}": ty for i, ty in enumerate(TYPES)},
+                                                                   {f"a{i}": ty for i, ty in enumerate(ours_like)}]
     differences, launches, refused, refused_after_launch = [], 0, 0, 0
     for s, signature in enumerate(signatures):
         stub.expect(parameter_sizes(signature))
+        types = list(signature.values())
+        constexprs_last = len(types) - len("".join("c" if ty == "constexpr" else "x" for ty in types).rstrip("c"))
         for pdl in (False, True):
             kernel = kernel_of(signature, metadata_of(launch_pdl=pdl), r.choice([1, 4, 8]),
                                r.choice([0, 1024, 232448]), 0xF000 + s)
-            run, head, tail, _, _ = launch._entry(kernel, ())
-            assert run is launcher.compiled_launcher().launch, "the own launcher does not serve the kernel"
             for case in range(40):
-                args = tuple(random_value(r, ty, out_of_range=case % 10 == 9) for ty in signature.values())
+                args = tuple(random_value(r, ty, out_of_range=case % 10 == 9) for ty in types)
+                # the call's positional arguments and tail (a hit passes no tail of constexprs alone)
+                split = len(types) - r.choice([0, constexprs_last, r.randrange(len(types) + 1)])
+                run, head, tail, _, _ = launch._entry(kernel, args[split:])
+                assert run is launcher.compiled_launcher().launch, "the own launcher does not serve the kernel"
                 grid = r.choice([(1, 1, 1), (7, 3, 2), (0, 1, 1), (65535, 1, 1), (2, 0, 3)])
                 stream = r.choice([0, 2**40 + 8])
                 result = 1 if case % 13 == 12 else 0  # (CUDA_ERROR_INVALID_VALUE)
                 context = case % 7 != 3
-                ours = outcome(stub, lambda: run(*grid, stream, *head, *args, *tail), result, context)
+                ours = outcome(stub, lambda: run(*grid, stream, *head, *args[:split], *tail), result, context)
                 theirs = outcome(stub, lambda: kernel.run(*grid, stream, kernel.function, kernel.packed_metadata,
                                                           None, None, None, *args), result, context)
                 if ours[2] is not None and ours[2] == theirs[2] and not ours[0]:
@@ -255,8 +261,9 @@ def check(seed: int) -> dict:
 
 def bench() -> dict:
     """Host microseconds a launch (best of 5 rounds of 20000) of Triton's C launcher given addresses (as a hit calls
-    it with the own launcher off), of the own launcher, of the own launcher's packing alone, for kernels of 10 and 30
-    arguments (pointers, int32s, a float, constexprs), the driver call the stand-in's (it does nothing)."""
+    it with the own launcher off), of the own launcher (as a hit calls it: no tail of constexprs), of the own
+    launcher's packing alone, for kernels of 10 and 30 arguments (pointers, int32s, a float, then constexprs), the
+    driver call the stand-in's (it does nothing)."""
     from dsa_triton import launch, launcher
 
     stub = Stub(os.environ["DSA_STUB_LIBCUDA"])
@@ -268,9 +275,11 @@ def bench() -> dict:
         types = (["*fp32"] * (n // 3) + ["i32"] * (n // 3) + ["fp32"] + ["constexpr"] * n)[:n]
         signature = {f"a{i}": ty for i, ty in enumerate(types)}
         kernel = kernel_of(signature, metadata_of())
-        run, head, tail, _, (triton_run, triton_head) = launch._entry(kernel, ())
         args = tuple(2**40 + 16 * i if ty[0] == "*" else 0.5 if ty == "fp32" else 16 if ty == "constexpr"
                      else 1000 + i for i, ty in enumerate(types))
+        split = types.index("constexpr")  # (the constexprs given by keyword, as the ops do)
+        positional = args[:split]
+        run, head, tail, _, (triton_run, triton_head, _) = launch._entry(kernel, args[split:])
         (descriptor,) = head
 
         def best(fn, calls=20000):
@@ -284,8 +293,8 @@ def bench() -> dict:
 
         rows[f"{n} args"] = {
             "triton_c_launcher_us": best(lambda: triton_run(1, 1, 1, 0, *triton_head, *args)),
-            "own_launcher_us": best(lambda: run(1, 1, 1, 0, *head, *args, *tail)),
-            "own_pack_us": best(lambda: module.pack(descriptor, *args)),
+            "own_launcher_us": best(lambda: run(1, 1, 1, 0, *head, *positional, *tail)),
+            "own_pack_us": best(lambda: module.pack(descriptor, *positional, *tail)),
             "loop_us": best(lambda: len(args)),  # (the timing loop's own cost, in each of the above)
         }
     return rows

@@ -93,10 +93,25 @@ def test_the_own_launcher_serves_only_what_it_mirrors(change, monkeypatch):
     kernel = kernel_of(signature, metadata, run=run)
     if change == "other triton":
         monkeypatch.setattr(triton, "__version__", "3.7.0")
-    described = launcher.descriptor(kernel)
+    described = launcher.descriptor(kernel, ())
     assert (described is None) == (change is not None)
-    monkeypatch.setattr(launcher, "_describe", lambda kernel: pytest.fail("described twice"))
-    assert launcher.descriptor(kernel) is described
+    monkeypatch.setattr(launcher, "_Described", lambda kernel: pytest.fail("decided twice"))
+    assert launcher.descriptor(kernel, ()) == described
+
+
+def test_a_tail_of_constexprs_is_not_passed():
+    """Calls whose last arguments are constexprs alone get a descriptor of the entries before them (and pass no
+    tail); any other tail is passed whole. Each descriptor is made once."""
+    module, metadata = built(), metadata_of()
+    signature = {"x": "*fp32", "n": "i32", "s": "fp32", "B": "constexpr", "C": "constexpr"}
+    kernel = kernel_of(signature, metadata, run=unbuilt_cuda_launcher(metadata))
+    args = (2**40, 7, 0.5, 16, 2)
+    for n_tail, passed in ((0, 5), (1, 4), (2, 3), (3, 5)):
+        tail = args[len(args) - n_tail:]
+        described, hit_tail = launcher.descriptor(kernel, tail)
+        assert hit_tail == (tail if passed == 5 else ())
+        assert module.pack(described, *args[:passed]) == reference_pack(signature, args)
+        assert launcher.descriptor(kernel, tail)[0] is described
 
 
 def test_without_the_module_triton_launches(monkeypatch):
@@ -111,7 +126,7 @@ def test_without_the_module_triton_launches(monkeypatch):
         assert launcher.compiled_launcher.__wrapped__() is None
     monkeypatch.setattr(launcher, "compiled_launcher", lambda: None)
     metadata = metadata_of()
-    assert launcher.descriptor(kernel_of({"x": "*fp32"}, metadata, run=unbuilt_cuda_launcher(metadata))) is None
+    assert launcher.descriptor(kernel_of({"x": "*fp32"}, metadata, run=unbuilt_cuda_launcher(metadata)), ()) is None
 
 
 def test_the_launches_equal_tritons_on_a_stand_in_driver():
