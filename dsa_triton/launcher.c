@@ -2,10 +2,11 @@
 // triton/backends/nvidia/driver.py's make_launcher generates per signature) does for a kernel without scratch memory,
 // clusters or a cooperative grid, given the arguments of a hit (addresses for pointers). dsa_triton/launcher.py
 // builds it as Triton builds its launchers (triton.runtime.build.compile_module_from_src, against the cuda.h Triton
-// ships), describes each compiled kernel once (describe) and dsa_triton/launch.py calls launch() on a hit.
+// ships) and describes each compiled kernel (describe); dsa_triton/launch.py calls launch() on a hit.
 //
-// A kernel's arguments are those of Triton's launcher: every entry of the kernel's signature, in order, constexprs
-// included. Each entry has a type code (TYPES, keyed by Triton's own names for it: launcher.py's type_codes), which
+// A kernel's arguments are those of Triton's launcher: the entries of the kernel's signature, in order, constexprs
+// included (a descriptor may leave out the last ones when they are all constexprs: those are passed as nothing
+// anyway). Each entry has a type code (TYPES, keyed by Triton's own names for it: launcher.py's type_codes), which
 // says how the argument is converted, as PyArg_ParseTuple converts it for Triton (the format make_launcher's
 // format_of gives the type), and how many bytes the kernel parameter takes; constexprs are converted to nothing and
 // passed as nothing. The kernel's parameters are then the entries not skipped, in order, followed by the global and

@@ -109,6 +109,13 @@ class _Described:
         module = compiled_launcher() if isinstance(signature, dict) else None
         if module is None:
             return
+        codes = type_codes(signature, module.TYPES)
+        if codes is None:
+            return
         num_warps, _, shared = kernel.packed_metadata
-        self.codes, self.skip = type_codes(signature, module.TYPES), module.TYPES["constexpr"]
-        self.launch = (kernel.function, num_warps, shared, bool(run.launch_pdl))
+        self.skip, self.launch = module.TYPES["constexpr"], (kernel.function, num_warps, shared, bool(run.launch_pdl))
+        try:  # (the descriptor of every entry; describe refuses more than 512 entries or warps past 32)
+            self.made[len(codes)] = module.describe(*self.launch, codes)
+        except ValueError:
+            return
+        self.codes = codes

@@ -77,10 +77,12 @@ def test_every_scalar_type_of_triton_has_a_code():
 
 
 @pytest.mark.parametrize("change", [None, "global scratch", "profile scratch", "cooperative grid", "cluster",
-                                    "tensor descriptor", "tuple", "other triton", "not triton's launcher"])
+                                    "tensor descriptor", "tuple", "600 entries", "other triton",
+                                    "not triton's launcher"])
 def test_the_own_launcher_serves_only_what_it_mirrors(change, monkeypatch):
     """A descriptor for a kernel of Triton 3.6's CUDA launcher without scratch memory, clusters, a cooperative grid
-    or a tensor descriptor; None (Triton's launcher) for any other. Decided once per compiled kernel."""
+    or a tensor descriptor, of at most 512 signature entries; None (Triton's launcher) for any other. Decided once
+    per compiled kernel."""
     built()
     changes = {"global scratch": {"global_scratch_size": 64}, "profile scratch": {"profile_scratch_size": 64},
                "cooperative grid": {"launch_cooperative_grid": True}, "cluster": {"num_ctas": 2},
@@ -89,6 +91,8 @@ def test_the_own_launcher_serves_only_what_it_mirrors(change, monkeypatch):
     signature = {"x": "*fp32", "n": "i32", "s": "fp32", "B": "constexpr"}
     if change == "tuple":
         signature["t"] = ("i32", "i32")
+    elif change == "600 entries":
+        signature.update({f"a{i}": "i32" for i in range(600)})
     run = unbuilt_cuda_launcher(metadata) if change != "not triton's launcher" else (lambda *a: None)
     kernel = kernel_of(signature, metadata, run=run)
     if change == "other triton":
