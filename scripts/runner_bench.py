@@ -525,7 +525,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny model at tiny sizes (checks this script on a CPU)")
     args = ap.parse_args(argv)
     if args.tiny:
-        args.contexts, args.batches, args.prompts = [40], [1, 3], [40]
+        args.contexts, args.batches, args.prompts = [40], [3], [40]
         args.chunk, args.steps = 16, 2
     bench = Bench(args)
     for part in args.part:
