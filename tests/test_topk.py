@@ -5,6 +5,7 @@ import torch
 
 import dsa_triton as dt
 from dsa_triton.attention import topk as tk
+from dsa_triton.attention.topk_kernels import INFO_COUNT, INFO_KEY_LO, INFO_LO, INFO_SHIFT, INFO_STEP
 from dsa_triton.attention.topk_reference import check_topk, emulate_bound, topk_indices_torch
 from dsa_triton.attention.topk_spec import SPACE
 from dsa_triton.bench.reports import REPORTS
@@ -73,6 +74,30 @@ def test_mid_length_rows_histogram_every_score(route_min, candidate_counts):
     mid = [i for i, n in enumerate(lengths.tolist()[:-2]) if route_min * k <= n]
     assert all(k <= int(counts[i]) <= 4 * k for i in mid), counts[mid]
     assert int(counts[-2]) > 4 * k  # the tied row overflowed, yet its answer above is exact
+
+
+def test_pass_one_ranks_by_count_as_by_sort(monkeypatch, candidate_counts):
+    """The interpreter reads pass 1's sample ranks off counted ranks (its ``tl.sort`` costs about 0.3 s a call); the
+    GPU reads them off ``tl.sort``: both give the same windows, so the same candidates and answers. Rows on both
+    pass-1 histograms (group maxima; every score), with ties, signed zeros and infinities in the samples."""
+    from dsa_triton.checks import PlanCache
+
+    g = torch.Generator().manual_seed(23)
+    k, L = 8, 4096  # group_min 128, route_min 32: rows of 32-127 scores histogram every score
+    lengths = torch.tensor([4096, 100, 64, 2000], dtype=torch.int32)
+    scores = nan_past_lengths(torch.randn(4, L, generator=g), lengths)
+    scores[0, ::128] = 0.5  # tied piece maxima
+    scores[1, :100:7] = -0.0
+    scores[2, :64:5] = float("inf")
+    scores[3] = scores[3].relu()  # most pieces peak at +0.0
+    config = cfg(ROUTE_MIN=4)
+    words = [w.value for w in (INFO_KEY_LO, INFO_SHIFT, INFO_LO, INFO_STEP, INFO_COUNT)]  # the window, the count
+    by_count = run_and_check(scores, k, lengths, config=config).clone()
+    windows = torch.stack([candidate_counts(w) for w in words])
+    monkeypatch.setattr(tk, "interpreting", lambda: False)
+    monkeypatch.setattr(tk, "_PLANS", PlanCache())  # a plan made with tl.sort's ranks
+    assert torch.equal(run_and_check(scores, k, lengths, config=config), by_count)
+    assert torch.equal(torch.stack([candidate_counts(w) for w in words]), windows)
 
 
 @pytest.mark.parametrize("ratio", [2, 4, 8])

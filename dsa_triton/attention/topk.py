@@ -14,6 +14,7 @@ import torch
 from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor
 from ..hostmath import cdiv
 from ..launch import launch_with
+from ..runtime import interpreting
 from .topk_kernels import INFO_COUNT, INFO_WORDS, topk_bound_kernel, topk_collect_kernel, topk_select_kernel
 from .topk_reference import pages_in_use
 from .topk_spec import PHASE, SPEC
@@ -32,7 +33,8 @@ def _workspace(T: int, split: int, NB: int, cap: int, device: torch.device):
 @contextmanager
 def recorded_candidate_counts():
     """Within the block, the returned function gives the last call's pass-2 candidate count of each row (meaningful
-    on two-pass rows only), read from the workspace after the call: for tests and route studies."""
+    on two-pass rows only), read from the workspace after the call: for tests and route studies. ``read(word)``
+    gives another word of each row's ``info`` (the ``INFO_*`` of :mod:`.topk_kernels`: the pass-1 window)."""
     global _workspace
     seen, real = {}, _workspace
 
@@ -43,7 +45,7 @@ def recorded_candidate_counts():
 
     _workspace = spy
     try:
-        yield lambda: seen["info"][:, INFO_COUNT.value]
+        yield lambda word=INFO_COUNT.value: seen["info"][:, word]
     finally:
         _workspace = real
 
@@ -64,7 +66,7 @@ class _Plan:
         self.chunk = cdiv(cdiv(L, self.split), step) * step
         self.bound_meta = dict(HAS_LENGTHS=has_lengths, GROUP=config["GROUP"], COLS=config["TILE"] // config["GROUP"],
                                HIST_BITS=config["HIST_BITS"], SCORE_HIST=self.route_min < self.group_min,
-                               num_warps=config["WARPS"])
+                               BY_COUNT=interpreting(), num_warps=config["WARPS"])
         self.collect_meta = dict(HAS_LENGTHS=has_lengths, TILE=config["COLLECT_TILE"], WARPS=config["COLLECT_WARPS"],
                                  SPLIT=self.split, HIST_BITS=config["HIST_BITS"], num_warps=config["COLLECT_WARPS"])
         self.select_meta = dict(HAS_LENGTHS=has_lengths, HAS_TABLE=has_table, HAS_ROW_TO_SEQ=has_row_to_seq,

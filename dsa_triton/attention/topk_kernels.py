@@ -80,7 +80,22 @@ def _bit_length(x):
 
 
 @triton.jit
-def _bin_window(row, n, k, every, HIST_BITS: tl.constexpr, SCORE_HIST: tl.constexpr):
+def _ascending_at(x, r, N: tl.constexpr, BY_COUNT: tl.constexpr):
+    """The value of ascending rank ``r`` (0-based) of ``x[N]`` (no NaN): read off ``tl.sort``, or with ``BY_COUNT``
+    (the interpreter, whose ``tl.sort`` costs about 0.3 s a call) the one whose count of smaller values, ties broken
+    by index, is ``r``: the same value, from one ``[N, N]`` comparison."""
+    i = tl.arange(0, N)
+    if BY_COUNT:
+        below = (x[None, :] < x[:, None]) | ((x[None, :] == x[:, None]) & (i[None, :] < i[:, None]))
+        rank = tl.sum(below.to(tl.int32), axis=1)
+    else:
+        x = tl.sort(x)
+        rank = i
+    return tl.sum(tl.where(rank == r, x, 0.0), 0)
+
+
+@triton.jit
+def _bin_window(row, n, k, every, HIST_BITS: tl.constexpr, SCORE_HIST: tl.constexpr, BY_COUNT: tl.constexpr):
     """Pass 1's bins for a row: ``(key_lo, shift, lo, step)`` (see :func:`_bin`), from a fixed sample of the row.
 
     The sample (32 pieces of 16 scores, evenly spread) is the same in every program of the row, so all
@@ -105,8 +120,7 @@ def _bin_window(row, n, k, every, HIST_BITS: tl.constexpr, SCORE_HIST: tl.conste
     offs = tl.arange(0, 32)[:, None] * (n // 32) + tl.arange(0, 16)[None, :]
     x = tl.load(row + offs, mask=offs < n, other=float("-inf"))
     piece_max = tl.max(tl.where(tl.abs(x) < float("inf"), x, float("-inf")), axis=1)  # NaN, +-inf out
-    ascending = tl.sort(tl.where(piece_max > float("-inf"), piece_max, float("inf")))
-    lo = tl.sum(tl.where(tl.arange(0, 32) == 2, ascending, 0.0), 0)
+    lo = _ascending_at(tl.where(piece_max > float("-inf"), piece_max, float("inf")), 2, 32, BY_COUNT)
     if SCORE_HIST:
         if every:  # (rows that histogram group maxima skip the sample)
             at = (tl.arange(0, 128) // 4) * (n // 32) + tl.arange(0, 128) % 4
@@ -114,8 +128,7 @@ def _bin_window(row, n, k, every, HIST_BITS: tl.constexpr, SCORE_HIST: tl.conste
             s = tl.where(tl.abs(s) < float("inf"), s, float("-inf"))
             finite_count = tl.sum((s > float("-inf")).to(tl.int32), 0)
             rank = tl.minimum(2 * k * 128 // tl.maximum(n, 1), finite_count - 1)
-            descending = tl.sort(s, descending=True)
-            lo_of_scores = tl.sum(tl.where(tl.arange(0, 128) == rank, descending, 0.0), 0)  # the one of that rank
+            lo_of_scores = _ascending_at(s, 127 - rank, 128, BY_COUNT)  # the one of that rank from the top
             lo = tl.where(finite_count >= 3, lo_of_scores, lo)
     hi = tl.max(piece_max, axis=0)
     key_lo = _sort_key(lo.to(tl.int32, bitcast=True))
@@ -185,7 +198,7 @@ def _tile_hist(x, every, key_lo, shift, lo, step, NB: tl.constexpr, col_mask, sc
 @triton.jit(do_not_specialize=["L", "route_min", "group_min", "k", "info_off"])
 def topk_bound_kernel(scores, stride_t, L, lengths, work, info_off, chunk, route_min, group_min, k,
                        HAS_LENGTHS: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr,
-                       HIST_BITS: tl.constexpr, SCORE_HIST: tl.constexpr):
+                       HIST_BITS: tl.constexpr, SCORE_HIST: tl.constexpr, BY_COUNT: tl.constexpr):
     """Pass 1, grid (T, SPLIT): the histogram of the group maxima (rows of at least ``group_min``
     scores) or of the scores (rows of ``route_min`` to ``group_min``) of the chunk into its slot of the
     row's partial histograms; the row's first program also writes its ``info`` (window, zero count).
@@ -201,7 +214,7 @@ def topk_bound_kernel(scores, stride_t, L, lengths, work, info_off, chunk, route
         NB: tl.constexpr = 1 << HIST_BITS
         STEP: tl.constexpr = GROUP * COLS
         row = scores + t.to(tl.int64) * stride_t
-        key_lo, shift, v_lo, step = _bin_window(row, n, k, every, HIST_BITS, SCORE_HIST)
+        key_lo, shift, v_lo, step = _bin_window(row, n, k, every, HIST_BITS, SCORE_HIST, BY_COUNT)
         if split == 0:
             info = work + info_off + t * INFO_WORDS
             tl.store(info + INFO_KEY_LO, key_lo)
