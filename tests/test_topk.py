@@ -448,8 +448,6 @@ def test_cached_plan_still_checks_scalars_and_follows_the_config_lookup(monkeypa
 
 def test_routes_report_checks_every_route_min():
     """The topk_routes report runs each ROUTE_MIN of the space on mixed and fixed lengths and checks its indices."""
-    from dsa_triton import registry
-
     rows = REPORTS["topk_routes"](torch.device("cpu"), None)
     assert {r["ROUTE_MIN"] for r in rows} == set(SPACE["ROUTE_MIN"])
     assert all(r["check"] == "ok" and r["us"] > 0 for r in rows), rows
