@@ -87,10 +87,7 @@ def launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)``, through the kernel's :class:`LeanKernel` when it is a compiled-mode
     ``@triton.jit`` function. Pass every argument that is not a constexpr positionally: keyword arguments are
     keyed by value. Returns what Triton's launch returns (the compiled kernel)."""
-    lean = kernel.__dict__.get(_ATTRIBUTE) if ENABLED else None
-    if lean is None and (lean := _lean_kernel(kernel)) is None:
-        return kernel[grid](*args, **meta)
-    return lean.call(grid, args, meta)
+    return launch_with(kernel, grid, meta, *args)
 
 
 def launch_with(kernel, grid, meta: dict, *args):

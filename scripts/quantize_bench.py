@@ -43,13 +43,6 @@ def interleave(q: torch.Tensor) -> torch.Tensor:
     return q.view(torch.uint8).view(m, k // 128, 4, 8, 4).transpose(2, 3).reshape(m, k)
 
 
-def quantize_meta(k: int, interleaved: bool) -> dict:
-    """The keyword arguments the op launches the quantization with for rows of ``k``."""
-    from dsa_triton.moe.fp8_grouped_gemm import QUANTIZE_ROW, QUANTIZE_STEP, QUANTIZE_TILE, _quantize_meta
-
-    return _quantize_meta(k, interleaved, QUANTIZE_TILE, QUANTIZE_ROW, *QUANTIZE_STEP)
-
-
 def matches_oracle(q, s, x, interleaved: bool) -> bool:
     """``(q, s)`` of :func:`quantize_activations_fp8` equal to the oracle's bit for bit (NaN scales where its are)."""
     from dsa_triton.moe.fp8_grouped_gemm_reference import quantize_rows_fp8_torch
@@ -81,7 +74,7 @@ def timed_rows(copy_tbps: float) -> list[dict]:
 
     from dsa_triton.hostmath import cdiv
     from dsa_triton.launch import launch_with
-    from dsa_triton.moe.fp8_grouped_gemm import quantize_activations_fp8
+    from dsa_triton.moe.fp8_grouped_gemm import quantize_activations_fp8, quantize_meta
     from dsa_triton.moe.fp8_grouped_gemm_kernels import _quantize_rows_kernel
 
     def run(x, meta):
@@ -124,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton.testing
 
     from dsa_triton.bench.results import dict_table, write_results
+    from dsa_triton.moe.fp8_grouped_gemm import quantize_meta
 
     assert torch.cuda.is_available(), "scripts/quantize_bench.py needs a GPU"
     checks = check_rows("cuda")

@@ -14,18 +14,18 @@ bytes (656 for DSA): the ``D_V`` e4m3 latent bytes as a ``[BLOCK_N, groups, 128]
 each 128-value group, converted to q's dtype (exact in bf16: the append op's scales are powers of two), and the
 ``D_R`` bf16 rope values; then the same two dots as rows in q's dtype.
 
-Hopper notes (Triton 3.6, sm_90a; the measurements are in results/JOURNAL.md): a 64 rows x 512 fp32
-accumulator is what 8 warps can hold (255 registers, no spills with BLOCK_N=64, 2 stages, 221 KB shared memory: q
-and two gathered tiles), so one program runs per SM and 128 heads take two programs per tile (the second gather
-hits L2). Both dots use wgmma; Triton gives a score dot that feeds another dot all warps along M, so with 64 rows
-the two warpgroups compute the same score tile, both reading q and the tile from shared memory: per 64-token tile
-about 300 KB of shared-memory reads for the scores against 64 KB for the value dot, over an SM's 128 bytes a
-clock. The pipeliner issues the next tile's gather at the end of the loop body (after a synchronous load of its
-indices), so the gather overlaps only the value dot. Tried and slower on the H200: a token-major form (scores
+Hopper notes (Triton 3.6, sm_90a; the measurements are in results/JOURNAL.md): a 64 rows x 512 fp32 accumulator is
+what 8 warps can hold (255 registers, no spills with BLOCK_N=64, 2 stages, 221 KB shared memory: q and two gathered
+tiles), so one program runs per SM and 128 heads take two programs per tile (the second gather hits L2). Both dots
+use wgmma; Triton gives a score dot that feeds another dot all warps along M, so with 64 rows the two warpgroups
+compute the same score tile, both reading q and the tile from shared memory: per 64-token tile about 300 KB of
+shared-memory reads by our count (not profiled) for the scores against 64 KB for the value dot, over an SM's 128
+bytes a clock. The pipeliner issues the next tile's gather at the end of the loop body (after a synchronous load of
+its indices), so the gather overlaps only the value dot. Tried and slower on the H200: a token-major form (scores
 [tokens, heads], accumulator [Dv, heads], probabilities through shared memory: both operands of every wgmma from
-shared memory, the softmax state rematerialized per layout), 1.34x slower at decode B=64; the indices loaded a
-tile ahead, 1.27x slower at BLOCK_N=64 (at BLOCK_N=32, 3 stages, 1.26x faster than without, still under 64). The
-row gathers are 16-byte cp.async.
+shared memory, the softmax state rematerialized per layout), 1.34x slower at decode B=64; the indices loaded a tile
+ahead, 1.27x slower at BLOCK_N=64 (at BLOCK_N=32, 3 stages, 1.26x faster than without, still under 64). The row
+gathers are 16-byte cp.async.
 """
 from __future__ import annotations
 

@@ -62,8 +62,8 @@ from .workspace import FP8Workspace, shared_workspace
 
 # activation quantization: rows of up to QUANTIZE_TILE elements (padded to a power of two) are read once and kept in
 # registers, a row tile of at least QUANTIZE_ROW elements a program (4 warps; up to 64 fp32 a thread); longer rows
-# are read twice in steps of QUANTIZE_STEP (4 rows x 1024). H200 (scripts/quantize_bench.py): 0.93-0.97 of the copy
-# bandwidth at K = 7168, 0.82-0.91 at K = 2048 (one row, 4 warps; 8 warps and software rounding: 0.53-0.58)
+# are read twice in steps of QUANTIZE_STEP (4 rows x 1024). H200 (scripts/quantize_bench.py): 0.93-0.98 of the copy
+# bandwidth at K = 7168, 0.81-0.92 at K = 2048 (one row, 4 warps; 8 warps and software rounding: 0.53-0.58)
 QUANTIZE_TILE = 8192
 QUANTIZE_ROW = 2048
 QUANTIZE_STEP = (4, 1024)
@@ -87,6 +87,11 @@ def _quantize_meta(k: int, interleaved: bool, tile: int, row: int, step_m: int, 
                 SOFTWARE_ROUND=interpreting(), num_warps=4)
 
 
+def quantize_meta(k: int, interleaved: bool) -> dict:
+    """The activation quantization's keyword arguments for rows of ``k`` under the module's current constants."""
+    return _quantize_meta(k, interleaved, QUANTIZE_TILE, QUANTIZE_ROW, *QUANTIZE_STEP)
+
+
 def quantize_activations_fp8(x: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``x[M, K]`` fp16/bf16/fp32 (rows contiguous) -> ``(q e4m3 [M, K], scale fp32 [M])``, launch only.
     ``interleaved`` (K a multiple of 128): ``q``'s k order is :func:`.mxfp4_to_fp8_kernels.interleave_blocks`'s."""
@@ -96,7 +101,7 @@ def quantize_activations_fp8(x: torch.Tensor, interleaved: bool = False) -> tupl
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
-        meta = _quantize_meta(k, interleaved, QUANTIZE_TILE, QUANTIZE_ROW, *QUANTIZE_STEP)
+        meta = quantize_meta(k, interleaved)
         launch_with(_quantize_rows_kernel, (cdiv(m, meta["BLOCK_M"]),), meta, x, q, s, m, k, x.stride(0), q.stride(0))
     return q, s
 

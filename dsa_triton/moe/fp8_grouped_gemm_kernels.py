@@ -189,13 +189,10 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
     ref = tl.load(ref_ptr + expert * stride_re + cols_in).to(tl.int32)  # each weight row's largest block scale
     code_rows = codes_ptr + expert * stride_ce + cols_in[:, None] * stride_cn  # int16: four codes each
     scale_rows = scales_ptr + expert * stride_se + cols_in[:, None] * stride_sn
-    if BLOCK_M >= 32:
-        if row_end - row0 <= BLOCK_M // 2:
-            _fused_tile(x_ptr, sx_ptr, code_rows, scale_rows, ref, y_ptr, row0, row_end, cols, N, K, KB, stride_xm,
-                        stride_ym, BLOCK_M // 2, W_SMEM, EVEN_K, PTX, UNROLL)
-        else:
-            _fused_tile(x_ptr, sx_ptr, code_rows, scale_rows, ref, y_ptr, row0, row_end, cols, N, K, KB, stride_xm,
-                        stride_ym, BLOCK_M, W_SMEM, EVEN_K, PTX, UNROLL)
+    HALF_M: tl.constexpr = BLOCK_M // 2 if BLOCK_M >= 32 else BLOCK_M  # (a dot needs 16 rows)
+    if row_end - row0 <= BLOCK_M // 2:
+        _fused_tile(x_ptr, sx_ptr, code_rows, scale_rows, ref, y_ptr, row0, row_end, cols, N, K, KB, stride_xm,
+                    stride_ym, HALF_M, W_SMEM, EVEN_K, PTX, UNROLL)
     else:
         _fused_tile(x_ptr, sx_ptr, code_rows, scale_rows, ref, y_ptr, row0, row_end, cols, N, K, KB, stride_xm,
                     stride_ym, BLOCK_M, W_SMEM, EVEN_K, PTX, UNROLL)
