@@ -19,10 +19,12 @@
 #   quantize  the MoE prefill's activation quantization: bit for bit against its oracle, timed against copy
 #             (scripts/quantize_bench.py)
 #   sweep ARGS  python scripts/config_sweep.py ARGS (given configs against the launch config, checked and timed)
+#   profile ARGS  Nsight Compute (full set) of one launch of PROFILE_KERNEL (a regex; default the registers route's
+#             _fused_gemm_kernel) in python scripts/moe_gemm_profile.py ARGS: report, details page, SASS source page
 #   tune ARGS dsa-tune tune ARGS (needs .whl with the optuna wheels carried: optuna is not on the GPU image)
 #   day0 ARGS dsa-tune day0 --flat ARGS: tune a config's shapes within --budget, then first tokens from its
 #             checkpoint or random weights, each stage timed, one results file (--out $OUT; needs .whl as tune)
-# runner, topk-route, sweep, tune and day0 take the rest of the command line. Everything lands in $OUT/session.tgz (the device tool returns at
+# runner, topk-route, sweep, profile, tune and day0 take the rest of the command line. Everything lands in $OUT/session.tgz (the device tool returns at
 # most 8 files): logs, results files, and the tuning database after a tune or day0 (merge it back with
 # `dsa-tune merge db/*.csv` from the unpacked archive).
 set -u -o pipefail
@@ -64,6 +66,17 @@ while [ $# -gt 0 ]; do
     sweep)
       timeout 590 python scripts/config_sweep.py --out "$OUT" "$@" 2>&1 | tee "$OUT/config-sweep.log" | tail -60 \
         || status=1
+      shift $# ;;
+    profile)
+      ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      timeout 500 "$ncu" --clock-control none --kernel-name "regex:${PROFILE_KERNEL:-_fused_gemm_kernel}" \
+        --launch-skip 1 --launch-count 1 --set full -o "$OUT/profile" python3 scripts/moe_gemm_profile.py "$@" \
+        > "$OUT/profile.log" 2>&1 || status=1
+      "$ncu" --import "$OUT/profile.ncu-rep" --page details > "$OUT/profile-details.txt" 2>&1
+      "$ncu" --import "$OUT/profile.ncu-rep" --page source --csv --print-source sass > "$OUT/profile-sass.csv" 2>&1
+      tail -5 "$OUT/profile.log"
+      grep -E "Duration|Throughput|Pipe|Issue|Stall|Registers|Shared Memory Config|Achieved Occ|Executed Ipc" \
+        "$OUT/profile-details.txt" | head -60
       shift $# ;;
     topk-route)
       timeout 590 python scripts/topk_route.py --kernel --json "$OUT/topk-route.json" "$@" 2>&1 \
