@@ -57,3 +57,4 @@ def test_the_dispatch_takes_only_bf16_dsa_shapes_on_sm90():
     assert not g.gluon_fits(q[..., :80], kv[:, :80], 64, config)
     assert not g.gluon_fits(q, kv, 512, {**config, "BLOCK_N": 32})
     assert not g.gluon_fits(q, kv, 512, {**config, "num_warps": 4})
+    assert not g.gluon_fits(q, torch.zeros(64, 580, dtype=torch.bfloat16)[:, 4:], 512, config)  # 8-byte aligned rows

@@ -5,8 +5,9 @@ layout, so ``_combine_splits`` merges its splits), for ``BLOCK_H`` = ``BLOCK_N``
 cannot be told and Gluon can: every MMA uses the warp layout [4, 2] (two warpgroups side by side along N), so
 
 - the score MMA ``q[64, 576] @ k^T[576, 64]`` gives warpgroup w the tokens ``[32w, 32w + 32)`` (no duplicated
-  score work, the tile's rows read once from shared memory); the row maxima and sums are cross-warpgroup
-  reductions (a shared-memory exchange the compiler emits);
+  score work, the tile's rows read once from shared memory); the row maxima are cross-warpgroup reductions (a
+  shared-memory exchange the compiler emits), the row sums are kept per column (16 registers a thread) and
+  reduced once at the end;
 - the probabilities go to a shared ``[64, 64]`` bf16 buffer, and the value MMA ``p @ v[64, 512]`` gives
   warpgroup w the value columns ``[256w, 256w + 256)``: its half of the 64 x 512 fp32 accumulator (128 registers
   a thread).
@@ -102,7 +103,7 @@ def _sparse_attention_fwd_gluon(
     slot, ok = _slots(idx_row, lo + BLOCK_N, hi, num_slots, BLOCK_N, ROWS)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=S_ROWS)
-    l_i = gl.zeros([BLOCK_H], gl.float32, layout=S_ROWS)
+    l_2d = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)  # row sums by column, summed at the end
     acc = gl.zeros([BLOCK_H, D_V], gl.float32, layout=O_MMA)
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
     buf = 0
@@ -112,22 +113,21 @@ def _sparse_attention_fwd_gluon(
         fence_async_shared()
         gl.thread_barrier()
         kn = k_nope.index(buf)
-        kr = k_rope.index(buf)
+        s = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_rope, k_rope.index(buf).permute((1, 0)), s, is_async=True)
+        # the next gather is issued while the score MMAs run (into the other buffer)
         _gather(k_nope.index(1 - buf), k_rope.index(1 - buf), kv_ptr, slot.to(gl.int64) * s_kv, ok, D_V, D_R,
                 GATHER)
         async_copy.commit_group()
         slot, ok = _slots(idx_row, start + 2 * BLOCK_N, hi, num_slots, BLOCK_N, ROWS)
         _, cols_ok = _slots(idx_row, start, hi, num_slots, BLOCK_N, S_COLS)
-
-        s = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
         s = gl.where(cols_ok[None, :], s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while nothing is valid yet
         p = gl.exp2(s - m_ref[:, None])
         alpha = gl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + gl.sum(p, 1)
+        l_2d = l_2d * alpha[:, None] + p
         m_i = m_new
         p_smem.store(p.to(dtype))
         fence_async_shared()
@@ -137,6 +137,7 @@ def _sparse_attention_fwd_gluon(
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         buf = 1 - buf
     async_copy.wait_group(0)  # the last (empty) gather
+    l_i = gl.sum(l_2d, 1)
 
     empty = l_i == 0  # not NaN: a NaN score propagates to out and lse
     l_ref = gl.where(empty, 1.0, l_i)
@@ -153,10 +154,13 @@ def _sparse_attention_fwd_gluon(
 
 def gluon_fits(q: torch.Tensor, kv: torch.Tensor, d_v: int, config: dict) -> bool:
     """Whether the Gluon kernel's shapes and dtypes fit a launch: ``q[..., D]`` and ``kv[num_slots, D]`` bf16 (not
-    the FP8 latent cache), D = 576 with ``d_v`` = 512, and a config of ``BLOCK_H`` = ``BLOCK_N`` = 64 at 8 warps
-    (any ``num_splits`` and stages)."""
+    the FP8 latent cache), D = 576 with ``d_v`` = 512, rows 16-byte aligned (the gathers are 16-byte cp.async:
+    addresses and row strides multiples of 16 bytes, the last dim contiguous), and a config of ``BLOCK_H`` =
+    ``BLOCK_N`` = 64 at 8 warps (any ``num_splits`` and stages)."""
+    aligned = all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1])
+                  for t in (q, kv))
     return (q.dtype == kv.dtype == torch.bfloat16 and d_v == GLUON_D_V and q.shape[-1] == GLUON_D_V + GLUON_D_R
-            and kv.shape[-1] == q.shape[-1]
+            and kv.shape[-1] == q.shape[-1] and aligned
             and all(config[k] == v for k, v in GLUON_CONFIG.items() if k != "num_stages"))
 
 
