@@ -248,11 +248,12 @@ def logical_to_slots(indices: torch.Tensor, block_table: torch.Tensor, bt_div: i
 
 
 def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sm_scale: float,
-                         launch: AttentionLaunch) -> tuple[torch.Tensor, torch.Tensor]:
+                         launch: AttentionLaunch, kernel=_sparse_attention_fwd) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked arguments. ``q[R, S, H, D]`` (the S tokens share index row r), ``kv[num_slots, D]``
     (row stride free, last dim contiguous) or uint8 FP8 latent cache rows ``kv[num_slots, bytes]`` (latent
     width ``d_v``), ``slots[R, k]`` (negative or >= num_slots: skipped) -> ``out[R, S, H, d_v]`` in q's dtype,
-    ``lse[R, S, H]`` fp32; ``d_v``, the config and the constexprs from ``launch``."""
+    ``lse[R, S, H]`` fp32; ``d_v``, the config and the constexprs from ``launch``. ``kernel``: the attention
+    kernel (one of this contract's arguments: the Gluon one of :mod:`.sparse_attention_gluon` where it applies)."""
     R, S, H = q.shape[:3]
     M, k = S * H, slots.shape[1]
     d_v, num_splits, block_n = launch.d_v, launch.num_splits, launch.block_n
@@ -268,7 +269,7 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
         part_out, part_lse = out, lse
     grid = (R * num_splits * cdiv(M, launch.block_h),)
     launch_with(
-        _sparse_attention_fwd, grid, launch.fwd_meta,
+        kernel, grid, launch.fwd_meta,
         q, kv, slots, part_out, part_lse,
         M, H, k, cdiv(cdiv(k, num_splits), block_n) * block_n, kv.shape[0], sm_scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), slots.stride(0),

@@ -90,11 +90,13 @@ def record_launches(execute: bool = True):
 
 
 def compile_for(record: dict, target: tuple = H200):
-    """Compile one recorded launch for ``target`` (needs ``TRITON_INTERPRET=0`` in this process)."""
+    """Compile one recorded launch for ``target`` (needs ``TRITON_INTERPRET=0`` in this process); a Gluon kernel
+    through Gluon's source class."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = getattr(importlib.import_module(record["module"]), record["kernel"])
     constexprs, signature, attrs = {}, {}, {}
@@ -111,7 +113,8 @@ def compile_for(record: dict, target: tuple = H200):
         signature[name] = kind
         if name in aligned and specialized and not param.do_not_specialize_on_alignment:
             attrs[(param.num,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(*target),
+    source = GluonASTSource if fn.is_gluon() else ASTSource
+    return triton.compile(source(fn, signature, constexprs, attrs), target=GPUTarget(*target),
                           options={"num_warps": record["num_warps"], "num_stages": record["num_stages"]})
 
 

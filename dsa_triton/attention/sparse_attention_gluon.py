@@ -1,0 +1,171 @@
+"""Gluon kernel of sparse attention for Hopper (sm_90a), bf16 q and cache, DSA head dims (512 latent + 64 rope).
+
+Same contract as :func:`.sparse_attention_kernels._sparse_attention_fwd` (same arguments, same partial out / lse
+layout, so ``_combine_splits`` merges its splits), for ``BLOCK_H`` = ``BLOCK_N`` = 64 and 8 warps. What Triton
+cannot be told and Gluon can: every MMA uses the warp layout [4, 2] (two warpgroups side by side along N), so
+
+- the score MMA ``q[64, 576] @ k^T[576, 64]`` gives warpgroup w the tokens ``[32w, 32w + 32)`` (no duplicated
+  score work, the tile's rows read once from shared memory); the row maxima are cross-warpgroup reductions (a
+  shared-memory exchange the compiler emits), the row sums are kept per column (16 registers a thread) and
+  reduced once at the end;
+- the probabilities go to a shared ``[64, 64]`` bf16 buffer, and the value MMA ``p @ v[64, 512]`` gives
+  warpgroup w the value columns ``[256w, 256w + 256)``: its half of the 64 x 512 fp32 accumulator (128 registers
+  a thread).
+
+Shared memory: q (72 KB) once, two gathered tiles of 64 rows x 576 (72 KB each) and the probabilities (8 KB). The
+rows are gathered with 16-byte ``cp.async`` (invalid slots zero-filled, never read): tile j + 1's gather is issued
+at the top of tile j's step and lands while tile j computes; the slots are loaded a tile before their gather.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from ..runtime import interpreting
+
+GLUON_D_V, GLUON_D_R = 512, 64  # the head dims the kernel is written for (DSA)
+GLUON_CONFIG = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}  # num_stages: for the config's key
+_LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _gather(dst_nope, dst_rope, base, rows, ok, D_V: gl.constexpr, D_R: gl.constexpr, LAYOUT: gl.constexpr):
+    """cp.async rows ``base + rows[i]`` (element offsets, int64; ``rows`` in ``SliceLayout(1, LAYOUT)``) into
+    ``dst_nope[i, :D_V]`` and ``dst_rope[i, :D_R]`` (from element ``D_V`` on); rows where ``ok`` is off are
+    zero-filled without a read."""
+    cols_v = gl.arange(0, D_V, layout=gl.SliceLayout(0, LAYOUT))
+    cols_r = gl.arange(0, D_R, layout=gl.SliceLayout(0, LAYOUT))
+    ptrs = base + rows[:, None]
+    async_copy.async_copy_global_to_shared(dst_nope, ptrs + cols_v[None, :], mask=ok[:, None])
+    async_copy.async_copy_global_to_shared(dst_rope, ptrs + D_V + cols_r[None, :], mask=ok[:, None])
+
+
+@gluon.jit
+def _slots(idx_row, start, hi, num_slots, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+    """Slots of tokens ``[start, start + BLOCK_N)`` (-1 from ``hi`` on) in ``LAYOUT`` and whether each is valid."""
+    offs = start + gl.arange(0, BLOCK_N, layout=LAYOUT)
+    slot = gl.load(idx_row + offs, mask=offs < hi, other=-1)
+    return slot, (slot >= 0) & (slot < num_slots)
+
+
+@gluon.jit
+def _sparse_attention_fwd_gluon(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+    M, H, k_len, tokens_per_split, num_slots, qk_scale,
+    s_qr, s_qs, s_qh, s_kv, s_ir,
+    D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DR: gl.constexpr,
+    NUM_SPLITS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DOT_FP32: gl.constexpr,
+):
+    """The arguments of ``_sparse_attention_fwd`` (bf16 cache only, ``D_V`` = 512, ``D_R`` = 64, ``BLOCK_H`` =
+    ``BLOCK_N`` = 64, 8 warps). Query row (r, m) is ``q_ptr + r*s_qr + (m // H)*s_qs + (m % H)*s_qh``; outputs
+    ``out[R, M, NUM_SPLITS, D_V]`` (q's dtype with one split, else fp32 partials) and ``lse[R, M, NUM_SPLITS]``
+    natural log, -inf and 0 for a row without a valid slot; a NaN score makes out and lse NaN."""
+    gl.static_assert(D_V == 512 and D_R == 64 and BLOCK_H == 64 and BLOCK_N == 64 and gl.num_warps() == 8)
+    gl.static_assert(BLOCK_DV == D_V and BLOCK_DR == D_R and not DOT_FP32)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    # 16-byte chunks, a warp covers 4 rows x 128 bytes; the rope part takes the same rows (one slot layout)
+    GATHER: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    ROWS: gl.constexpr = gl.SliceLayout(1, GATHER)
+    S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    S_ROWS: gl.constexpr = gl.SliceLayout(1, S_MMA)
+    S_COLS: gl.constexpr = gl.SliceLayout(0, S_MMA)
+    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_MMA)
+    NOPE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_V], dtype)
+    ROPE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], dtype)
+    P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
+
+    pid = gl.program_id(0)
+    num_hb = gl.cdiv(M, BLOCK_H)
+    hb = pid % num_hb
+    split = (pid // num_hb) % NUM_SPLITS
+    r = (pid // num_hb // NUM_SPLITS).to(gl.int64)
+
+    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_V], NOPE)
+    q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_R], ROPE)
+    k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_V], NOPE)
+    k_rope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_R], ROPE)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], P_SMEM)
+
+    offs_m = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS)
+    q_rows = r * s_qr + (offs_m // H) * s_qs + (offs_m % H) * s_qh
+    _gather(q_nope, q_rope, q_ptr, q_rows, offs_m < M, D_V, D_R, GATHER)
+
+    lo = split * tokens_per_split
+    hi = gl.minimum(lo + tokens_per_split, k_len)
+    idx_row = idx_ptr + r * s_ir
+    slot, ok = _slots(idx_row, lo, hi, num_slots, BLOCK_N, ROWS)
+    _gather(k_nope.index(0), k_rope.index(0), kv_ptr, slot.to(gl.int64) * s_kv, ok, D_V, D_R, GATHER)
+    async_copy.commit_group()
+    slot, ok = _slots(idx_row, lo + BLOCK_N, hi, num_slots, BLOCK_N, ROWS)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=S_ROWS)
+    l_2d = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)  # row sums by column, summed at the end
+    acc = gl.zeros([BLOCK_H, D_V], gl.float32, layout=O_MMA)
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
+    buf = 0
+    for start in range(lo, hi, BLOCK_N):
+        # tile j landed (this thread's copies; the barrier: everyone's), tile j - 1's MMAs are done everywhere
+        async_copy.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()
+        kn = k_nope.index(buf)
+        s = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_rope, k_rope.index(buf).permute((1, 0)), s, is_async=True)
+        # the next gather is issued while the score MMAs run (into the other buffer)
+        _gather(k_nope.index(1 - buf), k_rope.index(1 - buf), kv_ptr, slot.to(gl.int64) * s_kv, ok, D_V, D_R,
+                GATHER)
+        async_copy.commit_group()
+        slot, ok = _slots(idx_row, start + 2 * BLOCK_N, hi, num_slots, BLOCK_N, ROWS)
+        _, cols_ok = _slots(idx_row, start, hi, num_slots, BLOCK_N, S_COLS)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        s = gl.where(cols_ok[None, :], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while nothing is valid yet
+        p = gl.exp2(s - m_ref[:, None])
+        alpha = gl.exp2(m_i - m_ref)
+        l_2d = l_2d * alpha[:, None] + p
+        m_i = m_new
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.convert_layout(alpha, O_ROWS, assert_trivial=True)[:, None]
+        acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        buf = 1 - buf
+    async_copy.wait_group(0)  # the last (empty) gather
+    l_i = gl.sum(l_2d, 1)
+
+    empty = l_i == 0  # not NaN: a NaN score propagates to out and lse
+    l_ref = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_ref)) * _LN2)
+    out = acc / gl.convert_layout(l_ref, O_ROWS, assert_trivial=True)[:, None]
+    rows_o = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROWS)
+    cols_o = gl.arange(0, D_V, layout=gl.SliceLayout(0, O_MMA))
+    out_row = (r * M + rows_o) * NUM_SPLITS + split
+    gl.store(out_ptr + out_row[:, None] * D_V + cols_o[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(rows_o < M)[:, None])
+    rows_l = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=S_ROWS)
+    gl.store(lse_ptr + (r * M + rows_l) * NUM_SPLITS + split, lse, mask=rows_l < M)
+
+
+def gluon_fits(q: torch.Tensor, kv: torch.Tensor, d_v: int, config: dict) -> bool:
+    """Whether the Gluon kernel's shapes and dtypes fit a launch: ``q[..., D]`` and ``kv[num_slots, D]`` bf16 (not
+    the FP8 latent cache), D = 576 with ``d_v`` = 512, rows 16-byte aligned (the gathers are 16-byte cp.async:
+    addresses and row strides multiples of 16 bytes, the last dim contiguous), and a config of ``BLOCK_H`` =
+    ``BLOCK_N`` = 64 at 8 warps (any ``num_splits`` and stages)."""
+    aligned = all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1])
+                  for t in (q, kv))
+    return (q.dtype == kv.dtype == torch.bfloat16 and d_v == GLUON_D_V and q.shape[-1] == GLUON_D_V + GLUON_D_R
+            and kv.shape[-1] == q.shape[-1] and aligned
+            and all(config[k] == v for k, v in GLUON_CONFIG.items() if k != "num_stages"))
+
+
+def gluon_applies(q: torch.Tensor, kv: torch.Tensor, d_v: int, config: dict) -> bool:
+    """Whether the Gluon kernel serves a launch: :func:`gluon_fits`, on a CUDA sm_90 device outside the
+    interpreter."""
+    return (q.is_cuda and not interpreting() and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and gluon_fits(q, kv, d_v, config))

@@ -1,0 +1,204 @@
+"""The Gluon sparse attention kernel on the GPU against the reference and the Triton kernel, then both timed
+(``python scripts/gluon_attention.py [--out DIR]``).
+
+Checks: small and odd shapes (index rows R 1 and 3; query rows M 64, 128 and 80 as 2 tokens x 40 heads, the last
+head block masked; k 64, 100 and 2048; a cache of a number of slots no multiple of 64 whose rows nothing selects
+are NaN; slots padded with -1, some negative or past the cache, one row without a valid slot), one split and four
+(merged by ``_combine_splits``), outputs poisoned with NaN before each run; each kernel within the spec's bf16
+tolerance of the fp32 reference, and the two kernels' largest difference reported. Timing
+(``do_bench_cudagraph``, median; eager ``do_bench`` where capture fails): decode R = 64, 8, 1 with 128 heads,
+k = 2048 over a 128K-slot cache (151 MB, larger than the L2), the Triton kernel at its launch config (tuning
+database), the Gluon one at that split count (and twice it below R = 64), with TFLOP/s and the fraction of a bf16
+``torch.mm`` 8192^3 measured in the same run. Prints PASS / FAIL per check and a table last; writes
+``gluon-attention.json`` under ``--out``; exit 1 on any failure (a kernel that fails to compile or launch is a
+failure of its rows; the rest still runs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+D, DV = 576, 512
+CHECK_CASES = [  # (R, S, H, k, num_slots)
+    (1, 1, 64, 64, 1000), (3, 1, 128, 100, 1000), (3, 2, 40, 2048, 5000), (1, 1, 128, 2048, 4100),
+    (3, 1, 64, 100, 200),
+]
+
+
+def make_inputs(R: int, S: int, H: int, k: int, num_slots: int, seed: int, odd: bool = True):
+    """``q[R, S, H, D]`` bf16, ``kv[num_slots, D]`` bf16 (rows nothing selects NaN), ``slots[R, k]`` int32.
+    ``odd``: rows hold -1 padding from a random count on, about 5% of the slots negative or past the cache,
+    and row 2 (when there is one) no valid slot."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(R, S, H, D, generator=g, device="cuda").bfloat16()
+    slots = torch.rand(R, num_slots, generator=g, device="cuda").argsort(dim=1)[:, :k] if k <= num_slots else \
+        torch.randint(0, num_slots, (R, k), generator=g, device="cuda")
+    if odd:
+        count = torch.randint(k // 2, k + 1, (R, 1), generator=g, device="cuda")
+        slots = torch.where(torch.arange(k, device="cuda")[None, :] < count, slots, -1)
+        stray = torch.rand(R, k, generator=g, device="cuda") < 0.05
+        wild = torch.where(torch.rand(R, k, generator=g, device="cuda") < 0.5, -7, num_slots + 3)
+        slots = torch.where(stray, wild, slots)
+        if R > 2:
+            slots[2] = -1
+    kv = torch.full((num_slots, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    live = slots[(slots >= 0) & (slots < num_slots)].long().unique()
+    kv[live] = torch.randn(live.numel(), D, generator=g, device="cuda").bfloat16()
+    return q, kv, slots.to(torch.int32).contiguous()
+
+
+def config_for(kernel: str, R: int, H: int, k: int, num_splits: int | None = None) -> dict:
+    """The Triton kernel's launch config (tuning database, else default) for decode ``R`` x ``H`` heads; the Gluon
+    kernel's (64 x 64 tiles, 8 warps) at ``num_splits`` (default: the Triton config's). Importing the package
+    installs the tuning database's lookup."""
+    from dsa_triton.attention.sparse_attention_gluon import GLUON_CONFIG
+    from dsa_triton.attention.sparse_attention_spec import DECODE_SPEC
+
+    shape = {"B": R, "S": 1, "H": H, "D": D, "Dv": DV, "k": k, "P": 64, "logical": 0}
+    triton_config = DECODE_SPEC.launch_config("decode", shape, torch.device("cuda"))
+    if kernel == "triton":
+        return triton_config
+    return {**GLUON_CONFIG, "num_splits": num_splits or triton_config["num_splits"]}
+
+
+def runner(kernel: str, q, kv, slots, config: dict):
+    """A call of ``sparse_attention_fwd`` with the ``kernel`` ("triton" or "gluon") at ``config``."""
+    from dsa_triton.attention import sparse_attention_gluon, sparse_attention_kernels as sak
+
+    fn = sparse_attention_gluon._sparse_attention_fwd_gluon if kernel == "gluon" else sak._sparse_attention_fwd
+    launch = sak.AttentionLaunch(D, DV, slots.shape[1], 1, q.dtype, False, config)
+    return lambda: sak.sparse_attention_fwd(q, kv, slots, D ** -0.5, launch, kernel=fn)
+
+
+def check_rows() -> list[dict]:
+    from dsa_triton.attention.sparse_attention_gluon import GLUON_CONFIG
+    from dsa_triton.attention.sparse_attention_reference import sparse_attention_torch
+    from dsa_triton.attention.sparse_attention_spec import DECODE_SPEC
+    from tests.poison import poisoned_allocations
+
+    rows = []
+    for case_no, (R, S, H, k, num_slots) in enumerate(CHECK_CASES):
+        q, kv, slots = make_inputs(R, S, H, k, num_slots, 100 + case_no)
+        valid = torch.where((slots >= 0) & (slots < num_slots), slots.long(), -1)
+        ref = sparse_attention_torch(q.reshape(R, S * H, D), kv, valid, D ** -0.5, DV, magnitude=True)
+        ref = tuple(x.reshape(R, S, H, *x.shape[2:]) for x in ref)
+        for num_splits in (1, 4):
+            outs = {}
+            for kernel in ("triton", "gluon"):
+                config = {**GLUON_CONFIG, "num_splits": num_splits}  # one config for both kernels
+                row = {"kernel": kernel, "R": R, "S": S, "H": H, "k": k, "num_slots": num_slots,
+                       "num_splits": num_splits}
+                try:
+                    with poisoned_allocations():
+                        out = runner(kernel, q, kv, slots, config)()
+                    torch.cuda.synchronize()
+                    row["check"] = DECODE_SPEC.compare(out, ref) or "ok"
+                    outs[kernel] = out
+                except Exception as exc:  # a kernel that fails to compile or launch fails its row
+                    row["check"] = f"error: {exc!r}"[:2000]
+                    traceback.print_exc()
+                if kernel == "gluon" and len(outs) == 2:
+                    (o1, l1), (o2, l2) = outs["triton"], outs["gluon"]
+                    finite = torch.isfinite(l1) & torch.isfinite(l2)
+                    row["max_abs_diff_to_triton"] = (o1.float() - o2.float()).abs().max().item()
+                    row["lse_max_abs_diff_to_triton"] = (l1 - l2)[finite].abs().max().item() if finite.any() else 0.0
+                status = "PASS" if row["check"] == "ok" else "FAIL"
+                print(f"{status} {kernel:6s} R={R} S={S} H={H} k={k} slots={num_slots} splits={num_splits}: "
+                      f"{row['check']}" + (f" (vs triton: out {row['max_abs_diff_to_triton']:.3g}, lse "
+                                           f"{row['lse_max_abs_diff_to_triton']:.3g})"
+                                           if "max_abs_diff_to_triton" in row else ""), flush=True)
+                rows.append(row)
+    return rows
+
+
+def median_us(fn) -> tuple[float, str]:
+    """Median time of ``fn`` in us: replayed from a CUDA graph, else eager."""
+    fn()
+    torch.cuda.synchronize()
+    try:
+        return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3, "graph"
+    except Exception as exc:  # capture failed: time it eagerly
+        print(f"graph capture failed ({exc!r:.200}); timing eagerly", flush=True)
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, return_mode="median") * 1e3, "eager"
+
+
+def mm_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: torch.mm(a, b), return_mode="median")
+    return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
+
+
+def timing_rows(passed: dict, mm_rate: float) -> list[dict]:
+    rows = []
+    H, k, num_slots = 128, 2048, 131072
+    for R in (64, 8, 1):
+        q, kv, slots = make_inputs(R, 1, H, k, num_slots, 7, odd=False)
+        flops = 2 * R * H * k * (D + DV)
+        triton_config = config_for("triton", R, H, k)
+        variants = [("triton", triton_config)]
+        splits = [triton_config["num_splits"]] + ([2 * triton_config["num_splits"]] if R < 64 else [])
+        variants += [("gluon", config_for("gluon", R, H, k, s)) for s in splits]
+        base = None
+        for kernel, config in variants:
+            row = {"kernel": kernel, "R": R, "H": H, "k": k, "num_slots": num_slots, "config": config}
+            if kernel == "gluon" and not passed[config["num_splits"] > 1]:
+                row["error"] = "skipped: its checks failed"
+            else:
+                try:
+                    us, mode = median_us(runner(kernel, q, kv, slots, config))
+                    tflops = flops / (us * 1e-6) / 1e12
+                    row.update(us=us, timing=mode, tflops=tflops, fraction_of_mm=tflops / mm_rate)
+                    base = us if kernel == "triton" else base
+                    row["speedup_vs_triton"] = base / us if base else None
+                except Exception as exc:  # compile or launch failure: reported, the rest goes on
+                    row["error"] = f"{exc!r}"[:2000]
+                    traceback.print_exc()
+            rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "results"))
+    args = parser.parse_args(argv)
+    assert torch.cuda.is_available(), "scripts/gluon_attention.py needs a GPU"
+
+    checks = check_rows()
+    failed = [r for r in checks if r["check"] != "ok"]
+    passed = {multi: all(r["check"] == "ok" for r in checks if r["kernel"] == "gluon" and (r["num_splits"] > 1) == multi)
+              for multi in (False, True)}
+    mm_rate = mm_tflops()
+    timings = timing_rows(passed, mm_rate)
+    failed += [r for r in timings if "error" in r and not r["error"].startswith("skipped")]
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "bf16_mm_tflops": mm_rate, "checks": checks, "timings": timings, "failures": len(failed)}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gluon-attention.json").write_text(json.dumps(result, indent=1, default=str))
+
+    print(f"\nbf16 torch.mm 8192^3: {mm_rate:.0f} TFLOP/s")
+    print(f"{'kernel':7s} {'R':>3s} {'splits':>6s} {'us':>8s} {'TFLOP/s':>8s} {'of mm':>6s} {'vs triton':>9s}")
+    for r in timings:
+        if "us" in r:
+            speedup = f"{r['speedup_vs_triton']:.2f}x" if r["speedup_vs_triton"] else "-"
+            print(f"{r['kernel']:7s} {r['R']:3d} {r['config']['num_splits']:6d} {r['us']:8.1f} {r['tflops']:8.0f} "
+                  f"{r['fraction_of_mm']:6.1%} {speedup:>9s}")
+        else:
+            print(f"{r['kernel']:7s} {r['R']:3d} {r['config']['num_splits']:6d}  {r['error'][:60]}")
+    print(f"\n{'ALL PASS' if not failed else f'FAILURES: {len(failed)}'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The Gluon sparse attention kernel (:mod:`dsa_triton.attention.sparse_attention_gluon`) lowers for the H200
+(sm_90a) with Triton's bundled ptxas, in a process without the interpreter (:mod:`dsa_triton.bench.aot`): no
+spills, shared memory within Hopper's 227 KiB, the score and value MMAs split between the two warpgroups (wgmma
+64 x 32 and 64 x 256). The interpreter cannot run Gluon: its numbers are checked by scripts/gluon_attention.py on
+the GPU."""
+import pytest
+import torch
+
+from dsa_triton.attention import sparse_attention_gluon as g
+from dsa_triton.attention.sparse_attention_spec import SMEM_BYTES
+from dsa_triton.bench import aot
+
+SHAPE = {"M": 128, "H": 128, "k_len": 2048, "tokens_per_split": 512, "num_slots": 131072, "qk_scale": 0.06,
+         "s_qr": 73728, "s_qs": 73728, "s_qh": 576, "s_kv": 576, "s_ir": 2048}
+
+
+def record(num_splits: int) -> dict:
+    """A launch record (:func:`aot.record_launches`'s form) of the DSA decode shape with ``num_splits`` splits."""
+    out = "*bf16" if num_splits == 1 else "*fp32"
+    types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "out_ptr": out, "lse_ptr": "*fp32",
+             **{name: "fp32" if name == "qk_scale" else "i32" for name in SHAPE}}
+    values = {**SHAPE, "D_V": g.GLUON_D_V, "D_R": g.GLUON_D_R, "BLOCK_DV": g.GLUON_D_V, "BLOCK_DR": g.GLUON_D_R,
+              "NUM_SPLITS": num_splits, "BLOCK_H": 64, "BLOCK_N": 64, "DOT_FP32": False}
+    aligned = [n for n, v in {**types, **SHAPE}.items() if n.endswith("_ptr") or (isinstance(v, int) and v % 16 == 0)]
+    return {"module": g.__name__, "kernel": g._sparse_attention_fwd_gluon.__name__, "types": types,
+            "values": values, "aligned": aligned, "num_warps": g.GLUON_CONFIG["num_warps"],
+            "num_stages": g.GLUON_CONFIG["num_stages"]}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    try:
+        return aot.compile_in_subprocess([record(1), record(4)], info=True)
+    except (OSError, RuntimeError) as exc:  # ptxas or cuobjdump unusable here
+        pytest.skip(f"bundled NVIDIA tools unusable: {exc}")
+
+
+def test_the_gluon_kernel_compiles_without_spills_within_shared_memory(compiled):
+    for result in compiled:
+        assert result["error"] is None, result
+        assert result["spill_bytes"] == 0 and result["registers"] <= 255, result
+        assert result["shared"] <= SMEM_BYTES, result
+        assert result["launcher"] in (None, "not built"), result  # the lean path's own launcher passes its parameters
+
+
+def test_each_warpgroup_owns_half_of_the_score_and_value_tiles(compiled):
+    """Per tile: 32 + 4 wgmma 64 x 32 x 16 for the scores (K = 512 + 64), 4 wgmma 64 x 256 x 16 for the values."""
+    for result in compiled:
+        assert result["gmma"] == 40, result
+
+
+def test_the_dispatch_takes_only_bf16_dsa_shapes_on_sm90():
+    q, kv = torch.zeros(1, 128, 576, dtype=torch.bfloat16), torch.zeros(64, 576, dtype=torch.bfloat16)
+    config = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "num_splits": 4}
+    assert g.gluon_fits(q, kv, 512, config) and not g.gluon_applies(q, kv, 512, config)  # a CPU tensor
+    assert not g.gluon_fits(q.half(), kv.half(), 512, config)
+    assert not g.gluon_fits(q, kv.view(torch.uint8), 512, config)  # an FP8 latent cache
+    assert not g.gluon_fits(q[..., :80], kv[:, :80], 64, config)
+    assert not g.gluon_fits(q, kv, 512, {**config, "BLOCK_N": 32})
+    assert not g.gluon_fits(q, kv, 512, {**config, "num_warps": 4})
+    assert not g.gluon_fits(q, torch.zeros(64, 580, dtype=torch.bfloat16)[:, 4:], 512, config)  # 8-byte aligned rows
