@@ -59,3 +59,5 @@ def test_the_dispatch_takes_only_bf16_dsa_shapes_on_sm90():
     assert not g.gluon_fits(q, kv, 512, {**config, "BLOCK_N": 32})
     assert not g.gluon_fits(q, kv, 512, {**config, "num_warps": 4})
     assert not g.gluon_fits(q, torch.zeros(64, 580, dtype=torch.bfloat16)[:, 4:], 512, config)  # 8-byte aligned rows
+    flat = torch.zeros(64 * 576 + 8, dtype=torch.bfloat16)
+    assert g.gluon_aligned(q, kv) and not g.gluon_aligned(q, flat[4:4 + 64 * 576].view(64, 576))  # an 8-byte aligned address

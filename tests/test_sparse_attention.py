@@ -204,6 +204,38 @@ def test_bf16_against_the_reference(decode):
     check(out, lse, *ref, dtype=torch.bfloat16)
 
 
+class _Recorded:
+    """A launchable stand-in for the Gluon kernel: notes each launch, then runs the Triton kernel."""
+
+    def __init__(self):
+        self.launches = 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return sparse_attention_kernels._sparse_attention_fwd[grid]
+
+
+def test_plans_that_gluon_serves_launch_it_on_aligned_pointers_only(monkeypatch):
+    """A plan :func:`gluon_applies` to (on the CPU: patched true) launches the Gluon kernel when q and the cache are
+    16-byte aligned, the Triton kernel otherwise; its outputs are the contract's either way (the stand-in runs the
+    Triton kernel)."""
+    stand_in = _Recorded()
+    monkeypatch.setattr(sparse_attention, "_sparse_attention_fwd_gluon", stand_in)
+    monkeypatch.setattr(sparse_attention, "gluon_applies", lambda *args: True)
+    monkeypatch.setattr(sparse_attention, "_DECODE_PLANS", PlanCache())
+    g = torch.Generator().manual_seed(5)
+    B, H, L, k, P = 2, 4, 40, 24, 16
+    kv, table = random_paged_cache(B, L, P, D, torch.float16, g)
+    idx = pick(B, L, k, [k, 9], g)
+    q_storage = torch.randn(B * H * D + 8, generator=g).half()
+    for offset, gluon in ((0, 1), (4, 0)):  # 4 fp16 elements: an 8-byte aligned q
+        q = q_storage[offset:offset + B * H * D].view(B, H, D)
+        before = stand_in.launches
+        out, lse = dt.sparse_attention_decode(q, kv, idx, 0.3, d_v=DV, block_table=table, config=CFG)
+        assert stand_in.launches - before == gluon
+        check(out, lse, *sparse_attention_decode_torch(q, kv, idx, 0.3, DV, table))
+
+
 @pytest.mark.parametrize("d, d_v", [(72, 40), (100, 64)])  # value part, then rope part, not a power of two
 @pytest.mark.parametrize("decode", [True, False])
 def test_head_dims_that_are_not_powers_of_two(d, d_v, decode):

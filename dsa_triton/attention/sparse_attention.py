@@ -24,6 +24,10 @@ Non-finite values (checked or not: the checks look at indices only): NaN in, NaN
 makes that row's out and lse NaN; a NaN in a cache row makes NaN every query row whose index set reads it
 (never -inf, which would claim an empty row). Cache rows no index names are never read and may hold anything.
 
+On an H200 (sm_90, outside the interpreter) a bf16 call whose config is 64 query rows x 64-token tiles at 8 warps
+runs the Gluon kernel of :mod:`.sparse_attention_gluon` (the two warpgroups split the score and value tiles, which
+Triton gives to both), when q and the cache are 16-byte aligned; ``DSA_GLUON=0`` keeps the Triton kernel.
+
 Launch configs come from the tuning database through the registry (kernels ``sparse_attention_decode`` and
 ``sparse_attention_prefill``, and ``*_fp8`` over an FP8 latent cache, see :mod:`.sparse_attention_spec`) unless
 ``config`` is given.
@@ -40,7 +44,8 @@ from ..checks import PlanCache, check_kernel_device, check_positive, check_tenso
 from ..registry import KernelSpec
 from .cache import check_fp8_latent_layout
 from .cache_reference import fp8_latent_bytes
-from .sparse_attention_kernels import AttentionLaunch, logical_to_slots, sparse_attention_fwd
+from .sparse_attention_gluon import _sparse_attention_fwd_gluon, gluon_aligned, gluon_applies
+from .sparse_attention_kernels import AttentionLaunch, _sparse_attention_fwd, logical_to_slots, sparse_attention_fwd
 from .sparse_attention_spec import DECODE_FP8_SPEC, DECODE_SPEC, PREFILL_FP8_SPEC, PREFILL_SPEC
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -117,7 +122,9 @@ def _attend(plan: "_Plan", q4: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor
         _check_index_range(idx, block_table, plan.bt_div, kv.shape[0], plan.page_size)
     if block_table is not None:
         idx = logical_to_slots(idx, block_table, plan.bt_div, kv.shape[0] // plan.page_size, plan.launch)
-    out, lse = sparse_attention_fwd(q4, kv, idx, float(sm_scale), plan.launch)
+    gluon = plan.gluon and gluon_aligned(q4, kv)
+    out, lse = sparse_attention_fwd(q4, kv, idx, float(sm_scale), plan.launch,
+                                    _sparse_attention_fwd_gluon if gluon else _sparse_attention_fwd)
     return (out, lse) if plan.out_shape is None else (out.view(plan.out_shape), lse.view(plan.out_shape[:-1]))
 
 
@@ -129,6 +136,7 @@ class _Plan(NamedTuple):
     page_size: int
     per_token: bool  # decode with [B, S, k] indices: run as B * S one-token sequences
     out_shape: tuple[int, ...] | None  # the view the op returns (lse: all but the last dim); None: as launched
+    gluon: bool  # the Gluon kernel serves calls whose q and cache addresses are 16-byte aligned (gluon_applies)
 
 
 _DECODE_PLANS, _PREFILL_PLANS = PlanCache(), PlanCache()
@@ -194,8 +202,8 @@ def _checked_decode_plan(q, kv_cache, indices, block_table, d_v, config) -> _Pla
     shape = {"B": rows, "S": tile, "H": H, "D": D, "Dv": d_v, "k": indices.shape[-1]}
     out_shape = (B, S, H, d_v) if per_token else (B, H, d_v) if q.dim() == 3 else None
     spec = DECODE_FP8_SPEC if kv_cache.dtype == torch.uint8 else DECODE_SPEC
-    return _Plan(_attention_launch(spec, shape, q, kv_cache, page_size, config), bt_div, page_size, per_token,
-                 out_shape)
+    launch = _attention_launch(spec, shape, q, kv_cache, page_size, config)
+    return _Plan(launch, bt_div, page_size, per_token, out_shape, gluon_applies(q, kv_cache, d_v, launch.config))
 
 
 def sparse_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
@@ -238,4 +246,5 @@ def _checked_prefill_plan(q, kv_cache, indices, block_table, d_v, config) -> _Pl
         raise ValueError(f"block_table: expected 1 or {T} rows (T), got shape {tuple(block_table.shape)}")
     shape = {"T": T, "H": H, "D": D, "Dv": d_v, "k": indices.shape[1]}
     spec = PREFILL_FP8_SPEC if kv_cache.dtype == torch.uint8 else PREFILL_SPEC
-    return _Plan(_attention_launch(spec, shape, q, kv_cache, page_size, config), 1, page_size, False, (T, H, d_v))
+    launch = _attention_launch(spec, shape, q, kv_cache, page_size, config)
+    return _Plan(launch, 1, page_size, False, (T, H, d_v), gluon_applies(q, kv_cache, d_v, launch.config))

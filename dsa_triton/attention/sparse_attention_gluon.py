@@ -18,6 +18,8 @@ at the top of tile j's step and lands while tile j computes; the slots are loade
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -25,6 +27,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ..runtime import interpreting
+
+ENABLED = os.environ.get("DSA_GLUON", "1") != "0"  # off (DSA_GLUON=0): the Triton kernel serves every launch
 
 GLUON_D_V, GLUON_D_R = 512, 64  # the head dims the kernel is written for (DSA)
 GLUON_CONFIG = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}  # num_stages: for the config's key
@@ -153,19 +157,24 @@ def _sparse_attention_fwd_gluon(
 
 
 def gluon_fits(q: torch.Tensor, kv: torch.Tensor, d_v: int, config: dict) -> bool:
-    """Whether the Gluon kernel's shapes and dtypes fit a launch: ``q[..., D]`` and ``kv[num_slots, D]`` bf16 (not
-    the FP8 latent cache), D = 576 with ``d_v`` = 512, rows 16-byte aligned (the gathers are 16-byte cp.async:
-    addresses and row strides multiples of 16 bytes, the last dim contiguous), and a config of ``BLOCK_H`` =
-    ``BLOCK_N`` = 64 at 8 warps (any ``num_splits`` and stages)."""
-    aligned = all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1])
-                  for t in (q, kv))
+    """Whether the Gluon kernel's shapes, dtypes and strides fit a launch (metadata only: the pointers are
+    :func:`gluon_aligned`'s): ``q[..., D]`` and ``kv[num_slots, D]`` bf16 (not the FP8 latent cache), D = 576 with
+    ``d_v`` = 512, the last dim contiguous and the other strides multiples of 16 bytes (the gathers are 16-byte
+    cp.async), and a config of ``BLOCK_H`` = ``BLOCK_N`` = 64 at 8 warps (any ``num_splits`` and stages)."""
+    strided = all(t.stride(-1) == 1 and all(st % 8 == 0 for st in t.stride()[:-1]) for t in (q, kv))
     return (q.dtype == kv.dtype == torch.bfloat16 and d_v == GLUON_D_V and q.shape[-1] == GLUON_D_V + GLUON_D_R
-            and kv.shape[-1] == q.shape[-1] and aligned
+            and kv.shape[-1] == q.shape[-1] and strided
             and all(config[k] == v for k, v in GLUON_CONFIG.items() if k != "num_stages"))
 
 
+def gluon_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor's address is a multiple of 16 bytes (with :func:`gluon_fits`' strides: every row)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def gluon_applies(q: torch.Tensor, kv: torch.Tensor, d_v: int, config: dict) -> bool:
-    """Whether the Gluon kernel serves a launch: :func:`gluon_fits`, on a CUDA sm_90 device outside the
-    interpreter."""
-    return (q.is_cuda and not interpreting() and torch.cuda.get_device_capability(q.device) == (9, 0)
+    """Whether the Gluon kernel serves launches of this metadata: :func:`gluon_fits`, on a CUDA sm_90 device outside
+    the interpreter, unless ``DSA_GLUON=0`` (then the Triton kernel serves every launch). A call still needs
+    :func:`gluon_aligned` pointers."""
+    return (ENABLED and q.is_cuda and not interpreting() and torch.cuda.get_device_capability(q.device) == (9, 0)
             and gluon_fits(q, kv, d_v, config))

@@ -213,6 +213,7 @@ class AttentionLaunch:
 
     def __init__(self, D: int, d_v: int, k: int, page_size: int, q_dtype: torch.dtype, kv_fp8: bool,
                  config: dict) -> None:
+        self.config = config
         self.d_v, self.num_splits, self.block_n = d_v, config["num_splits"], config["BLOCK_N"]
         self.block_h = config["BLOCK_H"]
         self.slots_block = min(1024, next_pow2(k))
