@@ -39,9 +39,11 @@ attributes may be its own; a torch function mode; a tensor of another device or 
 int64; a grid not a tuple of 1 to 3 sizes; Triton's debug knob not a bool or an instrumentation mode set) goes to
 the Python function unchanged, as does every call of a layout with a positional constexpr and every call where the
 module could not be built. The two keep different keys (bytes against tuples) of the same entries: a call keyed by
-one then missed by the other launches once more with the tensors, never another kernel. ``logits_kernel``'s hit
-(34 arguments, 12 tensors) costs 1.4 us with the compiled hit against 5.1 us through the Python function alone on
-the dev CPU (``python -m dsa_triton.bench.launchprof``, with its no-op launcher).
+one then missed by the other launches once more with the tensors, never another kernel. A tensor at the address a
+tensor had at its position in the layout's last call (a persistent buffer, a recycled allocation) reuses that
+call's int. ``logits_kernel``'s ``launch_with`` hit (34 arguments, 12 tensors) costs 1.3 us with the compiled hit
+against 4.9 us through the Python function alone on the dev CPU, ``_swiglu_kernel``'s (8, 2) 0.85 against 2.1
+(``python -m dsa_triton.bench.launchprof``, whose no-op launcher is part of both).
 
 A hit's launcher is the lean path's own (:mod:`dsa_triton.launcher`: C, built at first use as Triton builds its
 launchers) where it serves the compiled kernel: from a descriptor of the kernel made once (each signature entry's

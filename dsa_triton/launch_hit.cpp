@@ -14,7 +14,8 @@
 // keyword token (the last call's while each value is the same object, else _meta_token's). An entry found with
 // Triton's launch hooks idle, no pre-run hook and the kernel's globals unchanged launches as the Python function
 // does: run(gx, gy, gz, stream, *head, *arguments with the tensors' addresses, *tail); any other calls lean.miss
-// with the bytes key.
+// with the bytes key. Nothing a call reads is kept for the next but the keyword values (for the token) and the int of
+// each tensor's address (reused while a tensor at that position has the same address).
 #include <Python.h>
 
 #include <ATen/PythonTorchFunctionTLS.h>
@@ -34,6 +35,13 @@ constexpr Py_ssize_t MAX_LAUNCH = 4 + 2 * MAX_ARGS + 64;  // run's arguments, at
 PyObject *s_runtime, *s_compilation, *s_debug, *s_instrumentation_mode, *s_enter, *s_exit, *s_calls, *s_pre_run,
     *s_used, *s_watched, *s_watched_of, *s_globals_changed, *s_miss, *s_device, *s_stream, *s_one;
 
+// A tensor's address and the int that holds it (kept for the next call: a tensor at the same address, as a
+// persistent buffer or a recycled allocation is, costs no new int).
+struct Address {
+  uintptr_t value;
+  PyObject* object;  // (strong; nullptr until a tensor has been read there)
+};
+
 struct Hit {
   PyObject_HEAD
   vectorcallfunc vectorcall;
@@ -52,14 +60,16 @@ struct Hit {
   PyObject* kinds;       // bytes: a letter per positional argument
   long long layout;      // the layout's number (the first 8 bytes of each key)
   long device_type;      // a c10::DeviceType
+  Py_ssize_t n;          // positional arguments
+  Address* addresses;    // per positional argument: the int of the last address a tensor there had
 };
 
 // The call's fast key into key (its length into *size) and the launch's arguments into launched (new references:
 // the tensors' addresses, the other arguments as they are), its device into *device (new); 1 when taken, 0 when
 // declined (no exception set, nothing to release).
-int read_call(Hit* self, PyObject* args, PyObject* meta, char* key, Py_ssize_t* size, PyObject** launched,
-              PyObject** device) {
-  const Py_ssize_t n = PyBytes_GET_SIZE(self->kinds);
+int read_call(Hit* self, PyObject* runtime, PyObject* args, PyObject* meta, char* key, Py_ssize_t* size,
+              PyObject** launched, PyObject** device) {
+  const Py_ssize_t n = self->n;
   const char* kinds = PyBytes_AS_STRING(self->kinds);
   const Py_ssize_t n_names = PyTuple_GET_SIZE(self->names);
   if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != n || !PyDict_CheckExact(meta) ||
@@ -90,9 +100,15 @@ int read_call(Hit* self, PyObject* args, PyObject* meta, char* key, Py_ssize_t* 
         } catch (...) {
           return decline();
         }
-        PyObject* address = PyLong_FromVoidPtr(data);
-        if (address == nullptr) return decline();
-        launched[made++] = address;
+        Address& kept = self->addresses[i];
+        if (kept.object == nullptr || kept.value != reinterpret_cast<uintptr_t>(data)) {
+          PyObject* address = PyLong_FromVoidPtr(data);
+          if (address == nullptr) return decline();
+          Py_XSETREF(kept.object, address);
+          kept.value = reinterpret_cast<uintptr_t>(data);
+        }
+        Py_INCREF(kept.object);
+        launched[made++] = kept.object;
         *at++ = static_cast<char>(dtype);
         *at++ = static_cast<char>(reinterpret_cast<uintptr_t>(data) & 15);
         continue;
@@ -165,14 +181,12 @@ int read_call(Hit* self, PyObject* args, PyObject* meta, char* key, Py_ssize_t* 
     return decline();
   }
   std::memcpy(key + 8, &d, 8);
-  PyObject* runtime = PyObject_GetAttr(self->knobs, s_runtime);
-  PyObject* debug = runtime == nullptr ? nullptr : PyObject_GetAttr(runtime, s_debug);
+  PyObject* debug = PyObject_GetAttr(runtime, s_debug);
   PyObject* compilation = PyObject_GetAttr(self->knobs, s_compilation);
   PyObject* mode = compilation == nullptr ? nullptr : PyObject_GetAttr(compilation, s_instrumentation_mode);
   const bool plain = (debug == Py_True || debug == Py_False) && mode != nullptr && PyUnicode_CheckExact(mode) &&
                      PyUnicode_GET_LENGTH(mode) == 0;
   *at++ = static_cast<char>(debug == Py_True);
-  Py_XDECREF(runtime);
   Py_XDECREF(debug);
   Py_XDECREF(compilation);
   Py_XDECREF(mode);
@@ -203,16 +217,13 @@ int idle(Hit* self, PyObject* runtime, PyObject* name) {
 
 // 1 when a launch may go ahead as the Python function's checks let it (no pre-run hook, Triton's launch hooks idle,
 // the globals the kernel read unchanged: lean.watched, else lean.globals_changed()); 0 when not; -1 with an exception.
-int checks_pass(Hit* self) {
+int checks_pass(Hit* self, PyObject* runtime) {
   PyObject* pre_run = PyObject_GetAttr(self->fn, s_pre_run);
   const int hooked = pre_run == nullptr ? -1 : PyObject_IsTrue(pre_run);
   Py_XDECREF(pre_run);
   if (hooked != 0) return hooked < 0 ? -1 : 0;
-  PyObject* runtime = PyObject_GetAttr(self->knobs, s_runtime);
-  if (runtime == nullptr) return -1;
   int result = idle(self, runtime, s_enter);
   result = result == 1 ? idle(self, runtime, s_exit) : result;
-  Py_DECREF(runtime);
   if (result != 1) return result;
   PyObject* used = PyObject_GetAttr(self->fn, s_used);
   PyObject* watched_of = PyObject_GetAttr(self->lean, s_watched_of);
@@ -236,22 +247,26 @@ int checks_pass(Hit* self) {
   return truth < 0 ? -1 : !truth;
 }
 
-// run(gx, gy, gz, stream, *head, *launched, *tail) of a fast entry (run, head, tail, kernel, checked) -> the kernel
-// (new), or nullptr with an exception.
+// Whether a fast entry is (run, head, tail, kernel, checked) with head and tail tuples, and run's arguments fit.
+bool launchable(PyObject* entry, Py_ssize_t n) {
+  if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5) return false;
+  PyObject* head = PyTuple_GET_ITEM(entry, 1);
+  PyObject* tail = PyTuple_GET_ITEM(entry, 2);
+  return PyTuple_CheckExact(head) && PyTuple_CheckExact(tail) &&
+         4 + PyTuple_GET_SIZE(head) + n + PyTuple_GET_SIZE(tail) <= MAX_LAUNCH;
+}
+
+// run(gx, gy, gz, stream, *head, *launched, *tail) of a launchable fast entry (run, head, tail, kernel, checked) ->
+// the kernel (new), or nullptr with an exception.
 PyObject* launch(PyObject* entry, PyObject* grid, PyObject* device, PyObject* module, PyObject* const* launched,
                  Py_ssize_t n) {
   PyObject* run = PyTuple_GET_ITEM(entry, 0);
   PyObject* head = PyTuple_GET_ITEM(entry, 1);
   PyObject* tail = PyTuple_GET_ITEM(entry, 2);
-  if (!PyTuple_CheckExact(head) || !PyTuple_CheckExact(tail) ||
-      4 + PyTuple_GET_SIZE(head) + n + PyTuple_GET_SIZE(tail) > MAX_LAUNCH) {
-    PyErr_SetString(PyExc_RuntimeError, "launch_hit: a fast entry this Hit cannot launch");
-    return nullptr;
-  }
   PyObject* stream_of = PyDict_GetItemWithError(module, s_stream);
   PyObject* stream = stream_of == nullptr ? nullptr : PyObject_CallOneArg(stream_of, device);
   if (stream == nullptr) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "launch_hit: no _stream");
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "dsa_triton.launch has no _stream");
     return nullptr;
   }
   PyObject* stack[MAX_LAUNCH];
@@ -275,38 +290,38 @@ PyObject* hit_call(PyObject* object, PyObject* const* argv, size_t nargsf, PyObj
   Hit* self = reinterpret_cast<Hit*>(object);
   const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
   PyObject* grid = nargs == 3 ? argv[0] : nullptr;
-  if (kwnames != nullptr || grid == nullptr || !PyTuple_CheckExact(grid) || PyTuple_GET_SIZE(grid) < 1 ||
-      PyTuple_GET_SIZE(grid) > 3) {
-    return PyObject_Vectorcall(self->python, argv, nargsf, kwnames);
-  }
+  PyObject* runtime = nullptr;  // (knobs.runtime, as the Python function reads it once a call)
   char key[KEY_BYTES];
   PyObject* launched[MAX_ARGS];
   Py_ssize_t size = 0;
   PyObject* device = nullptr;
-  if (!read_call(self, argv[1], argv[2], key, &size, launched, &device)) {
+  if (kwnames != nullptr || grid == nullptr || !PyTuple_CheckExact(grid) || PyTuple_GET_SIZE(grid) < 1 ||
+      PyTuple_GET_SIZE(grid) > 3 || (runtime = PyObject_GetAttr(self->knobs, s_runtime)) == nullptr ||
+      !read_call(self, runtime, argv[1], argv[2], key, &size, launched, &device)) {
+    PyErr_Clear();
+    Py_XDECREF(runtime);
     return PyObject_Vectorcall(self->python, argv, nargsf, kwnames);
   }
-  const Py_ssize_t n = PyBytes_GET_SIZE(self->kinds);
-  PyObject* result = nullptr;
   PyObject* fast_key = PyBytes_FromStringAndSize(key, size);
-  PyObject* entry = fast_key == nullptr ? nullptr : PyDict_GetItemWithError(self->fast, fast_key);  // (borrowed)
-  const int go = entry == nullptr ? (PyErr_Occurred() ? -1 : 0) : checks_pass(self);
-  if (go == 1 && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 5) {
-    Py_INCREF(entry);  // (the launch may run Python that changes the table)
-    result = launch(entry, grid, device, self->module, launched, n);
-    Py_DECREF(entry);
+  PyObject* entry = fast_key == nullptr ? nullptr : PyDict_GetItemWithError(self->fast, fast_key);
+  Py_XINCREF(entry);  // (the checks and the launch may run Python that changes the table)
+  const int go = entry == nullptr ? (PyErr_Occurred() ? -1 : 0) : checks_pass(self, runtime);
+  const bool taken = go != 1 || launchable(entry, self->n);  // (else the Python function launches it)
+  PyObject* result = nullptr;
+  if (go == 1 && taken) {
+    result = launch(entry, grid, device, self->module, launched, self->n);
   } else if (go == 0) {
     PyObject* miss = PyObject_GetAttr(self->lean, s_miss);
     PyObject* call[] = {grid, argv[1], argv[2], fast_key, device, self->key_of};
     result = miss == nullptr ? nullptr : PyObject_Vectorcall(miss, call, 6, nullptr);
     Py_XDECREF(miss);
-  } else if (go == 1) {
-    PyErr_SetString(PyExc_RuntimeError, "launch_hit: a fast entry is not (run, head, tail, kernel, checked)");
   }
-  for (Py_ssize_t i = 0; i < n; ++i) Py_DECREF(launched[i]);
+  for (Py_ssize_t i = 0; i < self->n; ++i) Py_DECREF(launched[i]);
+  Py_XDECREF(entry);
   Py_XDECREF(fast_key);
   Py_DECREF(device);
-  return result;
+  Py_DECREF(runtime);
+  return taken ? result : PyObject_Vectorcall(self->python, argv, nargsf, kwnames);
 }
 
 int hit_traverse(PyObject* object, visitproc visit, void* arg) {
@@ -345,9 +360,18 @@ int hit_clear(PyObject* object) {
   return 0;
 }
 
+// The kept addresses' ints released (at dealloc: none is another object's).
+void release_addresses(Hit* self) {
+  if (self->addresses == nullptr) return;
+  for (Py_ssize_t i = 0; i < self->n; ++i) Py_XDECREF(self->addresses[i].object);
+  PyMem_Free(self->addresses);
+  self->addresses = nullptr;
+}
+
 void hit_dealloc(PyObject* object) {
   PyObject_GC_UnTrack(object);
   hit_clear(object);
+  release_addresses(reinterpret_cast<Hit*>(object));
   Py_TYPE(object)->tp_free(object);
 }
 
@@ -390,11 +414,18 @@ PyObject* hit_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     return nullptr;
   }
   Hit* self = reinterpret_cast<Hit*>(type->tp_alloc(type, 0));
-  PyObject* last = PyList_New(PyTuple_GET_SIZE(names) + 1);  // (no value is any object: the first call tokens)
+  PyObject* last = PyList_New(PyTuple_GET_SIZE(names) + 1);
   if (self == nullptr || last == nullptr) {
     Py_XDECREF(self);
     Py_XDECREF(last);
     return nullptr;
+  }
+  self->n = PyBytes_GET_SIZE(kinds);
+  self->addresses = static_cast<Address*>(PyMem_Calloc(self->n + 1, sizeof(Address)));
+  if (self->addresses == nullptr) {
+    Py_DECREF(self);
+    Py_DECREF(last);
+    return PyErr_NoMemory();
   }
   for (Py_ssize_t j = 0; j <= PyTuple_GET_SIZE(names); ++j) {
     Py_INCREF(Py_None);
@@ -406,7 +437,7 @@ PyObject* hit_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     Py_INCREF(found[i]);
     *fields[i] = found[i];
   }
-  // (None as a keyword value would equal the initial entries: a sentinel no call passes instead)
+  // (the last values start as the list itself, which no call passes: the first call makes its token)
   for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(names); ++j) {
     Py_INCREF(last);
     PyList_SetItem(last, j, last);

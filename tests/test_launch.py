@@ -460,12 +460,15 @@ def test_the_cuda_launcher_is_called_without_its_python_wrapper(monkeypatch, fak
                                head + (x.data_ptr(), x.data_ptr(), 48, 17, True, 0.5, None, 16, 2)]
 
 
+@pytest.mark.parametrize("fast_device", STAND_INS)
 @pytest.mark.parametrize("own", [True, False])
-def test_a_hit_calls_the_own_launcher_with_the_parameters_tritons_would_pass(monkeypatch, fake_triton, own):
+def test_a_hit_calls_the_own_launcher_with_the_parameters_tritons_would_pass(monkeypatch, fake_triton, hits, own,
+                                                                             fast_device):
     """With Triton's CUDA launcher (the kernel's signature from Triton's binder), a hit calls the own launcher
     (:mod:`dsa_triton.launcher`; DSA_OWN_LAUNCHER=0: Triton's C function) with the addresses and without the tail of
     constexprs, and packs the parameters Triton's generated launcher would pass; a miss still calls Triton's, with
-    the tensors and every argument."""
+    the tensors and every argument. (With plain CPU tensors the compiled hit launches them, with CudaTensors the
+    Python function.)"""
     from types import SimpleNamespace
 
     from dsa_triton import launcher
@@ -479,7 +482,8 @@ def test_a_hit_calls_the_own_launcher_with_the_parameters_tritons_would_pass(mon
     monkeypatch.setattr(launcher, "ENABLED", own)
     monkeypatch.setattr(launcher, "compiled_launcher", lambda: SimpleNamespace(
         describe=module.describe, TYPES=module.TYPES, launch=lambda *a: own_calls.append(a)))
-    x, y = cuda_empty(32), cuda_empty(32)
+    monkeypatch.setattr(lean, "FAST_DEVICE", fast_device)
+    x, y = STAND_INS[fast_device][0](32), STAND_INS[fast_device][0](32)
     args, meta = (x, y, 48, 17, True, 0.5, None), {"BLOCK": 16}
     _, specialization, _ = create_function_from_signature(fn.signature, fn.params, CUDABackend)(*args, **meta)
     compiled.src = SimpleNamespace(signature={p.name: s[0] for p, s in zip(fn.params, specialization)})
@@ -489,6 +493,7 @@ def test_a_hit_calls_the_own_launcher_with_the_parameters_tritons_would_pass(mon
         lean.launch(fn, (3, 2), *args, **meta)
     launched = (x.data_ptr(), y.data_ptr(), 48, 17, True, 0.5, None, 16, 2)
     assert len(through_triton) == 1 and triton_calls[0][13:] == (*args, 16, 2)  # (the miss: the tensors)
+    assert {type(key) for key in fn._dsa_lean.fast} == {bytes if (hits, fast_device) == ("compiled", "cpu") else tuple}
     if not own:
         assert not own_calls and len(triton_calls) == 3 and triton_calls[-1][13:] == launched
         return
