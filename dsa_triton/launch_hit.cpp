@@ -152,11 +152,12 @@ int read_call(Hit* self, PyObject* runtime, PyObject* args, PyObject* meta, char
       PyTuple_SET_ITEM(part, 2 * j, values[j]);
       PyTuple_SET_ITEM(part, 2 * j + 1, reinterpret_cast<PyObject*>(Py_TYPE(values[j])));
     }
+    // (part holds the values while _meta_token runs Python: their hashes)
     PyObject* token = part == nullptr ? nullptr : PyObject_CallFunctionObjArgs(self->meta_token, self->tokens, part,
                                                                                 nullptr);
-    Py_XDECREF(part);
     if (token == nullptr || !PyLong_CheckExact(token)) {
       Py_XDECREF(token);
+      Py_XDECREF(part);
       return decline();
     }
     for (Py_ssize_t j = 0; j < n_names; ++j) {
@@ -164,6 +165,7 @@ int read_call(Hit* self, PyObject* runtime, PyObject* args, PyObject* meta, char
       PyList_SetItem(self->last, j, values[j]);
     }
     PyList_SetItem(self->last, n_names, token);
+    Py_DECREF(part);
   }
   if (n_names > 0) {
     const long long token = PyLong_AsLongLong(PyList_GET_ITEM(self->last, n_names));
@@ -375,12 +377,6 @@ void hit_dealloc(PyObject* object) {
   Py_TYPE(object)->tp_free(object);
 }
 
-PyObject* hit_python(PyObject* object, void*) {
-  PyObject* python = reinterpret_cast<Hit*>(object)->python;
-  Py_INCREF(python);
-  return python;
-}
-
 // Hit(scope, kinds, names, device_type): see the top of this file.
 PyObject* hit_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject *scope, *kinds, *names;
@@ -455,9 +451,6 @@ PyObject* hit_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   return reinterpret_cast<PyObject*>(self);
 }
 
-PyGetSetDef hit_getset[] = {{"python", hit_python, nullptr, "the layout's Python hit function", nullptr},
-                            {nullptr, nullptr, nullptr, nullptr, nullptr}};
-
 PyTypeObject HitType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "dsa_launch_hit", nullptr, -1, nullptr};
@@ -475,7 +468,6 @@ PyMODINIT_FUNC PyInit_dsa_launch_hit() {
   HitType.tp_traverse = hit_traverse;
   HitType.tp_clear = hit_clear;
   HitType.tp_dealloc = hit_dealloc;
-  HitType.tp_getset = hit_getset;
   const char* names[] = {"runtime", "compilation", "debug", "instrumentation_mode", "launch_enter_hook",
                          "launch_exit_hook", "calls", "pre_run_hooks", "used_global_vals", "watched", "watched_of",
                          "globals_changed", "miss", "_device", "_stream"};
