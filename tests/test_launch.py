@@ -740,3 +740,10 @@ def test_what_the_compiled_hit_cannot_vouch_for_goes_to_the_python_path(monkeypa
     assert made[2] == (0, [], [(0, (2, 1, 1, 1234, 11, (4, 1, 0), None, None, None, x.data_ptr(), x.data_ptr(), 48,
                                         17, True, 0.5, None, 16, 2))])
     assert made[3][1] or "tuple" in kinds  # (Triton's path, or the Python function keyed the call)
+
+
+def test_a_layout_without_tensors_hits(fake_triton):
+    fn, compiled, through_triton = fake_triton
+    for _ in range(3):
+        lean.launch(fn, (1,), None, None, 48, 17, True, 0.5, None, BLOCK=16)
+    assert len(through_triton) == 1 and len(compiled.calls) == 2 and compiled.calls[-1][9:11] == (None, None)
