@@ -22,17 +22,28 @@ each value is the same object, else that of an equal set; never one of another s
 (:func:`launch` calls the first layout's; each hands a call of another layout to the next) builds it, looks it up
 and launches a hit itself, with the tensors' addresses as ints (the launcher then skips its per-pointer
 ``data_ptr`` call and driver query); a tensor not on a CUDA device (``FAST_DEVICE``) is of no layout there, so its
-call takes Triton's path. The tensors' part of the fast key (their dtypes, the residues) and their addresses come
-from one call of a compiled reader (:mod:`dsa_triton.launch_reader`: C++ on torch's own tensor structure, built at
-first use and cached; about 0.03 us a tensor against 0.18 through Python's attributes on the dev CPU). The hit
-function's Python lines for the same reads are the reference: they read the call where the reader declines (a tensor
-subclass, whose attributes may be its own; a torch function mode; a tensor of another device or without storage)
-and every call where it could not be built. A fast miss that hits the class key launches once with the tensors
-themselves, whose pointers the launcher checks, before its fast key is kept. Anything else (an argument of another
-kind, a callable grid, a launch hook or pre-run hook set, a global the kernel reads changed since it compiled, a
-keyword value other than an int, bool, str, None or ``tl.dtype``: floats, say, where ``0.0 == -0.0`` but Triton
-compiles them apart) takes Triton's path. A key that differs only where Triton's does not costs one more pass
-through Triton's path, never a wrong kernel.
+call takes Triton's path. A fast miss that hits the class key launches once with the tensors themselves, whose
+pointers the launcher checks, before its fast key is kept. Anything else (an argument of another kind, a callable
+grid, a launch hook or pre-run hook set, a global the kernel reads changed since it compiled, a keyword value other
+than an int, bool, str, None or ``tl.dtype``: floats, say, where ``0.0 == -0.0`` but Triton compiles them apart)
+takes Triton's path. A key that differs only where Triton's does not costs one more pass through Triton's path,
+never a wrong kernel.
+
+That Python hit function is the reference. In front of it, each layout's hit is one compiled call where it can be
+built (:mod:`dsa_triton.launch_hit`: C++ on torch's own tensor structure and CPython's API, built at first use and
+cached): it reads the arguments, builds the same fast key as bytes (the layout's number, the device, each tensor's
+dtype and address modulo 16, the ints and bools by value, the keyword token), looks it up in the same table, runs
+the same checks (grid, launch and pre-run hooks, globals) and calls the entry's launcher with the same arguments, or
+the miss path with its key. Any call it cannot read as the Python function would (a tensor subclass, whose
+attributes may be its own; a torch function mode; a tensor of another device or without storage; an int past
+int64; a grid not a tuple of 1 to 3 sizes; Triton's debug knob not a bool or an instrumentation mode set) goes to
+the Python function unchanged, as does every call of a layout with a positional constexpr and every call where the
+module could not be built. The two keep different keys (bytes against tuples) of the same entries: a call keyed by
+one then missed by the other launches once more with the tensors, never another kernel. A tensor at the address a
+tensor had at its position in the layout's last call (a persistent buffer, a recycled allocation) reuses that
+call's int. ``logits_kernel``'s ``launch_with`` hit (34 arguments, 12 tensors) costs 1.3 us with the compiled hit
+against 4.9 us through the Python function alone on the dev CPU, ``_swiglu_kernel``'s (8, 2) 0.85 against 2.1
+(``python -m dsa_triton.bench.launchprof``, whose no-op launcher is part of both).
 
 A hit's launcher is the lean path's own (:mod:`dsa_triton.launcher`: C, built at first use as Triton builds its
 launchers) where it serves the compiled kernel: from a descriptor of the kernel made once (each signature entry's
@@ -67,7 +78,7 @@ from triton.knobs import HookChain
 from triton.runtime.jit import JITFunction
 
 from . import launcher
-from .launch_reader import compiled_reader
+from .launch_hit import compiled_hit
 
 ENABLED = os.environ.get("DSA_LEAN_LAUNCH", "1") != "0"  # off (DSA_LEAN_LAUNCH=0): every launch is Triton's
 MAX_ENTRIES = 256  # compiled launches kept per kernel; past this the cache starts over (misses take Triton's path)
@@ -175,20 +186,14 @@ def argument_kind(value) -> str | None:
     return "none" if value is None else None
 
 
-def _tensor_lines(tensors: list[int], compiled: bool) -> list[str]:
+def _tensor_lines(tensors: list[int]) -> list[str]:
     """The lines of a hit function that read the tensors ``a{i}`` (``i`` in ``tensors``): ``tensor_key``, each one's
     dtype, then 0 when every address is a multiple of 16, else the tuple of each address modulo 16; ``p{i}``, each
-    one's address. A tensor not on a ``FAST_DEVICE`` device raises. The Python lines are the reference; ``compiled``:
-    the compiled reader's call first (:mod:`dsa_triton.launch_reader`), the Python lines where it declines (None)."""
+    one's address. A tensor not on a ``FAST_DEVICE`` device raises."""
     addresses = [f"p{i}" for i in tensors]
-    python = [f"p{i} = a{i}.data_ptr() if a{i}.is_{FAST_DEVICE} else _mismatch()" for i in tensors]
-    python.append(f"tensor_key = ({''.join(f'a{i}.dtype, ' for i in tensors)}"
-                  f"({''.join(f'{p} & 15, ' for p in addresses)}) if ({' | '.join(addresses)}) & 15 else 0)")
-    if not compiled:
-        return python
-    return [f"read = READ(DEVICE_TYPE, {', '.join(f'a{i}' for i in tensors)})", "if read is None:",
-            *(f"    {line}" for line in python),
-            "else:", f"    (tensor_key, {''.join(f'{p}, ' for p in addresses)}) = read"]
+    return [*(f"p{i} = a{i}.data_ptr() if a{i}.is_{FAST_DEVICE} else _mismatch()" for i in tensors),
+            f"tensor_key = ({''.join(f'a{i}.dtype, ' for i in tensors)}"
+            f"({''.join(f'{p} & 15, ' for p in addresses)}) if ({' | '.join(addresses)}) & 15 else 0)"]
 
 
 def _key_expression(kind: str, a: str) -> str:
@@ -244,6 +249,7 @@ class _Layout(NamedTuple):
     hit: object  # (grid, args, meta) -> the compiled kernel: launches a hit, else the miss path or the next layout's
     key: object  # (args, meta, device) -> the key
     fast_key: object  # (args, meta, device) -> (the fast key, the arguments to launch with: addresses for tensors)
+    scope: dict  # the Python functions' globals (NEXT: the next layout's hit)
 
 
 class LeanKernel:
@@ -337,7 +343,7 @@ class LeanKernel:
             return None
         self.layouts.append(layout)
         for this, following in zip(self.layouts, self.layouts[1:] + [None]):
-            this.hit.__globals__["NEXT"] = following.hit if following else self.unmatched
+            this.scope["NEXT"] = following.hit if following else self.unmatched
         self.call = self.layouts[0].hit
         return key
 
@@ -375,11 +381,9 @@ class LeanKernel:
         checks = [f"len(meta) != {len(meta)}"]
         checks += [f"type(a{i}) is not float" for i, kind in enumerate(kinds) if kind == "float"]
         checks += [f"a{i} is not None" for i, kind in enumerate(kinds) if kind == "none"]
-        reader = compiled_reader() if tensors else None  # (a module with read() and the device types' numbers)
-        device_type = getattr(reader, FAST_DEVICE.upper(), None)
         body = [f"({''.join(f'a{i}, ' for i in range(len(args)))}) = args",
-                f"if {' or '.join(checks)}:", "    _mismatch()",
-                *_tensor_lines(tensors, device_type is not None), "runtime = knobs.runtime"]
+                f"if {' or '.join(checks)}:", "    _mismatch()", *(_tensor_lines(tensors) if tensors else []),
+                "runtime = knobs.runtime"]
         if meta:  # keyword values and types: a token, the last call's while every value is the same object
             js = range(len(meta))
             body += [f"m{j} = meta[{name!r}]" for j, name in enumerate(meta)]
@@ -404,10 +408,23 @@ class LeanKernel:
         scope = {"knobs": knobs, "HookChain": HookChain, "_mismatch": _mismatch, "NAMES": set(meta),
                  "lean_module": sys.modules[__name__], "lean": self, "fn": self.fn, "fast": self.fast,
                  "NEXT": self.unmatched, "TOKENS": {}, "_meta_token": _meta_token,
-                 "LAST": (_Mismatch,) * len(meta) + (None,), "READ": getattr(reader, "read", None),
-                 "DEVICE_TYPE": device_type}
+                 "LAST": (_Mismatch,) * len(meta) + (None,), "LAYOUT": next(_TOKENS)}
         exec(source, scope)
-        return _Layout(scope["hit"], scope["key_of"], scope["fast_key"])
+        return _Layout(_compiled(scope, kinds, tuple(meta)) or scope["hit"], scope["key_of"], scope["fast_key"], scope)
+
+
+_KIND_LETTERS = {"tensor": "t", "int": "i", "bool": "b", "float": "f", "none": "n"}
+
+
+def _compiled(scope: dict, kinds: list[str], names: tuple):
+    """The layout's compiled hit (:mod:`dsa_triton.launch_hit`), which hands each call it does not take to the
+    Python one (``scope["hit"]``); None where it is not built, for a ``FAST_DEVICE`` it does not know, or for a
+    layout with a positional constexpr."""
+    module = compiled_hit()
+    device_type = getattr(module, FAST_DEVICE.upper(), None)
+    if device_type is None or "constexpr" in kinds:
+        return None
+    return module.Hit(scope, "".join(_KIND_LETTERS[kind] for kind in kinds).encode(), names, device_type)
 
 
 def _entry(kernel, tail: tuple) -> tuple:

@@ -196,25 +196,26 @@ def launch_rows(name: str, records: list, calls: int, rounds: int, device) -> li
 
 def lean_parts(kernel, grid, args: tuple, kwargs: dict, calls: int, rounds: int) -> dict:
     """Host microseconds of the lean path's parts for one launch (after it has hit), and ``launcher``, which
-    launcher served its hits (``own`` or ``triton``): ``key_us`` the fast key (with the addresses),
-    ``key_python_us`` the same with the tensors read by the Python lines alone (the reference the compiled reader
-    replaces), ``checks_us`` device, stream, hooks and globals, ``run_ints_us`` / ``run_tensors_us`` Triton's C
-    launcher given the addresses / the tensors, ``run_own_us`` the own launcher given the addresses (NaN where it
-    does not serve the kernel; each of these launches the kernel)."""
+    launcher served its hits (``own`` or ``triton``): ``with_python_us`` ``launch_with`` through the layouts' Python
+    hit functions alone (the reference the compiled hit stands in front of), ``key_us`` the Python function's fast key
+    (with the addresses), ``checks_us`` device, stream, hooks and globals, ``run_ints_us`` / ``run_tensors_us``
+    Triton's C launcher given the addresses / the tensors, ``run_own_us`` the own launcher given the addresses (NaN
+    where it does not serve the kernel; each of these launches the kernel)."""
     from dsa_triton import launch as lean
     from dsa_triton import launcher
 
     state = kernel._dsa_lean
     for layout in state.layouts:  # the one that takes the call
-        fast_of = layout.fast_key
         try:
-            key, pointers = fast_of(args, kwargs, lean._device())
+            key, pointers = layout.fast_key(args, kwargs, lean._device())
             break
         except Exception:
             continue
     else:
         raise RuntimeError(f"no layout of {kernel.fn.__name__} takes the call")
-    run, head, tail, _, (triton_run, triton_head, triton_tail) = state.fast[key]
+    fast_of = layout.fast_key
+    run, head, tail, _, (triton_run, triton_head, triton_tail) = state.entries[layout.key(args, kwargs,
+                                                                                          lean._device())]
     own = launcher.compiled_launcher()
     served = own is not None and run is own.launch
     gx, gy, gz = (*grid, 1, 1)[:3]
@@ -227,14 +228,17 @@ def lean_parts(kernel, grid, args: tuple, kwargs: dict, calls: int, rounds: int)
     def best(fn):
         return min(host_us(fn, calls, 1)[0] for _ in range(rounds))
 
-    reader, lean.compiled_reader = lean.compiled_reader, lambda: None
+    built, lean.compiled_hit = lean.compiled_hit, lambda: None
     try:
-        python_fast_of = lean.LeanKernel(kernel).layout_functions(args, kwargs).fast_key
+        kernel._dsa_lean = lean.LeanKernel(kernel)
+        for _ in range(3):
+            lean.launch_with(kernel, grid, kwargs, *args)
+        with_python = best(lambda: lean.launch_with(kernel, grid, kwargs, *args))
     finally:
-        lean.compiled_reader = reader
+        lean.compiled_hit, kernel._dsa_lean = built, state
     stream = lean._stream(lean._device())
-    return {"launcher": "own" if served else "triton", "key_us": best(lambda: fast_of(args, kwargs, 0)),
-            "key_python_us": best(lambda: python_fast_of(args, kwargs, 0)), "checks_us": best(checks),
+    return {"launcher": "own" if served else "triton", "with_python_us": with_python,
+            "key_us": best(lambda: fast_of(args, kwargs, 0)), "checks_us": best(checks),
             "run_ints_us": best(lambda: triton_run(gx, gy, gz, stream, *triton_head, *pointers, *triton_tail)),
             "run_own_us": best(lambda: run(gx, gy, gz, stream, *head, *pointers, *tail)) if served else math.nan,
             "run_tensors_us": best(lambda: triton_run(gx, gy, gz, stream, *triton_head, *args, *triton_tail))}
@@ -301,10 +305,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: {ops[-1]['error']}", flush=True)
                 continue
             print(f"{name}: done", flush=True)
-    from dsa_triton.launch import compiled_reader
+    from dsa_triton.launch import compiled_hit
     from dsa_triton.launcher import compiled_launcher
 
-    reader = "the compiled reader" if compiled_reader() is not None else "Python (the compiled reader did not build)"
+    hit = "the compiled hit" if compiled_hit() is not None else "the Python functions (the compiled hit did not build)"
     own = "built" if compiled_launcher() is not None else "not built (hits through Triton's C launcher)"
     n = len(launches)
 
@@ -315,16 +319,17 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = (f"lean path: {spread('lean_us')}; launch_with: {spread('lean_with_us')} (hits through the own "
                f"launcher in {sum(r['launcher'] == 'own' for r in launches)} of {n} launches), with Triton's "
-               f"launcher on hits: {spread('lean_with_triton_us')}; Triton's path: median "
+               f"launcher on hits: {spread('lean_with_triton_us')}, through the Python hit functions alone: "
+               f"{spread('with_python_us')}; Triton's path: median "
                f"{sorted(r['triton_us'] for r in launches)[n // 2]:.1f}; "
-               f"{sum(r['lean_misses'] > 0 for r in launches)} launches missing the lean cache; tensors read by "
-               f"{reader}") if launches else "no launch"
+               f"{sum(r['lean_misses'] > 0 for r in launches)} launches missing the lean cache; hits through "
+               f"{hit}") if launches else "no launch"
     print(dict_table(launches))
     print()
     print(dict_table(ops))
     print(summary)
     path = write_results(args.out, "launch-cost", {"launches": launches, "ops": ops}, note=summary,
-                         data={"calls": args.calls, "rounds": args.rounds, "tensor_reader": reader,
+                         data={"calls": args.calls, "rounds": args.rounds, "hit": hit,
                                "own_launcher": own}, flat=args.flat)
     print(f"wrote {path}")
     return 0

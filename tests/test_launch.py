@@ -1,8 +1,9 @@
 """dsa_triton.launch on the CPU: the lean path's key against Triton's own cache key (Triton's binder, built for the
 CUDA backend without a GPU), hits and misses with a stand-in compiled kernel, and the interpreter's fallback. CPU
 tensors that say they are on a CUDA device (:class:`CudaTensor`) stand in for CUDA tensors: the lean path keeps no
-fast key of any other. The compiled tensor reader takes no subclass (the Python lines read those), so its own tests
-set ``FAST_DEVICE`` to the CPU's type, where plain CPU tensors are the ones a hit launches by address."""
+fast key of any other. The compiled hit takes no subclass (it hands those to the Python hit function), so its own
+tests set ``FAST_DEVICE`` to the CPU's type, where plain CPU tensors are the ones a hit launches by address, and run
+the same calls through the Python functions alone, the reference."""
 import copy
 import itertools
 import random
@@ -15,7 +16,7 @@ from triton.runtime.jit import JITFunction, compute_cache_key, create_function_f
 
 import dsa_triton as dt
 from dsa_triton import launch as lean
-from dsa_triton import launch_reader
+from dsa_triton import launch_hit
 from dsa_triton.attention.topk_kernels import topk_select_kernel
 
 GLOBAL_LIMIT = tl.constexpr(4)  # a global the kernel below reads
@@ -239,11 +240,11 @@ def test_a_fast_key_function_refuses_another_layout():
             fast_of(BASE_ARGS, other, 0)
 
 
-def built_reader():
-    """The compiled tensor reader; the test is skipped on a machine without a C++ compiler (where it is not built)."""
-    module = launch_reader.compiled_reader()
-    if module is None and launch_reader.compiler() is None:
-        pytest.skip("no C++ compiler: the lean path reads tensors in Python")
+def built_hit():
+    """The compiled hit; the test is skipped on a machine without a C++ compiler (where it is not built)."""
+    module = launch_hit.compiled_hit()
+    if module is None and launch_hit.compiler() is None:
+        pytest.skip("no C++ compiler: the lean path hits through Python")
     assert module is not None
     return module
 
@@ -257,51 +258,18 @@ def plain(value):
     return torch.nn.Parameter(value, requires_grad=False) if value.data_ptr() % 3 == 0 else value
 
 
-def test_the_compiled_reader_reads_as_the_python_lines(monkeypatch):
-    """Plain tensors and parameters of FAST_DEVICE's type (the CPU's here) over random launches: the fast key and
-    the launch arguments from the compiled reader equal those from the Python lines (the reference); the compiled
-    reader took every call (none declined)."""
-    module = built_reader()
-    monkeypatch.setattr(lean, "FAST_DEVICE", "cpu")
-    fn, r = jit_kernel(), random.Random(1)
-    for _ in range(200):
-        args, meta = random_launch(r)
-        args = tuple(plain(a) for a in args)
-        read = lean.LeanKernel(fn).layout_functions(args, meta)
-        with monkeypatch.context() as python_only:
-            python_only.setattr(lean, "compiled_reader", lambda: None)
-            reference = lean.LeanKernel(fn).layout_functions(args, meta)
-        (key, launched), (expected, expected_launched) = read.fast_key(args, meta, 0), reference.fast_key(args, meta, 0)
-        assert key[:-1] == expected[:-1] and launched == expected_launched  # (the last: each layout's own token)
-        assert read.hit.__globals__["READ"] is module.read
-        assert module.read(module.CPU, *(a for a in args if isinstance(a, torch.Tensor))) is not None
-
-
-def test_the_compiled_reader_declines_what_the_python_lines_must_read():
-    """None (the Python lines read the call) for a tensor of another device type, a subclass (its attributes may be
-    its own), a tensor without storage, a non-tensor, or any tensor while a torch function mode is on."""
-    from torch.overrides import TorchFunctionMode
-
-    module = built_reader()
-    x = torch.empty(8)
-    assert module.read(module.CPU, x, x[1:]) == ((torch.float32, torch.float32, (x.data_ptr() % 16,
-                                                                                 x[1:].data_ptr() % 16)),
-                                                 x.data_ptr(), x[1:].data_ptr())
-    assert module.read(module.CUDA, x) is None
-    for other in (BASE, torch.eye(2).to_sparse(), torch.empty(2, device="meta"), 3):
-        assert module.read(module.CPU, x, other) is None
-    with TorchFunctionMode():
-        assert module.read(module.CPU, x) is None
-
-
-def test_without_the_compiled_reader_the_python_lines_read(monkeypatch):
-    """A reader that cannot be built (no compiler, a failed build) is None, with a warning saying why."""
+def test_without_the_compiled_hit_the_python_functions_hit(monkeypatch):
+    """A module that cannot be built (no compiler, a failed build) is None, with a warning saying why; the layouts'
+    hits are then their Python functions."""
     def fail():
         raise RuntimeError("no C++ compiler (set CXX)")
 
-    monkeypatch.setattr(launch_reader, "_load", fail)
+    monkeypatch.setattr(launch_hit, "_load", fail)
     with pytest.warns(RuntimeWarning, match="no C.. compiler"):
-        assert launch_reader.compiled_reader.__wrapped__() is None
+        assert launch_hit.compiled_hit.__wrapped__() is None
+    monkeypatch.setattr(lean, "compiled_hit", lambda: None)
+    layout = lean.LeanKernel(jit_kernel()).layout_functions(BASE_ARGS, {"BLOCK": 16})
+    assert layout.hit is layout.scope["hit"]
 
 
 class FakeCompiled:
@@ -327,19 +295,25 @@ class CudaLauncherLike:
 
 
 @pytest.fixture(params=["python", "compiled"])
-def reader(request, monkeypatch):
-    """How hit functions read tensors: the Python lines alone, or the compiled reader first."""
+def hits(request, monkeypatch):
+    """How a layout hits: through its Python function alone, or through the compiled hit first."""
     if request.param == "python":
-        monkeypatch.setattr(lean, "compiled_reader", lambda: None)
+        monkeypatch.setattr(lean, "compiled_hit", lambda: None)
     else:
-        built_reader()
+        built_hit()
     return request.param
 
 
 @pytest.fixture
-def fake_triton(monkeypatch, reader):
+def fake_triton(monkeypatch, hits):
     """A JITFunction whose Triton launch is recorded and returns a FakeCompiled; the CUDA queries stubbed. Each test
-    of it runs with either tensor reader (:func:`reader`)."""
+    of it runs with either hit (:func:`hits`)."""
+    return faked(monkeypatch)
+
+
+def faked(monkeypatch) -> tuple:
+    """``(fn, compiled, through_triton)``: a JITFunction whose Triton launch is recorded (``through_triton``) and
+    returns ``compiled``, a FakeCompiled; the CUDA queries stubbed."""
     fn = jit_kernel()
     compiled = FakeCompiled()
     through_triton = []
@@ -403,7 +377,7 @@ def test_anything_the_key_or_the_fast_path_cannot_vouch_for_takes_tritons_path(f
 
 
 # FAST_DEVICE -> (a tensor a hit launches by address, a tensor on another device) of n elements: CudaTensor with a
-# CPU tensor, or plain CPU tensors (which the compiled reader reads itself) with a meta tensor
+# CPU tensor, or plain CPU tensors (which the compiled hit reads itself) with a meta tensor
 STAND_INS = {"cuda": (cuda_empty, lambda n: torch.empty(n)),
              "cpu": (lambda n: torch.empty(n), lambda n: torch.empty(n, device="meta"))}
 
@@ -486,12 +460,15 @@ def test_the_cuda_launcher_is_called_without_its_python_wrapper(monkeypatch, fak
                                head + (x.data_ptr(), x.data_ptr(), 48, 17, True, 0.5, None, 16, 2)]
 
 
+@pytest.mark.parametrize("fast_device", STAND_INS)
 @pytest.mark.parametrize("own", [True, False])
-def test_a_hit_calls_the_own_launcher_with_the_parameters_tritons_would_pass(monkeypatch, fake_triton, own):
+def test_a_hit_calls_the_own_launcher_with_the_parameters_tritons_would_pass(monkeypatch, fake_triton, hits, own,
+                                                                             fast_device):
     """With Triton's CUDA launcher (the kernel's signature from Triton's binder), a hit calls the own launcher
     (:mod:`dsa_triton.launcher`; DSA_OWN_LAUNCHER=0: Triton's C function) with the addresses and without the tail of
     constexprs, and packs the parameters Triton's generated launcher would pass; a miss still calls Triton's, with
-    the tensors and every argument."""
+    the tensors and every argument. (With plain CPU tensors the compiled hit launches them, with CudaTensors the
+    Python function.)"""
     from types import SimpleNamespace
 
     from dsa_triton import launcher
@@ -505,7 +482,8 @@ def test_a_hit_calls_the_own_launcher_with_the_parameters_tritons_would_pass(mon
     monkeypatch.setattr(launcher, "ENABLED", own)
     monkeypatch.setattr(launcher, "compiled_launcher", lambda: SimpleNamespace(
         describe=module.describe, TYPES=module.TYPES, launch=lambda *a: own_calls.append(a)))
-    x, y = cuda_empty(32), cuda_empty(32)
+    monkeypatch.setattr(lean, "FAST_DEVICE", fast_device)
+    x, y = STAND_INS[fast_device][0](32), STAND_INS[fast_device][0](32)
     args, meta = (x, y, 48, 17, True, 0.5, None), {"BLOCK": 16}
     _, specialization, _ = create_function_from_signature(fn.signature, fn.params, CUDABackend)(*args, **meta)
     compiled.src = SimpleNamespace(signature={p.name: s[0] for p, s in zip(fn.params, specialization)})
@@ -515,6 +493,7 @@ def test_a_hit_calls_the_own_launcher_with_the_parameters_tritons_would_pass(mon
         lean.launch(fn, (3, 2), *args, **meta)
     launched = (x.data_ptr(), y.data_ptr(), 48, 17, True, 0.5, None, 16, 2)
     assert len(through_triton) == 1 and triton_calls[0][13:] == (*args, 16, 2)  # (the miss: the tensors)
+    assert {type(key) for key in fn._dsa_lean.fast} == {bytes if (hits, fast_device) == ("compiled", "cpu") else tuple}
     if not own:
         assert not own_calls and len(triton_calls) == 3 and triton_calls[-1][13:] == launched
         return
@@ -623,3 +602,148 @@ def test_a_repeated_op_call_launches_with_the_keyword_dicts_of_the_first(monkeyp
                 continue
             assert all(how == "launch_with" for how, _ in first), spec.name
             assert all(a is b for (_, a), (_, b) in zip(first, second)), spec.name
+
+
+def lean_calls(monkeypatch, steps: list, compiled: bool) -> tuple[list, list]:
+    """Each step of ``steps`` run on a new :func:`faked` kernel whose Triton launch returns a FakeCompiled per Triton
+    cache key (as Triton returns one compiled kernel per specialization): ``(grid, args, meta)`` is launched with ``launch_with``, a function of ``(fn, monkeypatch)`` changes something
+    first. Per launch: which compiled kernel it returned (their number), what reached Triton's launch, and which
+    compiled kernel's run was given what (a tensor as its address: a miss passes the tensors, which the launcher
+    reads so); then the kinds of the fast keys kept (bytes: the compiled hit's, tuple: the Python function's).
+    Through the compiled hit first (``compiled``), else the Python functions alone (the reference)."""
+    def seen(value):
+        if isinstance(value, torch.Tensor):
+            return value.data_ptr()
+        if isinstance(value, (tuple, list)):
+            return type(value)(seen(v) for v in value)
+        return {k: seen(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+    with monkeypatch.context() as m:
+        if not compiled:
+            m.setattr(lean, "compiled_hit", lambda: None)
+        fn, _, _ = faked(m)
+        kernels, through_triton, runs = {}, [], []
+
+        def run(*args, grid, warmup, **kwargs):
+            through_triton.append((grid, args, kwargs))
+            number = len(kernels)
+            return kernels.setdefault(triton_key(fn, args, kwargs), FakeCompiled(lambda *a: runs.append((number, a))))
+
+        m.setattr(fn, "run", run)
+        made = []
+        for step in steps:
+            if callable(step):
+                step(fn, m)
+                continue
+            triton_before, runs_before = len(through_triton), len(runs)
+            returned = lean.launch_with(fn, step[0], step[2], *step[1])
+            made.append(seen((list(kernels.values()).index(returned), through_triton[triton_before:], runs[runs_before:])))
+        return made, sorted(type(key).__name__ for key in fn._dsa_lean.fast)
+
+
+def random_steps(r: random.Random, n: int) -> list:
+    """Launches as :func:`random_launch` makes them, with plain tensors and parameters (a subclass now and then), a
+    grid of 1 to 3 sizes (a list now and then), keyword dicts kept or new, an equal big keyword value in another
+    object now and then."""
+    kept = {"BLOCK": 16, "num_warps": 4}
+    steps = []
+    for _ in range(n):
+        args, meta = random_launch(r)
+        args = tuple(plain(a) for a in args)
+        if meta == kept and r.random() < 0.5:
+            meta = kept
+        elif r.random() < 0.1:
+            meta["MODE"] = int(str(2**40))
+        if r.random() < 0.05:
+            args = (args[0].as_subclass(CudaTensor),) + args[1:]
+        grid = r.choice([(1,), (2, 3), (4, 5, 6), (7,)]) if r.random() < 0.95 else [1]
+        steps.append((grid, args, meta))
+    return steps
+
+
+def test_the_compiled_hit_launches_as_the_python_functions(monkeypatch):
+    """Over random launches (FAST_DEVICE the CPU's, so that plain CPU tensors are launched by address): the same
+    launches reach Triton and the compiled kernel's run (the same entry, the same arguments: addresses on a hit,
+    the tensors on a miss) through the compiled hit as through the Python functions alone; the compiled hit kept
+    most fast keys (the calls it declines, the Python function keys)."""
+    built_hit()
+    monkeypatch.setattr(lean, "FAST_DEVICE", "cpu")
+    steps = random_steps(random.Random(2), 400)
+    made, kinds = lean_calls(monkeypatch, steps, True)
+    reference, reference_kinds = lean_calls(monkeypatch, steps, False)
+    assert made == reference
+    assert set(reference_kinds) == {"tuple"} and kinds.count("bytes") > kinds.count("tuple") > 0
+    assert sum(bool(runs) and not triton for _, triton, runs in made) > 300 and len({k for k, _, _ in made}) > 20
+
+
+def test_the_compiled_hit_takes_every_plain_call(monkeypatch):
+    """Plain tensors of FAST_DEVICE's type, ints within int64, bools, floats, None, any keyword values: every fast
+    key is the compiled hit's (the Python function kept none, so it launched nothing), and repeated calls hit."""
+    built_hit()
+    monkeypatch.setattr(lean, "FAST_DEVICE", "cpu")
+    x, y = torch.empty(32), torch.empty(33)
+    variants = [((x, y, 48, 17, True, 0.5, None), {"BLOCK": 16}), ((x, y[1:], -2**63, 1, False, -0.0, None),
+                {"BLOCK": 16}), ((x, x.half(), 0, 2**63 - 1, True, 3.0, None), {"BLOCK": 2**40, "MODE": 3})]
+    steps = [((3,), args, dict(meta)) for args, meta in variants * 3]
+    made, kinds = lean_calls(monkeypatch, steps, True)
+    assert set(kinds) == {"bytes"} and len(kinds) == 3
+    assert all(not triton and runs[0][1][9] == x.data_ptr() for _, triton, runs in made[6:])
+
+
+@pytest.mark.parametrize("change", ["subclass", "function mode", "big int", "list grid", "instrumentation mode",
+                                    "launch hook", "pre-run hook", "global changed", "float keyword"])
+def test_what_the_compiled_hit_cannot_vouch_for_goes_to_the_python_path(monkeypatch, change):
+    """After the compiled hit has hit, a call with a tensor subclass, a call while a torch function mode is on, an
+    int past int64, a list grid or Triton's instrumentation mode set is handed to the Python function; with a launch
+    hook or a pre-run hook set or a global changed, the compiled hit takes Triton's path (lean.miss) as the Python
+    function does; a float keyword's call (another layout) takes Triton's path. Each launches as the Python
+    functions alone do."""
+    from torch.overrides import TorchFunctionMode
+
+    built_hit()
+    monkeypatch.setattr(lean, "FAST_DEVICE", "cpu")
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x, mode = torch.empty(32), Passing()
+    args, meta = (x, x, 48, 17, True, 0.5, None), {"BLOCK": 16}
+    changed, grid = args, (2,)
+    if change == "subclass":
+        changed = (x.as_subclass(CudaTensor),) + args[1:]
+    elif change == "big int":
+        changed = args[:2] + (2**63,) + args[3:]
+    elif change == "float keyword":
+        meta = dict(meta, SCALE=0.5)
+    elif change == "list grid":
+        grid = [2]
+
+    def make(fn, m):
+        if change == "launch hook":
+            m.setattr(lean.knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
+        elif change == "pre-run hook":
+            m.setattr(fn, "pre_run_hooks", [lambda *a, **k: None])
+        elif change == "global changed":
+            m.setitem(globals(), "GLOBAL_LIMIT", tl.constexpr(5))
+        elif change == "instrumentation mode":
+            m.setattr(lean.knobs.compilation, "instrumentation_mode", "consan")
+        elif change == "function mode":
+            mode.__enter__()
+
+    def undo(fn, m):
+        if change == "function mode":
+            mode.__exit__(None, None, None)
+
+    steps = [((2,), args, {"BLOCK": 16})] * 3 + [make] + [(grid, changed, meta)] * 2 + [undo]
+    made, kinds = lean_calls(monkeypatch, steps, True)
+    assert made == lean_calls(monkeypatch, steps, False)[0]
+    assert made[2] == (0, [], [(0, (2, 1, 1, 1234, 11, (4, 1, 0), None, None, None, x.data_ptr(), x.data_ptr(), 48,
+                                        17, True, 0.5, None, 16, 2))])
+    assert made[3][1] or "tuple" in kinds  # (Triton's path, or the Python function keyed the call)
+
+
+def test_a_layout_without_tensors_hits(fake_triton):
+    fn, compiled, through_triton = fake_triton
+    for _ in range(3):
+        lean.launch(fn, (1,), None, None, 48, 17, True, 0.5, None, BLOCK=16)
+    assert len(through_triton) == 1 and len(compiled.calls) == 2 and compiled.calls[-1][9:11] == (None, None)

@@ -4,10 +4,10 @@ No GPU needed. Every registered op runs once at its first CPU bench shape with T
 run (the ops' checks told to take CPU tensors); the first launch of each kernel is then repeated through the lean
 path (:mod:`dsa_triton.launch`) with ``FAST_DEVICE`` set to the CPU's type, so that those plain CPU tensors take the
 hit path as CUDA tensors do on a GPU. Triton's C launcher is replaced by a Python no-op and the device and stream
-queries by C builtins. Per kernel, with the hit functions' tensors read by the Python lines and by the compiled
-reader (:mod:`dsa_triton.launch_reader`; rounds interleaved): ``launch_with`` (the plan's keyword dict, as the ops
-call it), ``launch`` (keywords packed per call) and the fast key alone, best of 15 rounds of 2000 calls, in us; and
-the no-op launcher alone (part of both launch columns). Kernels compile under ``TRITON_INTERPRET=0`` (a compiled-mode
+queries by C builtins. Per kernel, with the hits through the layouts' Python functions and through the compiled hit
+(:mod:`dsa_triton.launch_hit`; rounds interleaved): ``launch_with`` (the plan's keyword dict, as the ops call it)
+and ``launch`` (keywords packed per call); the Python function's fast key alone; best of 15 rounds of 2000 calls, in
+us; and the no-op launcher alone (part of every launch column). Kernels compile under ``TRITON_INTERPRET=0`` (a compiled-mode
 ``JITFunction``), hence the variable.
 """
 from __future__ import annotations
@@ -84,17 +84,17 @@ def stubbed_device():
 
 
 def lean_state(kernel, grid, args: tuple, kwargs: dict, compiled: bool) -> launch.LeanKernel:
-    """A new LeanKernel of ``kernel`` whose hit functions read tensors with the compiled reader or the Python
-    lines, after the launch has hit."""
-    reader = launch.compiled_reader
-    launch.compiled_reader = reader if compiled else (lambda: None)
+    """A new LeanKernel of ``kernel`` whose hits go through the compiled hit or the Python functions, after the
+    launch has hit."""
+    built = launch.compiled_hit
+    launch.compiled_hit = built if compiled else (lambda: None)
     try:
         state = launch.LeanKernel(kernel)
         kernel._dsa_lean = state
         for _ in range(3):
             launch.launch_with(kernel, grid, kwargs, *args)
     finally:
-        launch.compiled_reader = reader
+        launch.compiled_hit = built
     assert len(state.entries) == 1 and len(state.fast) == 1, f"{kernel.fn.__name__}: the launch does not hit"
     return state
 
@@ -107,8 +107,8 @@ def per_call_us(fn, calls: int) -> float:
 
 
 def kernel_row(kernel, grid, args: tuple, kwargs: dict, calls: int = 2000, rounds: int = 15) -> dict:
-    readers = ("python", "compiled") if launch.compiled_reader() is not None else ("python",)
-    states = {reader: lean_state(kernel, grid, args, kwargs, reader == "compiled") for reader in readers}
+    paths = ("python", "compiled") if launch.compiled_hit() is not None else ("python",)
+    states = {path: lean_state(kernel, grid, args, kwargs, path == "compiled") for path in paths}
     _, head, tail, _, _ = next(iter(states["python"].fast.values()))
     best: dict = {}
 
@@ -117,12 +117,12 @@ def kernel_row(kernel, grid, args: tuple, kwargs: dict, calls: int = 2000, round
 
     for _ in range(rounds):
         keep("launcher_us", per_call_us(lambda: Compiled.run(1, 1, 1, 0, *head, *args, *tail), calls))
-        for reader, state in states.items():
+        for path, state in states.items():
             kernel._dsa_lean = state
-            fast_key = state.layouts[0].fast_key
-            keep(f"{reader}_with_us", per_call_us(lambda: launch.launch_with(kernel, grid, kwargs, *args), calls))
-            keep(f"{reader}_launch_us", per_call_us(lambda: launch.launch(kernel, grid, *args, **kwargs), calls))
-            keep(f"{reader}_key_us", per_call_us(lambda: fast_key(args, kwargs, 0), calls))
+            keep(f"{path}_with_us", per_call_us(lambda: launch.launch_with(kernel, grid, kwargs, *args), calls))
+            keep(f"{path}_launch_us", per_call_us(lambda: launch.launch(kernel, grid, *args, **kwargs), calls))
+        fast_key = states["python"].layouts[0].fast_key
+        keep("python_key_us", per_call_us(lambda: fast_key(args, kwargs, 0), calls))
     kinds = [launch.argument_kind(a) for a in args]
     return {"kernel": kernel.fn.__name__, "args": len(args) + len(kwargs), "tensors": kinds.count("tensor"),
             "ints": kinds.count("int"), **{name: round(us, 2) for name, us in best.items()}}

@@ -1,10 +1,11 @@
-"""The compiled tensor reader of the lean launch path (``launch_reader.cpp``), built at first use.
+"""The compiled hit of the lean launch path (``launch_hit.cpp``: a layout's hit in one call), built at first use.
 
 As Triton builds its CUDA launcher: the source is compiled once per torch, Python and platform into a shared module
 kept in Triton's cache directory (``~/.triton/cache`` unless ``TRITON_CACHE_DIR`` says otherwise), then loaded from
 there. It reads tensors through torch's C++ API, so it is C++ built against the running torch's headers and libraries
-(about 11 s on the dev CPU, once). :func:`compiled_reader` is None where no C++ compiler is found, or the build or
-the load fails (one warning says why): :mod:`dsa_triton.launch` then reads tensors in Python, the reference.
+(about 11 s on the dev CPU, once). :func:`compiled_hit` is None where no C++ compiler is found, or the build or the
+load fails (one warning says why): :mod:`dsa_triton.launch` then hits through each layout's Python function, the
+reference.
 """
 from __future__ import annotations
 
@@ -24,24 +25,25 @@ from types import ModuleType
 
 import torch
 
-NAME = "dsa_launch_reader"  # the module's name (its PyInit_ function)
-SOURCE = Path(__file__).with_name("launch_reader.cpp")
+NAME = "dsa_launch_hit"  # the module's name (its PyInit_ function)
+SOURCE = Path(__file__).with_name("launch_hit.cpp")
 
 
 @functools.cache
-def compiled_reader() -> ModuleType | None:
-    """The built module (``read``, and the device types ``CPU`` and ``CUDA``), or None (a warning says why)."""
+def compiled_hit() -> ModuleType | None:
+    """The built module (the type ``Hit``, and the device types ``CPU`` and ``CUDA``), or None (a warning says
+    why)."""
     try:
         return _load()
-    except Exception as exc:  # no compiler, no torch headers, a failed build or load: the Python reader serves
+    except Exception as exc:  # no compiler, no torch headers, a failed build or load: the Python hit serves
         detail = getattr(exc, "stderr", None) or ""
-        warnings.warn(f"dsa_triton.launch: the compiled tensor reader is not available ({exc}{detail[-2000:]}); "
-                      "launches read tensors in Python", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"dsa_triton.launch: the compiled hit is not available ({exc}{detail[-2000:]}); launches hit "
+                      "through Python", RuntimeWarning, stacklevel=2)
         return None
 
 
 def compiler() -> str | None:
-    """The C++ compiler the reader is built with: ``CXX``, else the first of c++, g++, clang++ on the path."""
+    """The C++ compiler the module is built with: ``CXX``, else the first of c++, g++, clang++ on the path."""
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
