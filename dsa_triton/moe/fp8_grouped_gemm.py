@@ -17,7 +17,7 @@ Kernels: :mod:`.fp8_grouped_gemm_kernels`; launch configs: registry entry ``moe_
    ``torch._scaled_mm(use_fast_accum=True)`` does; the per-group workspace route adds each BLOCK_K in fp32):
 
    - registers (1), ``_fused_gemm_kernel``: reads the MXFP4 codes and converts each weight tile to e4m3 on its
-     way to the tensor cores (:func:`.mxfp4_to_fp8_kernels.e4m3_words`: two byte permutes per four weights), the
+     way to the tensor cores (:func:`.mxfp4_to_fp8_kernels.e4m3_pairs`: three byte permutes per eight weights), the
      weights being the register operand of the MMA and the x tile the shared-memory one. Each weight row is taken
      relative to its largest block scale (:func:`.mxfp4_to_fp8.row_references`), so one scale per weight row and
      one per token apply after the K loop and the tensor cores accumulate the whole of K: the weights cross memory
@@ -209,14 +209,14 @@ def launch_fused(xq, sx, blocks, scales, ref, y, plan: StagePlan, config) -> Non
     (n, kb), k = scales.shape[1:], xq.shape[1]
     if n_mtiles == 0:
         return
-    codes = blocks.view(torch.int16)  # [E, N, K/32, 8]: four codes per element
+    pairs = blocks.view(torch.int32)  # [E, N, K/32, 4]: eight codes per element
     grid = (n_mtiles * cdiv(n, config["BLOCK_N"]),)
     meta = _fused_meta(config["BLOCK_M"], config["BLOCK_N"], config["GROUP_M"], config["W_SMEM"], interleaves(k, kb),
                        xq.device.type == "cuda" and torch.version.hip is None, config["UNROLL"],
                        config["num_warps"], config["num_stages"])
     launch_with(
-        _fused_gemm_kernel, grid, meta, xq, sx, codes, scales, ref, y, plan.tiles, plan.experts, n_mtiles, n, k, kb,
-        xq.stride(0), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), ref.stride(0),
+        _fused_gemm_kernel, grid, meta, xq, sx, pairs, scales, ref, y, plan.tiles, plan.experts, n_mtiles, n, k, kb,
+        xq.stride(0), pairs.stride(0), pairs.stride(1), scales.stride(0), scales.stride(1), ref.stride(0),
         y.stride(0),
     )
 

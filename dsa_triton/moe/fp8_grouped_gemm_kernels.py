@@ -16,7 +16,8 @@ import triton.language as tl
 
 from ..fp8_rounding import to_e4m3
 from .mxfp4_kernels import widen_to_fp32
-from .mxfp4_to_fp8_kernels import e4m3_words, interleave_blocks, reference_scale, words_to_fp8
+from .mxfp4_to_fp8_kernels import (e4m3_pairs, fast_tables, interleave_blocks, pair_words, reference_scale,
+                                   words_to_fp8)
 
 
 @triton.jit
@@ -127,30 +128,31 @@ def _grouped_gemm_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, tiles_ptr, n_mtile
 
 
 @triton.jit
-def _fused_tile(x_ptr, sx_ptr, code_rows, scale_rows, ref, y_ptr, row0, row_end, cols, N, K, KB, stride_xm,
+def _fused_tile(x_ptr, sx_ptr, pair_rows, scale_rows, ref, y_ptr, row0, row_end, cols, N, K, KB, stride_xm,
                 stride_ym, BLOCK_M: tl.constexpr, W_SMEM: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
                 UNROLL: tl.constexpr):
-    """Rows ``row0 + [0, BLOCK_M)`` (below ``row_end``) x the weight rows ``cols`` of one expert (``code_rows``,
+    """Rows ``row0 + [0, BLOCK_M)`` (below ``row_end``) x the weight rows ``cols`` of one expert (``pair_rows``,
     ``scale_rows``, ``ref``: theirs): the k loop and the store."""
     rows = row0 + tl.arange(0, BLOCK_M)
     rows_in = tl.minimum(rows, row_end - 1).to(tl.int64)  # clamped: the loads need no masks
     x_rows = x_ptr + rows_in[:, None] * stride_xm
-    j, b, kk = tl.arange(0, 32), tl.arange(0, 4), tl.arange(0, 128)
+    p, b, kk = tl.arange(0, 16), tl.arange(0, 4), tl.arange(0, 128)
     if W_SMEM:
         acc = tl.zeros((BLOCK_M, cols.shape[0]), dtype=tl.float32)
     else:
         acc = tl.zeros((cols.shape[0], BLOCK_M), dtype=tl.float32)
     for g in tl.range(0, tl.cdiv(KB, 4), loop_unroll_factor=UNROLL):  # one 128-k group (four 32-blocks) per step
-        if EVEN_K:  # x_ptr then holds :func:`interleave_blocks` order: the codes are read into it
-            codes = interleave_blocks(tl.load(code_rows + g * 32 + j[None, :]), 1)
+        if EVEN_K:  # x_ptr then holds :func:`interleave_blocks` order: the converted words are put in it
+            pairs = tl.load(pair_rows + g * 16 + p[None, :])
             s = tl.load(scale_rows + g * 4 + b[None, :])
             xt = tl.load(x_rows + g * 128 + kk[None, :])
         else:
-            codes = tl.load(code_rows + g * 32 + j[None, :], mask=(g * 32 + j < KB * 8)[None, :], other=0)
+            pairs = tl.load(pair_rows + g * 16 + p[None, :], mask=(g * 16 + p < KB * 4)[None, :], other=0)
             s = tl.load(scale_rows + g * 4 + b[None, :], mask=(g * 4 + b < KB)[None, :], other=0)
             xt = tl.load(x_rows + g * 128 + kk[None, :], mask=(g * 128 + kk < K)[None, :], other=0.0)
-        d = tl.minimum(ref[:, None] - s.to(tl.int32), 11)  # the clamp only touches padding blocks (codes 0)
-        w8 = words_to_fp8(e4m3_words(codes.to(tl.int32), d, PTX, EVEN_K))
+        lo, hi = fast_tables(tl.minimum(ref[:, None] - s.to(tl.int32), 11))  # the clamp only touches padding blocks
+        first, second = e4m3_pairs(pairs, lo, hi, PTX)
+        w8 = words_to_fp8(pair_words(first, second, EVEN_K))
         if W_SMEM:
             acc = tl.dot(xt, tl.trans(w8), acc)
         else:
@@ -165,7 +167,7 @@ def _fused_tile(x_ptr, sx_ptr, code_rows, scale_rows, ref, y_ptr, row0, row_end,
 
 
 @triton.jit
-def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, tiles_ptr, experts_ptr, n_mtiles,
+def _fused_gemm_kernel(x_ptr, sx_ptr, pairs_ptr, scales_ptr, ref_ptr, y_ptr, tiles_ptr, experts_ptr, n_mtiles,
                        N, K, KB, stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_re, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
                        W_SMEM: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, UNROLL: tl.constexpr):
@@ -187,12 +189,12 @@ def _fused_gemm_kernel(x_ptr, sx_ptr, codes_ptr, scales_ptr, ref_ptr, y_ptr, til
     expert = tl.load(experts_ptr + slot).to(tl.int64)
     cols_in = tl.minimum(cols, N - 1).to(tl.int64)
     ref = tl.load(ref_ptr + expert * stride_re + cols_in).to(tl.int32)  # each weight row's largest block scale
-    code_rows = codes_ptr + expert * stride_ce + cols_in[:, None] * stride_cn  # int16: four codes each
+    pair_rows = pairs_ptr + expert * stride_ce + cols_in[:, None] * stride_cn  # int32: eight codes each
     scale_rows = scales_ptr + expert * stride_se + cols_in[:, None] * stride_sn
     HALF_M: tl.constexpr = BLOCK_M // 2 if BLOCK_M >= 32 else BLOCK_M  # (a dot needs 16 rows)
     if row_end - row0 <= BLOCK_M // 2:
-        _fused_tile(x_ptr, sx_ptr, code_rows, scale_rows, ref, y_ptr, row0, row_end, cols, N, K, KB, stride_xm,
+        _fused_tile(x_ptr, sx_ptr, pair_rows, scale_rows, ref, y_ptr, row0, row_end, cols, N, K, KB, stride_xm,
                     stride_ym, HALF_M, W_SMEM, EVEN_K, PTX, UNROLL)
     else:
-        _fused_tile(x_ptr, sx_ptr, code_rows, scale_rows, ref, y_ptr, row0, row_end, cols, N, K, KB, stride_xm,
+        _fused_tile(x_ptr, sx_ptr, pair_rows, scale_rows, ref, y_ptr, row0, row_end, cols, N, K, KB, stride_xm,
                     stride_ym, BLOCK_M, W_SMEM, EVEN_K, PTX, UNROLL)

@@ -42,14 +42,14 @@ def convert_experts(blocks: torch.Tensor, scales: torch.Tensor, expert_ids: torc
         return
     groups = config["GROUPS"]
     grid = (count, cdiv(n, config["BLOCK_N"]), cdiv(kb, groups * BLOCKS_PER_GROUP))
-    codes, words = blocks.view(torch.int16), w_out.view(torch.int32)  # [E, N, K/32, 8], [G, N, K/4]
+    pairs, words = blocks.view(torch.int32), w_out.view(torch.int32)  # [E, N, K/32, 4], [G, N, K/4]
     refs = scales if row_ref is None else row_ref  # (any tensor when unused)
     meta = _convert_meta(config["BLOCK_N"], groups, unfit is not None, row_ref is not None,
                          blocks.device.type == "cuda" and torch.version.hip is None, config["num_warps"])
     launch_with(
         _convert_kernel, grid, meta,
-        codes, scales, expert_ids, refs, words, s_out, unfit if unfit is not None else expert_ids, n, kb,
-        s_out.shape[2], codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), refs.stride(0),
+        pairs, scales, expert_ids, refs, words, s_out, unfit if unfit is not None else expert_ids, n, kb,
+        s_out.shape[2], pairs.stride(0), pairs.stride(1), scales.stride(0), scales.stride(1), refs.stride(0),
         words.stride(0), words.stride(1), s_out.stride(0), s_out.stride(1), s_out.stride(2),
     )
 

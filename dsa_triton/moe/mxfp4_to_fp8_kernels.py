@@ -4,19 +4,19 @@ registers route shares with it.
 One program converts ``BLOCK_N`` rows x ``GROUPS`` 128-k groups of one expert: it reads the groups' E8M0 scales,
 takes ``ref = max - 6`` per group and ``d`` = binades of each block below its group's top, and writes the group
 scale ``2^(ref - 127)`` (or, given each row's reference exponent, ``ROW_REF``, the same for every group of the
-row: one scale per row). Values are ``e2m1 * 2^(6 - d)`` in e4m3, made from the code bits by byte permutes, four
-per 16 bits of codes (:func:`permute_codes`: PTX ``prmt`` against each block's 8-byte table of its E2M1
-magnitudes), about 1.5 integer operations per value, so the kernel stays bound by memory. The tables: where every
+row: one scale per row). Values are ``e2m1 * 2^(6 - d)`` in e4m3, made from the code bits by byte permutes, eight
+per 32 bits of codes (:func:`e4m3_pairs`: PTX ``prmt`` against each block's 8-byte table of its E2M1 magnitudes,
+and one more ``prmt`` placing the sign bits), about 1.1 integer operations per value, so the kernel stays bound by
+memory. The tables: where every
 ``d <= 11`` in the tile (every value a normal e4m3 number, every block fits) a closed form (:func:`fast_tables`);
 otherwise each magnitude is cast to e4m3 once per block (:func:`exact_tables`: nearest even, subnormal or zero far
 below), and a block is unfit when one of its codes picks a magnitude the cast changed; unfit blocks are counted
 with one atomic add per program.
 
 For the fused prefill GEMM (:mod:`.fp8_grouped_gemm_kernels`), which converts weight tiles on their way to the
-tensor cores instead of through a workspace: :func:`e4m3_words` turns 16-bit groups of four codes into four e4m3
-bytes with two byte permutes (PTX ``prmt`` against an 8-byte table of the block's E2M1 values),
-:func:`words_to_fp8` turns those words into an FP8 tile, :func:`interleave_blocks` gives the k order the
-registers route reads.
+tensor cores instead of through a workspace: :func:`e4m3_pairs` with :func:`fast_tables` turns each 32 bits of
+codes into two words of four e4m3 bytes, :func:`pair_words` puts them in k order or in the registers route's
+(:func:`interleave_blocks`), :func:`words_to_fp8` turns those words into an FP8 tile.
 
 The kernels keep their leading underscore: profiles and recorded launches name them so.
 """
@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 
 from .mxfp4_kernels import e2m1_bits
+
+_SIGN_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 (bit 7 of each byte) as an int32
 
 
 @triton.jit
@@ -73,21 +75,20 @@ def exact_tables(d):
 
 
 @triton.jit
-def per_code(table, codes, INTERLEAVED: tl.constexpr = False):
-    """``table`` ``[R, B]`` repeated over each block's 8 code words: ``[R, 8 B]``, like ``codes``; with
-    ``INTERLEAVED`` for code words in :func:`interleave_blocks` order (word ``4 a + b`` of block ``b``, B = 4)."""
-    if INTERLEAVED:
-        return tl.reshape(tl.broadcast_to(table[:, None, :], [codes.shape[0], 8, table.shape[1]]), codes.shape)
-    else:
-        return tl.reshape(tl.broadcast_to(table[:, :, None], [codes.shape[0], table.shape[1], 8]), codes.shape)
+def per_block(table, words):
+    """``table`` ``[R, B]`` repeated over each block's words: ``[R, W]`` like ``words`` (each block's ``W / B`` words
+    contiguous)."""
+    rows: tl.constexpr = words.shape[0]
+    blocks: tl.constexpr = table.shape[1]
+    return tl.reshape(tl.broadcast_to(table[:, :, None], [rows, blocks, words.shape[1] // blocks]), words.shape)
 
 
 @triton.jit
 def interleave_blocks(t, UNIT: tl.constexpr):
-    """``t [R, C]`` in k order, ``UNIT`` elements per four k (1 for 16-bit code words, 4 for bytes; C a multiple of
-    ``32 UNIT``) -> the same values with each 128-k group's four 32-blocks interleaved four k at a time: quarter
-    ``a`` (0..7) of block ``b`` (0..3) moves from ``8 b + a`` to ``4 a + b``. The registers route's k order: a
-    thread's share of the MMA operand (four k at ``4 q`` and ``4 q + 16`` of each k32 step) is then one block's
+    """``t [R, C]`` in k order, ``UNIT`` elements per four k (1 for words of four e4m3 bytes, 4 for bytes; C a
+    multiple of ``32 UNIT``) -> the same values with each 128-k group's four 32-blocks interleaved four k at a time:
+    quarter ``a`` (0..7) of block ``b`` (0..3) moves from ``8 b + a`` to ``4 a + b``. The registers route's k order:
+    a thread's share of the MMA operand (four k at ``4 q`` and ``4 q + 16`` of each k32 step) is then one block's
     contiguous 16 bytes instead of eight 2-byte pieces 8 bytes apart (8 shared-memory loads a 128-k step instead of
     36 in the sm_90 SASS, and no bank conflicts)."""
     rows: tl.constexpr = t.shape[0]
@@ -97,31 +98,47 @@ def interleave_blocks(t, UNIT: tl.constexpr):
 
 
 @triton.jit
-def permute_codes(codes, lo, hi, PTX: tl.constexpr, INTERLEAVED: tl.constexpr = False):
-    """e4m3 words of E2M1 codes: ``codes`` int32 ``[R, 8 B]`` (16 bits each: four codes, low nibble first) of ``B``
-    32-blocks (``INTERLEAVED``: in :func:`interleave_blocks` order), with their blocks' tables ``lo``/``hi``
-    ``[R, B]`` -> int32 ``[R, 8 B]``, four e4m3 bytes each, in the codes' order: one permute picks the magnitudes,
-    another the sign bits (0x80 where a code's bit 3 is set)."""
-    magnitude = byte_permute(per_code(lo, codes, INTERLEAVED), per_code(hi, codes, INTERLEAVED), codes & 0x7777, PTX)
-    sign = byte_permute(tl.full(codes.shape, 0x8000, tl.int32), tl.zeros_like(codes), (codes >> 3) & 0x1111, PTX)
-    return magnitude | sign
+def e4m3_pairs(pairs, lo, hi, PTX: tl.constexpr):
+    """e4m3 words of E2M1 codes: ``pairs`` int32 ``[R, 4 B]`` (32 bits: eight codes, low nibble first) of ``B``
+    32-blocks in k order, with their blocks' tables ``lo``/``hi`` ``[R, B]`` -> ``(first, second)``, int32
+    ``[R, 4 B]`` each: four e4m3 bytes of a pair's low four codes, and of its high four. A magnitude is a byte
+    permute of the table by the code with its sign bit cleared (``prmt`` reads a selector's low 16 bits: the low
+    four need no shift); the sign bits move from bit ``4 i + 3`` of the pair to bit ``8 i + 7`` of a word through
+    one byte permute of the pair and the pair shifted left by 4 (bytes ``4 0 5 1``, then ``6 2 7 3``), masked into
+    the magnitudes: nine integer operations per eight values."""
+    lo_w, hi_w = per_block(lo, pairs), per_block(hi, pairs)
+    magnitude = pairs & 0x77777777
+    shifted = pairs << 4
+    first = byte_permute(lo_w, hi_w, magnitude, PTX) \
+        | (byte_permute(pairs, shifted, tl.full(pairs.shape, 0x1504, tl.int32), PTX) & _SIGN_BITS)
+    second = byte_permute(lo_w, hi_w, magnitude >> 16, PTX) \
+        | (byte_permute(pairs, shifted, tl.full(pairs.shape, 0x3726, tl.int32), PTX) & _SIGN_BITS)
+    return first, second
 
 
 @triton.jit
-def e4m3_words(codes, d, PTX: tl.constexpr, INTERLEAVED: tl.constexpr = False):
-    """:func:`permute_codes` with :func:`fast_tables` (``d`` in 0..11)."""
-    lo, hi = fast_tables(d)
-    return permute_codes(codes, lo, hi, PTX, INTERLEAVED)
+def pair_words(first, second, INTERLEAVED: tl.constexpr):
+    """:func:`e4m3_pairs`' words ``[R, C]`` each -> ``[R, 2 C]`` in k order (word ``2 c`` is ``first[c]``, ``2 c + 1``
+    is ``second[c]``), or with ``INTERLEAVED`` (C a multiple of 16: whole 128-k groups) in :func:`interleave_blocks`
+    order: pair ``4 b + s`` of a group holds quarters ``2 s`` and ``2 s + 1`` of block ``b``, which go to
+    ``8 s + b`` and ``8 s + 4 + b``."""
+    rows: tl.constexpr = first.shape[0]
+    cols: tl.constexpr = first.shape[1]
+    words = tl.join(first, second)  # [R, C, 2]
+    if INTERLEAVED:
+        words = tl.permute(tl.reshape(words, [rows * cols // 16, 4, 4, 2]), (0, 2, 3, 1))
+    return tl.reshape(words, [rows, 2 * cols])
 
 
 @triton.jit
-def unfit_blocks(codes, lossy):
-    """Blocks (``[R, B]`` int32, 1 = unfit) with a code whose magnitude is marked in their ``lossy`` mask."""
-    hit = tl.zeros_like(codes)
-    mask = per_code(lossy, codes)
-    for i in tl.static_range(4):
-        hit |= (mask >> ((codes >> (4 * i)) & 7)) & 1
-    return tl.max(tl.reshape(hit, [codes.shape[0], lossy.shape[1], 8]), axis=2)
+def unfit_blocks(pairs, lossy):
+    """Blocks (``[R, B]`` int32, 1 = unfit) with a code whose magnitude is marked in their ``lossy`` mask; ``pairs``
+    as :func:`e4m3_pairs` takes them."""
+    hit = tl.zeros_like(pairs)
+    mask = per_block(lossy, pairs)
+    for i in tl.static_range(8):
+        hit |= (mask >> ((pairs >> (4 * i)) & 7)) & 1
+    return tl.max(tl.reshape(hit, [pairs.shape[0], lossy.shape[1], pairs.shape[1] // lossy.shape[1]]), axis=2)
 
 
 @triton.jit
@@ -147,7 +164,7 @@ def _lost_in_e4m3(bits):
 
 
 @triton.jit
-def _convert_kernel(codes_ptr, scales_ptr, ids_ptr, ref_ptr, w_words_ptr, s_ptr, unfit_ptr, N, KB, NG,
+def _convert_kernel(pairs_ptr, scales_ptr, ids_ptr, ref_ptr, w_words_ptr, s_ptr, unfit_ptr, N, KB, NG,
                     stride_ce, stride_cn, stride_se, stride_sn, stride_re, stride_we, stride_wn, stride_oe, stride_on,
                     stride_og, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, COUNT_UNFIT: tl.constexpr,
                     ROW_REF: tl.constexpr, PTX: tl.constexpr):
@@ -164,18 +181,19 @@ def _convert_kernel(codes_ptr, scales_ptr, ids_ptr, ref_ptr, w_words_ptr, s_ptr,
         top = tl.max(tl.reshape(s, [BLOCK_N, GROUPS, 4]), axis=2)  # [BLOCK_N, GROUPS]
     top_per_block = tl.reshape(tl.broadcast_to(top[:, :, None], [BLOCK_N, GROUPS, 4]), [BLOCK_N, GROUPS * 4])
     d = tl.where(inside, top_per_block - s, 0)  # binades below the group's top block
-    code_rows = codes_ptr + expert * stride_ce + n.to(tl.int64)[:, None] * stride_cn  # int16: four codes each
-    j = tl.program_id(2) * (GROUPS * 32) + tl.arange(0, GROUPS * 32)
-    codes = tl.load(code_rows + j[None, :], mask=(n < N)[:, None] & (j < KB * 8)[None, :], other=0).to(tl.int32)
+    pair_rows = pairs_ptr + expert * stride_ce + n.to(tl.int64)[:, None] * stride_cn  # int32: eight codes each
+    p = tl.program_id(2) * (GROUPS * 16) + tl.arange(0, GROUPS * 16)
+    pairs = tl.load(pair_rows + p[None, :], mask=(n < N)[:, None] & (p < KB * 4)[None, :], other=0)
     if tl.max(tl.max(d, axis=1), axis=0) <= 11:
         lo, hi = fast_tables(d)
     else:
         lo, hi, lossy = exact_tables(d)
         if COUNT_UNFIT:
-            tl.atomic_add(unfit_ptr, tl.sum(tl.sum(unfit_blocks(codes, lossy), axis=1), axis=0))
-    words = permute_codes(codes, lo, hi, PTX)  # k = 4j .. 4j + 3 in word j
-    tl.store(w_words_ptr + slot * stride_we + n.to(tl.int64)[:, None] * stride_wn + j[None, :], words,
-             mask=(n < N)[:, None] & (j < KB * 8)[None, :])
+            tl.atomic_add(unfit_ptr, tl.sum(tl.sum(unfit_blocks(pairs, lossy), axis=1), axis=0))
+    first, second = e4m3_pairs(pairs, lo, hi, PTX)
+    j = tl.program_id(2) * (GROUPS * 32) + tl.arange(0, GROUPS * 32)  # k = 4j .. 4j + 3 in word j
+    tl.store(w_words_ptr + slot * stride_we + n.to(tl.int64)[:, None] * stride_wn + j[None, :],
+             pair_words(first, second, False), mask=(n < N)[:, None] & (j < KB * 8)[None, :])
     g = tl.program_id(2) * GROUPS + tl.arange(0, GROUPS)
     tl.store(s_ptr + slot * stride_oe + n[:, None] * stride_on + g[None, :] * stride_og, reference_scale(top),
              mask=(n < N)[:, None] & (g < NG)[None, :])
