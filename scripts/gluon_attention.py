@@ -1,17 +1,22 @@
-"""The Gluon sparse attention kernel on the GPU against the reference and the Triton kernel, then both timed
-(``python scripts/gluon_attention.py [--out DIR]``).
+"""The Gluon sparse attention kernel on the GPU against the reference and the Triton kernel, over a bf16 cache and
+over the FP8 latent cache, then both kernels timed (``python scripts/gluon_attention.py [--only fp8|bf16|all]
+[--out DIR]``).
 
-Checks: small and odd shapes (index rows R 1 and 3; query rows M 64, 128 and 80 as 2 tokens x 40 heads, the last
-head block masked; k 64, 100 and 2048; a cache of a number of slots no multiple of 64 whose rows nothing selects
-are NaN; slots padded with -1, some negative or past the cache, one row without a valid slot), one split and four
-(merged by ``_combine_splits``), outputs poisoned with NaN before each run; each kernel within the spec's bf16
-tolerance of the fp32 reference, and the two kernels' largest difference reported. Timing
-(``do_bench_cudagraph``, median; eager ``do_bench`` where capture fails): decode R = 64, 8, 1 with 128 heads,
-k = 2048 over a 128K-slot cache (151 MB, larger than the L2), the Triton kernel at its launch config (tuning
-database), the Gluon one at that split count (and twice it below R = 64), with TFLOP/s and the fraction of a bf16
-``torch.mm`` 8192^3 measured in the same run. Prints PASS / FAIL per check and a table last; writes
-``gluon-attention.json`` under ``--out``; exit 1 on any failure (a kernel that fails to compile or launch is a
-failure of its rows; the rest still runs).
+Checks, per cache: small and odd shapes (index rows R 1 and 3; query rows M 64, 128 and 80 as 2 tokens x 40 heads,
+the last head block masked; k 64, 100 and 2048; a cache of a number of slots no multiple of 64 whose rows nothing
+selects are NaN; slots padded with -1, some negative or past the cache, one row without a valid slot), one split and
+four (merged by ``_combine_splits``), outputs poisoned with NaN before each run; each kernel within the spec's bf16
+tolerance of the fp32 reference (over the FP8 cache: its rows dequantized by the reference, then the same fp32
+attention), and the two kernels' largest difference reported. The FP8 cache is made by the append op's quantizer
+(``fp8_latent_quantize``: power-of-two scales) from rows whose 128-value groups differ in magnitude by up to 2^12,
+so the four scales of a row differ. Timing (``do_bench_cudagraph``, median; eager ``do_bench`` where capture
+fails): decode R = 64, 8, 1 with 128 heads, k = 2048 over a 128K-slot cache (151 MB in bf16, 86 MB in FP8: larger
+than the L2), the Triton kernel at its launch config (tuning database, the FP8 op's own), the Gluon one at the bf16
+Triton config's split count (and twice it below R = 64), with TFLOP/s, the fraction of a bf16 ``torch.mm`` 8192^3
+measured in the same run, and the bytes each kernel reads per selected token (a bf16 row 1152, an FP8 row 656) with
+the rate they are read at. Prints PASS / FAIL per check and a table last; writes ``gluon-attention.json`` under
+``--out``; exit 1 on any failure (a kernel that fails to compile or launch is a failure of its rows; the rest still
+runs).
 """
 from __future__ import annotations
 
@@ -34,10 +39,13 @@ CHECK_CASES = [  # (R, S, H, k, num_slots)
 ]
 
 
-def make_inputs(R: int, S: int, H: int, k: int, num_slots: int, seed: int, odd: bool = True):
-    """``q[R, S, H, D]`` bf16, ``kv[num_slots, D]`` bf16 (rows nothing selects NaN), ``slots[R, k]`` int32.
-    ``odd``: rows hold -1 padding from a random count on, about 5% of the slots negative or past the cache,
-    and row 2 (when there is one) no valid slot."""
+def make_inputs(R: int, S: int, H: int, k: int, num_slots: int, seed: int, odd: bool = True, fp8: bool = False):
+    """``q[R, S, H, D]`` bf16, ``kv[num_slots, D]`` bf16 or (``fp8``) the FP8 latent cache ``uint8[num_slots, 656]``
+    (rows nothing selects NaN; FP8: NaN bytes, scales and rope values), ``slots[R, k]`` int32. ``odd``: rows hold -1
+    padding from a random count on, about 5% of the slots negative or past the cache, and row 2 (when there is one)
+    no valid slot."""
+    from dsa_triton.attention.cache_reference import LATENT_GROUP, fp8_latent_quantize
+
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(R, S, H, D, generator=g, device="cuda").bfloat16()
     slots = torch.rand(R, num_slots, generator=g, device="cuda").argsort(dim=1)[:, :k] if k <= num_slots else \
@@ -50,36 +58,42 @@ def make_inputs(R: int, S: int, H: int, k: int, num_slots: int, seed: int, odd: 
         slots = torch.where(stray, wild, slots)
         if R > 2:
             slots[2] = -1
-    kv = torch.full((num_slots, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kv = torch.full((num_slots, D), float("nan"), device="cuda")
     live = slots[(slots >= 0) & (slots < num_slots)].long().unique()
-    kv[live] = torch.randn(live.numel(), D, generator=g, device="cuda").bfloat16()
+    rows = torch.randn(live.numel(), D, generator=g, device="cuda")
+    if fp8:  # each 128-value group its own magnitude (2^-6 .. 2^6), so each its own scale
+        groups = torch.randint(-6, 7, (live.numel(), DV // LATENT_GROUP), generator=g, device="cuda")
+        rows[:, :DV] *= torch.exp2(groups.float()).repeat_interleave(LATENT_GROUP, dim=1)
+    kv[live] = rows.bfloat16().float()
+    kv = fp8_latent_quantize(kv, DV) if fp8 else kv.bfloat16()
     return q, kv, slots.to(torch.int32).contiguous()
 
 
-def config_for(kernel: str, R: int, H: int, k: int, num_splits: int | None = None) -> dict:
-    """The Triton kernel's launch config (tuning database, else default) for decode ``R`` x ``H`` heads; the Gluon
-    kernel's (64 x 64 tiles, 8 warps) at ``num_splits`` (default: the Triton config's). Importing the package
-    installs the tuning database's lookup."""
+def config_for(kernel: str, R: int, H: int, k: int, num_splits: int | None = None, fp8: bool = False) -> dict:
+    """The Triton kernel's launch config (tuning database, else default) for decode ``R`` x ``H`` heads over the bf16
+    or (``fp8``) the FP8 cache; the Gluon kernel's (64 x 64 tiles, 8 warps) at ``num_splits`` (default: the bf16
+    Triton config's, tuned for 64-token tiles). Importing the package installs the tuning database's lookup."""
     from dsa_triton.attention.sparse_attention_gluon import GLUON_CONFIG
-    from dsa_triton.attention.sparse_attention_spec import DECODE_SPEC
+    from dsa_triton.attention.sparse_attention_spec import DECODE_FP8_SPEC, DECODE_SPEC
 
     shape = {"B": R, "S": 1, "H": H, "D": D, "Dv": DV, "k": k, "P": 64, "logical": 0}
-    triton_config = DECODE_SPEC.launch_config("decode", shape, torch.device("cuda"))
     if kernel == "triton":
-        return triton_config
-    return {**GLUON_CONFIG, "num_splits": num_splits or triton_config["num_splits"]}
+        return (DECODE_FP8_SPEC if fp8 else DECODE_SPEC).launch_config("decode", shape, torch.device("cuda"))
+    return {**GLUON_CONFIG, "num_splits": num_splits or config_for("triton", R, H, k)["num_splits"]}
 
 
 def runner(kernel: str, q, kv, slots, config: dict):
-    """A call of ``sparse_attention_fwd`` with the ``kernel`` ("triton" or "gluon") at ``config``."""
+    """A call of ``sparse_attention_fwd`` with the ``kernel`` ("triton" or "gluon") at ``config`` (a uint8 ``kv``:
+    the FP8 latent cache)."""
     from dsa_triton.attention import sparse_attention_gluon, sparse_attention_kernels as sak
 
     fn = sparse_attention_gluon._sparse_attention_fwd_gluon if kernel == "gluon" else sak._sparse_attention_fwd
-    launch = sak.AttentionLaunch(D, DV, slots.shape[1], 1, q.dtype, False, config)
+    launch = sak.AttentionLaunch(D, DV, slots.shape[1], 1, q.dtype, kv.dtype == torch.uint8, config)
     return lambda: sak.sparse_attention_fwd(q, kv, slots, D ** -0.5, launch, kernel=fn)
 
 
-def check_rows() -> list[dict]:
+def check_rows(cache: str) -> list[dict]:
+    """The checks over the ``cache`` ("bf16" or "fp8"), one row per kernel, case and split count."""
     from dsa_triton.attention.sparse_attention_gluon import GLUON_CONFIG
     from dsa_triton.attention.sparse_attention_reference import sparse_attention_torch
     from dsa_triton.attention.sparse_attention_spec import DECODE_SPEC
@@ -87,7 +101,7 @@ def check_rows() -> list[dict]:
 
     rows = []
     for case_no, (R, S, H, k, num_slots) in enumerate(CHECK_CASES):
-        q, kv, slots = make_inputs(R, S, H, k, num_slots, 100 + case_no)
+        q, kv, slots = make_inputs(R, S, H, k, num_slots, 100 + case_no, fp8=cache == "fp8")
         valid = torch.where((slots >= 0) & (slots < num_slots), slots.long(), -1)
         ref = sparse_attention_torch(q.reshape(R, S * H, D), kv, valid, D ** -0.5, DV, magnitude=True)
         ref = tuple(x.reshape(R, S, H, *x.shape[2:]) for x in ref)
@@ -95,7 +109,7 @@ def check_rows() -> list[dict]:
             outs = {}
             for kernel in ("triton", "gluon"):
                 config = {**GLUON_CONFIG, "num_splits": num_splits}  # one config for both kernels
-                row = {"kernel": kernel, "R": R, "S": S, "H": H, "k": k, "num_slots": num_slots,
+                row = {"kernel": kernel, "cache": cache, "R": R, "S": S, "H": H, "k": k, "num_slots": num_slots,
                        "num_splits": num_splits}
                 try:
                     with poisoned_allocations():
@@ -112,7 +126,7 @@ def check_rows() -> list[dict]:
                     row["max_abs_diff_to_triton"] = (o1.float() - o2.float()).abs().max().item()
                     row["lse_max_abs_diff_to_triton"] = (l1 - l2)[finite].abs().max().item() if finite.any() else 0.0
                 status = "PASS" if row["check"] == "ok" else "FAIL"
-                print(f"{status} {kernel:6s} R={R} S={S} H={H} k={k} slots={num_slots} splits={num_splits}: "
+                print(f"{status} {kernel:6s} {cache:4s} R={R} S={S} H={H} k={k} slots={num_slots} splits={num_splits}: "
                       f"{row['check']}" + (f" (vs triton: out {row['max_abs_diff_to_triton']:.3g}, lse "
                                            f"{row['lse_max_abs_diff_to_triton']:.3g})"
                                            if "max_abs_diff_to_triton" in row else ""), flush=True)
@@ -139,26 +153,34 @@ def mm_tflops() -> float:
     return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
 
 
-def timing_rows(passed: dict, mm_rate: float) -> list[dict]:
+def timing_rows(cache: str, passed: dict, mm_rate: float) -> list[dict]:
+    """Decode timings over the ``cache`` ("bf16" or "fp8"); ``passed[multi_split]``: whether the Gluon kernel's checks
+    over it passed (one split / several)."""
+    from dsa_triton.attention.cache_reference import fp8_latent_bytes
+
     rows = []
     H, k, num_slots = 128, 2048, 131072
+    fp8 = cache == "fp8"
+    row_bytes = fp8_latent_bytes(DV, D - DV) if fp8 else 2 * D
     for R in (64, 8, 1):
-        q, kv, slots = make_inputs(R, 1, H, k, num_slots, 7, odd=False)
+        q, kv, slots = make_inputs(R, 1, H, k, num_slots, 7, odd=False, fp8=fp8)
         flops = 2 * R * H * k * (D + DV)
-        triton_config = config_for("triton", R, H, k)
-        variants = [("triton", triton_config)]
-        splits = [triton_config["num_splits"]] + ([2 * triton_config["num_splits"]] if R < 64 else [])
-        variants += [("gluon", config_for("gluon", R, H, k, s)) for s in splits]
+        triton_config = config_for("triton", R, H, k, fp8=fp8)
+        splits = [config_for("gluon", R, H, k)["num_splits"]]
+        splits += [2 * splits[0]] if R < 64 else []
+        variants = [("triton", triton_config)] + [("gluon", config_for("gluon", R, H, k, s)) for s in splits]
         base = None
         for kernel, config in variants:
-            row = {"kernel": kernel, "R": R, "H": H, "k": k, "num_slots": num_slots, "config": config}
+            row = {"kernel": kernel, "cache": cache, "R": R, "H": H, "k": k, "num_slots": num_slots, "config": config,
+                   "bytes_per_token": row_bytes}
             if kernel == "gluon" and not passed[config["num_splits"] > 1]:
                 row["error"] = "skipped: its checks failed"
             else:
                 try:
                     us, mode = median_us(runner(kernel, q, kv, slots, config))
                     tflops = flops / (us * 1e-6) / 1e12
-                    row.update(us=us, timing=mode, tflops=tflops, fraction_of_mm=tflops / mm_rate)
+                    row.update(us=us, timing=mode, tflops=tflops, fraction_of_mm=tflops / mm_rate,
+                               row_gbps=R * k * row_bytes / (us * 1e-6) / 1e9)
                     base = us if kernel == "triton" else base
                     row["speedup_vs_triton"] = base / us if base else None
                 except Exception as exc:  # compile or launch failure: reported, the rest goes on
@@ -168,34 +190,44 @@ def timing_rows(passed: dict, mm_rate: float) -> list[dict]:
     return rows
 
 
+def print_table(mm_rate: float, timings: list[dict]) -> None:
+    print(f"\nbf16 torch.mm 8192^3: {mm_rate:.0f} TFLOP/s")
+    print(f"{'kernel':7s} {'cache':5s} {'R':>3s} {'splits':>6s} {'us':>8s} {'TFLOP/s':>8s} {'of mm':>6s} "
+          f"{'vs triton':>9s} {'B/token':>7s} {'GB/s':>6s}")
+    for r in timings:
+        head = f"{r['kernel']:7s} {r['cache']:5s} {r['R']:3d} {r['config']['num_splits']:6d}"
+        if "us" in r:
+            speedup = f"{r['speedup_vs_triton']:.2f}x" if r["speedup_vs_triton"] else "-"
+            print(f"{head} {r['us']:8.1f} {r['tflops']:8.0f} {r['fraction_of_mm']:6.1%} {speedup:>9s} "
+                  f"{r['bytes_per_token']:7d} {r['row_gbps']:6.0f}")
+        else:
+            print(f"{head}  {r['error'][:60]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "results"))
+    parser.add_argument("--only", choices=("fp8", "bf16", "all"), default="all", help="which cache to check and time")
     args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "scripts/gluon_attention.py needs a GPU"
 
-    checks = check_rows()
-    failed = [r for r in checks if r["check"] != "ok"]
-    passed = {multi: all(r["check"] == "ok" for r in checks if r["kernel"] == "gluon" and (r["num_splits"] > 1) == multi)
-              for multi in (False, True)}
+    caches = ("bf16", "fp8") if args.only == "all" else (args.only,)
+    checks = {cache: check_rows(cache) for cache in caches}
     mm_rate = mm_tflops()
-    timings = timing_rows(passed, mm_rate)
+    timings = []
+    for cache in caches:
+        passed = {multi: all(r["check"] == "ok" for r in checks[cache]
+                             if r["kernel"] == "gluon" and (r["num_splits"] > 1) == multi) for multi in (False, True)}
+        timings += timing_rows(cache, passed, mm_rate)
+    checks = [row for cache in caches for row in checks[cache]]
+    failed = [r for r in checks if r["check"] != "ok"]
     failed += [r for r in timings if "error" in r and not r["error"].startswith("skipped")]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "bf16_mm_tflops": mm_rate, "checks": checks, "timings": timings, "failures": len(failed)}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "gluon-attention.json").write_text(json.dumps(result, indent=1, default=str))
-
-    print(f"\nbf16 torch.mm 8192^3: {mm_rate:.0f} TFLOP/s")
-    print(f"{'kernel':7s} {'R':>3s} {'splits':>6s} {'us':>8s} {'TFLOP/s':>8s} {'of mm':>6s} {'vs triton':>9s}")
-    for r in timings:
-        if "us" in r:
-            speedup = f"{r['speedup_vs_triton']:.2f}x" if r["speedup_vs_triton"] else "-"
-            print(f"{r['kernel']:7s} {r['R']:3d} {r['config']['num_splits']:6d} {r['us']:8.1f} {r['tflops']:8.0f} "
-                  f"{r['fraction_of_mm']:6.1%} {speedup:>9s}")
-        else:
-            print(f"{r['kernel']:7s} {r['R']:3d} {r['config']['num_splits']:6d}  {r['error'][:60]}")
+    print_table(mm_rate, timings)
     print(f"\n{'ALL PASS' if not failed else f'FAILURES: {len(failed)}'}")
     return 1 if failed else 0
 
