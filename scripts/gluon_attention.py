@@ -61,8 +61,9 @@ def make_inputs(R: int, S: int, H: int, k: int, num_slots: int, seed: int, odd: 
     kv = torch.full((num_slots, D), float("nan"), device="cuda")
     live = slots[(slots >= 0) & (slots < num_slots)].long().unique()
     rows = torch.randn(live.numel(), D, generator=g, device="cuda")
-    if fp8:  # each 128-value group its own magnitude (2^-6 .. 2^6), so each its own scale
-        groups = torch.randint(-6, 7, (live.numel(), DV // LATENT_GROUP), generator=g, device="cuda")
+    if fp8:  # each 128-value group its own magnitude (2^-3 .. 2^3), so each its own scale; wider (2^+-6) makes
+        # scores of ~60 whose fp32 rounding alone moves lse past the spec's 1e-4 absolute (both kernels, alike)
+        groups = torch.randint(-3, 4, (live.numel(), DV // LATENT_GROUP), generator=g, device="cuda")
         rows[:, :DV] *= torch.exp2(groups.float()).repeat_interleave(LATENT_GROUP, dim=1)
     kv[live] = rows.bfloat16().float()
     kv = fp8_latent_quantize(kv, DV) if fp8 else kv.bfloat16()
