@@ -140,7 +140,8 @@ def check_rows(cache: str, variants: list[dict]) -> list[dict]:
                     row["max_abs_diff_to_triton"] = (o1.float() - o2.float()).abs().max().item()
                     row["lse_max_abs_diff_to_triton"] = (l1 - l2)[finite].abs().max().item() if finite.any() else 0.0
                 status = "PASS" if row["check"] == "ok" else "FAIL"
-                print(f"{status} {label(kernel, variant)} {cache:4s} R={R} S={S} H={H} k={k} slots={num_slots} splits={num_splits}: "
+                print(f"{status} {label(kernel, variant)} {cache:4s} R={R} S={S} H={H} k={k} slots={num_slots} "
+                      f"splits={num_splits}: "
                       f"{row['check']}" + (f" (vs triton: out {row['max_abs_diff_to_triton']:.3g}, lse "
                                            f"{row['lse_max_abs_diff_to_triton']:.3g})"
                                            if "max_abs_diff_to_triton" in row else ""), flush=True)
@@ -247,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in checks if r["check"] != "ok"]
     failed += [r for r in timings if "error" in r and not r["error"].startswith("skipped")]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "variants": args.variants, "bf16_mm_tflops": mm_rate, "checks": checks, "timings": timings, "failures": len(failed)}
+              "variants": args.variants, "bf16_mm_tflops": mm_rate, "checks": checks, "timings": timings,
+              "failures": len(failed)}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "gluon-attention.json").write_text(json.dumps(result, indent=1, default=str))

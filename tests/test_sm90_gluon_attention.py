@@ -82,8 +82,8 @@ def test_the_dispatch_takes_only_bf16_q_dsa_shapes_on_sm90():
 def test_the_speed_variants_compile_without_spills_within_shared_memory():
     """``MAX_XCHG`` and ``LAZY_RESCALE`` (both on) over both caches."""
     try:
-        results = aot.compile_in_subprocess([record(4, fp8, MAX_XCHG=True, LAZY_RESCALE=True) for fp8 in (False, True)],
-                                            info=True)
+        records = [record(4, fp8, MAX_XCHG=True, LAZY_RESCALE=True) for fp8 in (False, True)]
+        results = aot.compile_in_subprocess(records, info=True)
     except (OSError, RuntimeError) as exc:
         pytest.skip(f"bundled NVIDIA tools unusable: {exc}")
     for result in results:
