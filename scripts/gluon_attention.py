@@ -1,6 +1,6 @@
 """The Gluon sparse attention kernel on the GPU against the reference and the Triton kernel, over a bf16 cache and
 over the FP8 latent cache, then both kernels timed (``python scripts/gluon_attention.py [--only fp8|bf16|all]
-[--out DIR]``).
+[--out DIR] [--variants JSON]``).
 
 Checks, per cache: small and odd shapes (index rows R 1 and 3; query rows M 64, 128 and 80 as 2 tokens x 40 heads,
 the last head block masked; k 64, 100 and 2048; a cache of a number of slots no multiple of 64 whose rows nothing
@@ -16,7 +16,8 @@ Triton config's split count (and twice it below R = 64), with TFLOP/s, the fract
 measured in the same run, and the bytes each kernel reads per selected token (a bf16 row 1152, an FP8 row 656) with
 the rate they are read at. Prints PASS / FAIL per check and a table last; writes ``gluon-attention.json`` under
 ``--out``; exit 1 on any failure (a kernel that fails to compile or launch is a failure of its rows; the rest still
-runs).
+runs). ``--variants``: a JSON list of dicts of the Gluon kernel's extra constexprs (e.g. ``[{"MAX_XCHG": 1}]``), each
+checked like the default and timed beside it at every timing row (``vs default``: the default's time over its).
 """
 from __future__ import annotations
 
@@ -83,18 +84,29 @@ def config_for(kernel: str, R: int, H: int, k: int, num_splits: int | None = Non
     return {**GLUON_CONFIG, "num_splits": num_splits or config_for("triton", R, H, k)["num_splits"]}
 
 
-def runner(kernel: str, q, kv, slots, config: dict):
+def runner(kernel: str, q, kv, slots, config: dict, variant: dict | None = None):
     """A call of ``sparse_attention_fwd`` with the ``kernel`` ("triton" or "gluon") at ``config`` (a uint8 ``kv``:
-    the FP8 latent cache)."""
+    the FP8 latent cache), ``variant``: extra constexprs of the launch."""
     from dsa_triton.attention import sparse_attention_gluon, sparse_attention_kernels as sak
 
     fn = sparse_attention_gluon._sparse_attention_fwd_gluon if kernel == "gluon" else sak._sparse_attention_fwd
     launch = sak.AttentionLaunch(D, DV, slots.shape[1], 1, q.dtype, kv.dtype == torch.uint8, config)
+    launch.fwd_meta = {**launch.fwd_meta, **(variant or {})}
     return lambda: sak.sparse_attention_fwd(q, kv, slots, D ** -0.5, launch, kernel=fn)
 
 
-def check_rows(cache: str) -> list[dict]:
-    """The checks over the ``cache`` ("bf16" or "fp8"), one row per kernel, case and split count."""
+def kernels_of(variants: list[dict]) -> list[tuple[str, dict]]:
+    """(kernel, variant) pairs: Triton's, the Gluon default and the Gluon ``variants``."""
+    return [("triton", {}), ("gluon", {})] + [("gluon", v) for v in variants]
+
+
+def label(kernel: str, variant: dict) -> str:
+    return kernel + "".join(f" {k}={v}" for k, v in variant.items())
+
+
+def check_rows(cache: str, variants: list[dict]) -> list[dict]:
+    """The checks over the ``cache`` ("bf16" or "fp8"), one row per kernel (and Gluon ``variants``), case and split
+    count."""
     from dsa_triton.attention.sparse_attention_gluon import GLUON_CONFIG
     from dsa_triton.attention.sparse_attention_reference import sparse_attention_torch
     from dsa_triton.attention.sparse_attention_spec import DECODE_SPEC
@@ -108,13 +120,14 @@ def check_rows(cache: str) -> list[dict]:
         ref = tuple(x.reshape(R, S, H, *x.shape[2:]) for x in ref)
         for num_splits in (1, 4):
             outs = {}
-            for kernel in ("triton", "gluon"):
+            for kernel, variant in kernels_of(variants):
                 config = {**GLUON_CONFIG, "num_splits": num_splits}  # one config for both kernels
-                row = {"kernel": kernel, "cache": cache, "R": R, "S": S, "H": H, "k": k, "num_slots": num_slots,
-                       "num_splits": num_splits}
+                row = {"kernel": kernel, "variant": variant, "cache": cache, "R": R, "S": S, "H": H, "k": k,
+                       "num_slots": num_slots, "num_splits": num_splits}
+                outs.pop("gluon", None)
                 try:
                     with poisoned_allocations():
-                        out = runner(kernel, q, kv, slots, config)()
+                        out = runner(kernel, q, kv, slots, config, variant)()
                     torch.cuda.synchronize()
                     row["check"] = DECODE_SPEC.compare(out, ref) or "ok"
                     outs[kernel] = out
@@ -127,7 +140,8 @@ def check_rows(cache: str) -> list[dict]:
                     row["max_abs_diff_to_triton"] = (o1.float() - o2.float()).abs().max().item()
                     row["lse_max_abs_diff_to_triton"] = (l1 - l2)[finite].abs().max().item() if finite.any() else 0.0
                 status = "PASS" if row["check"] == "ok" else "FAIL"
-                print(f"{status} {kernel:6s} {cache:4s} R={R} S={S} H={H} k={k} slots={num_slots} splits={num_splits}: "
+                print(f"{status} {label(kernel, variant)} {cache:4s} R={R} S={S} H={H} k={k} slots={num_slots} "
+                      f"splits={num_splits}: "
                       f"{row['check']}" + (f" (vs triton: out {row['max_abs_diff_to_triton']:.3g}, lse "
                                            f"{row['lse_max_abs_diff_to_triton']:.3g})"
                                            if "max_abs_diff_to_triton" in row else ""), flush=True)
@@ -154,9 +168,9 @@ def mm_tflops() -> float:
     return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
 
 
-def timing_rows(cache: str, passed: dict, mm_rate: float) -> list[dict]:
-    """Decode timings over the ``cache`` ("bf16" or "fp8"); ``passed[multi_split]``: whether the Gluon kernel's checks
-    over it passed (one split / several)."""
+def timing_rows(cache: str, passed: dict, mm_rate: float, variants: list[dict]) -> list[dict]:
+    """Decode timings over the ``cache`` ("bf16" or "fp8"), the Gluon kernel's default and ``variants`` at each of its
+    configs; ``passed[label, multi_split]``: whether that Gluon kernel's checks over it passed (one split / several)."""
     from dsa_triton.attention.cache_reference import fp8_latent_bytes
 
     rows = []
@@ -169,21 +183,25 @@ def timing_rows(cache: str, passed: dict, mm_rate: float) -> list[dict]:
         triton_config = config_for("triton", R, H, k, fp8=fp8)
         splits = [config_for("gluon", R, H, k)["num_splits"]]
         splits += [2 * splits[0]] if R < 64 else []
-        variants = [("triton", triton_config)] + [("gluon", config_for("gluon", R, H, k, s)) for s in splits]
-        base = None
-        for kernel, config in variants:
-            row = {"kernel": kernel, "cache": cache, "R": R, "H": H, "k": k, "num_slots": num_slots, "config": config,
-                   "bytes_per_token": row_bytes}
-            if kernel == "gluon" and not passed[config["num_splits"] > 1]:
+        runs = [("triton", {}, triton_config)] + [("gluon", v, config_for("gluon", R, H, k, s))
+                                                  for s in splits for v in [{}] + variants]
+        base = default = None
+        for kernel, variant, config in runs:
+            row = {"kernel": kernel, "variant": variant, "cache": cache, "R": R, "H": H, "k": k,
+                   "num_slots": num_slots, "config": config, "bytes_per_token": row_bytes}
+            default = None if kernel == "gluon" and not variant else default
+            if kernel == "gluon" and not passed[label(kernel, variant), config["num_splits"] > 1]:
                 row["error"] = "skipped: its checks failed"
             else:
                 try:
-                    us, mode = median_us(runner(kernel, q, kv, slots, config))
+                    us, mode = median_us(runner(kernel, q, kv, slots, config, variant))
                     tflops = flops / (us * 1e-6) / 1e12
                     row.update(us=us, timing=mode, tflops=tflops, fraction_of_mm=tflops / mm_rate,
                                row_gbps=R * k * row_bytes / (us * 1e-6) / 1e9)
                     base = us if kernel == "triton" else base
                     row["speedup_vs_triton"] = base / us if base else None
+                    default = us if kernel == "gluon" and not variant else default
+                    row["vs_default"] = default / us if kernel == "gluon" and variant and default else None
                 except Exception as exc:  # compile or launch failure: reported, the rest goes on
                     row["error"] = f"{exc!r}"[:2000]
                     traceback.print_exc()
@@ -194,37 +212,44 @@ def timing_rows(cache: str, passed: dict, mm_rate: float) -> list[dict]:
 def print_table(mm_rate: float, timings: list[dict]) -> None:
     print(f"\nbf16 torch.mm 8192^3: {mm_rate:.0f} TFLOP/s")
     print(f"{'kernel':7s} {'cache':5s} {'R':>3s} {'splits':>6s} {'us':>8s} {'TFLOP/s':>8s} {'of mm':>6s} "
-          f"{'vs triton':>9s} {'B/token':>7s} {'GB/s':>6s}")
+          f"{'vs triton':>9s} {'B/token':>7s} {'GB/s':>6s} {'vs default':>10s} variant")
     for r in timings:
         head = f"{r['kernel']:7s} {r['cache']:5s} {r['R']:3d} {r['config']['num_splits']:6d}"
+        variant = json.dumps(r["variant"]) if r["variant"] else ""
         if "us" in r:
             speedup = f"{r['speedup_vs_triton']:.2f}x" if r["speedup_vs_triton"] else "-"
+            vs_default = f"{r['vs_default']:.3f}x" if r["vs_default"] else "-"
             print(f"{head} {r['us']:8.1f} {r['tflops']:8.0f} {r['fraction_of_mm']:6.1%} {speedup:>9s} "
-                  f"{r['bytes_per_token']:7d} {r['row_gbps']:6.0f}")
+                  f"{r['bytes_per_token']:7d} {r['row_gbps']:6.0f} {vs_default:>10s} {variant}")
         else:
-            print(f"{head}  {r['error'][:60]}")
+            print(f"{head}  {r['error'][:60]} {variant}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "results"))
     parser.add_argument("--only", choices=("fp8", "bf16", "all"), default="all", help="which cache to check and time")
+    parser.add_argument("--variants", type=json.loads, default=[],
+                        help="JSON list of dicts of extra constexprs of the Gluon kernel, checked and timed beside it")
     args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "scripts/gluon_attention.py needs a GPU"
 
     caches = ("bf16", "fp8") if args.only == "all" else (args.only,)
-    checks = {cache: check_rows(cache) for cache in caches}
+    checks = {cache: check_rows(cache, args.variants) for cache in caches}
     mm_rate = mm_tflops()
     timings = []
     for cache in caches:
-        passed = {multi: all(r["check"] == "ok" for r in checks[cache]
-                             if r["kernel"] == "gluon" and (r["num_splits"] > 1) == multi) for multi in (False, True)}
-        timings += timing_rows(cache, passed, mm_rate)
+        passed = {(label("gluon", v), multi): all(r["check"] == "ok" for r in checks[cache]
+                                                  if r["kernel"] == "gluon" and r["variant"] == v
+                                                  and (r["num_splits"] > 1) == multi)
+                  for v in [{}] + args.variants for multi in (False, True)}
+        timings += timing_rows(cache, passed, mm_rate, args.variants)
     checks = [row for cache in caches for row in checks[cache]]
     failed = [r for r in checks if r["check"] != "ok"]
     failed += [r for r in timings if "error" in r and not r["error"].startswith("skipped")]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "bf16_mm_tflops": mm_rate, "checks": checks, "timings": timings, "failures": len(failed)}
+              "variants": args.variants, "bf16_mm_tflops": mm_rate, "checks": checks, "timings": timings,
+              "failures": len(failed)}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "gluon-attention.json").write_text(json.dumps(result, indent=1, default=str))

@@ -15,7 +15,7 @@ SHAPE = {"M": 128, "H": 128, "k_len": 2048, "tokens_per_split": 512, "num_slots"
          "s_qr": 73728, "s_qs": 73728, "s_qh": 576, "s_kv": 576, "s_ir": 2048}
 
 
-def record(num_splits: int, fp8: bool = False) -> dict:
+def record(num_splits: int, fp8: bool = False, **variant) -> dict:
     """A launch record (:func:`aot.record_launches`'s form) of the DSA decode shape with ``num_splits`` splits, over
     a bf16 cache or (``fp8``) the FP8 latent cache (656-byte rows)."""
     out = "*bf16" if num_splits == 1 else "*fp32"
@@ -24,7 +24,7 @@ def record(num_splits: int, fp8: bool = False) -> dict:
              "lse_ptr": "*fp32", **{name: "fp32" if name == "qk_scale" else "i32" for name in shape}}
     values = {**shape, "D_V": g.GLUON_D_V, "D_R": g.GLUON_D_R, "BLOCK_DV": g.GLUON_D_V, "BLOCK_DR": g.GLUON_D_R,
               "NUM_SPLITS": num_splits, "BLOCK_H": 64, "BLOCK_N": 64, "DOT_FP32": False,
-              "KV_FP8": fp8, "GROUP": 128, "ROPE_AT": 528 if fp8 else 0}  # (the bf16 launch: the defaults)
+              "KV_FP8": fp8, "GROUP": 128, "ROPE_AT": 528 if fp8 else 0, **variant}  # (bf16: the defaults)
     aligned = [n for n, v in {**types, **shape}.items() if n.endswith("_ptr") or (isinstance(v, int) and v % 16 == 0)]
     return {"module": g.__name__, "kernel": g._sparse_attention_fwd_gluon.__name__, "types": types,
             "values": values, "aligned": aligned, "num_warps": g.GLUON_CONFIG["num_warps"],
@@ -77,3 +77,15 @@ def test_the_dispatch_takes_only_bf16_q_dsa_shapes_on_sm90():
     assert not g.gluon_fits(q, torch.zeros(64, 580, dtype=torch.bfloat16)[:, 4:], 512, config)  # 8-byte aligned rows
     flat = torch.zeros(64 * 576 + 8, dtype=torch.bfloat16)
     assert g.gluon_aligned(q, kv) and not g.gluon_aligned(q, flat[4:4 + 64 * 576].view(64, 576))  # an 8-byte aligned address
+
+
+def test_the_speed_variants_compile_without_spills_within_shared_memory():
+    """``MAX_XCHG`` and ``LAZY_RESCALE`` (both on) over both caches."""
+    try:
+        records = [record(4, fp8, MAX_XCHG=True, LAZY_RESCALE=True) for fp8 in (False, True)]
+        results = aot.compile_in_subprocess(records, info=True)
+    except (OSError, RuntimeError) as exc:
+        pytest.skip(f"bundled NVIDIA tools unusable: {exc}")
+    for result in results:
+        assert result["error"] is None and result["spill_bytes"] == 0 and result["shared"] <= SMEM_BYTES, result
+        assert result["gmma"] == 40, result

@@ -53,6 +53,12 @@ _BYTES = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0]))
 _SCALES = gl.constexpr(gl.BlockedLayout([1, 1], [8, 4], [8, 1], [1, 0]))
 _DEQUANT = gl.constexpr(gl.BlockedLayout([1, 1, 16], [4, 1, 8], [8, 1, 1], [2, 1, 0]))
 _PLAIN = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+# the score tile's rows (64, the layout of SliceLayout(1, S_MMA)) with the two warpgroups' partials of each in one
+# thread's registers: what :func:`_row_reduce_xchg` reads back
+_PAIRS = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0], [0, 0]], block_bases=[], shape=[64, 2]))
+_FLAGS = gl.constexpr(gl.BlockedLayout([4], [32], [8], [0]))  # 16 words, 4 a lane (lanes 4 apart alike)
 
 
 @gluon.jit
@@ -120,6 +126,28 @@ def _store_dequantized(nope, x8, scale, D_V: gl.constexpr):
 
 
 @gluon.jit
+def _row_reduce_xchg(x, xchg, ROWS: gl.constexpr, SUM: gl.constexpr):
+    """Row maxima (``SUM``: sums) of ``x[64, 64]`` in the score layout (warps [4, 2]) in ``ROWS``
+    (``SliceLayout(1, x.layout)``): each warp reduces its 32 columns, the two warpgroups' partials meet in ``xchg``
+    (fp32 ``[2, 64]``) across one barrier. The caller keeps a barrier between two calls (the buffer's reuse)."""
+    parts = x.reshape([x.shape[0], 2, x.shape[1] // 2])
+    part = gl.sum(parts, 2) if SUM else gl.max(parts, 2)
+    xchg.permute((1, 0)).store(part)
+    gl.thread_barrier()
+    pairs = xchg.permute((1, 0)).load(_PAIRS)
+    both = gl.sum(pairs, 1) if SUM else gl.max(pairs, 1)
+    return gl.convert_layout(both, ROWS, assert_trivial=True)
+
+
+@gluon.jit
+def _any_flag(flags):
+    """Whether any byte of ``flags`` (uint8 ``[64]`` in shared memory, written before a barrier) is nonzero, read by
+    every thread alike (a scalar: uniform across the program)."""
+    words = flags._reinterpret(gl.int32, [flags.shape[0] // 4], gl.SwizzledSharedLayout(1, 1, 1, [0])).load(_FLAGS)
+    return gl.max(words, 0) != 0
+
+
+@gluon.jit
 def _slots(idx_row, start, hi, num_slots, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
     """Slots of tokens ``[start, start + BLOCK_N)`` (-1 from ``hi`` on) in ``LAYOUT`` and whether each is valid."""
     offs = start + gl.arange(0, BLOCK_N, layout=LAYOUT)
@@ -150,12 +178,16 @@ def _sparse_attention_fwd_gluon(
     D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DR: gl.constexpr,
     NUM_SPLITS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DOT_FP32: gl.constexpr,
     KV_FP8: gl.constexpr = False, GROUP: gl.constexpr = 128, ROPE_AT: gl.constexpr = 0,
+    MAX_XCHG: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
 ):
     """The arguments of ``_sparse_attention_fwd`` (bf16 q; ``D_V`` = 512, ``D_R`` = 64, ``BLOCK_H`` = ``BLOCK_N`` =
     64, 8 warps). ``KV_FP8``: ``kv_ptr`` holds FP8 latent cache rows of ``s_kv`` bytes (``GROUP`` = 128, rope values
     at byte ``ROPE_AT`` = 528), else bf16 rows of ``s_kv`` elements. Query row (r, m) is ``q_ptr + r*s_qr + (m // H)*s_qs + (m % H)*s_qh``; outputs
     ``out[R, M, NUM_SPLITS, D_V]`` (q's dtype with one split, else fp32 partials) and ``lse[R, M, NUM_SPLITS]``
-    natural log, -inf and 0 for a row without a valid slot; a NaN score makes out and lse NaN."""
+    natural log, -inf and 0 for a row without a valid slot; a NaN score makes out and lse NaN. ``MAX_XCHG``: the
+    row maxima and the final row sums by :func:`_row_reduce_xchg` (one barrier each) instead of the compiler's
+    cross-warp reductions. ``LAZY_RESCALE``: the accumulator is rescaled only in tiles where some row's ``alpha``
+    is not 1 (flags exchanged across the probabilities' barrier; the same results)."""
     gl.static_assert(D_V == 512 and D_R == 64 and BLOCK_H == 64 and BLOCK_N == 64 and gl.num_warps() == 8)
     gl.static_assert(BLOCK_DV == D_V and BLOCK_DR == D_R and not DOT_FP32)
     gl.static_assert(not KV_FP8 or (GROUP == 128 and ROPE_AT == D_V + 4 * (D_V // GROUP)))
@@ -184,6 +216,10 @@ def _sparse_attention_fwd_gluon(
     k_rope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_R], ROPE)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], P_SMEM)
     k_scale = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, D_V // GROUP], _PLAIN)  # FP8 only (else unused)
+    if MAX_XCHG:
+        xchg = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], _PLAIN)
+    if LAZY_RESCALE:
+        flags = gl.allocate_shared_memory(gl.uint8, [BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     offs_m = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS)
     q_rows = r * s_qr + (offs_m // H) * s_qs + (offs_m % H) * s_qh
@@ -222,7 +258,10 @@ def _sparse_attention_fwd_gluon(
         _, cols_ok = _slots(idx_row, start, hi, num_slots, BLOCK_N, S_COLS)
         s = warpgroup_mma_wait(0, deps=(s, ))
         s = gl.where(cols_ok[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+        if MAX_XCHG:
+            m_new = gl.maximum(m_i, _row_reduce_xchg(s, xchg, S_ROWS, False))
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 1))
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while nothing is valid yet
         p = gl.exp2(s - m_ref[:, None])
         alpha = gl.exp2(m_i - m_ref)
@@ -231,16 +270,25 @@ def _sparse_attention_fwd_gluon(
         if KV_FP8:  # the next tile's bytes, read before the barrier that lets them be overwritten
             x8, scale = _read_staged(k_nope.index(1 - buf), k_scale.index(1 - buf), GROUP)
         p_smem.store(p.to(dtype))
+        if LAZY_RESCALE:
+            flags.store((alpha != 1.0).to(gl.uint8))
         fence_async_shared()
         gl.thread_barrier()
-        acc = acc * gl.convert_layout(alpha, O_ROWS, assert_trivial=True)[:, None]
+        if LAZY_RESCALE:
+            if _any_flag(flags):
+                acc = acc * gl.convert_layout(alpha, O_ROWS, assert_trivial=True)[:, None]
+        else:
+            acc = acc * gl.convert_layout(alpha, O_ROWS, assert_trivial=True)[:, None]
         acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
         if KV_FP8:  # dequantized in place while the value MMAs run
             _store_dequantized(k_nope.index(1 - buf), x8, scale, D_V)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         buf = 1 - buf
     async_copy.wait_group(0)  # the last (empty) gather
-    l_i = gl.sum(l_2d, 1)
+    if MAX_XCHG:  # the last tile's reads of the buffer are behind the probabilities' barrier
+        l_i = _row_reduce_xchg(l_2d, xchg, S_ROWS, True)
+    else:
+        l_i = gl.sum(l_2d, 1)
 
     empty = l_i == 0  # not NaN: a NaN score propagates to out and lse
     l_ref = gl.where(empty, 1.0, l_i)
