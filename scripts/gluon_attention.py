@@ -16,8 +16,9 @@ Triton config's split count (and twice it below R = 64), with TFLOP/s, the fract
 measured in the same run, and the bytes each kernel reads per selected token (a bf16 row 1152, an FP8 row 656) with
 the rate they are read at. Prints PASS / FAIL per check and a table last; writes ``gluon-attention.json`` under
 ``--out``; exit 1 on any failure (a kernel that fails to compile or launch is a failure of its rows; the rest still
-runs). ``--variants``: a JSON list of dicts of the Gluon kernel's extra constexprs (e.g. ``[{"MAX_XCHG": 1}]``), each
-checked like the default and timed beside it at every timing row (``vs default``: the default's time over its).
+runs). ``--variants``: a JSON list of dicts laid over the Gluon kernel's constexprs (its default: ``gluon_meta``'s;
+e.g. ``[{"MAX_XCHG": 0}]``), each checked like the default and timed beside it at every timing row (``vs default``:
+the default's time over its).
 """
 from __future__ import annotations
 
@@ -86,13 +87,12 @@ def config_for(kernel: str, R: int, H: int, k: int, num_splits: int | None = Non
 
 def runner(kernel: str, q, kv, slots, config: dict, variant: dict | None = None):
     """A call of ``sparse_attention_fwd`` with the ``kernel`` ("triton" or "gluon") at ``config`` (a uint8 ``kv``:
-    the FP8 latent cache), ``variant``: extra constexprs of the launch."""
-    from dsa_triton.attention import sparse_attention_gluon, sparse_attention_kernels as sak
+    the FP8 latent cache), ``variant``: constexprs laid over the Gluon launch's."""
+    from dsa_triton.attention import sparse_attention_kernels as sak
 
-    fn = sparse_attention_gluon._sparse_attention_fwd_gluon if kernel == "gluon" else sak._sparse_attention_fwd
     launch = sak.AttentionLaunch(D, DV, slots.shape[1], 1, q.dtype, kv.dtype == torch.uint8, config)
-    launch.fwd_meta = {**launch.fwd_meta, **(variant or {})}
-    return lambda: sak.sparse_attention_fwd(q, kv, slots, D ** -0.5, launch, kernel=fn)
+    launch.gluon_meta = {**launch.gluon_meta, **(variant or {})}
+    return lambda: sak.sparse_attention_fwd(q, kv, slots, D ** -0.5, launch, gluon=kernel == "gluon")
 
 
 def kernels_of(variants: list[dict]) -> list[tuple[str, dict]]:

@@ -205,14 +205,18 @@ def test_bf16_against_the_reference(decode):
 
 
 class _Recorded:
-    """A launchable stand-in for the Gluon kernel: notes each launch, then runs the Triton kernel."""
+    """A launchable stand-in for the Gluon kernel: notes each launch and its Gluon-only keywords, then runs the Triton
+    kernel without them."""
 
     def __init__(self):
-        self.launches = 0
+        self.launches, self.gluon_only = 0, None
 
     def __getitem__(self, grid):
-        self.launches += 1
-        return sparse_attention_kernels._sparse_attention_fwd[grid]
+        def run(*args, MAX_XCHG, LAZY_RESCALE, **meta):
+            self.launches += 1
+            self.gluon_only = (MAX_XCHG, LAZY_RESCALE)
+            return sparse_attention_kernels._sparse_attention_fwd[grid](*args, **meta)
+        return run
 
 
 def test_plans_that_gluon_serves_launch_it_on_aligned_pointers_only(monkeypatch):
@@ -220,7 +224,7 @@ def test_plans_that_gluon_serves_launch_it_on_aligned_pointers_only(monkeypatch)
     16-byte aligned, the Triton kernel otherwise; its outputs are the contract's either way (the stand-in runs the
     Triton kernel)."""
     stand_in = _Recorded()
-    monkeypatch.setattr(sparse_attention, "_sparse_attention_fwd_gluon", stand_in)
+    monkeypatch.setattr(sparse_attention_kernels, "_sparse_attention_fwd_gluon", stand_in)
     monkeypatch.setattr(sparse_attention, "gluon_applies", lambda *args: True)
     monkeypatch.setattr(sparse_attention, "_DECODE_PLANS", PlanCache())
     g = torch.Generator().manual_seed(5)
@@ -234,6 +238,17 @@ def test_plans_that_gluon_serves_launch_it_on_aligned_pointers_only(monkeypatch)
         out, lse = dt.sparse_attention_decode(q, kv, idx, 0.3, d_v=DV, block_table=table, config=CFG)
         assert stand_in.launches - before == gluon
         check(out, lse, *sparse_attention_decode_torch(q, kv, idx, 0.3, DV, table))
+    assert stand_in.gluon_only == (True, False)  # a bf16-style cache (not FP8); 2 tiles a split: no lazy rescale
+
+
+def test_gluon_meta_picks_its_choices_by_cache_and_split_length():
+    from dsa_triton.attention.sparse_attention_gluon import LAZY_RESCALE_TILES, gluon_meta
+
+    base = {"BLOCK_N": 64, "NUM_SPLITS": 1}
+    assert gluon_meta(base, LAZY_RESCALE_TILES) == {**base, "MAX_XCHG": True, "LAZY_RESCALE": True}
+    assert gluon_meta(base, LAZY_RESCALE_TILES - 1) == {**base, "MAX_XCHG": True, "LAZY_RESCALE": False}
+    fp8 = {**base, "KV_FP8": True}
+    assert gluon_meta(fp8, 32) == {**fp8, "MAX_XCHG": False, "LAZY_RESCALE": False}
 
 
 @pytest.mark.parametrize("d, d_v", [(72, 40), (100, 64)])  # value part, then rope part, not a power of two

@@ -45,8 +45,8 @@ from ..checks import PlanCache, check_kernel_device, check_positive, check_tenso
 from ..registry import KernelSpec
 from .cache import check_fp8_latent_layout
 from .cache_reference import fp8_latent_bytes
-from .sparse_attention_gluon import _sparse_attention_fwd_gluon, gluon_aligned, gluon_applies
-from .sparse_attention_kernels import AttentionLaunch, _sparse_attention_fwd, logical_to_slots, sparse_attention_fwd
+from .sparse_attention_gluon import gluon_aligned, gluon_applies
+from .sparse_attention_kernels import AttentionLaunch, logical_to_slots, sparse_attention_fwd
 from .sparse_attention_spec import DECODE_FP8_SPEC, DECODE_SPEC, PREFILL_FP8_SPEC, PREFILL_SPEC
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -123,9 +123,7 @@ def _attend(plan: "_Plan", q4: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor
         _check_index_range(idx, block_table, plan.bt_div, kv.shape[0], plan.page_size)
     if block_table is not None:
         idx = logical_to_slots(idx, block_table, plan.bt_div, kv.shape[0] // plan.page_size, plan.launch)
-    gluon = plan.gluon and gluon_aligned(q4, kv)
-    out, lse = sparse_attention_fwd(q4, kv, idx, float(sm_scale), plan.launch,
-                                    _sparse_attention_fwd_gluon if gluon else _sparse_attention_fwd)
+    out, lse = sparse_attention_fwd(q4, kv, idx, float(sm_scale), plan.launch, plan.gluon and gluon_aligned(q4, kv))
     return (out, lse) if plan.out_shape is None else (out.view(plan.out_shape), lse.view(plan.out_shape[:-1]))
 
 

@@ -303,6 +303,18 @@ def _sparse_attention_fwd_gluon(
     gl.store(lse_ptr + (r * M + rows_l) * NUM_SPLITS + split, lse, mask=rows_l < M)
 
 
+LAZY_RESCALE_TILES = 16  # tiles a split from which LAZY_RESCALE pays (its flag exchange costs more in short splits)
+
+
+def gluon_meta(fwd_meta: dict, tiles_per_split: int) -> dict:
+    """The Gluon kernel's keyword arguments: the Triton kernel's ``fwd_meta`` and the two choices measured on the H200
+    (decode B=64, k=2048): ``MAX_XCHG`` over a bf16 cache (1.028x; 0.98x over the FP8 cache, whose registers it
+    crowds), ``LAZY_RESCALE`` over a bf16 cache in splits of at least :data:`LAZY_RESCALE_TILES` tiles (1.051x at
+    32 tiles, both 1.053x; 0.978x at 4 tiles a split, B=8)."""
+    bf16 = not fwd_meta.get("KV_FP8", False)
+    return {**fwd_meta, "MAX_XCHG": bf16, "LAZY_RESCALE": bf16 and tiles_per_split >= LAZY_RESCALE_TILES}
+
+
 def gluon_fits(q: torch.Tensor, kv: torch.Tensor, d_v: int, config: dict) -> bool:
     """Whether the Gluon kernel's shapes, dtypes and strides fit a launch (metadata only: the pointers are
     :func:`gluon_aligned`'s): bf16 ``q[..., D]`` with D = 576 and ``d_v`` = 512, and ``kv[num_slots, D]`` bf16 or the

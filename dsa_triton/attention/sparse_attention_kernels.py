@@ -37,6 +37,7 @@ from ..hostmath import cdiv, next_pow2
 from ..launch import launch_with
 from ..runtime import interpreting
 from .cache_reference import LATENT_GROUP
+from .sparse_attention_gluon import _sparse_attention_fwd_gluon, gluon_meta
 
 LOG2E = 1.4426950408889634
 COMBINE_ELEMENTS = 4096  # fp32 partials one combine program loads at once (32 registers a thread at 4 warps)
@@ -227,6 +228,8 @@ class AttentionLaunch:
             NUM_SPLITS=self.num_splits, BLOCK_H=self.block_h, BLOCK_N=self.block_n,
             DOT_FP32=q_dtype == torch.bfloat16 and interpreting(),
             num_warps=config["num_warps"], num_stages=config["num_stages"], **fp8)
+        self.tokens_per_split = cdiv(cdiv(k, self.num_splits), self.block_n) * self.block_n
+        self.gluon_meta = gluon_meta(self.fwd_meta, self.tokens_per_split // self.block_n)
         self.block_c = self.combine_meta = None
         if self.num_splits > 1:
             block_s = next_pow2(self.num_splits)
@@ -249,15 +252,15 @@ def logical_to_slots(indices: torch.Tensor, block_table: torch.Tensor, bt_div: i
 
 
 def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sm_scale: float,
-                         launch: AttentionLaunch, kernel=_sparse_attention_fwd) -> tuple[torch.Tensor, torch.Tensor]:
+                         launch: AttentionLaunch, gluon: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked arguments. ``q[R, S, H, D]`` (the S tokens share index row r), ``kv[num_slots, D]``
     (row stride free, last dim contiguous) or uint8 FP8 latent cache rows ``kv[num_slots, bytes]`` (latent
     width ``d_v``), ``slots[R, k]`` (negative or >= num_slots: skipped) -> ``out[R, S, H, d_v]`` in q's dtype,
-    ``lse[R, S, H]`` fp32; ``d_v``, the config and the constexprs from ``launch``. ``kernel``: the attention
-    kernel (one of this contract's arguments: the Gluon one of :mod:`.sparse_attention_gluon` where it applies)."""
+    ``lse[R, S, H]`` fp32; ``d_v``, the config and the constexprs from ``launch``. ``gluon``: the Gluon kernel of
+    :mod:`.sparse_attention_gluon` (the same contract; only where it applies) with ``launch.gluon_meta``."""
     R, S, H = q.shape[:3]
     M, k = S * H, slots.shape[1]
-    d_v, num_splits, block_n = launch.d_v, launch.num_splits, launch.block_n
+    d_v, num_splits = launch.d_v, launch.num_splits
     out = torch.empty((R, S, H, d_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((R, S, H), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
@@ -269,10 +272,12 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
     else:
         part_out, part_lse = out, lse
     grid = (R * num_splits * cdiv(M, launch.block_h),)
+    kernel, meta = (_sparse_attention_fwd_gluon, launch.gluon_meta) if gluon else (_sparse_attention_fwd,
+                                                                                   launch.fwd_meta)
     launch_with(
-        kernel, grid, launch.fwd_meta,
+        kernel, grid, meta,
         q, kv, slots, part_out, part_lse,
-        M, H, k, cdiv(cdiv(k, num_splits), block_n) * block_n, kv.shape[0], sm_scale * LOG2E,
+        M, H, k, launch.tokens_per_split, kv.shape[0], sm_scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), slots.stride(0),
     )
     if num_splits > 1:
