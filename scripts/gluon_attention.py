@@ -168,16 +168,17 @@ def mm_tflops() -> float:
     return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
 
 
-def timing_rows(cache: str, passed: dict, mm_rate: float, variants: list[dict]) -> list[dict]:
-    """Decode timings over the ``cache`` ("bf16" or "fp8"), the Gluon kernel's default and ``variants`` at each of its
-    configs; ``passed[label, multi_split]``: whether that Gluon kernel's checks over it passed (one split / several)."""
+def timing_rows(cache: str, passed: dict, mm_rate: float, variants: list[dict], index_rows: tuple) -> list[dict]:
+    """Timings over the ``cache`` ("bf16" or "fp8") at each count of ``index_rows`` (decode sequences; 4096: the
+    prefill bench row's T), the Gluon kernel's default and ``variants`` at each of its configs;
+    ``passed[label, multi_split]``: whether that Gluon kernel's checks over it passed (one split / several)."""
     from dsa_triton.attention.cache_reference import fp8_latent_bytes
 
     rows = []
     H, k, num_slots = 128, 2048, 131072
     fp8 = cache == "fp8"
     row_bytes = fp8_latent_bytes(DV, D - DV) if fp8 else 2 * D
-    for R in (64, 8, 1):
+    for R in index_rows:
         q, kv, slots = make_inputs(R, 1, H, k, num_slots, 7, odd=False, fp8=fp8)
         flops = 2 * R * H * k * (D + DV)
         triton_config = config_for("triton", R, H, k, fp8=fp8)
@@ -230,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "results"))
     parser.add_argument("--only", choices=("fp8", "bf16", "all"), default="all", help="which cache to check and time")
     parser.add_argument("--variants", type=json.loads, default=[],
-                        help="JSON list of dicts of extra constexprs of the Gluon kernel, checked and timed beside it")
+                        help="JSON list of dicts laid over the Gluon kernel's constexprs, checked and timed beside it")
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 8, 1],
+                        help="index rows of the timing rows (128 heads each; 4096: the prefill bench row's T)")
     args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "scripts/gluon_attention.py needs a GPU"
 
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   if r["kernel"] == "gluon" and r["variant"] == v
                                                   and (r["num_splits"] > 1) == multi)
                   for v in [{}] + args.variants for multi in (False, True)}
-        timings += timing_rows(cache, passed, mm_rate, args.variants)
+        timings += timing_rows(cache, passed, mm_rate, args.variants, tuple(args.rows))
     checks = [row for cache in caches for row in checks[cache]]
     failed = [r for r in checks if r["check"] != "ok"]
     failed += [r for r in timings if "error" in r and not r["error"].startswith("skipped")]
