@@ -182,7 +182,8 @@ def _sparse_attention_fwd_gluon(
 ):
     """The arguments of ``_sparse_attention_fwd`` (bf16 q; ``D_V`` = 512, ``D_R`` = 64, ``BLOCK_H`` = ``BLOCK_N`` =
     64, 8 warps). ``KV_FP8``: ``kv_ptr`` holds FP8 latent cache rows of ``s_kv`` bytes (``GROUP`` = 128, rope values
-    at byte ``ROPE_AT`` = 528), else bf16 rows of ``s_kv`` elements. Query row (r, m) is ``q_ptr + r*s_qr + (m // H)*s_qs + (m % H)*s_qh``; outputs
+    at byte ``ROPE_AT`` = 528), else bf16 rows of ``s_kv`` elements. Query row (r, m) is ``q_ptr + r*s_qr +
+    (m // H)*s_qs + (m % H)*s_qh``; outputs
     ``out[R, M, NUM_SPLITS, D_V]`` (q's dtype with one split, else fp32 partials) and ``lse[R, M, NUM_SPLITS]``
     natural log, -inf and 0 for a row without a valid slot; a NaN score makes out and lse NaN. ``MAX_XCHG``: the
     row maxima and the final row sums by :func:`_row_reduce_xchg` (one barrier each) instead of the compiler's
@@ -229,8 +230,8 @@ def _sparse_attention_fwd_gluon(
     hi = gl.minimum(lo + tokens_per_split, k_len)
     idx_row = idx_ptr + r * s_ir
     slot, ok = _slots(idx_row, lo, hi, num_slots, BLOCK_N, ROWS)
-    _gather_tile(k_nope.index(0), k_rope.index(0), k_scale.index(0), kv_ptr, slot, ok, idx_row, lo, hi, num_slots, s_kv, D_V, D_R,
-                 KV_FP8, GROUP, ROPE_AT, GATHER)
+    _gather_tile(k_nope.index(0), k_rope.index(0), k_scale.index(0), kv_ptr, slot, ok, idx_row, lo, hi, num_slots,
+                 s_kv, D_V, D_R, KV_FP8, GROUP, ROPE_AT, GATHER)
     if KV_FP8:
         x8, scale = _read_staged(k_nope.index(0), k_scale.index(0), GROUP)
         gl.thread_barrier()
@@ -252,8 +253,8 @@ def _sparse_attention_fwd_gluon(
         s = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(q_rope, k_rope.index(buf).permute((1, 0)), s, is_async=True)
         # the next gather is issued while the score MMAs run (into the other buffer)
-        _gather_tile(k_nope.index(1 - buf), k_rope.index(1 - buf), k_scale.index(1 - buf), kv_ptr, slot, ok, idx_row, start + BLOCK_N, hi,
-                     num_slots, s_kv, D_V, D_R, KV_FP8, GROUP, ROPE_AT, GATHER)
+        _gather_tile(k_nope.index(1 - buf), k_rope.index(1 - buf), k_scale.index(1 - buf), kv_ptr, slot, ok, idx_row,
+                     start + BLOCK_N, hi, num_slots, s_kv, D_V, D_R, KV_FP8, GROUP, ROPE_AT, GATHER)
         slot, ok = _slots(idx_row, start + 2 * BLOCK_N, hi, num_slots, BLOCK_N, ROWS)
         _, cols_ok = _slots(idx_row, start, hi, num_slots, BLOCK_N, S_COLS)
         s = warpgroup_mma_wait(0, deps=(s, ))
