@@ -12,7 +12,7 @@ import torch
 
 from ..checks import check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
-from ..launch import launch
+from ..launch import cached_meta, launch_with
 from .mxfp4_kernels import _dequantize_kernel, _quantize_kernel
 from .mxfp4_reference import BLOCK, validate_mxfp4
 from .mxfp4_spec import DEQUANTIZE, QUANTIZE
@@ -44,6 +44,11 @@ def mxfp4_quantize(w: torch.Tensor, *, config: dict | None = None) -> tuple[torc
     return quantize_launch(w, config)
 
 
+@cached_meta
+def _block_meta(block_b: int, num_warps: int) -> dict:
+    return dict(BLOCK_B=block_b, num_warps=num_warps)
+
+
 def quantize_launch(w: torch.Tensor, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`mxfp4_quantize` without the argument checks (the registry times this): launch only."""
     w = w.contiguous()
@@ -52,8 +57,8 @@ def quantize_launch(w: torch.Tensor, config: dict) -> tuple[torch.Tensor, torch.
     n_blocks = scales.numel()
     if n_blocks:
         grid = (cdiv(n_blocks, config["BLOCK_B"]),)
-        launch(_quantize_kernel, grid, w, blocks, scales, n_blocks, BLOCK_B=config["BLOCK_B"],
-               num_warps=config["num_warps"])
+        launch_with(_quantize_kernel, grid, _block_meta(config["BLOCK_B"], config["num_warps"]), w, blocks, scales,
+                    n_blocks)
     return blocks, scales
 
 
@@ -91,6 +96,6 @@ def dequantize_launch(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     n_blocks = scales.numel()
     if n_blocks:
         grid = (cdiv(n_blocks, config["BLOCK_B"]),)
-        launch(_dequantize_kernel, grid, blocks, scales, out, n_blocks, BLOCK_B=config["BLOCK_B"],
-               num_warps=config["num_warps"])
+        launch_with(_dequantize_kernel, grid, _block_meta(config["BLOCK_B"], config["num_warps"]), blocks, scales,
+                    out, n_blocks)
     return out
