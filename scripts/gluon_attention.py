@@ -252,7 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     checks = [row for cache in caches for row in checks[cache]]
     failed = [r for r in checks if r["check"] != "ok"]
     failed += [r for r in timings if "error" in r and not r["error"].startswith("skipped")]
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    from dsa_triton.bench.results import git_state
+
+    result = {"device": torch.cuda.get_device_name(), "git": git_state(), "torch": torch.__version__,
+              "triton": triton.__version__,
               "variants": args.variants, "bf16_mm_tflops": mm_rate, "checks": checks, "timings": timings,
               "failures": len(failed)}
     out_dir = Path(args.out)
