@@ -7,11 +7,10 @@ scale ``2^(ref - 127)`` (or, given each row's reference exponent, ``ROW_REF``, t
 row: one scale per row). Values are ``e2m1 * 2^(6 - d)`` in e4m3, made from the code bits by byte permutes, eight
 per 32 bits of codes (:func:`e4m3_pairs`: PTX ``prmt`` against each block's 8-byte table of its E2M1 magnitudes,
 and one more ``prmt`` placing the sign bits), about 1.1 integer operations per value, so the kernel stays bound by
-memory. The tables: where every
-``d <= 11`` in the tile (every value a normal e4m3 number, every block fits) a closed form (:func:`fast_tables`);
-otherwise each magnitude is cast to e4m3 once per block (:func:`exact_tables`: nearest even, subnormal or zero far
-below), and a block is unfit when one of its codes picks a magnitude the cast changed; unfit blocks are counted
-with one atomic add per program.
+memory. The tables: where every ``d <= 11`` in the tile (every value a normal e4m3 number, every block fits) a
+closed form (:func:`fast_tables`); otherwise each magnitude is cast to e4m3 once per block (:func:`exact_tables`:
+nearest even, subnormal or zero far below), and a block is unfit when one of its codes picks a magnitude the cast
+changed; unfit blocks are counted with one atomic add per program.
 
 For the fused prefill GEMM (:mod:`.fp8_grouped_gemm_kernels`), which converts weight tiles on their way to the
 tensor cores instead of through a workspace: :func:`e4m3_pairs` with :func:`fast_tables` turns each 32 bits of
@@ -120,14 +119,11 @@ def e4m3_pairs(pairs, lo, hi, PTX: tl.constexpr):
 def pair_words(first, second, INTERLEAVED: tl.constexpr):
     """:func:`e4m3_pairs`' words ``[R, C]`` each -> ``[R, 2 C]`` in k order (word ``2 c`` is ``first[c]``, ``2 c + 1``
     is ``second[c]``), or with ``INTERLEAVED`` (C a multiple of 16: whole 128-k groups) in :func:`interleave_blocks`
-    order: pair ``4 b + s`` of a group holds quarters ``2 s`` and ``2 s + 1`` of block ``b``, which go to
-    ``8 s + b`` and ``8 s + 4 + b``."""
-    rows: tl.constexpr = first.shape[0]
-    cols: tl.constexpr = first.shape[1]
-    words = tl.join(first, second)  # [R, C, 2]
+    order (the same sm_90a SASS as permuting the pairs' halves directly: register renaming only)."""
+    words = tl.reshape(tl.join(first, second), [first.shape[0], 2 * first.shape[1]])
     if INTERLEAVED:
-        words = tl.permute(tl.reshape(words, [rows * cols // 16, 4, 4, 2]), (0, 2, 3, 1))
-    return tl.reshape(words, [rows, 2 * cols])
+        words = interleave_blocks(words, 1)
+    return words
 
 
 @triton.jit
