@@ -42,8 +42,8 @@ the Python function unchanged, as does every call of a layout with a positional 
 module could not be built. The two keep different keys (bytes against tuples) of the same entries: a call keyed by
 one then missed by the other launches once more with the tensors, never another kernel. A tensor at the address a
 tensor had at its position in the layout's last call (a persistent buffer, a recycled allocation) reuses that
-call's int. ``logits_kernel``'s ``launch_with`` hit (34 arguments, 12 tensors) costs 1.3 us with the compiled hit
-against 4.9 us through the Python function alone on the dev CPU, ``_swiglu_kernel``'s (8, 2) 0.85 against 2.1
+call's int. ``logits_kernel``'s ``launch_with`` hit (34 arguments, 12 tensors) costs 1.2 us with the compiled hit
+against 4.7 us through the Python function alone on the dev CPU, ``_swiglu_kernel``'s (8, 2) 0.81 against 1.95
 (``python -m dsa_triton.bench.launchprof``, whose no-op launcher is part of both).
 
 A hit's launcher is the lean path's own (:mod:`dsa_triton.launcher`: C, built at first use as Triton builds its
