@@ -7,9 +7,9 @@ for ``BLOCK_H`` = ``BLOCK_N`` = 64 and 8 warps. What Triton cannot be told and G
 layout [4, 2] (two warpgroups side by side along N), so
 
 - the score MMA ``q[64, 576] @ k^T[576, 64]`` gives warpgroup w the tokens ``[32w, 32w + 32)`` (no duplicated
-  score work, the tile's rows read once from shared memory); the row maxima are cross-warpgroup reductions (a
-  shared-memory exchange the compiler emits), the row sums are kept per column (16 registers a thread) and
-  reduced once at the end;
+  score work, the tile's rows read once from shared memory); the row maxima are cross-warpgroup reductions (over a
+  bf16 cache :func:`_row_reduce_xchg`'s one-barrier exchange, else the compiler's; :func:`gluon_meta`), the row
+  sums are kept per column (16 registers a thread) and reduced once at the end;
 - the probabilities go to a shared ``[64, 64]`` bf16 buffer, and the value MMA ``p @ v[64, 512]`` gives
   warpgroup w the value columns ``[256w, 256w + 256)``: its half of the 64 x 512 fp32 accumulator (128 registers
   a thread).
@@ -311,7 +311,9 @@ def gluon_meta(fwd_meta: dict, tiles_per_split: int) -> dict:
     """The Gluon kernel's keyword arguments: the Triton kernel's ``fwd_meta`` and the two choices measured on the H200
     (decode B=64, k=2048): ``MAX_XCHG`` over a bf16 cache (1.028x; 0.98x over the FP8 cache, whose registers it
     crowds), ``LAZY_RESCALE`` over a bf16 cache in splits of at least :data:`LAZY_RESCALE_TILES` tiles (1.051x at
-    32 tiles, both 1.053x; 0.978x at 4 tiles a split, B=8)."""
+    32 tiles, both 1.053x; 0.978x at 4 tiles a split, B=8). At the prefill row's 4096 index rows (32 tiles a split)
+    both give 1.013x over neither (6268 -> 6190 us), and LAZY_RESCALE added to MAX_XCHG 0.991x (6133 -> 6190):
+    inside the run-to-run spread."""
     bf16 = not fwd_meta.get("KV_FP8", False)
     return {**fwd_meta, "MAX_XCHG": bf16, "LAZY_RESCALE": bf16 and tiles_per_split >= LAZY_RESCALE_TILES}
 
