@@ -348,6 +348,17 @@ def test_a_repeated_launch_calls_the_compiled_kernel(fake_triton):
                               head + (x2.data_ptr(), y.data_ptr(), 64, 33, False, 2.0, None, 16, 2)]
 
 
+def set_a_hook_or_global(change: str, fn, m: pytest.MonkeyPatch) -> None:
+    """For ``change`` "launch hook", "pre-run hook" or "global changed": set a launch hook, a pre-run hook of ``fn`` or
+    a new value of the global ``fn`` reads (through ``m``, undone with it); nothing for any other ``change``."""
+    if change == "launch hook":
+        m.setattr(lean.knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
+    elif change == "pre-run hook":
+        m.setattr(fn, "pre_run_hooks", [lambda *a, **k: None])
+    elif change == "global changed":
+        m.setitem(globals(), "GLOBAL_LIMIT", tl.constexpr(5))
+
+
 @pytest.mark.parametrize("change", ["misaligned", "int one", "new constexpr", "callable grid", "launch hook",
                                     "pre-run hook", "global changed", "float keyword"])
 def test_anything_the_key_or_the_fast_path_cannot_vouch_for_takes_tritons_path(fake_triton, change, monkeypatch):
@@ -366,12 +377,7 @@ def test_anything_the_key_or_the_fast_path_cannot_vouch_for_takes_tritons_path(f
         meta["BLOCK"] = 32
     elif change == "callable grid":
         grid = lambda meta: (3,)  # noqa: E731
-    elif change == "launch hook":
-        monkeypatch.setattr(lean.knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
-    elif change == "pre-run hook":
-        monkeypatch.setattr(fn, "pre_run_hooks", [lambda *a, **k: None])
-    elif change == "global changed":
-        monkeypatch.setitem(globals(), "GLOBAL_LIMIT", tl.constexpr(5))
+    set_a_hook_or_global(change, fn, monkeypatch)
     lean.launch(fn, grid, *args, **meta)
     assert len(through_triton) == 2 and not compiled.calls
 
@@ -719,13 +725,8 @@ def test_what_the_compiled_hit_cannot_vouch_for_goes_to_the_python_path(monkeypa
         grid = [2]
 
     def make(fn, m):
-        if change == "launch hook":
-            m.setattr(lean.knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
-        elif change == "pre-run hook":
-            m.setattr(fn, "pre_run_hooks", [lambda *a, **k: None])
-        elif change == "global changed":
-            m.setitem(globals(), "GLOBAL_LIMIT", tl.constexpr(5))
-        elif change == "instrumentation mode":
+        set_a_hook_or_global(change, fn, m)
+        if change == "instrumentation mode":
             m.setattr(lean.knobs.compilation, "instrumentation_mode", "consan")
         elif change == "function mode":
             mode.__enter__()
