@@ -96,7 +96,7 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
         if WG == 0:
             offs_m = row0 + gl.arange(0, BLOCK_H, layout=ROWS)
             q_rows = (offs_m // H).to(gl.int64) * s_qs + (offs_m % H) * s_qh
-            _gather(q_nope, q_rope, q_ptr, q_rows, offs_m < M, D_V, D_R, GATHER)
+            _gather(q_nope.index(0), q_rope.index(0), q_ptr, q_rows, offs_m < M, D_V, D_R, GATHER)
         _gather_own(own_n, own_r, kv_ptr, idx_row, lo + WG * BLOCK_N, hi, num_slots, s_kv, bars, WG)
         if WG == 1:  # q: gathered by warpgroup 0 with tile A
             mbarrier.wait(bars.index(_READY), 0)
@@ -107,11 +107,15 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
     for i in range(n_pairs):
         ph = i & 1
+        # z = 0 (fewer than 2^30 pairs), but not loop-invariant: the MMAs' shared memory descriptors are made in the
+        # loop (hoisted, ptxas spills them: 36 + 8 of 64 bits)
+        z = i >> 30
+        own_n, own_r = k_nope.index(WG + z), k_rope.index(WG + z)
         start = lo + (2 * i + WG) * BLOCK_N
         mbarrier.wait(bars.index(_READY + WG), ph)
         fence_async_shared()
-        s = warpgroup_mma(q_nope, own_n.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_rope, own_r.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_nope.index(z), own_n.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_rope.index(z), own_r.permute((1, 0)), s, is_async=True)
         _, cols_ok = _slots(idx_row, start, hi, num_slots, BLOCK_N, S_COLS)
         s = warpgroup_mma_wait(0, deps=(s, ))
         s = gl.where(cols_ok[None, :], s * qk_scale, float("-inf"))
@@ -137,7 +141,7 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
             acc = acc * gl.convert_layout(gl.exp2(m_run - m_a_ref), O_ROWS)[:, None]
             mbarrier.wait(bars.index(_P), ph)
             fence_async_shared()
-        acc = warpgroup_mma(k_rope.index(0), k_nope.index(0).slice(WG * HALF, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma(k_rope.index(z), k_nope.index(z).slice(WG * HALF, HALF, dim=1), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         _publish(bars, _FREE)
         if WG == 0:  # m_B, then O_0 and l_0 *= exp2(m_A - m_B)
@@ -151,7 +155,7 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
             m_b = m_new
             beta = gl.exp2(m_in - m_ref)
         acc = acc * gl.convert_layout(beta, O_ROWS)[:, None]
-        acc = warpgroup_mma(k_rope.index(1), k_nope.index(1).slice(WG * HALF, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma(k_rope.index(1 + z), k_nope.index(1 + z).slice(WG * HALF, HALF, dim=1), acc, is_async=True)
         # the next pair's tile of this warpgroup once both are done with it: A while warpgroup 0's PV_B runs
         # (that reads B), B after warpgroup 1's PV_B
         if WG == 0:
@@ -223,8 +227,8 @@ def _sparse_attention_fwd_seesaw(
     split = (pid // num_hb) % NUM_SPLITS
     r = (pid // num_hb // NUM_SPLITS).to(gl.int64)
 
-    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_V], NOPE)
-    q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_R], ROPE)
+    q_nope = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_V], NOPE)
+    q_rope = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_R], ROPE)
     k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_V], NOPE)
     k_rope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_R], ROPE)
     m_x = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], _XCHG)
