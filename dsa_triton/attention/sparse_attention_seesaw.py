@@ -16,13 +16,14 @@ Row sums: warpgroup w sums the probabilities of the blocks it scores, rescaled t
 is; the two meet in shared memory at the end (``l = l_0 + l_1``). A missing B (an odd number of blocks) is a tile of
 masked tokens (zero-filled, scores -inf, ``P_B`` = 0).
 
-Shared memory (216 KB + 0.6 KB): q (72 KB) and two tiles (72 KB each: 64 rows x 512 + 64); no room for a third tile
-nor for two separate probability buffers, so ``P_X`` [64, 64] bf16 goes into tile X's rope part (the same shape and
-layout), free once X's score MMA is done. Hence the gather of the next pair's tile X (by the warpgroup that scores
-it, 16-byte ``cp.async`` completing on an mbarrier) waits until both warpgroups are done with ``V_X`` and ``P_X``:
-it is issued while the issuer's last value MMA of the pair runs, and lands during the other warpgroup's work, not a
-whole pair ahead. mbarriers carry every exchange between the warpgroups (no CTA-wide barrier in the loop): tile
-landed (``ready``), ``m_A`` / ``m_B`` / ``P_A`` / ``P_B`` published, tile X free, the final row sums.
+Shared memory (222476 bytes): q (72 KB) and two tiles (72 KB each: 64 rows x 512 + 64), the maxima and sums
+exchanged (2 x 512 bytes), the mbarriers; no room for a third tile nor for two probability buffers of their own, so
+``P_X`` [64, 64] bf16 goes into tile X's rope part (the same shape and layout), free once X's score MMA is done.
+Hence the next pair's tile X is gathered (by the warpgroup that scores it, 16-byte ``cp.async`` landing on an
+mbarrier) only once both warpgroups are done with ``V_X`` and ``P_X``: A' while warpgroup 0's ``P_B @ V_B`` runs,
+B' after warpgroup 1's; the gather has the rest of the pair's work of the other warpgroup to land in, not a whole
+pair. mbarriers carry every exchange between the warpgroups (no CTA-wide barrier in the loop): tile landed
+(``ready``), ``m_A`` / ``m_B`` / ``P_A`` / ``P_B`` published, tile X free, the final row sums.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .sparse_attention_gluon import _gather, _slots
 
-SEESAW_WORKER_REGS = gl.constexpr(240)  # setmaxnreg of the worker warpgroup (the default one gets the rest)
+SEESAW_WORKER_REGS = gl.constexpr(240)  # setmaxnreg of the worker warpgroup (the default one: 256)
 _LN2 = gl.constexpr(0.6931471805599453)
 _XCHG = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 # mbarriers: tile X landed (2), m_A, m_B, P_A, P_B published, tile X free (2), the row sums published
@@ -70,12 +71,14 @@ def _gather_own(nope, rope, kv_ptr, idx_row, start, hi, num_slots, s_kv, bars, W
 @gluon.jit
 def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars, q_ptr, H, s_qs, s_qh, kv_ptr,
                idx_row, lo, hi, num_slots, s_kv, qk_scale, out_ptr, lse_ptr, M, row0, base_row, num_splits):
-    """Warpgroup ``WG`` of the seesaw (4 warps): scores block ``2i + WG`` of every pair i, accumulates value columns
-    ``[256 WG, 256 WG + 256)``, writes them (query row ``row0 + i`` < ``M`` at ``out_ptr + (base_row + i) * NUM_SPLITS
-    * D_V``) and, warpgroup 0, the lse (at ``lse_ptr + (base_row + i) * NUM_SPLITS``). ``k_nope[2, 64, D_V]``, ``k_rope[2, 64, D_R]``: tiles A and B (``k_rope[X]``
-    holds ``P_X`` once X is scored); ``m_x[2, 64]``: ``m_A``, ``m_B``; ``l_x[2, 64]``: the final row sums; ``bars``:
-    the mbarriers (module docstring). Warpgroup 0 gathers q (query row m at ``q_ptr + (m // H) * s_qs + (m % H) *
-    s_qh``) with its first tile."""
+    """Warpgroup ``WG`` of the seesaw (4 warps): scores block ``2i + WG`` of every pair i, accumulates the value
+    columns ``[256 WG, 256 WG + 256)`` and writes them for query rows ``row0 + j < M`` (at ``out_ptr + (base_row + j)
+    * num_splits * 512``); warpgroup 0 writes the lse too (at ``lse_ptr + (base_row + j) * num_splits``). Shared
+    memory: ``q_nope[1, 64, 512]``, ``q_rope[1, 64, 64]`` (gathered by warpgroup 0 with its first tile: query row m
+    at ``q_ptr + (m // H) * s_qs + (m % H) * s_qh``), tiles A and B ``k_nope[2, 64, 512]``, ``k_rope[2, 64, 64]``
+    (``k_rope[X]`` holds ``P_X`` once X is scored), ``m_x[2, 64]`` (``m_A``, ``m_B``), ``l_x[2, 64]`` (the final
+    row sums), ``bars`` (the mbarriers: the module docstring). The DSA shapes only (the partitions take no constexpr
+    argument)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     D_V: gl.constexpr = 512
     D_R: gl.constexpr = 64
