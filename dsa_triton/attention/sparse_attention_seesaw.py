@@ -131,32 +131,37 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
         m_x.index(WG).store(m_new)
         _publish(bars, _M_A + WG)
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while nothing is valid yet
-        p = gl.exp2(s - m_ref[:, None])
-        alpha = gl.exp2(m_run - m_ref)  # this warpgroup's sums and accumulator: from m_run to m_new
-        l_w = l_w * alpha + gl.sum(p, 1)
-        own_r.store(p.to(dtype))  # P_X over the rope part of tile X (its score MMA is done)
-        fence_async_shared()
-        _publish(bars, _P + WG)
-        if WG == 0:  # O_0 *= exp2(m_run - m_A); += P_A @ V_A[:, :256]
-            acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
-        else:  # O_1 *= exp2(m_run - m_A); += P_A @ V_A[:, 256:]
-            m_a_ref = gl.where(m_in == float("-inf"), 0.0, m_in)
-            acc = acc * gl.convert_layout(gl.exp2(m_run - m_a_ref), O_ROWS)[:, None]
-            mbarrier.wait(bars.index(_P), ph)
+        if WG == 0:  # P_A, l_0; O_0 = O_0 * exp2(m_run - m_A) + P_A @ V_A[:, :256]
+            p = gl.exp2(s - m_ref[:, None])
+            alpha = gl.exp2(m_run - m_ref)
+            l_w = l_w * alpha + gl.sum(p, 1)
+            own_r.store(p.to(dtype))  # P_A over the rope part of tile A (its score MMA is done)
             fence_async_shared()
-        acc = warpgroup_mma(k_rope.index(z), k_nope.index(z).slice(WG * HALF, HALF, dim=1), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        _publish(bars, _FREE)
-        if WG == 0:  # m_B, then O_0 and l_0 *= exp2(m_A - m_B)
-            mbarrier.wait(bars.index(_M_B), ph)
+            _publish(bars, _P)
+            acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
+            acc = warpgroup_mma(k_rope.index(z), k_nope.index(z).slice(0, HALF, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            _publish(bars, _FREE)
+            mbarrier.wait(bars.index(_M_B), ph)  # then O_0 and l_0 *= exp2(m_A - m_B)
             m_b = m_x.index(1).load(S_ROWS)
             beta = gl.exp2(m_new - gl.where(m_b == float("-inf"), 0.0, m_b))
             l_w = l_w * beta
             mbarrier.wait(bars.index(_P + 1), ph)
             fence_async_shared()
-        else:
+        else:  # O_1 = O_1 * exp2(m_run - m_A) + P_A @ V_A[:, 256:] runs while P_B and l_1 are made
+            mbarrier.wait(bars.index(_P), ph)
+            fence_async_shared()
+            acc = acc * gl.convert_layout(gl.exp2(m_run - gl.where(m_in == float("-inf"), 0.0, m_in)), O_ROWS)[:, None]
+            acc = warpgroup_mma(k_rope.index(z), k_nope.index(z).slice(HALF, HALF, dim=1), acc, is_async=True)
+            p = gl.exp2(s - m_ref[:, None])
+            l_w = l_w * gl.exp2(m_run - m_ref) + gl.sum(p, 1)
+            own_r.store(p.to(dtype))  # P_B over the rope part of tile B (its score MMA is done)
+            fence_async_shared()
+            _publish(bars, _P + 1)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            _publish(bars, _FREE)
             m_b = m_new
-            beta = gl.exp2(m_in - m_ref)
+            beta = gl.exp2(m_in - m_ref)  # O_1 *= exp2(m_A - m_B)
         acc = acc * gl.convert_layout(beta, O_ROWS)[:, None]
         acc = warpgroup_mma(k_rope.index(1 + z), k_nope.index(1 + z).slice(WG * HALF, HALF, dim=1), acc, is_async=True)
         # the next pair's tile of this warpgroup once both are done with it: A while warpgroup 0's PV_B runs
