@@ -12,6 +12,10 @@ The online softmax stays sequential over the blocks, through shared memory:
 3. warpgroup w holds its 256 value columns ``O_w[64, 256]`` (128 fp32 registers a thread):
    ``O_w = O_w * exp2(m - m_A) + P_A @ V_A[:, 256w:256w+256]``, then ``O_w = O_w * exp2(m_A - m_B) + P_B @ V_B[...]``.
 
+Warpgroup 0 makes ``P_A`` while warpgroup 1's score MMA runs, and runs its ``P_A @ V_A`` while warpgroup 1 makes
+``P_B``; warpgroup 1 publishes ``m_B`` first, then runs its ``P_A @ V_A`` while it makes ``P_B`` itself (no wait
+between the issue and the wait of any wgmma crosses the loop's back edge).
+
 Row sums: warpgroup w sums the probabilities of the blocks it scores, rescaled to the pair's ``m_B`` as its ``O_w``
 is; the two meet in shared memory at the end (``l = l_0 + l_1``). A missing B (an odd number of blocks) is a tile of
 masked tokens (zero-filled, scores -inf, ``P_B`` = 0).
