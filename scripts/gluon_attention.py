@@ -18,7 +18,9 @@ the rate they are read at. Prints PASS / FAIL per check and a table last; writes
 ``--out``; exit 1 on any failure (a kernel that fails to compile or launch is a failure of its rows; the rest still
 runs). ``--variants``: a JSON list of dicts laid over the Gluon kernel's constexprs (its default: ``gluon_meta``'s;
 e.g. ``[{"MAX_XCHG": 0}]``), each checked like the default and timed beside it at every timing row (``vs default``:
-the default's time over its).
+the default's time over its). ``--kernels gluon,seesaw``: the seesaw kernel
+(:mod:`dsa_triton.attention.sparse_attention_seesaw`, bf16 cache only) checked and timed beside the Gluon one too
+(``vs default``: the Gluon default's time over its).
 """
 from __future__ import annotations
 
@@ -86,27 +88,30 @@ def config_for(kernel: str, R: int, H: int, k: int, num_splits: int | None = Non
 
 
 def runner(kernel: str, q, kv, slots, config: dict, variant: dict | None = None):
-    """A call of ``sparse_attention_fwd`` with the ``kernel`` ("triton" or "gluon") at ``config`` (a uint8 ``kv``:
-    the FP8 latent cache), ``variant``: constexprs laid over the Gluon launch's."""
+    """A call of ``sparse_attention_fwd`` with the ``kernel`` ("triton", "gluon" or "seesaw") at ``config`` (a
+    uint8 ``kv``: the FP8 latent cache), ``variant``: constexprs laid over the Gluon launch's."""
     from dsa_triton.attention import sparse_attention_kernels as sak
+    from dsa_triton.attention import sparse_attention_seesaw as seesaw
 
     launch = sak.AttentionLaunch(D, DV, slots.shape[1], 1, q.dtype, kv.dtype == torch.uint8, config)
     launch.gluon_meta = {**launch.gluon_meta, **(variant or {})}
-    return lambda: sak.sparse_attention_fwd(q, kv, slots, D ** -0.5, launch, gluon=kernel == "gluon")
+    own = (seesaw._sparse_attention_fwd_seesaw, seesaw.seesaw_meta(launch.fwd_meta)) if kernel == "seesaw" else None
+    return lambda: sak.sparse_attention_fwd(q, kv, slots, D ** -0.5, launch, gluon=kernel == "gluon", kernel=own)
 
 
-def kernels_of(variants: list[dict]) -> list[tuple[str, dict]]:
-    """(kernel, variant) pairs: Triton's, the Gluon default and the Gluon ``variants``."""
-    return [("triton", {}), ("gluon", {})] + [("gluon", v) for v in variants]
+def kernels_of(variants: list[dict], extra: tuple = ()) -> list[tuple[str, dict]]:
+    """(kernel, variant) pairs: Triton's, the Gluon default, the Gluon ``variants`` and the ``extra`` kernels
+    (e.g. "seesaw")."""
+    return [("triton", {}), ("gluon", {})] + [("gluon", v) for v in variants] + [(k, {}) for k in extra]
 
 
 def label(kernel: str, variant: dict) -> str:
     return kernel + "".join(f" {k}={v}" for k, v in variant.items())
 
 
-def check_rows(cache: str, variants: list[dict]) -> list[dict]:
-    """The checks over the ``cache`` ("bf16" or "fp8"), one row per kernel (and Gluon ``variants``), case and split
-    count."""
+def check_rows(cache: str, variants: list[dict], extra: tuple = ()) -> list[dict]:
+    """The checks over the ``cache`` ("bf16" or "fp8"), one row per kernel (and Gluon ``variants``, ``extra``
+    kernels), case and split count."""
     from dsa_triton.attention.sparse_attention_gluon import GLUON_CONFIG
     from dsa_triton.attention.sparse_attention_reference import sparse_attention_torch
     from dsa_triton.attention.sparse_attention_spec import DECODE_SPEC
@@ -120,22 +125,22 @@ def check_rows(cache: str, variants: list[dict]) -> list[dict]:
         ref = tuple(x.reshape(R, S, H, *x.shape[2:]) for x in ref)
         for num_splits in (1, 4):
             outs = {}
-            for kernel, variant in kernels_of(variants):
+            for kernel, variant in kernels_of(variants, extra):
                 config = {**GLUON_CONFIG, "num_splits": num_splits}  # one config for both kernels
                 row = {"kernel": kernel, "variant": variant, "cache": cache, "R": R, "S": S, "H": H, "k": k,
                        "num_slots": num_slots, "num_splits": num_splits}
-                outs.pop("gluon", None)
+                outs.pop("other", None)
                 try:
                     with poisoned_allocations():
                         out = runner(kernel, q, kv, slots, config, variant)()
                     torch.cuda.synchronize()
                     row["check"] = DECODE_SPEC.compare(out, ref) or "ok"
-                    outs[kernel] = out
+                    outs["triton" if kernel == "triton" else "other"] = out
                 except Exception as exc:  # a kernel that fails to compile or launch fails its row
                     row["check"] = f"error: {exc!r}"[:2000]
                     traceback.print_exc()
-                if kernel == "gluon" and len(outs) == 2:
-                    (o1, l1), (o2, l2) = outs["triton"], outs["gluon"]
+                if kernel != "triton" and len(outs) == 2:
+                    (o1, l1), (o2, l2) = outs["triton"], outs["other"]
                     finite = torch.isfinite(l1) & torch.isfinite(l2)
                     row["max_abs_diff_to_triton"] = (o1.float() - o2.float()).abs().max().item()
                     row["lse_max_abs_diff_to_triton"] = (l1 - l2)[finite].abs().max().item() if finite.any() else 0.0
@@ -168,10 +173,11 @@ def mm_tflops() -> float:
     return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
 
 
-def timing_rows(cache: str, passed: dict, mm_rate: float, variants: list[dict], index_rows: tuple) -> list[dict]:
+def timing_rows(cache: str, passed: dict, mm_rate: float, variants: list[dict], index_rows: tuple,
+                extra: tuple = ()) -> list[dict]:
     """Timings over the ``cache`` ("bf16" or "fp8") at each count of ``index_rows`` (decode sequences; 4096: the
-    prefill bench row's T), the Gluon kernel's default and ``variants`` at each of its configs;
-    ``passed[label, multi_split]``: whether that Gluon kernel's checks over it passed (one split / several)."""
+    prefill bench row's T), the Gluon kernel's default and ``variants`` and the ``extra`` kernels at each of its
+    configs; ``passed[label, multi_split]``: whether that kernel's checks over it passed (one split / several)."""
     from dsa_triton.attention.cache_reference import fp8_latent_bytes
 
     rows = []
@@ -184,14 +190,14 @@ def timing_rows(cache: str, passed: dict, mm_rate: float, variants: list[dict], 
         triton_config = config_for("triton", R, H, k, fp8=fp8)
         splits = [config_for("gluon", R, H, k)["num_splits"]]
         splits += [2 * splits[0]] if R < 64 else []
-        runs = [("triton", {}, triton_config)] + [("gluon", v, config_for("gluon", R, H, k, s))
-                                                  for s in splits for v in [{}] + variants]
+        runs = [("triton", {}, triton_config)] + [(kernel, v, config_for("gluon", R, H, k, s)) for s in splits
+                                                  for kernel, v in kernels_of(variants, extra)[1:]]
         base = default = None
         for kernel, variant, config in runs:
             row = {"kernel": kernel, "variant": variant, "cache": cache, "R": R, "H": H, "k": k,
                    "num_slots": num_slots, "config": config, "bytes_per_token": row_bytes}
             default = None if kernel == "gluon" and not variant else default
-            if kernel == "gluon" and not passed[label(kernel, variant), config["num_splits"] > 1]:
+            if kernel != "triton" and not passed[label(kernel, variant), config["num_splits"] > 1]:
                 row["error"] = "skipped: its checks failed"
             else:
                 try:
@@ -202,7 +208,8 @@ def timing_rows(cache: str, passed: dict, mm_rate: float, variants: list[dict], 
                     base = us if kernel == "triton" else base
                     row["speedup_vs_triton"] = base / us if base else None
                     default = us if kernel == "gluon" and not variant else default
-                    row["vs_default"] = default / us if kernel == "gluon" and variant and default else None
+                    other = kernel != "triton" and (kernel, variant) != ("gluon", {})
+                    row["vs_default"] = default / us if other and default else None
                 except Exception as exc:  # compile or launch failure: reported, the rest goes on
                     row["error"] = f"{exc!r}"[:2000]
                     traceback.print_exc()
@@ -234,21 +241,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="JSON list of dicts laid over the Gluon kernel's constexprs, checked and timed beside it")
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 8, 1],
                         help="index rows of the timing rows (128 heads each; 4096: the prefill bench row's T)")
+    parser.add_argument("--kernels", default="gluon",
+                        help="comma-separated: gluon (always) and seesaw (bf16 cache only), checked and timed")
     parser.add_argument("--checks-only", action="store_true",
                         help="the checks alone (no mm rate, no timings: e.g. under compute-sanitizer)")
     args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "scripts/gluon_attention.py needs a GPU"
 
     caches = ("bf16", "fp8") if args.only == "all" else (args.only,)
-    checks = {cache: check_rows(cache, args.variants) for cache in caches}
+    extra = {cache: tuple(k for k in args.kernels.split(",") if k == "seesaw" and cache == "bf16") for cache in caches}
+    assert set(args.kernels.split(",")) <= {"gluon", "seesaw"}, args.kernels
+    checks = {cache: check_rows(cache, args.variants, extra[cache]) for cache in caches}
     mm_rate = None if args.checks_only else mm_tflops()
     timings = []
     for cache in () if args.checks_only else caches:
-        passed = {(label("gluon", v), multi): all(r["check"] == "ok" for r in checks[cache]
-                                                  if r["kernel"] == "gluon" and r["variant"] == v
-                                                  and (r["num_splits"] > 1) == multi)
-                  for v in [{}] + args.variants for multi in (False, True)}
-        timings += timing_rows(cache, passed, mm_rate, args.variants, tuple(args.rows))
+        passed = {(label(kernel, v), multi): all(r["check"] == "ok" for r in checks[cache]
+                                                 if r["kernel"] == kernel and r["variant"] == v
+                                                 and (r["num_splits"] > 1) == multi)
+                  for kernel, v in kernels_of(args.variants, extra[cache])[1:] for multi in (False, True)}
+        timings += timing_rows(cache, passed, mm_rate, args.variants, tuple(args.rows), extra[cache])
     checks = [row for cache in caches for row in checks[cache]]
     failed = [r for r in checks if r["check"] != "ok"]
     failed += [r for r in timings if "error" in r and not r["error"].startswith("skipped")]

@@ -252,12 +252,15 @@ def logical_to_slots(indices: torch.Tensor, block_table: torch.Tensor, bt_div: i
 
 
 def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sm_scale: float,
-                         launch: AttentionLaunch, gluon: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         launch: AttentionLaunch, gluon: bool = False,
+                         kernel: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked arguments. ``q[R, S, H, D]`` (the S tokens share index row r), ``kv[num_slots, D]``
     (row stride free, last dim contiguous) or uint8 FP8 latent cache rows ``kv[num_slots, bytes]`` (latent
     width ``d_v``), ``slots[R, k]`` (negative or >= num_slots: skipped) -> ``out[R, S, H, d_v]`` in q's dtype,
     ``lse[R, S, H]`` fp32; ``d_v``, the config and the constexprs from ``launch``. ``gluon``: the Gluon kernel of
-    :mod:`.sparse_attention_gluon` (the same contract; only where it applies) with ``launch.gluon_meta``."""
+    :mod:`.sparse_attention_gluon` (the same contract; only where it applies) with ``launch.gluon_meta``.
+    ``kernel``: ``(kernel, meta)`` launched in place of either (the same arguments and outputs: e.g. the seesaw
+    kernel of :mod:`.sparse_attention_seesaw`)."""
     R, S, H = q.shape[:3]
     M, k = S * H, slots.shape[1]
     d_v, num_splits = launch.d_v, launch.num_splits
@@ -272,8 +275,10 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
     else:
         part_out, part_lse = out, lse
     grid = (R * num_splits * cdiv(M, launch.block_h),)
-    kernel, meta = (_sparse_attention_fwd_gluon, launch.gluon_meta) if gluon else (_sparse_attention_fwd,
-                                                                                   launch.fwd_meta)
+    if kernel is None:
+        kernel = (_sparse_attention_fwd_gluon, launch.gluon_meta) if gluon else (_sparse_attention_fwd,
+                                                                                 launch.fwd_meta)
+    kernel, meta = kernel
     launch_with(
         kernel, grid, meta,
         q, kv, slots, part_out, part_lse,

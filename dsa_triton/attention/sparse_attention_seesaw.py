@@ -1,0 +1,260 @@
+"""Gluon kernel of sparse attention for Hopper (sm_90a) over a bf16 cache in FlashMLA's "seesaw" schedule: the
+contract of :func:`.sparse_attention_gluon._sparse_attention_fwd_gluon` (same arguments, same partial out / lse
+layout, so ``_combine_splits`` merges its splits), bf16 q and cache, ``BLOCK_H`` = ``BLOCK_N`` = 64.
+
+Two warpgroups by ``gl.warp_specialize`` (the kernel's 4 warps and one worker of 4; launch with ``num_warps`` = 4,
+:func:`seesaw_meta`), one source (:func:`_seesaw_wg`) for both. The tokens go in pairs of 64-token blocks, A = block
+2i and B = block 2i + 1; warpgroup 0 scores A, warpgroup 1 scores B, each the whole tile (wgmma 64 x 64, K = 576).
+The online softmax stays sequential over the blocks, through shared memory:
+
+1. warpgroup 0: ``m_A = max(m, rowmax S_A)``, published; ``P_A = exp2(S_A - m_A)`` published;
+2. warpgroup 1 (its score MMA overlaps step 1): ``m_B = max(m_A, rowmax S_B)``, published; ``P_B`` published;
+3. warpgroup w holds its 256 value columns ``O_w[64, 256]`` (128 fp32 registers a thread):
+   ``O_w = O_w * exp2(m - m_A) + P_A @ V_A[:, 256w:256w+256]``, then ``O_w = O_w * exp2(m_A - m_B) + P_B @ V_B[...]``.
+
+Warpgroup 0 makes ``P_A`` while warpgroup 1's score MMA runs, and runs its ``P_A @ V_A`` while warpgroup 1 makes
+``P_B``; warpgroup 1 publishes ``m_B`` first, then runs its ``P_A @ V_A`` while it makes ``P_B`` itself (no wait
+between the issue and the wait of any wgmma crosses the loop's back edge).
+
+Row sums: warpgroup w sums the probabilities of the blocks it scores, rescaled to the pair's ``m_B`` as its ``O_w``
+is; the two meet in shared memory at the end (``l = l_0 + l_1``). A missing B (an odd number of blocks) is a tile of
+masked tokens (zero-filled, scores -inf, ``P_B`` = 0).
+
+Shared memory (222476 bytes): q (72 KB) and two tiles (72 KB each: 64 rows x 512 + 64), the maxima and sums
+exchanged (2 x 512 bytes), the mbarriers; no room for a third tile nor for two probability buffers of their own, so
+``P_X`` [64, 64] bf16 goes into tile X's rope part (the same shape and layout), free once X's score MMA is done.
+Hence the next pair's tile X is gathered (by the warpgroup that scores it, 16-byte ``cp.async`` landing on an
+mbarrier) only once both warpgroups are done with ``V_X`` and ``P_X``: A' while warpgroup 0's ``P_B @ V_B`` runs,
+B' after warpgroup 1's; the gather has the rest of the pair's work of the other warpgroup to land in, not a whole
+pair. mbarriers carry every exchange between the warpgroups (no CTA-wide barrier in the loop): tile landed
+(``ready``), ``m_A`` / ``m_B`` / ``P_A`` / ``P_B`` published, tile X free, the final row sums.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+from .sparse_attention_gluon import _gather, _slots
+
+SEESAW_WORKER_REGS = gl.constexpr(240)  # setmaxnreg of the worker warpgroup (the default one: 256)
+_LN2 = gl.constexpr(0.6931471805599453)
+_XCHG = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+# mbarriers: tile X landed (2), m_A, m_B, P_A, P_B published, tile X free (2), the row sums published
+_READY, _M_A, _M_B, _P, _FREE, _DONE = (gl.constexpr(i) for i in (0, 2, 3, 4, 6, 8))
+_NUM_BARS = gl.constexpr(9)
+
+
+def seesaw_meta(fwd_meta: dict) -> dict:
+    """The seesaw kernel's keyword arguments from the Triton kernel's ``fwd_meta`` (bf16 cache): 4 warps (a second
+    warpgroup comes from ``gl.warp_specialize``)."""
+    assert not fwd_meta.get("KV_FP8", False), "the seesaw kernel reads a bf16 cache"
+    return {**fwd_meta, "num_warps": 4}
+
+
+@gluon.jit
+def _publish(bars, i: gl.constexpr):
+    """Arrive on mbarrier ``bars[i]``: once for the warpgroup, by its first thread after a barrier of its 128 (so
+    after every thread's stores and proxy fences before the call)."""
+    mbarrier.arrive(bars.index(i))
+
+
+@gluon.jit
+def _gather_own(nope, rope, kv_ptr, idx_row, start, hi, num_slots, s_kv, bars, WG: gl.constexpr):
+    """Warpgroup ``WG``'s gather of the tokens ``[start, start + 64)`` (slots past ``hi`` or invalid: zero-filled
+    rows) into its tile ``nope[64, 512]``, ``rope[64, 64]``, landing on mbarrier ``bars[WG]`` (every thread's copies
+    arrive there)."""
+    GATHER: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    slot, ok = _slots(idx_row, start, hi, num_slots, nope.shape[0], gl.SliceLayout(1, GATHER))
+    _gather(nope, rope, kv_ptr, slot.to(gl.int64) * s_kv, ok, nope.shape[1], rope.shape[1], GATHER)
+    async_copy.mbarrier_arrive(bars.index(_READY + WG), increment_count=False)
+
+
+@gluon.jit
+def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars, q_ptr, H, s_qs, s_qh, kv_ptr,
+               idx_row, lo, hi, num_slots, s_kv, qk_scale, out_ptr, lse_ptr, M, row0, base_row, num_splits):
+    """Warpgroup ``WG`` of the seesaw (4 warps): scores block ``2i + WG`` of every pair i, accumulates the value
+    columns ``[256 WG, 256 WG + 256)`` and writes them for query rows ``row0 + j < M`` (at ``out_ptr + (base_row + j)
+    * num_splits * 512``); warpgroup 0 writes the lse too (at ``lse_ptr + (base_row + j) * num_splits``). Shared
+    memory: ``q_nope[1, 64, 512]``, ``q_rope[1, 64, 64]`` (gathered by warpgroup 0 with its first tile: query row m
+    at ``q_ptr + (m // H) * s_qs + (m % H) * s_qh``), tiles A and B ``k_nope[2, 64, 512]``, ``k_rope[2, 64, 64]``
+    (``k_rope[X]`` holds ``P_X`` once X is scored), ``m_x[2, 64]`` (``m_A``, ``m_B``), ``l_x[2, 64]`` (the final
+    row sums), ``bars`` (the mbarriers: the module docstring). The DSA shapes only (the partitions take no constexpr
+    argument)."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    D_V: gl.constexpr = 512
+    D_R: gl.constexpr = 64
+    BLOCK_H: gl.constexpr = 64
+    BLOCK_N: gl.constexpr = 64
+    HALF: gl.constexpr = D_V // 2
+    GATHER: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    ROWS: gl.constexpr = gl.SliceLayout(1, GATHER)
+    S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    S_ROWS: gl.constexpr = gl.SliceLayout(1, S_MMA)
+    S_COLS: gl.constexpr = gl.SliceLayout(0, S_MMA)
+    O_ROWS: gl.constexpr = gl.SliceLayout(1, O_MMA)
+
+    n_pairs = gl.cdiv(hi - lo, 2 * BLOCK_N)  # <= 0 for an empty split (hi < lo past k_len)
+    own_n, own_r = k_nope.index(WG), k_rope.index(WG)
+    if n_pairs > 0:
+        if WG == 0:
+            offs_m = row0 + gl.arange(0, BLOCK_H, layout=ROWS)
+            q_rows = (offs_m // H).to(gl.int64) * s_qs + (offs_m % H) * s_qh
+            _gather(q_nope.index(0), q_rope.index(0), q_ptr, q_rows, offs_m < M, D_V, D_R, GATHER)
+        _gather_own(own_n, own_r, kv_ptr, idx_row, lo + WG * BLOCK_N, hi, num_slots, s_kv, bars, WG)
+        if WG == 1:  # q: gathered by warpgroup 0 with tile A
+            mbarrier.wait(bars.index(_READY), 0)
+
+    m_run = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=S_ROWS)  # the last pair's m_B (O_w's reference)
+    l_w = gl.zeros([BLOCK_H], gl.float32, layout=S_ROWS)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, layout=O_MMA)
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
+    for i in range(n_pairs):
+        ph = i & 1
+        # z = 0 (fewer than 2^30 pairs), but not loop-invariant: the MMAs' shared memory descriptors are made in the
+        # loop (hoisted, ptxas spills them: 36 + 8 of 64 bits)
+        z = i >> 30
+        own_n, own_r = k_nope.index(WG + z), k_rope.index(WG + z)
+        start = lo + (2 * i + WG) * BLOCK_N
+        mbarrier.wait(bars.index(_READY + WG), ph)
+        fence_async_shared()
+        s = warpgroup_mma(q_nope.index(z), own_n.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_rope.index(z), own_r.permute((1, 0)), s, is_async=True)
+        _, cols_ok = _slots(idx_row, start, hi, num_slots, BLOCK_N, S_COLS)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        s = gl.where(cols_ok[None, :], s * qk_scale, float("-inf"))
+        if WG == 0:
+            m_in = m_run
+        else:  # m_A of this pair
+            mbarrier.wait(bars.index(_M_A), ph)
+            m_in = m_x.index(0).load(S_ROWS)
+        m_new = gl.maximum(m_in, gl.max(s, 1))
+        m_x.index(WG).store(m_new)
+        _publish(bars, _M_A + WG)
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while nothing is valid yet
+        if WG == 0:  # P_A, l_0; O_0 = O_0 * exp2(m_run - m_A) + P_A @ V_A[:, :256]
+            p = gl.exp2(s - m_ref[:, None])
+            alpha = gl.exp2(m_run - m_ref)
+            l_w = l_w * alpha + gl.sum(p, 1)
+            own_r.store(p.to(dtype))  # P_A over the rope part of tile A (its score MMA is done)
+            fence_async_shared()
+            _publish(bars, _P)
+            acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
+            acc = warpgroup_mma(k_rope.index(z), k_nope.index(z).slice(0, HALF, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            _publish(bars, _FREE)
+            mbarrier.wait(bars.index(_M_B), ph)  # then O_0 and l_0 *= exp2(m_A - m_B)
+            m_b = m_x.index(1).load(S_ROWS)
+            beta = gl.exp2(m_new - gl.where(m_b == float("-inf"), 0.0, m_b))
+            l_w = l_w * beta
+            mbarrier.wait(bars.index(_P + 1), ph)
+            fence_async_shared()
+        else:  # O_1 = O_1 * exp2(m_run - m_A) + P_A @ V_A[:, 256:] runs while P_B and l_1 are made
+            mbarrier.wait(bars.index(_P), ph)
+            fence_async_shared()
+            acc = acc * gl.convert_layout(gl.exp2(m_run - gl.where(m_in == float("-inf"), 0.0, m_in)), O_ROWS)[:, None]
+            acc = warpgroup_mma(k_rope.index(z), k_nope.index(z).slice(HALF, HALF, dim=1), acc, is_async=True)
+            p = gl.exp2(s - m_ref[:, None])
+            l_w = l_w * gl.exp2(m_run - m_ref) + gl.sum(p, 1)
+            own_r.store(p.to(dtype))  # P_B over the rope part of tile B (its score MMA is done)
+            fence_async_shared()
+            _publish(bars, _P + 1)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            _publish(bars, _FREE)
+            m_b = m_new
+            beta = gl.exp2(m_in - m_ref)  # O_1 *= exp2(m_A - m_B)
+        acc = acc * gl.convert_layout(beta, O_ROWS)[:, None]
+        acc = warpgroup_mma(k_rope.index(1 + z), k_nope.index(1 + z).slice(WG * HALF, HALF, dim=1), acc, is_async=True)
+        # the next pair's tile of this warpgroup once both are done with it: A while warpgroup 0's PV_B runs
+        # (that reads B), B after warpgroup 1's PV_B
+        if WG == 0:
+            mbarrier.wait(bars.index(_FREE), ph)
+            if i + 1 < n_pairs:
+                _gather_own(own_n, own_r, kv_ptr, idx_row, start + 2 * BLOCK_N, hi, num_slots, s_kv, bars, WG)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        _publish(bars, _FREE + 1)
+        if WG == 1:
+            if i + 1 < n_pairs:
+                mbarrier.wait(bars.index(_FREE + 1), ph)
+                _gather_own(own_n, own_r, kv_ptr, idx_row, start + 2 * BLOCK_N, hi, num_slots, s_kv, bars, WG)
+        m_run = m_b
+
+    l_x.index(WG).store(l_w)
+    _publish(bars, _DONE)
+    mbarrier.wait(bars.index(_DONE), 0)
+    l_i = l_w + l_x.index(1 - WG).load(S_ROWS)
+    empty = l_i == 0  # not NaN: a NaN score propagates to out and lse
+    l_ref = gl.where(empty, 1.0, l_i)
+    out = acc / gl.convert_layout(l_ref, O_ROWS)[:, None]
+    rows_o = gl.arange(0, BLOCK_H, layout=O_ROWS)
+    cols_o = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_MMA))
+    gl.store(out_ptr + ((base_row + rows_o) * num_splits)[:, None] * D_V + cols_o[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(row0 + rows_o < M)[:, None])
+    if WG == 0:
+        lse = gl.where(empty, float("-inf"), (m_run + gl.log2(l_ref)) * _LN2)
+        rows_l = gl.arange(0, BLOCK_H, layout=S_ROWS)
+        gl.store(lse_ptr + (base_row + rows_l) * num_splits, lse, mask=row0 + rows_l < M)
+
+
+@gluon.jit
+def _seesaw_wg0(q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars, q_ptr, H, s_qs, s_qh, kv_ptr, idx_row, lo, hi,
+                num_slots, s_kv, qk_scale, out_ptr, lse_ptr, M, row0, base_row, num_splits):
+    _seesaw_wg(0, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars, q_ptr, H, s_qs, s_qh, kv_ptr, idx_row, lo, hi,
+               num_slots, s_kv, qk_scale, out_ptr, lse_ptr, M, row0, base_row, num_splits)
+
+
+@gluon.jit
+def _seesaw_wg1(q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars, q_ptr, H, s_qs, s_qh, kv_ptr, idx_row, lo, hi,
+                num_slots, s_kv, qk_scale, out_ptr, lse_ptr, M, row0, base_row, num_splits):
+    _seesaw_wg(1, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars, q_ptr, H, s_qs, s_qh, kv_ptr, idx_row, lo, hi,
+               num_slots, s_kv, qk_scale, out_ptr, lse_ptr, M, row0, base_row, num_splits)
+
+
+@gluon.jit
+def _sparse_attention_fwd_seesaw(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+    M, H, k_len, tokens_per_split, num_slots, qk_scale,
+    s_qr, s_qs, s_qh, s_kv, s_ir,
+    D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_DV: gl.constexpr, BLOCK_DR: gl.constexpr,
+    NUM_SPLITS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DOT_FP32: gl.constexpr,
+    KV_FP8: gl.constexpr = False, GROUP: gl.constexpr = 128, ROPE_AT: gl.constexpr = 0,
+):
+    """The arguments and outputs of ``_sparse_attention_fwd_gluon`` over a bf16 cache (``kv_ptr``: rows of ``s_kv``
+    elements; ``KV_FP8`` off), launched with 4 warps (:func:`seesaw_meta`): ``out[R, M, NUM_SPLITS, D_V]`` (q's
+    dtype with one split, else fp32 partials), ``lse[R, M, NUM_SPLITS]`` natural log (-inf and out 0 for a row without
+    a valid slot; NaN scores propagate)."""
+    gl.static_assert(D_V == 512 and D_R == 64 and BLOCK_H == 64 and BLOCK_N == 64 and gl.num_warps() == 4)
+    gl.static_assert(BLOCK_DV == D_V and BLOCK_DR == D_R and not DOT_FP32 and not KV_FP8)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    NOPE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_V], dtype)
+    ROPE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], dtype)
+    gl.static_assert(ROPE == gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype))  # P in the rope part
+
+    pid = gl.program_id(0)
+    num_hb = gl.cdiv(M, BLOCK_H)
+    hb = pid % num_hb
+    split = (pid // num_hb) % NUM_SPLITS
+    r = (pid // num_hb // NUM_SPLITS).to(gl.int64)
+
+    q_nope = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_V], NOPE)
+    q_rope = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D_R], ROPE)
+    k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_V], NOPE)
+    k_rope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_R], ROPE)
+    m_x = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], _XCHG)
+    l_x = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], _XCHG)
+    bars = gl.allocate_shared_memory(gl.int64, [_NUM_BARS, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(_NUM_BARS):
+        # tiles: the cp.async arrive of each thread of the gathering warpgroup; the rest: one arrive (its first thread,
+        # after a barrier of the warpgroup) of one warpgroup, or of both
+        mbarrier.init(bars.index(b), count=128 if b < _M_A else (2 if b >= _FREE else 1))
+
+    row0 = hb * BLOCK_H
+    lo = split * tokens_per_split
+    hi = gl.minimum(lo + tokens_per_split, k_len)
+    args = (q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars, q_ptr + r * s_qr, H, s_qs, s_qh, kv_ptr, idx_ptr + r * s_ir,
+            lo, hi, num_slots, s_kv, qk_scale, out_ptr + split * D_V, lse_ptr + split, M, row0, r * M + row0,
+            NUM_SPLITS)
+    gl.warp_specialize([(_seesaw_wg0, args), (_seesaw_wg1, args)], [4], [SEESAW_WORKER_REGS])
