@@ -90,13 +90,16 @@ def config_for(kernel: str, R: int, H: int, k: int, num_splits: int | None = Non
 def runner(kernel: str, q, kv, slots, config: dict, variant: dict | None = None):
     """A call of ``sparse_attention_fwd`` with the ``kernel`` ("triton", "gluon" or "seesaw") at ``config`` (a
     uint8 ``kv``: the FP8 latent cache), ``variant``: constexprs laid over the Gluon launch's."""
+    from dsa_triton.attention import sparse_attention_gluon as g
     from dsa_triton.attention import sparse_attention_kernels as sak
     from dsa_triton.attention import sparse_attention_seesaw as seesaw
 
     launch = sak.AttentionLaunch(D, DV, slots.shape[1], 1, q.dtype, kv.dtype == torch.uint8, config)
-    launch.gluon_meta = {**launch.gluon_meta, **(variant or {})}
-    own = (seesaw._sparse_attention_fwd_seesaw, seesaw.seesaw_meta(launch.fwd_meta)) if kernel == "seesaw" else None
-    return lambda: sak.sparse_attention_fwd(q, kv, slots, D ** -0.5, launch, gluon=kernel == "gluon", kernel=own)
+    own = {"triton": None, "gluon": (g._sparse_attention_fwd_gluon, {**launch.gluon_meta, **(variant or {})}),
+           "seesaw": (seesaw._sparse_attention_fwd_seesaw, launch.fwd_meta)}[kernel]
+    if kernel == "seesaw":
+        own = (own[0], seesaw.seesaw_meta(own[1]))
+    return lambda: sak.sparse_attention_fwd(q, kv, slots, D ** -0.5, launch, kernel=own)
 
 
 def kernels_of(variants: list[dict], extra: tuple = ()) -> list[tuple[str, dict]]:

@@ -205,26 +205,27 @@ def test_bf16_against_the_reference(decode):
 
 
 class _Recorded:
-    """A launchable stand-in for the Gluon kernel: notes each launch and its Gluon-only keywords, then runs the Triton
-    kernel without them."""
+    """A launchable stand-in for a Gluon kernel: notes each launch and its keywords, then runs the Triton kernel on
+    them (less the Gluon kernel's own choices)."""
 
     def __init__(self):
-        self.launches, self.gluon_only = 0, None
+        self.launches, self.meta = 0, None
 
     def __getitem__(self, grid):
-        def run(*args, MAX_XCHG, LAZY_RESCALE, **meta):
+        def run(*args, **meta):
             self.launches += 1
-            self.gluon_only = (MAX_XCHG, LAZY_RESCALE)
-            return sparse_attention_kernels._sparse_attention_fwd[grid](*args, **meta)
+            self.meta = meta
+            triton_meta = {k: v for k, v in meta.items() if k not in ("MAX_XCHG", "LAZY_RESCALE")}
+            return sparse_attention_kernels._sparse_attention_fwd[grid](*args, **triton_meta)
         return run
 
 
 def test_plans_that_gluon_serves_launch_it_on_aligned_pointers_only(monkeypatch):
-    """A plan :func:`gluon_applies` to (on the CPU: patched true) launches the Gluon kernel when q and the cache are
-    16-byte aligned, the Triton kernel otherwise; its outputs are the contract's either way (the stand-in runs the
-    Triton kernel)."""
+    """A plan :func:`gluon_applies` to (on the CPU: patched true) launches the Gluon kernel (over a bf16-style cache:
+    the seesaw's, at 4 warps) when q and the cache are 16-byte aligned, the Triton kernel otherwise; its outputs are
+    the contract's either way (the stand-in runs the Triton kernel)."""
     stand_in = _Recorded()
-    monkeypatch.setattr(sparse_attention_kernels, "_sparse_attention_fwd_gluon", stand_in)
+    monkeypatch.setattr(sparse_attention_kernels, "_sparse_attention_fwd_seesaw", stand_in)
     monkeypatch.setattr(sparse_attention, "gluon_applies", lambda *args: True)
     monkeypatch.setattr(sparse_attention, "_DECODE_PLANS", PlanCache())
     g = torch.Generator().manual_seed(5)
@@ -238,7 +239,18 @@ def test_plans_that_gluon_serves_launch_it_on_aligned_pointers_only(monkeypatch)
         out, lse = dt.sparse_attention_decode(q, kv, idx, 0.3, d_v=DV, block_table=table, config=CFG)
         assert stand_in.launches - before == gluon
         check(out, lse, *sparse_attention_decode_torch(q, kv, idx, 0.3, DV, table))
-    assert stand_in.gluon_only == (True, False)  # a bf16-style cache (not FP8); 2 tiles a split: no lazy rescale
+    assert stand_in.meta["num_warps"] == 4 and "KV_FP8" not in stand_in.meta
+
+
+def test_a_launch_takes_the_seesaw_over_a_bf16_cache_and_the_two_warpgroup_kernel_over_fp8():
+    from dsa_triton.attention.sparse_attention_gluon import GLUON_CONFIG, _sparse_attention_fwd_gluon
+    from dsa_triton.attention.sparse_attention_seesaw import _sparse_attention_fwd_seesaw
+
+    config = {**GLUON_CONFIG, "num_splits": 2}
+    bf16 = sparse_attention_kernels.AttentionLaunch(576, 512, 2048, 1, torch.bfloat16, False, config)
+    assert bf16.gluon_kernel == (_sparse_attention_fwd_seesaw, {**bf16.fwd_meta, "num_warps": 4})
+    fp8 = sparse_attention_kernels.AttentionLaunch(576, 512, 2048, 1, torch.bfloat16, True, config)
+    assert fp8.gluon_kernel == (_sparse_attention_fwd_gluon, fp8.gluon_meta) and fp8.gluon_meta["KV_FP8"]
 
 
 def test_gluon_meta_picks_its_choices_by_cache_and_split_length():
