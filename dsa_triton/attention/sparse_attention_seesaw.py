@@ -359,6 +359,7 @@ def _produce(q_nope, q_rope, k_nope, k_rope, k_scale, bars, q_ptr, H, s_qs, s_qh
     for t in range(2 * n_pairs):
         x0, x1, x2 = _produce_tile(k_nope, k_rope, k_scale, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv, t,
                                    x0, x1, x2)
+    async_copy.wait_group(0)  # an empty split's (zero-filling) scale copies
 
 
 @gluon.jit
