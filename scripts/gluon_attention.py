@@ -19,7 +19,7 @@ the rate they are read at. Prints PASS / FAIL per check and a table last; writes
 runs). ``--variants``: a JSON list of dicts laid over the Gluon kernel's constexprs (its default: ``gluon_meta``'s;
 e.g. ``[{"MAX_XCHG": 0}]``), each checked like the default and timed beside it at every timing row (``vs default``:
 the default's time over its). ``--kernels gluon,seesaw``: the seesaw kernel
-(:mod:`dsa_triton.attention.sparse_attention_seesaw`, bf16 cache only) checked and timed beside the Gluon one too
+(:mod:`dsa_triton.attention.sparse_attention_seesaw`, over either cache) checked and timed beside the Gluon one too
 (``vs default``: the Gluon default's time over its).
 """
 from __future__ import annotations
@@ -245,24 +245,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 8, 1],
                         help="index rows of the timing rows (128 heads each; 4096: the prefill bench row's T)")
     parser.add_argument("--kernels", default="gluon",
-                        help="comma-separated: gluon (always) and seesaw (bf16 cache only), checked and timed")
+                        help="comma-separated: gluon (always) and seesaw, checked and timed")
     parser.add_argument("--checks-only", action="store_true",
                         help="the checks alone (no mm rate, no timings: e.g. under compute-sanitizer)")
     args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "scripts/gluon_attention.py needs a GPU"
 
     caches = ("bf16", "fp8") if args.only == "all" else (args.only,)
-    extra = {cache: tuple(k for k in args.kernels.split(",") if k == "seesaw" and cache == "bf16") for cache in caches}
+    extra = tuple(k for k in args.kernels.split(",") if k == "seesaw")
     assert set(args.kernels.split(",")) <= {"gluon", "seesaw"}, args.kernels
-    checks = {cache: check_rows(cache, args.variants, extra[cache]) for cache in caches}
+    checks = {cache: check_rows(cache, args.variants, extra) for cache in caches}
     mm_rate = None if args.checks_only else mm_tflops()
     timings = []
     for cache in () if args.checks_only else caches:
         passed = {(label(kernel, v), multi): all(r["check"] == "ok" for r in checks[cache]
                                                  if r["kernel"] == kernel and r["variant"] == v
                                                  and (r["num_splits"] > 1) == multi)
-                  for kernel, v in kernels_of(args.variants, extra[cache])[1:] for multi in (False, True)}
-        timings += timing_rows(cache, passed, mm_rate, args.variants, tuple(args.rows), extra[cache])
+                  for kernel, v in kernels_of(args.variants, extra)[1:] for multi in (False, True)}
+        timings += timing_rows(cache, passed, mm_rate, args.variants, tuple(args.rows), extra)
     checks = [row for cache in caches for row in checks[cache]]
     failed = [r for r in checks if r["check"] != "ok"]
     failed += [r for r in timings if "error" in r and not r["error"].startswith("skipped")]

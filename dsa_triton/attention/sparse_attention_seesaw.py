@@ -1,6 +1,6 @@
-"""Gluon kernel of sparse attention for Hopper (sm_90a) over a bf16 cache in FlashMLA's "seesaw" schedule: the
-contract of :func:`.sparse_attention_gluon._sparse_attention_fwd_gluon` (same arguments, same partial out / lse
-layout, so ``_combine_splits`` merges its splits), bf16 q and cache, ``BLOCK_H`` = ``BLOCK_N`` = 64.
+"""Gluon kernel of sparse attention for Hopper (sm_90a) over a bf16 or FP8 latent cache in FlashMLA's "seesaw"
+schedule: the contract of :func:`.sparse_attention_gluon._sparse_attention_fwd_gluon` (same arguments, same partial
+out / lse layout, so ``_combine_splits`` merges its splits), bf16 q, ``BLOCK_H`` = ``BLOCK_N`` = 64.
 
 Two warpgroups by ``gl.warp_specialize`` (the kernel's 4 warps and one worker of 4; launch with ``num_warps`` = 4,
 :func:`seesaw_meta`), one source (:func:`_seesaw_wg`) for both. The tokens go in pairs of 64-token blocks, A = block
@@ -28,6 +28,17 @@ mbarrier) only once both warpgroups are done with ``V_X`` and ``P_X``: A' while 
 B' after warpgroup 1's; the gather has the rest of the pair's work of the other warpgroup to land in, not a whole
 pair. mbarriers carry every exchange between the warpgroups (no CTA-wide barrier in the loop): tile landed
 (``ready``), ``m_A`` / ``m_B`` / ``P_A`` / ``P_B`` published, tile X free, the final row sums.
+
+FP8 latent cache (656 bytes a token: 512 e4m3, 4 fp32 scales, 64 bf16 rope; :mod:`.cache_reference`): a third
+warpgroup, the producer (:func:`_produce`), gathers q and every tile; the math warpgroups run the same code without
+their gathers (they wait on ``ready`` only, arrived once a tile by the producer). Registers a thread: 208 for each
+math warpgroup, 88 for the producer (the pool of 3 x 168; at 80 the producer spills more). The producer holds the
+next tile's first 48 tokens' e4m3 bytes in registers (3 chunks of 16 tokens, 16 registers each, 16-byte loads) while
+it waits for ``free[X]``, and its scales in a small buffer of their own (``[2, 64, 4]`` fp32, cp.async a tile ahead);
+once tile X is free it copies its rope values (cp.async, 8 KB), dequantizes chunk after chunk into ``k_nope[X]``
+(e4m3 -> bf16 by bit operations, times the scale in bf16x2: exact for the power-of-two scales), loading the last
+chunk and then the next tile's chunks into the registers each frees, and arrives on ``ready[X]`` after a proxy
+fence. Shared memory: 224576 bytes.
 """
 from __future__ import annotations
 
@@ -37,20 +48,34 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .sparse_attention_gluon import _gather, _slots
+from .sparse_attention_gluon import _copy_rows, _gather, _slots
 
 SEESAW_WORKER_REGS = gl.constexpr(240)  # setmaxnreg of the worker warpgroup (the default one: 256)
+# FP8 cache: setmaxnreg of the second math warpgroup and of the producer; the first math warpgroup gets the rest of
+# the pool of 3 x 168 (the launch's registers at 384 threads): 208 + 208 + 88
+SEESAW_FP8_MATH_REGS = gl.constexpr(208)
+SEESAW_PRODUCER_REGS = gl.constexpr(88)
 _LN2 = gl.constexpr(0.6931471805599453)
 _XCHG = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+_GATHER = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # 16-byte bf16 copies, 16 rows a pass
+# the producer (FP8 cache): a tile's e4m3 bytes in 4 chunks of 16 tokens, a chunk int32 [16, 4, 32] (token, group
+# of 128 values, word of 4 values) with 4 words a thread of each of 4 tokens (a warp reads whole rows: 16-byte loads,
+# 16 registers; as uint8 elements the compiler keeps one byte a register)
+_CHUNK = gl.constexpr(16)
+_CHUNK_WORDS = gl.constexpr(gl.BlockedLayout([1, 1, 4], [2, 4, 4], [4, 1, 1], [2, 1, 0]))
+_CHUNK_SCALES = gl.constexpr(gl.SliceLayout(2, _CHUNK_WORDS))
+_SCALE_COPY = gl.constexpr(gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0]))  # fp32 [64, 4], 8-byte cp.async
+_ROPE_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0]))  # bf16 [64, 64], one row a thread
+_PLAIN = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+_ROPE_AT = gl.constexpr(528)  # byte of an FP8 latent cache row where its bf16 rope values start
 # mbarriers: tile X landed (2), m_A, m_B, P_A, P_B published, tile X free (2), the row sums published
 _READY, _M_A, _M_B, _P, _FREE, _DONE = (gl.constexpr(i) for i in (0, 2, 3, 4, 6, 8))
 _NUM_BARS = gl.constexpr(9)
 
 
 def seesaw_meta(fwd_meta: dict) -> dict:
-    """The seesaw kernel's keyword arguments from the Triton kernel's ``fwd_meta`` (bf16 cache): 4 warps (a second
-    warpgroup comes from ``gl.warp_specialize``)."""
-    assert not fwd_meta.get("KV_FP8", False), "the seesaw kernel reads a bf16 cache"
+    """The seesaw kernel's keyword arguments from the Triton kernel's ``fwd_meta`` (a bf16 or FP8 cache): 4 warps
+    (the other warpgroups come from ``gl.warp_specialize``)."""
     return {**fwd_meta, "num_warps": 4}
 
 
@@ -62,13 +87,21 @@ def _publish(bars, i: gl.constexpr):
 
 
 @gluon.jit
+def _gather_q(q_nope, q_rope, q_ptr, H, s_qs, s_qh, M, row0):
+    """cp.async query rows ``row0 + j`` (j < 64; rows from ``M`` on zero-filled), row m at ``q_ptr + (m // H) * s_qs
+    + (m % H) * s_qh``, into ``q_nope[1, 64, 512]`` and ``q_rope[1, 64, 64]``."""
+    offs_m = row0 + gl.arange(0, q_nope.shape[1], layout=gl.SliceLayout(1, _GATHER))
+    q_rows = (offs_m // H).to(gl.int64) * s_qs + (offs_m % H) * s_qh
+    _gather(q_nope.index(0), q_rope.index(0), q_ptr, q_rows, offs_m < M, q_nope.shape[2], q_rope.shape[2], _GATHER)
+
+
+@gluon.jit
 def _gather_own(nope, rope, kv_ptr, idx_row, start, hi, num_slots, s_kv, bars, WG: gl.constexpr):
     """Warpgroup ``WG``'s gather of the tokens ``[start, start + 64)`` (slots past ``hi`` or invalid: zero-filled
-    rows) into its tile ``nope[64, 512]``, ``rope[64, 64]``, landing on mbarrier ``bars[WG]`` (every thread's copies
-    arrive there)."""
-    GATHER: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    slot, ok = _slots(idx_row, start, hi, num_slots, nope.shape[0], gl.SliceLayout(1, GATHER))
-    _gather(nope, rope, kv_ptr, slot.to(gl.int64) * s_kv, ok, nope.shape[1], rope.shape[1], GATHER)
+    rows) into its tile ``nope[64, 512]``, ``rope[64, 64]`` from a bf16 cache, landing on mbarrier ``bars[WG]``
+    (every thread's copies arrive there)."""
+    slot, ok = _slots(idx_row, start, hi, num_slots, nope.shape[0], gl.SliceLayout(1, _GATHER))
+    _gather(nope, rope, kv_ptr, slot.to(gl.int64) * s_kv, ok, nope.shape[1], rope.shape[1], _GATHER)
     async_copy.mbarrier_arrive(bars.index(_READY + WG), increment_count=False)
 
 
@@ -81,16 +114,15 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
     memory: ``q_nope[1, 64, 512]``, ``q_rope[1, 64, 64]`` (gathered by warpgroup 0 with its first tile: query row m
     at ``q_ptr + (m // H) * s_qs + (m % H) * s_qh``), tiles A and B ``k_nope[2, 64, 512]``, ``k_rope[2, 64, 64]``
     (``k_rope[X]`` holds ``P_X`` once X is scored), ``m_x[2, 64]`` (``m_A``, ``m_B``), ``l_x[2, 64]`` (the final
-    row sums), ``bars`` (the mbarriers: the module docstring). The DSA shapes only (the partitions take no constexpr
-    argument)."""
+    row sums), ``bars`` (the mbarriers: the module docstring). Over the FP8 cache (``kv_ptr`` uint8) the producer
+    (:func:`_produce`) gathers q and the tiles: only the waits on ``ready`` stay. The DSA shapes only (the
+    partitions take no constexpr argument)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     D_V: gl.constexpr = 512
-    D_R: gl.constexpr = 64
     BLOCK_H: gl.constexpr = 64
     BLOCK_N: gl.constexpr = 64
     HALF: gl.constexpr = D_V // 2
-    GATHER: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    ROWS: gl.constexpr = gl.SliceLayout(1, GATHER)
+    FED: gl.constexpr = kv_ptr.dtype.element_ty == gl.uint8  # the FP8 cache: the producer fills the tiles
     S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     S_ROWS: gl.constexpr = gl.SliceLayout(1, S_MMA)
@@ -100,12 +132,11 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
     n_pairs = gl.cdiv(hi - lo, 2 * BLOCK_N)  # <= 0 for an empty split (hi < lo past k_len)
     own_n, own_r = k_nope.index(WG), k_rope.index(WG)
     if n_pairs > 0:
-        if WG == 0:
-            offs_m = row0 + gl.arange(0, BLOCK_H, layout=ROWS)
-            q_rows = (offs_m // H).to(gl.int64) * s_qs + (offs_m % H) * s_qh
-            _gather(q_nope.index(0), q_rope.index(0), q_ptr, q_rows, offs_m < M, D_V, D_R, GATHER)
-        _gather_own(own_n, own_r, kv_ptr, idx_row, lo + WG * BLOCK_N, hi, num_slots, s_kv, bars, WG)
-        if WG == 1:  # q: gathered by warpgroup 0 with tile A
+        if not FED:
+            if WG == 0:
+                _gather_q(q_nope, q_rope, q_ptr, H, s_qs, s_qh, M, row0)
+            _gather_own(own_n, own_r, kv_ptr, idx_row, lo + WG * BLOCK_N, hi, num_slots, s_kv, bars, WG)
+        if WG == 1:  # q: gathered with tile A
             mbarrier.wait(bars.index(_READY), 0)
 
     m_run = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=S_ROWS)  # the last pair's m_B (O_w's reference)
@@ -170,13 +201,13 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
         acc = warpgroup_mma(k_rope.index(1 + z), k_nope.index(1 + z).slice(WG * HALF, HALF, dim=1), acc, is_async=True)
         # the next pair's tile of this warpgroup once both are done with it: A while warpgroup 0's PV_B runs
         # (that reads B), B after warpgroup 1's PV_B
-        if WG == 0:
+        if WG == 0 and not FED:
             mbarrier.wait(bars.index(_FREE), ph)
             if i + 1 < n_pairs:
                 _gather_own(own_n, own_r, kv_ptr, idx_row, start + 2 * BLOCK_N, hi, num_slots, s_kv, bars, WG)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         _publish(bars, _FREE + 1)
-        if WG == 1:
+        if WG == 1 and not FED:
             if i + 1 < n_pairs:
                 mbarrier.wait(bars.index(_FREE + 1), ph)
                 _gather_own(own_n, own_r, kv_ptr, idx_row, start + 2 * BLOCK_N, hi, num_slots, s_kv, bars, WG)
@@ -214,6 +245,124 @@ def _seesaw_wg1(q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars, q_ptr, H, s_qs, 
 
 
 @gluon.jit
+def _load_chunk(kv_ptr, idx_row, start, hi, num_slots, s_kv):
+    """The e4m3 bytes as ``int32[16, 4, 32]`` words (token, group of 128 values, 4 values a word, the first in the
+    low byte) of the FP8 latent cache rows (``s_kv`` bytes apart from ``kv_ptr``) of the tokens ``[start, start +
+    16)`` of ``idx_row`` in ``_CHUNK_WORDS``: 16-byte loads, zeros for slots past ``hi`` or invalid (not read)."""
+    slot, ok = _slots(idx_row, start, hi, num_slots, _CHUNK, gl.SliceLayout(1, _CHUNK_SCALES))
+    rows = (kv_ptr + slot.to(gl.int64) * s_kv).to(gl.pointer_type(gl.int32))
+    groups = gl.arange(0, 4, layout=gl.SliceLayout(0, _CHUNK_SCALES))
+    words = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _CHUNK_WORDS)))
+    ptrs = rows[:, None, None] + (groups * 32)[None, :, None] + words[None, None, :]
+    return gl.load(ptrs, mask=ok[:, None, None], other=0)
+
+
+@gluon.jit
+def _e4m3x4_to_bf16(w, scale):
+    """Four e4m3 values a word ``w`` (int32, the first in the low byte) times ``scale`` (fp32, a power of two) ->
+    four bf16 tensors (exact). Each byte b as the bf16 bits ``(b & 0x80) << 8 | (b & 0x7F) << 4`` is its value
+    times 2^-120 (subnormals too; ``prmt``'s sign-replicating selectors make the sign bit, one shift and one mask
+    two values), then times 2^120 and ``scale`` in bf16x2 (``scale``'s bf16 bits: the high half of its fp32 bits,
+    exact for a power of two)."""
+    bits = scale.to(gl.int32, bitcast=True)
+    scale2 = (bits & -65536) | ((bits >> 16) & 65535)  # bf16x2 (scale, scale)
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b32 lo, hi, k;
+        prmt.b32 lo, $4, 0, 0x9180;
+        prmt.b32 hi, $4, 0, 0xB3A2;
+        shl.b32 lo, lo, 4;
+        shl.b32 hi, hi, 4;
+        and.b32 lo, lo, 0x87F087F0;
+        and.b32 hi, hi, 0x87F087F0;
+        mov.b32 k, 0x7B807B80;
+        mul.rn.bf16x2 lo, lo, k;
+        mul.rn.bf16x2 hi, hi, k;
+        mul.rn.bf16x2 lo, lo, $5;
+        mul.rn.bf16x2 hi, hi, $5;
+        mov.b32 {$0, $1}, lo;
+        mov.b32 {$2, $3}, hi;
+        }""",
+        "=h,=h,=h,=h,r,r", [w, scale2], dtype=(gl.bfloat16, ) * 4, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _copy_scales(scales, kv_ptr, idx_row, start, hi, num_slots, s_kv):
+    """cp.async the fp32 scales (4 a row, from byte 512) of the FP8 latent cache rows of the tokens ``[start, start +
+    64)`` into ``scales[64, 4]`` (zeros for slots past ``hi`` or invalid), one commit group."""
+    slot, ok = _slots(idx_row, start, hi, num_slots, scales.shape[0], gl.SliceLayout(1, _SCALE_COPY))
+    rows = (kv_ptr + slot.to(gl.int64) * s_kv + 512).to(gl.pointer_type(gl.float32))
+    _copy_rows(scales, rows, ok, scales.shape[1], _SCALE_COPY)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _dequantize_chunk(nope, scales, words, c: gl.constexpr):
+    """Chunk ``c`` of a tile: ``nope[16c:16c + 16, :]`` = the e4m3 ``words`` (:func:`_load_chunk`'s) times their
+    scales (``scales[64, 4]``: the tile's) in bf16."""
+    scale = scales.slice(c * _CHUNK, _CHUNK, dim=0).load(_CHUNK_SCALES)
+    v0, v1, v2, v3 = _e4m3x4_to_bf16(words, scale[:, :, None])
+    x = gl.join(gl.join(v0, v2), gl.join(v1, v3))  # [16, 4, 32, 2, 2]: [..., k, m] = v(2k + m), value 4 word + 2k + m
+    nope.slice(c * _CHUNK, _CHUNK, dim=0).store(gl.reshape(x, [_CHUNK, nope.shape[1]]))
+
+
+@gluon.jit
+def _produce_tile(k_nope, k_rope, k_scale, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv, t, x0, x1, x2):
+    """Tile t (tokens ``[lo + 64t, lo + 64t + 64)``; X = t % 2 of pair t // 2) into ``k_nope[X]``, ``k_rope[X]``,
+    arriving on ``ready[X]``: ``x0, x1, x2`` hold its first 48 tokens' e4m3 words (:func:`_load_chunk`),
+    ``k_scale[X]`` its scales (in flight). Returns the next tile's first three chunks (loaded as the chunks are
+    dequantized). ``X`` stays a runtime value: unrolled, the two tiles' code spills."""
+    X = t % 2
+    start = lo + t * 4 * _CHUNK
+    nope, rope, scales = k_nope.index(X), k_rope.index(X), k_scale.index(X)
+    nxt = start + 4 * _CHUNK
+    # the next tile's scales: everyone read that buffer (the previous tile) before its ready arrive
+    _copy_scales(k_scale.index(1 - X), kv_ptr, idx_row, nxt, hi, num_slots, s_kv)
+    slot, ok = _slots(idx_row, start, hi, num_slots, rope.shape[0], gl.SliceLayout(1, _ROPE_COPY))
+    if t >= 2:  # pair t // 2 - 1 is done with tile X (its V and its P in the rope part)
+        mbarrier.wait(bars.index(_FREE + X), (t // 2 - 1) & 1)
+    rows = (kv_ptr + slot.to(gl.int64) * s_kv + _ROPE_AT).to(gl.pointer_type(rope.dtype))
+    _copy_rows(rope, rows, ok, rope.shape[1], _ROPE_COPY)
+    async_copy.commit_group()
+    async_copy.wait_group(2)  # q and this tile's scales (every group before the last two)
+    gl.thread_barrier()  # everyone's scale copies
+    _dequantize_chunk(nope, scales, x0, 0)
+    x3 = _load_chunk(kv_ptr, idx_row, start + 3 * _CHUNK, hi, num_slots, s_kv)
+    _dequantize_chunk(nope, scales, x1, 1)
+    x0 = _load_chunk(kv_ptr, idx_row, nxt, hi, num_slots, s_kv)
+    _dequantize_chunk(nope, scales, x2, 2)
+    x1 = _load_chunk(kv_ptr, idx_row, nxt + _CHUNK, hi, num_slots, s_kv)
+    _dequantize_chunk(nope, scales, x3, 3)
+    x2 = _load_chunk(kv_ptr, idx_row, nxt + 2 * _CHUNK, hi, num_slots, s_kv)
+    async_copy.wait_group(0)  # the rope values (and the next tile's scales)
+    fence_async_shared()  # the generic-proxy stores and copies, before the wgmma reads
+    mbarrier.arrive(bars.index(_READY + X))  # after a barrier of the 128
+    return x0, x1, x2
+
+
+@gluon.jit
+def _produce(q_nope, q_rope, k_nope, k_rope, k_scale, bars, q_ptr, H, s_qs, s_qh, kv_ptr, idx_row, lo, hi,
+             num_slots, s_kv, M, row0):
+    """The producer warpgroup over the FP8 latent cache (``kv_ptr``: uint8 rows of ``s_kv`` bytes): q (as
+    :func:`_gather_q`), then tiles A and B of the tokens ``[lo, hi)`` for every pair (:func:`_produce_tile`; tokens
+    past ``hi`` or invalid slots: zero rows), arriving on ``ready[X]`` once a tile (q with the first A). A tile's
+    first 48 tokens' e4m3 bytes are in registers since the previous tile, its scales in ``k_scale[X]`` (``[2, 64,
+    4]`` fp32, cp.async) since the previous tile's start; the rest once both math warpgroups are done with tile X."""
+    n_pairs = gl.cdiv(hi - lo, 8 * _CHUNK)  # <= 0 for an empty split
+    if n_pairs > 0:
+        _gather_q(q_nope, q_rope, q_ptr, H, s_qs, s_qh, M, row0)
+        async_copy.commit_group()
+    _copy_scales(k_scale.index(0), kv_ptr, idx_row, lo, hi, num_slots, s_kv)
+    x0 = _load_chunk(kv_ptr, idx_row, lo, hi, num_slots, s_kv)
+    x1 = _load_chunk(kv_ptr, idx_row, lo + _CHUNK, hi, num_slots, s_kv)
+    x2 = _load_chunk(kv_ptr, idx_row, lo + 2 * _CHUNK, hi, num_slots, s_kv)
+    for t in range(2 * n_pairs):
+        x0, x1, x2 = _produce_tile(k_nope, k_rope, k_scale, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv, t,
+                                   x0, x1, x2)
+    async_copy.wait_group(0)  # an empty split's (zero-filling) scale copies
+
+
+@gluon.jit
 def _sparse_attention_fwd_seesaw(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
     M, H, k_len, tokens_per_split, num_slots, qk_scale,
@@ -222,12 +371,14 @@ def _sparse_attention_fwd_seesaw(
     NUM_SPLITS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DOT_FP32: gl.constexpr,
     KV_FP8: gl.constexpr = False, GROUP: gl.constexpr = 128, ROPE_AT: gl.constexpr = 0,
 ):
-    """The arguments and outputs of ``_sparse_attention_fwd_gluon`` over a bf16 cache (``kv_ptr``: rows of ``s_kv``
-    elements; ``KV_FP8`` off), launched with 4 warps (:func:`seesaw_meta`): ``out[R, M, NUM_SPLITS, D_V]`` (q's
-    dtype with one split, else fp32 partials), ``lse[R, M, NUM_SPLITS]`` natural log (-inf and out 0 for a row without
-    a valid slot; NaN scores propagate)."""
+    """The arguments and outputs of ``_sparse_attention_fwd_gluon``, launched with 4 warps (:func:`seesaw_meta`):
+    ``kv_ptr`` rows of ``s_kv`` bf16 elements, or (``KV_FP8``) FP8 latent cache rows of ``s_kv`` bytes (``GROUP`` =
+    128, rope values at byte ``ROPE_AT`` = 528); ``out[R, M, NUM_SPLITS, D_V]`` (q's dtype with one split, else fp32
+    partials), ``lse[R, M, NUM_SPLITS]`` natural log (-inf and out 0 for a row without a valid slot; NaN scores
+    propagate)."""
     gl.static_assert(D_V == 512 and D_R == 64 and BLOCK_H == 64 and BLOCK_N == 64 and gl.num_warps() == 4)
-    gl.static_assert(BLOCK_DV == D_V and BLOCK_DR == D_R and not DOT_FP32 and not KV_FP8)
+    gl.static_assert(BLOCK_DV == D_V and BLOCK_DR == D_R and not DOT_FP32)
+    gl.static_assert(not KV_FP8 or (GROUP == 128 and ROPE_AT == _ROPE_AT))
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     NOPE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_V], dtype)
     ROPE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], dtype)
@@ -247,9 +398,9 @@ def _sparse_attention_fwd_seesaw(
     l_x = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], _XCHG)
     bars = gl.allocate_shared_memory(gl.int64, [_NUM_BARS, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(_NUM_BARS):
-        # tiles: the cp.async arrive of each thread of the gathering warpgroup; the rest: one arrive (its first thread,
-        # after a barrier of the warpgroup) of one warpgroup, or of both
-        mbarrier.init(bars.index(b), count=128 if b < _M_A else (2 if b >= _FREE else 1))
+        # tiles: the cp.async arrive of each thread of the gathering warpgroup (FP8: one arrive of the producer); the
+        # rest: one arrive (its first thread, after a barrier of the warpgroup) of one warpgroup, or of both
+        mbarrier.init(bars.index(b), count=(1 if KV_FP8 else 128) if b < _M_A else (2 if b >= _FREE else 1))
 
     row0 = hb * BLOCK_H
     lo = split * tokens_per_split
@@ -257,4 +408,11 @@ def _sparse_attention_fwd_seesaw(
     args = (q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars, q_ptr + r * s_qr, H, s_qs, s_qh, kv_ptr, idx_ptr + r * s_ir,
             lo, hi, num_slots, s_kv, qk_scale, out_ptr + split * D_V, lse_ptr + split, M, row0, r * M + row0,
             NUM_SPLITS)
-    gl.warp_specialize([(_seesaw_wg0, args), (_seesaw_wg1, args)], [4], [SEESAW_WORKER_REGS])
+    if KV_FP8:
+        k_scale = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, D_V // GROUP], _PLAIN)
+        feed = (q_nope, q_rope, k_nope, k_rope, k_scale, bars, q_ptr + r * s_qr, H, s_qs, s_qh, kv_ptr,
+                idx_ptr + r * s_ir, lo, hi, num_slots, s_kv, M, row0)
+        gl.warp_specialize([(_seesaw_wg0, args), (_seesaw_wg1, args), (_produce, feed)], [4, 4],
+                           [SEESAW_FP8_MATH_REGS, SEESAW_PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_seesaw_wg0, args), (_seesaw_wg1, args)], [4], [SEESAW_WORKER_REGS])
