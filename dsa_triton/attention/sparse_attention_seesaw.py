@@ -67,6 +67,7 @@ _CHUNK_SCALES = gl.constexpr(gl.SliceLayout(2, _CHUNK_WORDS))
 _SCALE_COPY = gl.constexpr(gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0]))  # fp32 [64, 4], 8-byte cp.async
 _ROPE_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0]))  # bf16 [64, 64], one row a thread
 _PLAIN = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+_PREFETCH = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0]))  # [64 tokens, 8 lines]
 _ROPE_AT = gl.constexpr(528)  # byte of an FP8 latent cache row where its bf16 rope values start
 # mbarriers: tile X landed (2), m_A, m_B, P_A, P_B published, tile X free (2), the row sums published
 _READY, _M_A, _M_B, _P, _FREE, _DONE = (gl.constexpr(i) for i in (0, 2, 3, 4, 6, 8))
@@ -307,6 +308,18 @@ def _dequantize_chunk(nope, scales, words, c: gl.constexpr):
 
 
 @gluon.jit
+def _prefetch_tile(kv_ptr, idx_row, start, hi, num_slots, s_kv):
+    """``prefetch.global.L2`` of the FP8 latent cache rows (656 bytes, ``s_kv`` apart) of the valid tokens ``[start,
+    start + 64)``: every 128-byte line of each (offsets 0, 128, ..., 640 and 655), so that the producer's loads of
+    that tile after its ``free`` wait hit L2."""
+    slot, ok = _slots(idx_row, start, hi, num_slots, 64, gl.SliceLayout(1, _PREFETCH))
+    offs = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, _PREFETCH)) * 128, 655)
+    rows = kv_ptr + gl.where(ok, slot, 0).to(gl.int64) * s_kv
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [rows[:, None] + offs[None, :]],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _produce_tile(k_nope, k_rope, k_scale, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv, t, x0, x1, x2):
     """Tile t (tokens ``[lo + 64t, lo + 64t + 64)``; X = t % 2 of pair t // 2) into ``k_nope[X]``, ``k_rope[X]``,
     arriving on ``ready[X]``: ``x0, x1, x2`` hold its first 48 tokens' e4m3 words (:func:`_load_chunk`),
@@ -316,6 +329,7 @@ def _produce_tile(k_nope, k_rope, k_scale, bars, kv_ptr, idx_row, lo, hi, num_sl
     start = lo + t * 4 * _CHUNK
     nope, rope, scales = k_nope.index(X), k_rope.index(X), k_scale.index(X)
     nxt = start + 4 * _CHUNK
+    _prefetch_tile(kv_ptr, idx_row, nxt, hi, num_slots, s_kv)  # its loads after its free wait: L2 hits
     # the next tile's scales: everyone read that buffer (the previous tile) before its ready arrive
     _copy_scales(k_scale.index(1 - X), kv_ptr, idx_row, nxt, hi, num_slots, s_kv)
     slot, ok = _slots(idx_row, start, hi, num_slots, rope.shape[0], gl.SliceLayout(1, _ROPE_COPY))
