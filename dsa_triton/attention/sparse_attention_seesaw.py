@@ -67,6 +67,7 @@ _CHUNK_SCALES = gl.constexpr(gl.SliceLayout(2, _CHUNK_WORDS))
 _SCALE_COPY = gl.constexpr(gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0]))  # fp32 [64, 4], 8-byte cp.async
 _ROPE_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0]))  # bf16 [64, 64], one row a thread
 _PLAIN = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+_IDX = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # a tile's 64 slots over the producer's 128 threads
 _PREFETCH = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0]))  # [64 tokens, 8 lines]
 _ROPE_AT = gl.constexpr(528)  # byte of an FP8 latent cache row where its bf16 rope values start
 # mbarriers: tile X landed (2), m_A, m_B, P_A, P_B published, tile X free (2), the row sums published
@@ -246,11 +247,27 @@ def _seesaw_wg1(q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars, q_ptr, H, s_qs, 
 
 
 @gluon.jit
-def _load_chunk(kv_ptr, idx_row, start, hi, num_slots, s_kv):
+def _slot_row(idx_row, start, hi):
+    """The slots of the tokens ``[start, start + 64)`` of ``idx_row`` (-1 from ``hi`` on), int32[64] in ``_IDX``: one
+    global load, staged into the producer's ``k_idx`` once its use is due."""
+    offs = start + gl.arange(0, 64, layout=_IDX)
+    return gl.load(idx_row + offs, mask=offs < hi, other=-1)
+
+
+@gluon.jit
+def _staged(idx, num_slots, LAYOUT: gl.constexpr):
+    """Slots staged in shared memory (``idx``: an int32[n] view, -1 past the split) in ``LAYOUT`` and whether each is
+    valid (a shared load, where :func:`_slots` waits for a global one)."""
+    slot = idx.load(LAYOUT)
+    return slot, (slot >= 0) & (slot < num_slots)
+
+
+@gluon.jit
+def _load_chunk(kv_ptr, idx, num_slots, s_kv):
     """The e4m3 bytes as ``int32[16, 4, 32]`` words (token, group of 128 values, 4 values a word, the first in the
-    low byte) of the FP8 latent cache rows (``s_kv`` bytes apart from ``kv_ptr``) of the tokens ``[start, start +
-    16)`` of ``idx_row`` in ``_CHUNK_WORDS``: 16-byte loads, zeros for slots past ``hi`` or invalid (not read)."""
-    slot, ok = _slots(idx_row, start, hi, num_slots, _CHUNK, gl.SliceLayout(1, _CHUNK_SCALES))
+    low byte) of the FP8 latent cache rows (``s_kv`` bytes apart from ``kv_ptr``) of the 16 tokens whose slots are
+    staged in ``idx`` in ``_CHUNK_WORDS``: 16-byte loads, zeros for invalid slots (not read)."""
+    slot, ok = _staged(idx, num_slots, gl.SliceLayout(1, _CHUNK_SCALES))
     rows = (kv_ptr + slot.to(gl.int64) * s_kv).to(gl.pointer_type(gl.int32))
     groups = gl.arange(0, 4, layout=gl.SliceLayout(0, _CHUNK_SCALES))
     words = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _CHUNK_WORDS)))
@@ -288,10 +305,10 @@ def _e4m3x4_to_bf16(w, scale):
 
 
 @gluon.jit
-def _copy_scales(scales, kv_ptr, idx_row, start, hi, num_slots, s_kv):
-    """cp.async the fp32 scales (4 a row, from byte 512) of the FP8 latent cache rows of the tokens ``[start, start +
-    64)`` into ``scales[64, 4]`` (zeros for slots past ``hi`` or invalid), one commit group."""
-    slot, ok = _slots(idx_row, start, hi, num_slots, scales.shape[0], gl.SliceLayout(1, _SCALE_COPY))
+def _copy_scales(scales, kv_ptr, idx, num_slots, s_kv):
+    """cp.async the fp32 scales (4 a row, from byte 512) of the FP8 latent cache rows of the 64 tokens whose slots are
+    staged in ``idx`` into ``scales[64, 4]`` (zeros for invalid slots), one commit group."""
+    slot, ok = _staged(idx, num_slots, gl.SliceLayout(1, _SCALE_COPY))
     rows = (kv_ptr + slot.to(gl.int64) * s_kv + 512).to(gl.pointer_type(gl.float32))
     _copy_rows(scales, rows, ok, scales.shape[1], _SCALE_COPY)
     async_copy.commit_group()
@@ -308,11 +325,11 @@ def _dequantize_chunk(nope, scales, words, c: gl.constexpr):
 
 
 @gluon.jit
-def _prefetch_tile(kv_ptr, idx_row, start, hi, num_slots, s_kv):
-    """``prefetch.global.L2`` of the FP8 latent cache rows (656 bytes, ``s_kv`` apart) of the valid tokens ``[start,
-    start + 64)``: every 128-byte line of each (offsets 0, 128, ..., 640 and 655), so that the producer's loads of
+def _prefetch_tile(kv_ptr, idx, num_slots, s_kv):
+    """``prefetch.global.L2`` of the FP8 latent cache rows (656 bytes, ``s_kv`` apart) of the valid slots staged in
+    ``idx`` (64): every 128-byte line of each (offsets 0, 128, ..., 640 and 655), so that the producer's loads of
     that tile after its ``free`` wait hit L2."""
-    slot, ok = _slots(idx_row, start, hi, num_slots, 64, gl.SliceLayout(1, _PREFETCH))
+    slot, ok = _staged(idx, num_slots, gl.SliceLayout(1, _PREFETCH))
     offs = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, _PREFETCH)) * 128, 655)
     rows = kv_ptr + gl.where(ok, slot, 0).to(gl.int64) * s_kv
     gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [rows[:, None] + offs[None, :]],
@@ -320,19 +337,20 @@ def _prefetch_tile(kv_ptr, idx_row, start, hi, num_slots, s_kv):
 
 
 @gluon.jit
-def _produce_tile(k_nope, k_rope, k_scale, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv, t, x0, x1, x2):
+def _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv, t, x0, x1, x2):
     """Tile t (tokens ``[lo + 64t, lo + 64t + 64)``; X = t % 2 of pair t // 2) into ``k_nope[X]``, ``k_rope[X]``,
     arriving on ``ready[X]``: ``x0, x1, x2`` hold its first 48 tokens' e4m3 words (:func:`_load_chunk`),
-    ``k_scale[X]`` its scales (in flight). Returns the next tile's first three chunks (loaded as the chunks are
-    dequantized). ``X`` stays a runtime value: unrolled, the two tiles' code spills."""
+    ``k_scale[X]`` its scales (in flight), ``k_idx[X]`` / ``k_idx[1 - X]`` the slots of tiles t and t + 1 (then
+    ``k_idx[X]`` those of t + 2). Returns the next tile's first three chunks (loaded as the chunks are dequantized).
+    ``X`` stays a runtime value: unrolled, the two tiles' code spills."""
     X = t % 2
-    start = lo + t * 4 * _CHUNK
     nope, rope, scales = k_nope.index(X), k_rope.index(X), k_scale.index(X)
-    nxt = start + 4 * _CHUNK
-    _prefetch_tile(kv_ptr, idx_row, nxt, hi, num_slots, s_kv)  # its loads after its free wait: L2 hits
+    cur, nxt = k_idx.index(X), k_idx.index(1 - X)
+    _prefetch_tile(kv_ptr, nxt, num_slots, s_kv)  # the next tile's loads after its free wait: L2 hits
     # the next tile's scales: everyone read that buffer (the previous tile) before its ready arrive
-    _copy_scales(k_scale.index(1 - X), kv_ptr, idx_row, nxt, hi, num_slots, s_kv)
-    slot, ok = _slots(idx_row, start, hi, num_slots, rope.shape[0], gl.SliceLayout(1, _ROPE_COPY))
+    _copy_scales(k_scale.index(1 - X), kv_ptr, nxt, num_slots, s_kv)
+    after = _slot_row(idx_row, lo + (t + 2) * 4 * _CHUNK, hi)  # staged once this tile is done with cur
+    slot, ok = _staged(cur, num_slots, gl.SliceLayout(1, _ROPE_COPY))
     if t >= 2:  # pair t // 2 - 1 is done with tile X (its V and its P in the rope part)
         mbarrier.wait(bars.index(_FREE + X), (t // 2 - 1) & 1)
     rows = (kv_ptr + slot.to(gl.int64) * s_kv + _ROPE_AT).to(gl.pointer_type(rope.dtype))
@@ -341,13 +359,15 @@ def _produce_tile(k_nope, k_rope, k_scale, bars, kv_ptr, idx_row, lo, hi, num_sl
     async_copy.wait_group(2)  # q and this tile's scales (every group before the last two)
     gl.thread_barrier()  # everyone's scale copies
     _dequantize_chunk(nope, scales, x0, 0)
-    x3 = _load_chunk(kv_ptr, idx_row, start + 3 * _CHUNK, hi, num_slots, s_kv)
+    x3 = _load_chunk(kv_ptr, cur.slice(3 * _CHUNK, _CHUNK), num_slots, s_kv)
     _dequantize_chunk(nope, scales, x1, 1)
-    x0 = _load_chunk(kv_ptr, idx_row, nxt, hi, num_slots, s_kv)
+    x0 = _load_chunk(kv_ptr, nxt.slice(0, _CHUNK), num_slots, s_kv)
     _dequantize_chunk(nope, scales, x2, 2)
-    x1 = _load_chunk(kv_ptr, idx_row, nxt + _CHUNK, hi, num_slots, s_kv)
+    x1 = _load_chunk(kv_ptr, nxt.slice(_CHUNK, _CHUNK), num_slots, s_kv)
     _dequantize_chunk(nope, scales, x3, 3)
-    x2 = _load_chunk(kv_ptr, idx_row, nxt + 2 * _CHUNK, hi, num_slots, s_kv)
+    x2 = _load_chunk(kv_ptr, nxt.slice(2 * _CHUNK, _CHUNK), num_slots, s_kv)
+    gl.thread_barrier()  # everyone's reads of cur
+    cur.store(after)
     async_copy.wait_group(0)  # the rope values (and the next tile's scales)
     fence_async_shared()  # the generic-proxy stores and copies, before the wgmma reads
     mbarrier.arrive(bars.index(_READY + X))  # after a barrier of the 128
@@ -355,24 +375,29 @@ def _produce_tile(k_nope, k_rope, k_scale, bars, kv_ptr, idx_row, lo, hi, num_sl
 
 
 @gluon.jit
-def _produce(q_nope, q_rope, k_nope, k_rope, k_scale, bars, q_ptr, H, s_qs, s_qh, kv_ptr, idx_row, lo, hi,
+def _produce(q_nope, q_rope, k_nope, k_rope, k_scale, k_idx, bars, q_ptr, H, s_qs, s_qh, kv_ptr, idx_row, lo, hi,
              num_slots, s_kv, M, row0):
     """The producer warpgroup over the FP8 latent cache (``kv_ptr``: uint8 rows of ``s_kv`` bytes): q (as
     :func:`_gather_q`), then tiles A and B of the tokens ``[lo, hi)`` for every pair (:func:`_produce_tile`; tokens
     past ``hi`` or invalid slots: zero rows), arriving on ``ready[X]`` once a tile (q with the first A). A tile's
-    first 48 tokens' e4m3 bytes are in registers since the previous tile, its scales in ``k_scale[X]`` (``[2, 64,
-    4]`` fp32, cp.async) since the previous tile's start; the rest once both math warpgroups are done with tile X."""
+    slots are staged in ``k_idx`` (``[2, 64]`` int32) two tiles ahead, its first 48 tokens' e4m3 bytes are in
+    registers since the previous tile, its scales in ``k_scale[X]`` (``[2, 64, 4]`` fp32, cp.async) since the
+    previous tile's start; the rest once both math warpgroups are done with tile X."""
     n_pairs = gl.cdiv(hi - lo, 8 * _CHUNK)  # <= 0 for an empty split
     if n_pairs > 0:
         _gather_q(q_nope, q_rope, q_ptr, H, s_qs, s_qh, M, row0)
         async_copy.commit_group()
-    _copy_scales(k_scale.index(0), kv_ptr, idx_row, lo, hi, num_slots, s_kv)
-    x0 = _load_chunk(kv_ptr, idx_row, lo, hi, num_slots, s_kv)
-    x1 = _load_chunk(kv_ptr, idx_row, lo + _CHUNK, hi, num_slots, s_kv)
-    x2 = _load_chunk(kv_ptr, idx_row, lo + 2 * _CHUNK, hi, num_slots, s_kv)
+    k_idx.index(0).store(_slot_row(idx_row, lo, hi))
+    k_idx.index(1).store(_slot_row(idx_row, lo + 4 * _CHUNK, hi))
+    gl.thread_barrier()
+    first = k_idx.index(0)
+    _copy_scales(k_scale.index(0), kv_ptr, first, num_slots, s_kv)
+    x0 = _load_chunk(kv_ptr, first.slice(0, _CHUNK), num_slots, s_kv)
+    x1 = _load_chunk(kv_ptr, first.slice(_CHUNK, _CHUNK), num_slots, s_kv)
+    x2 = _load_chunk(kv_ptr, first.slice(2 * _CHUNK, _CHUNK), num_slots, s_kv)
     for t in range(2 * n_pairs):
-        x0, x1, x2 = _produce_tile(k_nope, k_rope, k_scale, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv, t,
-                                   x0, x1, x2)
+        x0, x1, x2 = _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv,
+                                   t, x0, x1, x2)
     async_copy.wait_group(0)  # an empty split's (zero-filling) scale copies
 
 
@@ -424,7 +449,8 @@ def _sparse_attention_fwd_seesaw(
             NUM_SPLITS)
     if KV_FP8:
         k_scale = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, D_V // GROUP], _PLAIN)
-        feed = (q_nope, q_rope, k_nope, k_rope, k_scale, bars, q_ptr + r * s_qr, H, s_qs, s_qh, kv_ptr,
+        k_idx = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], _XCHG)
+        feed = (q_nope, q_rope, k_nope, k_rope, k_scale, k_idx, bars, q_ptr + r * s_qr, H, s_qs, s_qh, kv_ptr,
                 idx_ptr + r * s_ir, lo, hi, num_slots, s_kv, M, row0)
         gl.warp_specialize([(_seesaw_wg0, args), (_seesaw_wg1, args), (_produce, feed)], [4, 4],
                            [SEESAW_FP8_MATH_REGS, SEESAW_PRODUCER_REGS])
