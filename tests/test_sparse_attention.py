@@ -242,15 +242,15 @@ def test_plans_that_gluon_serves_launch_it_on_aligned_pointers_only(monkeypatch)
     assert stand_in.meta["num_warps"] == 4 and "KV_FP8" not in stand_in.meta
 
 
-def test_a_launch_takes_the_seesaw_over_a_bf16_cache_and_the_two_warpgroup_kernel_over_fp8():
-    from dsa_triton.attention.sparse_attention_gluon import GLUON_CONFIG, _sparse_attention_fwd_gluon
+def test_a_launch_takes_the_seesaw_over_either_cache():
+    from dsa_triton.attention.sparse_attention_gluon import GLUON_CONFIG
     from dsa_triton.attention.sparse_attention_seesaw import _sparse_attention_fwd_seesaw
 
     config = {**GLUON_CONFIG, "num_splits": 2}
-    bf16 = sparse_attention_kernels.AttentionLaunch(576, 512, 2048, 1, torch.bfloat16, False, config)
-    assert bf16.gluon_kernel == (_sparse_attention_fwd_seesaw, {**bf16.fwd_meta, "num_warps": 4})
-    fp8 = sparse_attention_kernels.AttentionLaunch(576, 512, 2048, 1, torch.bfloat16, True, config)
-    assert fp8.gluon_kernel == (_sparse_attention_fwd_gluon, fp8.gluon_meta) and fp8.gluon_meta["KV_FP8"]
+    for fp8 in (False, True):
+        launch = sparse_attention_kernels.AttentionLaunch(576, 512, 2048, 1, torch.bfloat16, fp8, config)
+        assert launch.gluon_kernel == (_sparse_attention_fwd_seesaw, {**launch.fwd_meta, "num_warps": 4})
+        assert launch.fwd_meta.get("KV_FP8", False) == fp8
 
 
 def test_gluon_meta_picks_its_choices_by_cache_and_split_length():

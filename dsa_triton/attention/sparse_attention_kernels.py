@@ -37,7 +37,7 @@ from ..hostmath import cdiv, next_pow2
 from ..launch import launch_with
 from ..runtime import interpreting
 from .cache_reference import LATENT_GROUP
-from .sparse_attention_gluon import _sparse_attention_fwd_gluon, gluon_meta
+from .sparse_attention_gluon import gluon_meta
 from .sparse_attention_seesaw import _sparse_attention_fwd_seesaw, seesaw_meta
 
 LOG2E = 1.4426950408889634
@@ -230,10 +230,10 @@ class AttentionLaunch:
             DOT_FP32=q_dtype == torch.bfloat16 and interpreting(),
             num_warps=config["num_warps"], num_stages=config["num_stages"], **fp8)
         self.tokens_per_split = cdiv(cdiv(k, self.num_splits), self.block_n) * self.block_n
+        # where a Gluon kernel applies: the seesaw (over either cache); the two-warpgroup kernel's keywords kept for
+        # scripts/gluon_attention.py, which times it beside the seesaw
+        self.gluon_kernel = (_sparse_attention_fwd_seesaw, seesaw_meta(self.fwd_meta))
         self.gluon_meta = gluon_meta(self.fwd_meta, self.tokens_per_split // self.block_n)
-        # where a Gluon kernel applies: the seesaw over a bf16 cache, the two-warpgroup one over the FP8 cache
-        self.gluon_kernel = ((_sparse_attention_fwd_gluon, self.gluon_meta) if kv_fp8
-                             else (_sparse_attention_fwd_seesaw, seesaw_meta(self.fwd_meta)))
         self.block_c = self.combine_meta = None
         if self.num_splits > 1:
             block_s = next_pow2(self.num_splits)
@@ -262,9 +262,9 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
     (row stride free, last dim contiguous) or uint8 FP8 latent cache rows ``kv[num_slots, bytes]`` (latent
     width ``d_v``), ``slots[R, k]`` (negative or >= num_slots: skipped) -> ``out[R, S, H, d_v]`` in q's dtype,
     ``lse[R, S, H]`` fp32; ``d_v``, the config and the constexprs from ``launch``. ``gluon``: ``launch.gluon_kernel``
-    (the same contract; only where it applies): the seesaw kernel of :mod:`.sparse_attention_seesaw` over a bf16
-    cache, the one of :mod:`.sparse_attention_gluon` over the FP8 cache. ``kernel``: ``(kernel, meta)`` launched
-    in place of any of them (the same arguments and outputs)."""
+    (the same contract; only where it applies): the seesaw kernel of :mod:`.sparse_attention_seesaw`. ``kernel``:
+    ``(kernel, meta)`` launched in place of either (the same arguments and outputs, e.g. the two-warpgroup kernel
+    of :mod:`.sparse_attention_gluon`)."""
     R, S, H = q.shape[:3]
     M, k = S * H, slots.shape[1]
     d_v, num_splits = launch.d_v, launch.num_splits
