@@ -58,12 +58,11 @@ SEESAW_PRODUCER_REGS = gl.constexpr(88)
 _LN2 = gl.constexpr(0.6931471805599453)
 _XCHG = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 _GATHER = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # 16-byte bf16 copies, 16 rows a pass
-# the producer (FP8 cache): a tile's e4m3 bytes in 8 chunks of 16 tokens x 256 values (a half: the value columns of
-# one math warpgroup), a chunk int32 [16, 2, 32] (token, group of 128 values, word of 4 values) with 4 words a thread
-# twice (a warp reads 4 tokens' half rows: 16-byte loads, 8 registers; as uint8 elements the compiler keeps one
-# byte a register)
+# the producer (FP8 cache): a tile's e4m3 bytes in 4 chunks of 16 tokens, a chunk int32 [16, 4, 32] (token, group
+# of 128 values, word of 4 values) with 4 words a thread of each of 4 tokens (a warp reads whole rows: 16-byte loads,
+# 16 registers; as uint8 elements the compiler keeps one byte a register)
 _CHUNK = gl.constexpr(16)
-_CHUNK_WORDS = gl.constexpr(gl.BlockedLayout([1, 1, 4], [4, 2, 4], [4, 1, 1], [2, 1, 0]))
+_CHUNK_WORDS = gl.constexpr(gl.BlockedLayout([1, 1, 4], [2, 4, 4], [4, 1, 1], [2, 1, 0]))
 _CHUNK_SCALES = gl.constexpr(gl.SliceLayout(2, _CHUNK_WORDS))
 _SCALE_COPY = gl.constexpr(gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0]))  # fp32 [64, 4], 8-byte cp.async
 _ROPE_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0]))  # bf16 [64, 64], one row a thread
@@ -71,10 +70,9 @@ _PLAIN = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 _IDX = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # a tile's 64 slots over the producer's 128 threads
 _PREFETCH = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0]))  # [64 tokens, 8 lines]
 _ROPE_AT = gl.constexpr(528)  # byte of an FP8 latent cache row where its bf16 rope values start
-# mbarriers: tile X landed (2), m_A, m_B, P_A, P_B published, tile X free of warpgroup w (at 2X + w), the row sums
-# published
-_READY, _M_A, _M_B, _P, _FREE, _DONE = (gl.constexpr(i) for i in (0, 2, 3, 4, 6, 10))
-_NUM_BARS = gl.constexpr(11)
+# mbarriers: tile X landed (2), m_A, m_B, P_A, P_B published, tile X free (2), the row sums published
+_READY, _M_A, _M_B, _P, _FREE, _DONE = (gl.constexpr(i) for i in (0, 2, 3, 4, 6, 8))
+_NUM_BARS = gl.constexpr(9)
 
 
 def seesaw_meta(fwd_meta: dict) -> dict:
@@ -180,7 +178,7 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
             acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
             acc = warpgroup_mma(k_rope.index(z), k_nope.index(z).slice(0, HALF, dim=1), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
-            _publish(bars, _FREE + WG)
+            _publish(bars, _FREE)
             mbarrier.wait(bars.index(_M_B), ph)  # then O_0 and l_0 *= exp2(m_A - m_B)
             m_b = m_x.index(1).load(S_ROWS)
             beta = gl.exp2(m_new - gl.where(m_b == float("-inf"), 0.0, m_b))
@@ -198,7 +196,7 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
             fence_async_shared()
             _publish(bars, _P + 1)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
-            _publish(bars, _FREE + WG)
+            _publish(bars, _FREE)
             m_b = m_new
             beta = gl.exp2(m_in - m_ref)  # O_1 *= exp2(m_A - m_B)
         acc = acc * gl.convert_layout(beta, O_ROWS)[:, None]
@@ -207,15 +205,13 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
         # (that reads B), B after warpgroup 1's PV_B
         if WG == 0 and not FED:
             mbarrier.wait(bars.index(_FREE), ph)
-            mbarrier.wait(bars.index(_FREE + 1), ph)
             if i + 1 < n_pairs:
                 _gather_own(own_n, own_r, kv_ptr, idx_row, start + 2 * BLOCK_N, hi, num_slots, s_kv, bars, WG)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        _publish(bars, _FREE + 2 + WG)
+        _publish(bars, _FREE + 1)
         if WG == 1 and not FED:
             if i + 1 < n_pairs:
-                mbarrier.wait(bars.index(_FREE + 2), ph)
-                mbarrier.wait(bars.index(_FREE + 3), ph)
+                mbarrier.wait(bars.index(_FREE + 1), ph)
                 _gather_own(own_n, own_r, kv_ptr, idx_row, start + 2 * BLOCK_N, hi, num_slots, s_kv, bars, WG)
         m_run = m_b
 
@@ -267,14 +263,13 @@ def _staged(idx, num_slots, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _load_chunk(kv_ptr, idx, num_slots, s_kv, h: gl.constexpr):
-    """Half ``h`` (values ``[256h, 256h + 256)``) of the e4m3 bytes as ``int32[16, 2, 32]`` words (token, group of
-    128 values, 4 values a word, the first in the low byte) of the FP8 latent cache rows (``s_kv`` bytes apart from
-    ``kv_ptr``) of the 16 tokens whose slots are staged in ``idx``, in ``_CHUNK_WORDS``: 16-byte loads, zeros for
-    invalid slots (not read)."""
+def _load_chunk(kv_ptr, idx, num_slots, s_kv):
+    """The e4m3 bytes as ``int32[16, 4, 32]`` words (token, group of 128 values, 4 values a word, the first in the
+    low byte) of the FP8 latent cache rows (``s_kv`` bytes apart from ``kv_ptr``) of the 16 tokens whose slots are
+    staged in ``idx`` in ``_CHUNK_WORDS``: 16-byte loads, zeros for invalid slots (not read)."""
     slot, ok = _staged(idx, num_slots, gl.SliceLayout(1, _CHUNK_SCALES))
     rows = (kv_ptr + slot.to(gl.int64) * s_kv).to(gl.pointer_type(gl.int32))
-    groups = 2 * h + gl.arange(0, 2, layout=gl.SliceLayout(0, _CHUNK_SCALES))
+    groups = gl.arange(0, 4, layout=gl.SliceLayout(0, _CHUNK_SCALES))
     words = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _CHUNK_WORDS)))
     ptrs = rows[:, None, None] + (groups * 32)[None, :, None] + words[None, None, :]
     return gl.load(ptrs, mask=ok[:, None, None], other=0)
@@ -320,14 +315,13 @@ def _copy_scales(scales, kv_ptr, idx, num_slots, s_kv):
 
 
 @gluon.jit
-def _dequantize_chunk(nope, scales, words, c: gl.constexpr, h: gl.constexpr):
-    """Chunk ``c`` of half ``h`` of a tile: ``nope[16c:16c + 16, 256h:256h + 256]`` = the e4m3 ``words``
-    (:func:`_load_chunk`'s) times their scales (``scales[64, 4]``: the tile's) in bf16."""
-    scale = scales.slice(c * _CHUNK, _CHUNK, dim=0).slice(2 * h, 2, dim=1).load(_CHUNK_SCALES)
+def _dequantize_chunk(nope, scales, words, c: gl.constexpr):
+    """Chunk ``c`` of a tile: ``nope[16c:16c + 16, :]`` = the e4m3 ``words`` (:func:`_load_chunk`'s) times their
+    scales (``scales[64, 4]``: the tile's) in bf16."""
+    scale = scales.slice(c * _CHUNK, _CHUNK, dim=0).load(_CHUNK_SCALES)
     v0, v1, v2, v3 = _e4m3x4_to_bf16(words, scale[:, :, None])
-    x = gl.join(gl.join(v0, v2), gl.join(v1, v3))  # [16, 2, 32, 2, 2]: [..., k, m] = v(2k + m), value 4 word + 2k + m
-    HALF: gl.constexpr = nope.shape[1] // 2
-    nope.slice(c * _CHUNK, _CHUNK, dim=0).slice(h * HALF, HALF, dim=1).store(gl.reshape(x, [_CHUNK, HALF]))
+    x = gl.join(gl.join(v0, v2), gl.join(v1, v3))  # [16, 4, 32, 2, 2]: [..., k, m] = v(2k + m), value 4 word + 2k + m
+    nope.slice(c * _CHUNK, _CHUNK, dim=0).store(gl.reshape(x, [_CHUNK, nope.shape[1]]))
 
 
 @gluon.jit
@@ -343,55 +337,41 @@ def _prefetch_tile(kv_ptr, idx, num_slots, s_kv):
 
 
 @gluon.jit
-def _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv, t, a0, a1, a2, a3,
-                  b0, b1):
+def _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv, t, x0, x1, x2):
     """Tile t (tokens ``[lo + 64t, lo + 64t + 64)``; X = t % 2 of pair t // 2) into ``k_nope[X]``, ``k_rope[X]``,
-    arriving on ``ready[X]``: ``a0 .. a3`` hold its half 0's e4m3 words and ``b0, b1`` its half 1's of the first 32
-    tokens (:func:`_load_chunk`), ``k_scale[X]`` its scales (in flight), ``k_idx[X]`` / ``k_idx[1 - X]`` the slots of
-    tiles t and t + 1 (then ``k_idx[X]`` those of t + 2). Half w of the values is written once math warpgroup w is
-    done with tile X's (``free[X, w]``), the rope part once both are (it holds ``P_X``). Returns the next tile's
-    chunks (loaded as the chunks are dequantized). ``X`` stays a runtime value: unrolled, the two tiles' code
-    spills."""
+    arriving on ``ready[X]``: ``x0, x1, x2`` hold its first 48 tokens' e4m3 words (:func:`_load_chunk`),
+    ``k_scale[X]`` its scales (in flight), ``k_idx[X]`` / ``k_idx[1 - X]`` the slots of tiles t and t + 1 (then
+    ``k_idx[X]`` those of t + 2). Returns the next tile's first three chunks (loaded as the chunks are dequantized).
+    ``X`` stays a runtime value: unrolled, the two tiles' code spills."""
     X = t % 2
     nope, rope, scales = k_nope.index(X), k_rope.index(X), k_scale.index(X)
     cur, nxt = k_idx.index(X), k_idx.index(1 - X)
-    _prefetch_tile(kv_ptr, nxt, num_slots, s_kv)  # the next tile's loads after its free waits: L2 hits
+    _prefetch_tile(kv_ptr, nxt, num_slots, s_kv)  # the next tile's loads after its free wait: L2 hits
     # the next tile's scales: everyone read that buffer (the previous tile) before its ready arrive
     _copy_scales(k_scale.index(1 - X), kv_ptr, nxt, num_slots, s_kv)
     after = _slot_row(idx_row, lo + (t + 2) * 4 * _CHUNK, hi)  # staged once this tile is done with cur
     slot, ok = _staged(cur, num_slots, gl.SliceLayout(1, _ROPE_COPY))
-    phase = (t // 2 - 1) & 1
-    if t >= 2:  # pair t // 2 - 1: math warpgroup 0 is done with tile X's half 0
-        mbarrier.wait(bars.index(_FREE + 2 * X), phase)
-    async_copy.wait_group(1)  # q and this tile's scales (every group before the last)
-    gl.thread_barrier()  # everyone's scale copies
-    _dequantize_chunk(nope, scales, a0, 0, 0)
-    b2 = _load_chunk(kv_ptr, cur.slice(2 * _CHUNK, _CHUNK), num_slots, s_kv, 1)
-    _dequantize_chunk(nope, scales, a1, 1, 0)
-    b3 = _load_chunk(kv_ptr, cur.slice(3 * _CHUNK, _CHUNK), num_slots, s_kv, 1)
-    _dequantize_chunk(nope, scales, a2, 2, 0)
-    a0 = _load_chunk(kv_ptr, nxt.slice(0, _CHUNK), num_slots, s_kv, 0)
-    _dequantize_chunk(nope, scales, a3, 3, 0)
-    a1 = _load_chunk(kv_ptr, nxt.slice(_CHUNK, _CHUNK), num_slots, s_kv, 0)
-    if t >= 2:  # and math warpgroup 1 with half 1 (so both with P_X in the rope part)
-        mbarrier.wait(bars.index(_FREE + 2 * X + 1), phase)
+    if t >= 2:  # pair t // 2 - 1 is done with tile X (its V and its P in the rope part)
+        mbarrier.wait(bars.index(_FREE + X), (t // 2 - 1) & 1)
     rows = (kv_ptr + slot.to(gl.int64) * s_kv + _ROPE_AT).to(gl.pointer_type(rope.dtype))
     _copy_rows(rope, rows, ok, rope.shape[1], _ROPE_COPY)
     async_copy.commit_group()
-    _dequantize_chunk(nope, scales, b0, 0, 1)
-    a2 = _load_chunk(kv_ptr, nxt.slice(2 * _CHUNK, _CHUNK), num_slots, s_kv, 0)
-    _dequantize_chunk(nope, scales, b1, 1, 1)
-    a3 = _load_chunk(kv_ptr, nxt.slice(3 * _CHUNK, _CHUNK), num_slots, s_kv, 0)
-    _dequantize_chunk(nope, scales, b2, 2, 1)
-    b0 = _load_chunk(kv_ptr, nxt.slice(0, _CHUNK), num_slots, s_kv, 1)
-    _dequantize_chunk(nope, scales, b3, 3, 1)
-    b1 = _load_chunk(kv_ptr, nxt.slice(_CHUNK, _CHUNK), num_slots, s_kv, 1)
+    async_copy.wait_group(2)  # q and this tile's scales (every group before the last two)
+    gl.thread_barrier()  # everyone's scale copies
+    _dequantize_chunk(nope, scales, x0, 0)
+    x3 = _load_chunk(kv_ptr, cur.slice(3 * _CHUNK, _CHUNK), num_slots, s_kv)
+    _dequantize_chunk(nope, scales, x1, 1)
+    x0 = _load_chunk(kv_ptr, nxt.slice(0, _CHUNK), num_slots, s_kv)
+    _dequantize_chunk(nope, scales, x2, 2)
+    x1 = _load_chunk(kv_ptr, nxt.slice(_CHUNK, _CHUNK), num_slots, s_kv)
+    _dequantize_chunk(nope, scales, x3, 3)
+    x2 = _load_chunk(kv_ptr, nxt.slice(2 * _CHUNK, _CHUNK), num_slots, s_kv)
     gl.thread_barrier()  # everyone's reads of cur
     cur.store(after)
     async_copy.wait_group(0)  # the rope values (and the next tile's scales)
     fence_async_shared()  # the generic-proxy stores and copies, before the wgmma reads
     mbarrier.arrive(bars.index(_READY + X))  # after a barrier of the 128
-    return a0, a1, a2, a3, b0, b1
+    return x0, x1, x2
 
 
 @gluon.jit
@@ -400,9 +380,9 @@ def _produce(q_nope, q_rope, k_nope, k_rope, k_scale, k_idx, bars, q_ptr, H, s_q
     """The producer warpgroup over the FP8 latent cache (``kv_ptr``: uint8 rows of ``s_kv`` bytes): q (as
     :func:`_gather_q`), then tiles A and B of the tokens ``[lo, hi)`` for every pair (:func:`_produce_tile`; tokens
     past ``hi`` or invalid slots: zero rows), arriving on ``ready[X]`` once a tile (q with the first A). A tile's
-    slots are staged in ``k_idx`` (``[2, 64]`` int32) two tiles ahead, its half 0's e4m3 bytes and half 1's of 32
-    tokens are in registers since the previous tile, its scales in ``k_scale[X]`` (``[2, 64, 4]`` fp32, cp.async)
-    since the previous tile's start; the rest once the math warpgroups are done with tile X."""
+    slots are staged in ``k_idx`` (``[2, 64]`` int32) two tiles ahead, its first 48 tokens' e4m3 bytes are in
+    registers since the previous tile, its scales in ``k_scale[X]`` (``[2, 64, 4]`` fp32, cp.async) since the
+    previous tile's start; the rest once both math warpgroups are done with tile X."""
     n_pairs = gl.cdiv(hi - lo, 8 * _CHUNK)  # <= 0 for an empty split
     if n_pairs > 0:
         _gather_q(q_nope, q_rope, q_ptr, H, s_qs, s_qh, M, row0)
@@ -412,15 +392,12 @@ def _produce(q_nope, q_rope, k_nope, k_rope, k_scale, k_idx, bars, q_ptr, H, s_q
     gl.thread_barrier()
     first = k_idx.index(0)
     _copy_scales(k_scale.index(0), kv_ptr, first, num_slots, s_kv)
-    a0 = _load_chunk(kv_ptr, first.slice(0, _CHUNK), num_slots, s_kv, 0)
-    a1 = _load_chunk(kv_ptr, first.slice(_CHUNK, _CHUNK), num_slots, s_kv, 0)
-    a2 = _load_chunk(kv_ptr, first.slice(2 * _CHUNK, _CHUNK), num_slots, s_kv, 0)
-    a3 = _load_chunk(kv_ptr, first.slice(3 * _CHUNK, _CHUNK), num_slots, s_kv, 0)
-    b0 = _load_chunk(kv_ptr, first.slice(0, _CHUNK), num_slots, s_kv, 1)
-    b1 = _load_chunk(kv_ptr, first.slice(_CHUNK, _CHUNK), num_slots, s_kv, 1)
+    x0 = _load_chunk(kv_ptr, first.slice(0, _CHUNK), num_slots, s_kv)
+    x1 = _load_chunk(kv_ptr, first.slice(_CHUNK, _CHUNK), num_slots, s_kv)
+    x2 = _load_chunk(kv_ptr, first.slice(2 * _CHUNK, _CHUNK), num_slots, s_kv)
     for t in range(2 * n_pairs):
-        a0, a1, a2, a3, b0, b1 = _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi,
-                                               num_slots, s_kv, t, a0, a1, a2, a3, b0, b1)
+        x0, x1, x2 = _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv,
+                                   t, x0, x1, x2)
     async_copy.wait_group(0)  # an empty split's (zero-filling) scale copies
 
 
@@ -462,7 +439,7 @@ def _sparse_attention_fwd_seesaw(
     for b in gl.static_range(_NUM_BARS):
         # tiles: the cp.async arrive of each thread of the gathering warpgroup (FP8: one arrive of the producer); the
         # rest: one arrive (its first thread, after a barrier of the warpgroup) of one warpgroup, or of both
-        mbarrier.init(bars.index(b), count=(1 if KV_FP8 else 128) if b < _M_A else (2 if b == _DONE else 1))
+        mbarrier.init(bars.index(b), count=(1 if KV_FP8 else 128) if b < _M_A else (2 if b >= _FREE else 1))
 
     row0 = hb * BLOCK_H
     lo = split * tokens_per_split
