@@ -32,13 +32,16 @@ pair. mbarriers carry every exchange between the warpgroups (no CTA-wide barrier
 FP8 latent cache (656 bytes a token: 512 e4m3, 4 fp32 scales, 64 bf16 rope; :mod:`.cache_reference`): a third
 warpgroup, the producer (:func:`_produce`), gathers q and every tile; the math warpgroups run the same code without
 their gathers (they wait on ``ready`` only, arrived once a tile by the producer). Registers a thread: 208 for each
-math warpgroup, 88 for the producer (the pool of 3 x 168; at 80 the producer spills more). The producer holds the
-next tile's first 48 tokens' e4m3 bytes in registers (3 chunks of 16 tokens, 16 registers each, 16-byte loads) while
-it waits for ``free[X]``, and its scales in a small buffer of their own (``[2, 64, 4]`` fp32, cp.async a tile ahead);
-once tile X is free it copies its rope values (cp.async, 8 KB), dequantizes chunk after chunk into ``k_nope[X]``
-(e4m3 -> bf16 by bit operations, times the scale in bf16x2: exact for the power-of-two scales), loading the last
-chunk and then the next tile's chunks into the registers each frees, and arrives on ``ready[X]`` after a proxy
-fence. Shared memory: 224576 bytes.
+math warpgroup, 88 for the producer (the pool of 3 x 168; at 80 the producer spills more). The producer stages each
+tile's slots in shared memory two tiles ahead (``k_idx``: one global load serves every use; loaded where used, each
+cost a round trip in series), prefetches the next tile's rows to L2 as a tile starts, holds the next tile's first
+48 tokens' e4m3 bytes in registers (3 chunks of 16 tokens, 16 registers each, 16-byte loads) while it waits for
+``free[X]``, and its scales in a small buffer of their own (``[2, 64, 4]`` fp32, cp.async a tile ahead); once tile X
+is free it copies its rope values (cp.async, 8 KB), dequantizes chunk after chunk into ``k_nope[X]`` (e4m3 -> bf16
+by bit operations, times the scale in bf16x2: exact for the cache's power-of-two scales), loading the last chunk and
+then the next tile's chunks into the registers each frees, and arrives on ``ready[X]`` after a proxy fence. Shared
+memory: 225104 bytes. On the H200 at decode B=64 (k = 2048) this form takes 120.9 us against the two-warpgroup
+kernel's 139.6; the bf16 one 90.0 (scripts/gluon_attention.py).
 """
 from __future__ import annotations
 
