@@ -95,10 +95,12 @@ def runner(kernel: str, q, kv, slots, config: dict, variant: dict | None = None)
     from dsa_triton.attention import sparse_attention_seesaw as seesaw
 
     launch = sak.AttentionLaunch(D, DV, slots.shape[1], 1, q.dtype, kv.dtype == torch.uint8, config)
-    own = {"triton": None, "gluon": (g._sparse_attention_fwd_gluon, {**launch.gluon_meta, **(variant or {})}),
-           "seesaw": (seesaw._sparse_attention_fwd_seesaw, launch.fwd_meta)}[kernel]
     if kernel == "seesaw":
-        own = (own[0], seesaw.seesaw_meta(own[1]))
+        own = (seesaw._sparse_attention_fwd_seesaw, seesaw.seesaw_meta(launch.fwd_meta))
+    elif kernel == "gluon":
+        own = (g._sparse_attention_fwd_gluon, {**launch.gluon_meta, **(variant or {})})
+    else:  # Triton's
+        own = None
     return lambda: sak.sparse_attention_fwd(q, kv, slots, D ** -0.5, launch, kernel=own)
 
 
