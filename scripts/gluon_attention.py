@@ -98,7 +98,8 @@ def runner(kernel: str, q, kv, slots, config: dict, variant: dict | None = None)
     if kernel == "seesaw":
         own = (seesaw._sparse_attention_fwd_seesaw, seesaw.seesaw_meta(launch.fwd_meta))
     elif kernel == "gluon":
-        own = (g._sparse_attention_fwd_gluon, {**launch.gluon_meta, **(variant or {})})
+        meta = g.gluon_meta(launch.fwd_meta, launch.tokens_per_split // launch.block_n)
+        own = (g._sparse_attention_fwd_gluon, {**meta, **(variant or {})})
     else:  # Triton's
         own = None
     return lambda: sak.sparse_attention_fwd(q, kv, slots, D ** -0.5, launch, kernel=own)

@@ -123,7 +123,8 @@ def _attend(plan: "_Plan", q4: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor
         _check_index_range(idx, block_table, plan.bt_div, kv.shape[0], plan.page_size)
     if block_table is not None:
         idx = logical_to_slots(idx, block_table, plan.bt_div, kv.shape[0] // plan.page_size, plan.launch)
-    out, lse = sparse_attention_fwd(q4, kv, idx, float(sm_scale), plan.launch, plan.gluon and gluon_aligned(q4, kv))
+    gluon = plan.launch.gluon_kernel if plan.gluon and gluon_aligned(q4, kv) else None
+    out, lse = sparse_attention_fwd(q4, kv, idx, float(sm_scale), plan.launch, gluon)
     return (out, lse) if plan.out_shape is None else (out.view(plan.out_shape), lse.view(plan.out_shape[:-1]))
 
 

@@ -151,11 +151,17 @@ def _any_flag(flags):
 
 
 @gluon.jit
+def _valid(slot, num_slots):
+    """Whether each slot names a cache row (a negative one or one past the cache is skipped)."""
+    return (slot >= 0) & (slot < num_slots)
+
+
+@gluon.jit
 def _slots(idx_row, start, hi, num_slots, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
     """Slots of tokens ``[start, start + BLOCK_N)`` (-1 from ``hi`` on) in ``LAYOUT`` and whether each is valid."""
     offs = start + gl.arange(0, BLOCK_N, layout=LAYOUT)
     slot = gl.load(idx_row + offs, mask=offs < hi, other=-1)
-    return slot, (slot >= 0) & (slot < num_slots)
+    return slot, _valid(slot, num_slots)
 
 
 @gluon.jit

@@ -37,7 +37,6 @@ from ..hostmath import cdiv, next_pow2
 from ..launch import launch_with
 from ..runtime import interpreting
 from .cache_reference import LATENT_GROUP
-from .sparse_attention_gluon import gluon_meta
 from .sparse_attention_seesaw import _sparse_attention_fwd_seesaw, seesaw_meta
 
 LOG2E = 1.4426950408889634
@@ -230,10 +229,7 @@ class AttentionLaunch:
             DOT_FP32=q_dtype == torch.bfloat16 and interpreting(),
             num_warps=config["num_warps"], num_stages=config["num_stages"], **fp8)
         self.tokens_per_split = cdiv(cdiv(k, self.num_splits), self.block_n) * self.block_n
-        # where a Gluon kernel applies: the seesaw (over either cache); the two-warpgroup kernel's keywords kept for
-        # scripts/gluon_attention.py, which times it beside the seesaw
-        self.gluon_kernel = (_sparse_attention_fwd_seesaw, seesaw_meta(self.fwd_meta))
-        self.gluon_meta = gluon_meta(self.fwd_meta, self.tokens_per_split // self.block_n)
+        self.gluon_kernel = (_sparse_attention_fwd_seesaw, seesaw_meta(self.fwd_meta))  # where a Gluon kernel applies
         self.block_c = self.combine_meta = None
         if self.num_splits > 1:
             block_s = next_pow2(self.num_splits)
@@ -256,15 +252,13 @@ def logical_to_slots(indices: torch.Tensor, block_table: torch.Tensor, bt_div: i
 
 
 def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sm_scale: float,
-                         launch: AttentionLaunch, gluon: bool = False,
-                         kernel: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         launch: AttentionLaunch, kernel: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked arguments. ``q[R, S, H, D]`` (the S tokens share index row r), ``kv[num_slots, D]``
     (row stride free, last dim contiguous) or uint8 FP8 latent cache rows ``kv[num_slots, bytes]`` (latent
     width ``d_v``), ``slots[R, k]`` (negative or >= num_slots: skipped) -> ``out[R, S, H, d_v]`` in q's dtype,
-    ``lse[R, S, H]`` fp32; ``d_v``, the config and the constexprs from ``launch``. ``gluon``: ``launch.gluon_kernel``
-    (the same contract; only where it applies): the seesaw kernel of :mod:`.sparse_attention_seesaw`. ``kernel``:
-    ``(kernel, meta)`` launched in place of either (the same arguments and outputs, e.g. the two-warpgroup kernel
-    of :mod:`.sparse_attention_gluon`)."""
+    ``lse[R, S, H]`` fp32; ``d_v``, the config and the constexprs from ``launch``. ``kernel``: ``(kernel, meta)``
+    launched in place of the Triton kernel, with the same arguments and outputs (``launch.gluon_kernel``, where it
+    applies; the script's others, e.g. the two-warpgroup kernel of :mod:`.sparse_attention_gluon`)."""
     R, S, H = q.shape[:3]
     M, k = S * H, slots.shape[1]
     d_v, num_splits = launch.d_v, launch.num_splits
@@ -279,9 +273,7 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
     else:
         part_out, part_lse = out, lse
     grid = (R * num_splits * cdiv(M, launch.block_h),)
-    if kernel is None:
-        kernel = launch.gluon_kernel if gluon else (_sparse_attention_fwd, launch.fwd_meta)
-    kernel, meta = kernel
+    kernel, meta = kernel or (_sparse_attention_fwd, launch.fwd_meta)
     launch_with(
         kernel, grid, meta,
         q, kv, slots, part_out, part_lse,

@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .sparse_attention_gluon import _copy_rows, _gather, _slots
+from .sparse_attention_gluon import _copy_rows, _gather, _slots, _valid
 
 SEESAW_WORKER_REGS = gl.constexpr(240)  # setmaxnreg of the worker warpgroup (the default one: 256)
 # FP8 cache: setmaxnreg of the second math warpgroup and of the producer; the first math warpgroup gets the rest of
@@ -250,19 +250,11 @@ def _seesaw_wg1(q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars, q_ptr, H, s_qs, 
 
 
 @gluon.jit
-def _slot_row(idx_row, start, hi):
-    """The slots of the tokens ``[start, start + 64)`` of ``idx_row`` (-1 from ``hi`` on), int32[64] in ``_IDX``: one
-    global load, staged into the producer's ``k_idx`` once its use is due."""
-    offs = start + gl.arange(0, 64, layout=_IDX)
-    return gl.load(idx_row + offs, mask=offs < hi, other=-1)
-
-
-@gluon.jit
 def _staged(idx, num_slots, LAYOUT: gl.constexpr):
     """Slots staged in shared memory (``idx``: an int32[n] view, -1 past the split) in ``LAYOUT`` and whether each is
     valid (a shared load, where :func:`_slots` waits for a global one)."""
     slot = idx.load(LAYOUT)
-    return slot, (slot >= 0) & (slot < num_slots)
+    return slot, _valid(slot, num_slots)
 
 
 @gluon.jit
@@ -352,7 +344,8 @@ def _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi,
     _prefetch_tile(kv_ptr, nxt, num_slots, s_kv)  # the next tile's loads after its free wait: L2 hits
     # the next tile's scales: everyone read that buffer (the previous tile) before its ready arrive
     _copy_scales(k_scale.index(1 - X), kv_ptr, nxt, num_slots, s_kv)
-    after = _slot_row(idx_row, lo + (t + 2) * 4 * _CHUNK, hi)  # staged once this tile is done with cur
+    # the slots of tile t + 2, staged once this tile is done with cur
+    after, _ = _slots(idx_row, lo + (t + 2) * 4 * _CHUNK, hi, num_slots, 64, _IDX)
     slot, ok = _staged(cur, num_slots, gl.SliceLayout(1, _ROPE_COPY))
     if t >= 2:  # pair t // 2 - 1 is done with tile X (its V and its P in the rope part)
         mbarrier.wait(bars.index(_FREE + X), (t // 2 - 1) & 1)
@@ -390,8 +383,9 @@ def _produce(q_nope, q_rope, k_nope, k_rope, k_scale, k_idx, bars, q_ptr, H, s_q
     if n_pairs > 0:
         _gather_q(q_nope, q_rope, q_ptr, H, s_qs, s_qh, M, row0)
         async_copy.commit_group()
-    k_idx.index(0).store(_slot_row(idx_row, lo, hi))
-    k_idx.index(1).store(_slot_row(idx_row, lo + 4 * _CHUNK, hi))
+    for X in gl.static_range(2):  # the slots of tiles 0 and 1 (-1 past the split)
+        slot, _ = _slots(idx_row, lo + X * 4 * _CHUNK, hi, num_slots, 64, _IDX)
+        k_idx.index(X).store(slot)
     gl.thread_barrier()
     first = k_idx.index(0)
     _copy_scales(k_scale.index(0), kv_ptr, first, num_slots, s_kv)
