@@ -20,7 +20,8 @@ runs). ``--variants``: a JSON list of dicts laid over the Gluon kernel's constex
 e.g. ``[{"MAX_XCHG": 0}]``), each checked like the default and timed beside it at every timing row (``vs default``:
 the default's time over its). ``--kernels gluon,seesaw``: the seesaw kernel
 (:mod:`dsa_triton.attention.sparse_attention_seesaw`, over either cache) checked and timed beside the Gluon one too
-(``vs default``: the Gluon default's time over its).
+(``vs default``: the Gluon default's time over its); ``seesaw:MODULE`` an alternative source of the seesaw kernel
+(an importable module with its interface, e.g. an experiment's), checked and timed the same way.
 """
 from __future__ import annotations
 
@@ -88,14 +89,14 @@ def config_for(kernel: str, R: int, H: int, k: int, num_splits: int | None = Non
 
 
 def runner(kernel: str, q, kv, slots, config: dict, variant: dict | None = None):
-    """A call of ``sparse_attention_fwd`` with the ``kernel`` ("triton", "gluon" or "seesaw") at ``config`` (a
+    """A call of ``sparse_attention_fwd`` with the ``kernel`` ("triton", "gluon" or a seesaw's) at ``config`` (a
     uint8 ``kv``: the FP8 latent cache), ``variant``: constexprs laid over the Gluon launch's."""
     from dsa_triton.attention import sparse_attention_gluon as g
     from dsa_triton.attention import sparse_attention_kernels as sak
-    from dsa_triton.attention import sparse_attention_seesaw as seesaw
 
     launch = sak.AttentionLaunch(D, DV, slots.shape[1], 1, q.dtype, kv.dtype == torch.uint8, config)
-    if kernel == "seesaw":
+    if kernel.startswith("seesaw"):
+        seesaw = seesaw_module(kernel)
         own = (seesaw._sparse_attention_fwd_seesaw, seesaw.seesaw_meta(launch.fwd_meta))
     elif kernel == "gluon":
         meta = g.gluon_meta(launch.fwd_meta, launch.tokens_per_split // launch.block_n)
@@ -103,6 +104,14 @@ def runner(kernel: str, q, kv, slots, config: dict, variant: dict | None = None)
     else:  # Triton's
         own = None
     return lambda: sak.sparse_attention_fwd(q, kv, slots, D ** -0.5, launch, kernel=own)
+
+
+def seesaw_module(kernel: str):
+    """The module of the seesaw ``kernel``: "seesaw", the package's; "seesaw:MODULE", the importable module MODULE
+    (an alternative source of it with the same interface, e.g. an experiment's)."""
+    import importlib
+
+    return importlib.import_module(kernel.partition(":")[2] or "dsa_triton.attention.sparse_attention_seesaw")
 
 
 def kernels_of(variants: list[dict], extra: tuple = ()) -> list[tuple[str, dict]]:
@@ -228,7 +237,7 @@ def print_table(mm_rate: float, timings: list[dict]) -> None:
     print(f"{'kernel':7s} {'cache':5s} {'R':>3s} {'splits':>6s} {'us':>8s} {'TFLOP/s':>8s} {'of mm':>6s} "
           f"{'vs triton':>9s} {'B/token':>7s} {'GB/s':>6s} {'vs default':>10s} variant")
     for r in timings:
-        head = f"{r['kernel']:7s} {r['cache']:5s} {r['R']:3d} {r['config']['num_splits']:6d}"
+        head = f"{r['kernel'].rpartition('.')[2]:7s} {r['cache']:5s} {r['R']:3d} {r['config']['num_splits']:6d}"
         variant = json.dumps(r["variant"]) if r["variant"] else ""
         if "us" in r:
             speedup = f"{r['speedup_vs_triton']:.2f}x" if r["speedup_vs_triton"] else "-"
@@ -248,15 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 8, 1],
                         help="index rows of the timing rows (128 heads each; 4096: the prefill bench row's T)")
     parser.add_argument("--kernels", default="gluon",
-                        help="comma-separated: gluon (always) and seesaw, checked and timed")
+                        help="comma-separated: gluon (always), seesaw, seesaw:MODULE (an alternative source of the "
+                             "seesaw kernel), checked and timed")
     parser.add_argument("--checks-only", action="store_true",
                         help="the checks alone (no mm rate, no timings: e.g. under compute-sanitizer)")
     args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "scripts/gluon_attention.py needs a GPU"
 
     caches = ("bf16", "fp8") if args.only == "all" else (args.only,)
-    extra = tuple(k for k in args.kernels.split(",") if k == "seesaw")
-    assert set(args.kernels.split(",")) <= {"gluon", "seesaw"}, args.kernels
+    extra = tuple(k for k in args.kernels.split(",") if k.startswith("seesaw"))
+    assert all(k == "gluon" or k == "seesaw" or k.startswith("seesaw:") for k in args.kernels.split(",")), args.kernels
     checks = {cache: check_rows(cache, args.variants, extra) for cache in caches}
     mm_rate = None if args.checks_only else mm_tflops()
     timings = []
