@@ -31,17 +31,18 @@ pair. mbarriers carry every exchange between the warpgroups (no CTA-wide barrier
 
 FP8 latent cache (656 bytes a token: 512 e4m3, 4 fp32 scales, 64 bf16 rope; :mod:`.cache_reference`): a third
 warpgroup, the producer (:func:`_produce`), gathers q and every tile; the math warpgroups run the same code without
-their gathers (they wait on ``ready`` only, arrived once a tile by the producer). Registers a thread: 208 for each
-math warpgroup, 88 for the producer (the pool of 3 x 168; at 80 the producer spills more). The producer stages each
-tile's slots in shared memory two tiles ahead (``k_idx``: one global load serves every use; loaded where used, each
-cost a round trip in series), prefetches the next tile's rows to L2 as a tile starts, holds the next tile's first
-48 tokens' e4m3 bytes in registers (3 chunks of 16 tokens, 16 registers each, 16-byte loads) while it waits for
-``free[X]``, and its scales in a small buffer of their own (``[2, 64, 4]`` fp32, cp.async a tile ahead); once tile X
-is free it copies its rope values (cp.async, 8 KB), dequantizes chunk after chunk into ``k_nope[X]`` (e4m3 -> bf16
-by bit operations, times the scale in bf16x2: exact for the cache's power-of-two scales), loading the last chunk and
-then the next tile's chunks into the registers each frees, and arrives on ``ready[X]`` after a proxy fence. Shared
-memory: 225104 bytes. On the H200 at decode B=64 (k = 2048) this form takes 120.9 us against the two-warpgroup
-kernel's 139.6; the bf16 one 90.0 (scripts/gluon_attention.py).
+their gathers (they wait on ``ready`` only, arrived once a tile by the producer), except that warpgroup 1 runs its
+``P_A @ V_A`` before it waits for tile B, so tile A is free before B lands and the producer, the slower side, does
+not wait for ``free``. Registers a thread: 200 for each math warpgroup, 104 for the producer (the pool of 3 x 168).
+The producer stages each tile's slots in shared memory two tiles ahead (``k_idx``: one global load serves every
+use; loaded where used, each cost a round trip in series), prefetches the next tile's rows to L2 as a tile starts,
+holds the next tile's e4m3 bytes in registers (4 chunks of 16 tokens, 16 registers each, 16-byte loads) while it
+waits for ``free[X]``, and its scales in a small buffer of their own (``[2, 64, 4]`` fp32, cp.async a tile ahead);
+once tile X is free it copies its rope values (cp.async, 8 KB), dequantizes chunk after chunk into ``k_nope[X]``
+(e4m3 -> bf16 by bit operations, times the scale in bf16x2: exact for the cache's power-of-two scales), loading the
+next tile's chunk into the registers each frees, and arrives on ``ready[X]`` after a proxy fence. Shared memory:
+225104 bytes. On the H200 at decode B=64 (k = 2048) this form takes 109.7 us against the two-warpgroup kernel's
+139.4; the bf16 one 90.0 (scripts/gluon_attention.py).
 """
 from __future__ import annotations
 
@@ -55,9 +56,9 @@ from .sparse_attention_gluon import _copy_rows, _gather, _slots, _valid
 
 SEESAW_WORKER_REGS = gl.constexpr(240)  # setmaxnreg of the worker warpgroup (the default one: 256)
 # FP8 cache: setmaxnreg of the second math warpgroup and of the producer; the first math warpgroup gets the rest of
-# the pool of 3 x 168 (the launch's registers at 384 threads): 208 + 208 + 88
-SEESAW_FP8_MATH_REGS = gl.constexpr(208)
-SEESAW_PRODUCER_REGS = gl.constexpr(88)
+# the pool of 3 x 168 (the launch's registers at 384 threads): 200 + 200 + 104
+SEESAW_FP8_MATH_REGS = gl.constexpr(200)
+SEESAW_PRODUCER_REGS = gl.constexpr(104)
 _LN2 = gl.constexpr(0.6931471805599453)
 _XCHG = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 _GATHER = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # 16-byte bf16 copies, 16 rows a pass
@@ -155,6 +156,15 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
         z = i >> 30
         own_n, own_r = k_nope.index(WG + z), k_rope.index(WG + z)
         start = lo + (2 * i + WG) * BLOCK_N
+        if WG == 1 and FED:  # O_1 = O_1 * exp2(m_run - m_A) + P_A @ V_A[:, 256:] first: A is freed before B lands
+            mbarrier.wait(bars.index(_M_A), ph)
+            m_in = m_x.index(0).load(S_ROWS)
+            mbarrier.wait(bars.index(_P), ph)
+            fence_async_shared()
+            acc = acc * gl.convert_layout(gl.exp2(m_run - gl.where(m_in == float("-inf"), 0.0, m_in)), O_ROWS)[:, None]
+            acc = warpgroup_mma(k_rope.index(z), k_nope.index(z).slice(HALF, HALF, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            _publish(bars, _FREE)
         mbarrier.wait(bars.index(_READY + WG), ph)
         fence_async_shared()
         s = warpgroup_mma(q_nope.index(z), own_n.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -164,7 +174,7 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
         s = gl.where(cols_ok[None, :], s * qk_scale, float("-inf"))
         if WG == 0:
             m_in = m_run
-        else:  # m_A of this pair
+        elif not FED:  # m_A of this pair
             mbarrier.wait(bars.index(_M_A), ph)
             m_in = m_x.index(0).load(S_ROWS)
         m_new = gl.maximum(m_in, gl.max(s, 1))
@@ -189,17 +199,20 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
             mbarrier.wait(bars.index(_P + 1), ph)
             fence_async_shared()
         else:  # O_1 = O_1 * exp2(m_run - m_A) + P_A @ V_A[:, 256:] runs while P_B and l_1 are made
-            mbarrier.wait(bars.index(_P), ph)
-            fence_async_shared()
-            acc = acc * gl.convert_layout(gl.exp2(m_run - gl.where(m_in == float("-inf"), 0.0, m_in)), O_ROWS)[:, None]
-            acc = warpgroup_mma(k_rope.index(z), k_nope.index(z).slice(HALF, HALF, dim=1), acc, is_async=True)
+            if not FED:
+                mbarrier.wait(bars.index(_P), ph)
+                fence_async_shared()
+                acc = acc * gl.convert_layout(gl.exp2(m_run - gl.where(m_in == float("-inf"), 0.0, m_in)),
+                                              O_ROWS)[:, None]
+                acc = warpgroup_mma(k_rope.index(z), k_nope.index(z).slice(HALF, HALF, dim=1), acc, is_async=True)
             p = gl.exp2(s - m_ref[:, None])
             l_w = l_w * gl.exp2(m_run - m_ref) + gl.sum(p, 1)
             own_r.store(p.to(dtype))  # P_B over the rope part of tile B (its score MMA is done)
             fence_async_shared()
             _publish(bars, _P + 1)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            _publish(bars, _FREE)
+            if not FED:
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                _publish(bars, _FREE)
             m_b = m_new
             beta = gl.exp2(m_in - m_ref)  # O_1 *= exp2(m_A - m_B)
         acc = acc * gl.convert_layout(beta, O_ROWS)[:, None]
@@ -332,11 +345,11 @@ def _prefetch_tile(kv_ptr, idx, num_slots, s_kv):
 
 
 @gluon.jit
-def _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv, t, x0, x1, x2):
+def _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv, t, x0, x1, x2, x3):
     """Tile t (tokens ``[lo + 64t, lo + 64t + 64)``; X = t % 2 of pair t // 2) into ``k_nope[X]``, ``k_rope[X]``,
-    arriving on ``ready[X]``: ``x0, x1, x2`` hold its first 48 tokens' e4m3 words (:func:`_load_chunk`),
+    arriving on ``ready[X]``: ``x0, x1, x2, x3`` hold its e4m3 words (:func:`_load_chunk`, 16 tokens each),
     ``k_scale[X]`` its scales (in flight), ``k_idx[X]`` / ``k_idx[1 - X]`` the slots of tiles t and t + 1 (then
-    ``k_idx[X]`` those of t + 2). Returns the next tile's first three chunks (loaded as the chunks are dequantized).
+    ``k_idx[X]`` those of t + 2). Returns the next tile's four chunks (loaded as the chunks are dequantized).
     ``X`` stays a runtime value: unrolled, the two tiles' code spills."""
     X = t % 2
     nope, rope, scales = k_nope.index(X), k_rope.index(X), k_scale.index(X)
@@ -355,19 +368,19 @@ def _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi,
     async_copy.wait_group(2)  # q and this tile's scales (every group before the last two)
     gl.thread_barrier()  # everyone's scale copies
     _dequantize_chunk(nope, scales, x0, 0)
-    x3 = _load_chunk(kv_ptr, cur.slice(3 * _CHUNK, _CHUNK), num_slots, s_kv)
-    _dequantize_chunk(nope, scales, x1, 1)
     x0 = _load_chunk(kv_ptr, nxt.slice(0, _CHUNK), num_slots, s_kv)
-    _dequantize_chunk(nope, scales, x2, 2)
+    _dequantize_chunk(nope, scales, x1, 1)
     x1 = _load_chunk(kv_ptr, nxt.slice(_CHUNK, _CHUNK), num_slots, s_kv)
-    _dequantize_chunk(nope, scales, x3, 3)
+    _dequantize_chunk(nope, scales, x2, 2)
     x2 = _load_chunk(kv_ptr, nxt.slice(2 * _CHUNK, _CHUNK), num_slots, s_kv)
+    _dequantize_chunk(nope, scales, x3, 3)
+    x3 = _load_chunk(kv_ptr, nxt.slice(3 * _CHUNK, _CHUNK), num_slots, s_kv)
     gl.thread_barrier()  # everyone's reads of cur
     cur.store(after)
     async_copy.wait_group(0)  # the rope values (and the next tile's scales)
     fence_async_shared()  # the generic-proxy stores and copies, before the wgmma reads
     mbarrier.arrive(bars.index(_READY + X))  # after a barrier of the 128
-    return x0, x1, x2
+    return x0, x1, x2, x3
 
 
 @gluon.jit
@@ -376,7 +389,7 @@ def _produce(q_nope, q_rope, k_nope, k_rope, k_scale, k_idx, bars, q_ptr, H, s_q
     """The producer warpgroup over the FP8 latent cache (``kv_ptr``: uint8 rows of ``s_kv`` bytes): q (as
     :func:`_gather_q`), then tiles A and B of the tokens ``[lo, hi)`` for every pair (:func:`_produce_tile`; tokens
     past ``hi`` or invalid slots: zero rows), arriving on ``ready[X]`` once a tile (q with the first A). A tile's
-    slots are staged in ``k_idx`` (``[2, 64]`` int32) two tiles ahead, its first 48 tokens' e4m3 bytes are in
+    slots are staged in ``k_idx`` (``[2, 64]`` int32) two tiles ahead, its e4m3 bytes are in
     registers since the previous tile, its scales in ``k_scale[X]`` (``[2, 64, 4]`` fp32, cp.async) since the
     previous tile's start; the rest once both math warpgroups are done with tile X."""
     n_pairs = gl.cdiv(hi - lo, 8 * _CHUNK)  # <= 0 for an empty split
@@ -392,9 +405,10 @@ def _produce(q_nope, q_rope, k_nope, k_rope, k_scale, k_idx, bars, q_ptr, H, s_q
     x0 = _load_chunk(kv_ptr, first.slice(0, _CHUNK), num_slots, s_kv)
     x1 = _load_chunk(kv_ptr, first.slice(_CHUNK, _CHUNK), num_slots, s_kv)
     x2 = _load_chunk(kv_ptr, first.slice(2 * _CHUNK, _CHUNK), num_slots, s_kv)
+    x3 = _load_chunk(kv_ptr, first.slice(3 * _CHUNK, _CHUNK), num_slots, s_kv)
     for t in range(2 * n_pairs):
-        x0, x1, x2 = _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv,
-                                   t, x0, x1, x2)
+        x0, x1, x2, x3 = _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi, num_slots,
+                                       s_kv, t, x0, x1, x2, x3)
     async_copy.wait_group(0)  # an empty split's (zero-filling) scale copies
 
 
