@@ -21,7 +21,8 @@
 #             (scripts/quantize_bench.py)
 #   sweep ARGS  python scripts/config_sweep.py ARGS (given configs against the launch config, checked and timed)
 #   profile ARGS  Nsight Compute (full set) of one launch of PROFILE_KERNEL (a regex; default the registers route's
-#             _fused_gemm_kernel) in python scripts/moe_gemm_profile.py ARGS: report, details page, SASS source page
+#             _fused_gemm_kernel) in python PROFILE_SCRIPT ARGS (default scripts/moe_gemm_profile.py; the sparse
+#             attention kernels: scripts/attention_profile.py): report, details page, SASS source page
 #   tune ARGS dsa-tune tune ARGS (needs .whl with the optuna wheels carried: optuna is not on the GPU image)
 #   day0 ARGS dsa-tune day0 --flat ARGS: tune a config's shapes within --budget, then first tokens from its
 #             checkpoint or random weights, each stage timed, one results file (--out $OUT; needs .whl as tune)
@@ -77,7 +78,8 @@ while [ $# -gt 0 ]; do
     profile)
       ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       timeout 500 "$ncu" --clock-control none --kernel-name "regex:${PROFILE_KERNEL:-_fused_gemm_kernel}" \
-        --launch-skip 1 --launch-count 1 --set full -o "$OUT/profile" python3 scripts/moe_gemm_profile.py "$@" \
+        --launch-skip 1 --launch-count 1 --set full --import-source yes -o "$OUT/profile" \
+        python3 "${PROFILE_SCRIPT:-scripts/moe_gemm_profile.py}" "$@" \
         > "$OUT/profile.log" 2>&1 || status=1
       "$ncu" --import "$OUT/profile.ncu-rep" --page details > "$OUT/profile-details.txt" 2>&1
       "$ncu" --import "$OUT/profile.ncu-rep" --page source --csv --print-source sass > "$OUT/profile-sass.csv" 2>&1
