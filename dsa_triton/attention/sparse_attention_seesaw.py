@@ -112,6 +112,18 @@ def _gather_own(nope, rope, kv_ptr, idx_row, start, hi, num_slots, s_kv, bars, W
 
 
 @gluon.jit
+def _issue_pv_a(acc, m_run, m_a, k_nope, k_rope, z, bars, ph):
+    """Warpgroup 1's ``O_1 * exp2(m_run - m_A) + P_A @ V_A[:, 256:]`` (``acc``: ``O_1[64, 256]`` fp32), issued
+    (async) once ``P_A`` is published (phase ``ph``); ``z`` = 0 (:func:`_seesaw_wg`'s loop-variant zero)."""
+    HALF: gl.constexpr = k_nope.shape[2] // 2
+    mbarrier.wait(bars.index(_P), ph)
+    fence_async_shared()
+    alpha = gl.exp2(m_run - gl.where(m_a == float("-inf"), 0.0, m_a))
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    return warpgroup_mma(k_rope.index(z), k_nope.index(z).slice(HALF, HALF, dim=1), acc, is_async=True)
+
+
+@gluon.jit
 def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars, q_ptr, H, s_qs, s_qh, kv_ptr,
                idx_row, lo, hi, num_slots, s_kv, qk_scale, out_ptr, lse_ptr, M, row0, base_row, num_splits):
     """Warpgroup ``WG`` of the seesaw (4 warps): scores block ``2i + WG`` of every pair i, accumulates the value
@@ -156,14 +168,10 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
         z = i >> 30
         own_n, own_r = k_nope.index(WG + z), k_rope.index(WG + z)
         start = lo + (2 * i + WG) * BLOCK_N
-        if WG == 1 and FED:  # O_1 = O_1 * exp2(m_run - m_A) + P_A @ V_A[:, 256:] first: A is freed before B lands
+        if WG == 1 and FED:  # P_A @ V_A first: tile A is free before B lands (the producer is the slower side)
             mbarrier.wait(bars.index(_M_A), ph)
             m_in = m_x.index(0).load(S_ROWS)
-            mbarrier.wait(bars.index(_P), ph)
-            fence_async_shared()
-            acc = acc * gl.convert_layout(gl.exp2(m_run - gl.where(m_in == float("-inf"), 0.0, m_in)), O_ROWS)[:, None]
-            acc = warpgroup_mma(k_rope.index(z), k_nope.index(z).slice(HALF, HALF, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            acc = warpgroup_mma_wait(0, deps=(_issue_pv_a(acc, m_run, m_in, k_nope, k_rope, z, bars, ph), ))
             _publish(bars, _FREE)
         mbarrier.wait(bars.index(_READY + WG), ph)
         fence_async_shared()
@@ -198,13 +206,9 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
             l_w = l_w * beta
             mbarrier.wait(bars.index(_P + 1), ph)
             fence_async_shared()
-        else:  # O_1 = O_1 * exp2(m_run - m_A) + P_A @ V_A[:, 256:] runs while P_B and l_1 are made
+        else:  # bf16 cache: warpgroup 1's P_A @ V_A runs while P_B and l_1 are made
             if not FED:
-                mbarrier.wait(bars.index(_P), ph)
-                fence_async_shared()
-                acc = acc * gl.convert_layout(gl.exp2(m_run - gl.where(m_in == float("-inf"), 0.0, m_in)),
-                                              O_ROWS)[:, None]
-                acc = warpgroup_mma(k_rope.index(z), k_nope.index(z).slice(HALF, HALF, dim=1), acc, is_async=True)
+                acc = _issue_pv_a(acc, m_run, m_in, k_nope, k_rope, z, bars, ph)
             p = gl.exp2(s - m_ref[:, None])
             l_w = l_w * gl.exp2(m_run - m_ref) + gl.sum(p, 1)
             own_r.store(p.to(dtype))  # P_B over the rope part of tile B (its score MMA is done)
