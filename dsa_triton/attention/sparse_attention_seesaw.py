@@ -42,7 +42,7 @@ once tile X is free it copies its rope values (cp.async, 8 KB), dequantizes chun
 (e4m3 -> bf16 by bit operations, times the scale in bf16x2: exact for the cache's power-of-two scales), loading the
 next tile's chunk into the registers each frees, and arrives on ``ready[X]`` after a proxy fence. Shared memory:
 225104 bytes. On the H200 at decode B=64 (k = 2048) this form takes 111.1-111.7 us against the two-warpgroup
-kernel's 139.4-141.1 (scripts/gluon_attention.py); the bf16 one 90.0.
+kernel's 140.2-141.1 (scripts/gluon_attention.py); the bf16 one 90.0.
 """
 from __future__ import annotations
 
