@@ -18,7 +18,8 @@ def main() -> None:
     parser.add_argument("csv")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
-    rows = list(csv.reader(open(args.csv)))
+    with open(args.csv, newline="") as f:
+        rows = list(csv.reader(f))
     header, data = rows[1], rows[2:]
     col = {name: i for i, name in enumerate(header)}
     reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]

@@ -206,7 +206,7 @@ def test_bf16_against_the_reference(decode):
 
 class _Recorded:
     """A launchable stand-in for a Gluon kernel: notes each launch and its keywords, then runs the Triton kernel on
-    them (less the Gluon kernel's own choices)."""
+    them."""
 
     def __init__(self):
         self.launches, self.meta = 0, None
@@ -215,8 +215,7 @@ class _Recorded:
         def run(*args, **meta):
             self.launches += 1
             self.meta = meta
-            triton_meta = {k: v for k, v in meta.items() if k not in ("MAX_XCHG", "LAZY_RESCALE")}
-            return sparse_attention_kernels._sparse_attention_fwd[grid](*args, **triton_meta)
+            return sparse_attention_kernels._sparse_attention_fwd[grid](*args, **meta)
         return run
 
 

@@ -112,15 +112,27 @@ def _gather_own(nope, rope, kv_ptr, idx_row, start, hi, num_slots, s_kv, bars, W
 
 
 @gluon.jit
+def _finite(m):
+    """The row maxima ``m`` with -inf as 0: the reference a row's exponents are taken from (no -inf - -inf while
+    nothing of the row is valid yet)."""
+    return gl.where(m == float("-inf"), 0.0, m)
+
+
+@gluon.jit
+def _issue_pv(acc, factor, k_nope, k_rope, x, COL: gl.constexpr):
+    """``acc * factor[:, None] + P_x @ V_x[:, COL:COL + 256]`` issued (async): ``acc`` a warpgroup's ``O_w[64, 256]``
+    fp32, ``factor[64]`` its rescale (rows), ``P_x`` tile x's probabilities (in its rope part), ``V_x`` its values."""
+    acc = acc * gl.convert_layout(factor, gl.SliceLayout(1, acc.type.layout))[:, None]
+    return warpgroup_mma(k_rope.index(x), k_nope.index(x).slice(COL, acc.shape[1], dim=1), acc, is_async=True)
+
+
+@gluon.jit
 def _issue_pv_a(acc, m_run, m_a, k_nope, k_rope, z, bars, ph):
-    """Warpgroup 1's ``O_1 * exp2(m_run - m_A) + P_A @ V_A[:, 256:]`` (``acc``: ``O_1[64, 256]`` fp32), issued
-    (async) once ``P_A`` is published (phase ``ph``); ``z`` = 0 (:func:`_seesaw_wg`'s loop-variant zero)."""
-    HALF: gl.constexpr = k_nope.shape[2] // 2
+    """Warpgroup 1's ``O_1 * exp2(m_run - m_A) + P_A @ V_A[:, 256:]`` issued (async) once ``P_A`` is published (phase
+    ``ph``); ``z`` = 0 (:func:`_seesaw_wg`'s loop-variant zero)."""
     mbarrier.wait(bars.index(_P), ph)
     fence_async_shared()
-    alpha = gl.exp2(m_run - gl.where(m_a == float("-inf"), 0.0, m_a))
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-    return warpgroup_mma(k_rope.index(z), k_nope.index(z).slice(HALF, HALF, dim=1), acc, is_async=True)
+    return _issue_pv(acc, gl.exp2(m_run - _finite(m_a)), k_nope, k_rope, z, acc.shape[1])
 
 
 @gluon.jit
@@ -133,8 +145,8 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
     at ``q_ptr + (m // H) * s_qs + (m % H) * s_qh``), tiles A and B ``k_nope[2, 64, 512]``, ``k_rope[2, 64, 64]``
     (``k_rope[X]`` holds ``P_X`` once X is scored), ``m_x[2, 64]`` (``m_A``, ``m_B``), ``l_x[2, 64]`` (the final
     row sums), ``bars`` (the mbarriers: the module docstring). Over the FP8 cache (``kv_ptr`` uint8) the producer
-    (:func:`_produce`) gathers q and the tiles: only the waits on ``ready`` stay. The DSA shapes only (the
-    partitions take no constexpr argument)."""
+    (:func:`_produce`) gathers q and the tiles: only the waits on ``ready`` stay, and warpgroup 1 runs its ``P_A @
+    V_A`` before it waits for tile B. The DSA shapes only (the partitions take no constexpr argument)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     D_V: gl.constexpr = 512
     BLOCK_H: gl.constexpr = 64
@@ -188,7 +200,7 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
         m_new = gl.maximum(m_in, gl.max(s, 1))
         m_x.index(WG).store(m_new)
         _publish(bars, _M_A + WG)
-        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while nothing is valid yet
+        m_ref = _finite(m_new)
         if WG == 0:  # P_A, l_0; O_0 = O_0 * exp2(m_run - m_A) + P_A @ V_A[:, :256]
             p = gl.exp2(s - m_ref[:, None])
             alpha = gl.exp2(m_run - m_ref)
@@ -196,13 +208,11 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
             own_r.store(p.to(dtype))  # P_A over the rope part of tile A (its score MMA is done)
             fence_async_shared()
             _publish(bars, _P)
-            acc = acc * gl.convert_layout(alpha, O_ROWS)[:, None]
-            acc = warpgroup_mma(k_rope.index(z), k_nope.index(z).slice(0, HALF, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            acc = warpgroup_mma_wait(0, deps=(_issue_pv(acc, alpha, k_nope, k_rope, z, 0), ))
             _publish(bars, _FREE)
             mbarrier.wait(bars.index(_M_B), ph)  # then O_0 and l_0 *= exp2(m_A - m_B)
             m_b = m_x.index(1).load(S_ROWS)
-            beta = gl.exp2(m_new - gl.where(m_b == float("-inf"), 0.0, m_b))
+            beta = gl.exp2(m_new - _finite(m_b))
             l_w = l_w * beta
             mbarrier.wait(bars.index(_P + 1), ph)
             fence_async_shared()
@@ -219,8 +229,7 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
                 _publish(bars, _FREE)
             m_b = m_new
             beta = gl.exp2(m_in - m_ref)  # O_1 *= exp2(m_A - m_B)
-        acc = acc * gl.convert_layout(beta, O_ROWS)[:, None]
-        acc = warpgroup_mma(k_rope.index(1 + z), k_nope.index(1 + z).slice(WG * HALF, HALF, dim=1), acc, is_async=True)
+        acc = _issue_pv(acc, beta, k_nope, k_rope, 1 + z, WG * HALF)  # P_B @ V_B
         # the next pair's tile of this warpgroup once both are done with it: A while warpgroup 0's PV_B runs
         # (that reads B), B after warpgroup 1's PV_B
         if WG == 0 and not FED:
