@@ -33,16 +33,21 @@ FP8 latent cache (656 bytes a token: 512 e4m3, 4 fp32 scales, 64 bf16 rope; :mod
 warpgroup, the producer (:func:`_produce`), gathers q and every tile; the math warpgroups run the same code without
 their gathers (they wait on ``ready`` only, arrived once a tile by the producer), except that warpgroup 1 runs its
 ``P_A @ V_A`` before it waits for tile B, so tile A is free before B lands and the producer, the slower side, does
-not wait for ``free``. Registers a thread: 200 for each math warpgroup, 104 for the producer (the pool of 3 x 168).
+not wait for ``free``; and each math warpgroup dequantizes the last 16 tokens of its own next tile itself
+(:func:`_own_chunk`), where it would otherwise wait for the other's row maxima: warpgroup 0 those of the next A
+once both are done with A, warpgroup 1 those of B as a pair starts, once the previous pair is done with B.
+Registers a thread: 200 for each math warpgroup, 104 for the producer (the pool of 3 x 168).
 The producer stages each tile's slots in shared memory two tiles ahead (``k_idx``: one global load serves every
 use; loaded where used, each cost a round trip in series), prefetches the next tile's rows to L2 as a tile starts,
-holds the next tile's e4m3 bytes in registers (4 chunks of 16 tokens, 16 registers each, 16-byte loads) while it
-waits for ``free[X]``, and its scales in a small buffer of their own (``[2, 64, 4]`` fp32, cp.async a tile ahead);
-once tile X is free it copies its rope values (cp.async, 8 KB), dequantizes chunk after chunk into ``k_nope[X]``
+holds the next tile's e4m3 bytes in registers (its first 3 chunks of 16 tokens, 16 registers each, 16-byte loads)
+while it waits for ``free[X]``, and its scales in a small buffer of their own (``[2, 64, 4]`` fp32, cp.async a tile
+ahead); once tile X is free it copies its rope values (cp.async, 8 KB), dequantizes chunk after chunk into
+``k_nope[X]``
 (e4m3 -> bf16 by bit operations, times the scale in bf16x2: exact for the cache's power-of-two scales), loading the
 next tile's chunk into the registers each frees, and arrives on ``ready[X]`` after a proxy fence. Shared memory:
-225104 bytes. On the H200 at decode B=64 (k = 2048) this form takes 111.1-111.7 us against the two-warpgroup
-kernel's 140.2-141.1 (scripts/gluon_attention.py); the bf16 one 90.0.
+225104 bytes. On the H200 at decode B=64 (k = 2048) this form takes 108.8-109.3 us against the two-warpgroup
+kernel's 140.7-141.2 (scripts/gluon_attention.py; 111.6-112.0 with the producer dequantizing all 4 chunks); the bf16
+one 90.0.
 """
 from __future__ import annotations
 
@@ -66,6 +71,7 @@ _GATHER = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # 16-b
 # of 128 values, word of 4 values) with 4 words a thread of each of 4 tokens (a warp reads whole rows: 16-byte loads,
 # 16 registers; as uint8 elements the compiler keeps one byte a register)
 _CHUNK = gl.constexpr(16)
+_OWN = gl.constexpr(3)  # the chunk of a tile its math warpgroup dequantizes (the producer: the ones before)
 _CHUNK_WORDS = gl.constexpr(gl.BlockedLayout([1, 1, 4], [2, 4, 4], [4, 1, 1], [2, 1, 0]))
 _CHUNK_SCALES = gl.constexpr(gl.SliceLayout(2, _CHUNK_WORDS))
 _SCALE_COPY = gl.constexpr(gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0]))  # fp32 [64, 4], 8-byte cp.async
@@ -145,8 +151,9 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
     at ``q_ptr + (m // H) * s_qs + (m % H) * s_qh``), tiles A and B ``k_nope[2, 64, 512]``, ``k_rope[2, 64, 64]``
     (``k_rope[X]`` holds ``P_X`` once X is scored), ``m_x[2, 64]`` (``m_A``, ``m_B``), ``l_x[2, 64]`` (the final
     row sums), ``bars`` (the mbarriers: the module docstring). Over the FP8 cache (``kv_ptr`` uint8) the producer
-    (:func:`_produce`) gathers q and the tiles: only the waits on ``ready`` stay, and warpgroup 1 runs its ``P_A @
-    V_A`` before it waits for tile B. The DSA shapes only (the partitions take no constexpr argument)."""
+    (:func:`_produce`) gathers q and the tiles: only the waits on ``ready`` stay, warpgroup 1 runs its ``P_A @
+    V_A`` before it waits for tile B, and each dequantizes chunk ``_OWN`` of its own tiles (:func:`_own_chunk`). The
+    DSA shapes only (the partitions take no constexpr argument)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     D_V: gl.constexpr = 512
     BLOCK_H: gl.constexpr = 64
@@ -168,6 +175,8 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
             _gather_own(own_n, own_r, kv_ptr, idx_row, lo + WG * BLOCK_N, hi, num_slots, s_kv, bars, WG)
         if WG == 1:  # q: gathered with tile A
             mbarrier.wait(bars.index(_READY), 0)
+        if FED and WG == 0:  # its chunk of the first A
+            _own_chunk(own_n, kv_ptr, idx_row, lo, hi, num_slots, s_kv)
 
     m_run = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=S_ROWS)  # the last pair's m_B (O_w's reference)
     l_w = gl.zeros([BLOCK_H], gl.float32, layout=S_ROWS)
@@ -180,7 +189,11 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
         z = i >> 30
         own_n, own_r = k_nope.index(WG + z), k_rope.index(WG + z)
         start = lo + (2 * i + WG) * BLOCK_N
-        if WG == 1 and FED:  # P_A @ V_A first: tile A is free before B lands (the producer is the slower side)
+        if WG == 1 and FED:  # its chunk of B (once the last pair is done with B), then P_A @ V_A: tile A is
+            # free before B lands (the producer is the slower side)
+            if i > 0:
+                mbarrier.wait(bars.index(_FREE + 1), ph ^ 1)
+            _own_chunk(own_n, kv_ptr, idx_row, start, hi, num_slots, s_kv)
             mbarrier.wait(bars.index(_M_A), ph)
             m_in = m_x.index(0).load(S_ROWS)
             acc = warpgroup_mma_wait(0, deps=(_issue_pv_a(acc, m_run, m_in, k_nope, k_rope, z, bars, ph), ))
@@ -210,6 +223,9 @@ def _seesaw_wg(WG: gl.constexpr, q_nope, q_rope, k_nope, k_rope, m_x, l_x, bars,
             _publish(bars, _P)
             acc = warpgroup_mma_wait(0, deps=(_issue_pv(acc, alpha, k_nope, k_rope, z, 0), ))
             _publish(bars, _FREE)
+            if FED and i + 1 < n_pairs:  # its chunk of the next A, once both are done with A
+                mbarrier.wait(bars.index(_FREE), ph)
+                _own_chunk(own_n, kv_ptr, idx_row, start + 2 * BLOCK_N, hi, num_slots, s_kv)
             mbarrier.wait(bars.index(_M_B), ph)  # then O_0 and l_0 *= exp2(m_A - m_B)
             m_b = m_x.index(1).load(S_ROWS)
             beta = gl.exp2(m_new - _finite(m_b))
@@ -289,6 +305,13 @@ def _load_chunk(kv_ptr, idx, num_slots, s_kv):
     low byte) of the FP8 latent cache rows (``s_kv`` bytes apart from ``kv_ptr``) of the 16 tokens whose slots are
     staged in ``idx`` in ``_CHUNK_WORDS``: 16-byte loads, zeros for invalid slots (not read)."""
     slot, ok = _staged(idx, num_slots, gl.SliceLayout(1, _CHUNK_SCALES))
+    return _load_words(kv_ptr, slot, ok, s_kv)
+
+
+@gluon.jit
+def _load_words(kv_ptr, slot, ok, s_kv):
+    """:func:`_load_chunk` of the rows ``slot`` (16, in ``SliceLayout(1, _CHUNK_SCALES)``; not read where not
+    ``ok``)."""
     rows = (kv_ptr + slot.to(gl.int64) * s_kv).to(gl.pointer_type(gl.int32))
     groups = gl.arange(0, 4, layout=gl.SliceLayout(0, _CHUNK_SCALES))
     words = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _CHUNK_WORDS)))
@@ -339,10 +362,28 @@ def _copy_scales(scales, kv_ptr, idx, num_slots, s_kv):
 def _dequantize_chunk(nope, scales, words, c: gl.constexpr):
     """Chunk ``c`` of a tile: ``nope[16c:16c + 16, :]`` = the e4m3 ``words`` (:func:`_load_chunk`'s) times their
     scales (``scales[64, 4]``: the tile's) in bf16."""
-    scale = scales.slice(c * _CHUNK, _CHUNK, dim=0).load(_CHUNK_SCALES)
+    _store_chunk(nope, scales.slice(c * _CHUNK, _CHUNK, dim=0).load(_CHUNK_SCALES), words, c)
+
+
+@gluon.jit
+def _store_chunk(nope, scale, words, c: gl.constexpr):
+    """``nope[16c:16c + 16, :]`` = the e4m3 ``words`` times ``scale`` (fp32 ``[16, 4]`` in ``_CHUNK_SCALES``, a
+    token's 4 groups) in bf16."""
     v0, v1, v2, v3 = _e4m3x4_to_bf16(words, scale[:, :, None])
     x = gl.join(gl.join(v0, v2), gl.join(v1, v3))  # [16, 4, 32, 2, 2]: [..., k, m] = v(2k + m), value 4 word + 2k + m
     nope.slice(c * _CHUNK, _CHUNK, dim=0).store(gl.reshape(x, [_CHUNK, nope.shape[1]]))
+
+
+@gluon.jit
+def _own_chunk(nope, kv_ptr, idx_row, start, hi, num_slots, s_kv):
+    """A math warpgroup's share of the tile of the tokens ``[start, start + 64)``: chunk ``_OWN`` (its 16 tokens from
+    ``start + 16 _OWN``) into ``nope``, their slots, e4m3 words and scales loaded from global memory (the rows are in
+    L2: the producer prefetched them); tokens from ``hi`` on or invalid slots: zero rows."""
+    slot, ok = _slots(idx_row, start + _OWN * _CHUNK, hi, num_slots, _CHUNK, gl.SliceLayout(1, _CHUNK_SCALES))
+    groups = gl.arange(0, 4, layout=gl.SliceLayout(0, _CHUNK_SCALES))
+    scale_rows = (kv_ptr + slot.to(gl.int64) * s_kv + 512).to(gl.pointer_type(gl.float32))
+    scale = gl.load(scale_rows[:, None] + groups[None, :], mask=ok[:, None], other=0.0)
+    _store_chunk(nope, scale, _load_words(kv_ptr, slot, ok, s_kv), _OWN)
 
 
 @gluon.jit
@@ -358,11 +399,12 @@ def _prefetch_tile(kv_ptr, idx, num_slots, s_kv):
 
 
 @gluon.jit
-def _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv, t, x0, x1, x2, x3):
-    """Tile t (tokens ``[lo + 64t, lo + 64t + 64)``; X = t % 2 of pair t // 2) into ``k_nope[X]``, ``k_rope[X]``,
-    arriving on ``ready[X]``: ``x0, x1, x2, x3`` hold its e4m3 words (:func:`_load_chunk`, 16 tokens each),
+def _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv, t, x0, x1, x2):
+    """Tile t (tokens ``[lo + 64t, lo + 64t + 64)``; X = t % 2 of pair t // 2) into ``k_nope[X]`` but for chunk
+    ``_OWN`` (its math warpgroup's), and ``k_rope[X]``, arriving on ``ready[X]``: ``x0, x1, x2`` hold its e4m3 words
+    of chunks 0, 1, 2 (:func:`_load_chunk`, 16 tokens each),
     ``k_scale[X]`` its scales (in flight), ``k_idx[X]`` / ``k_idx[1 - X]`` the slots of tiles t and t + 1 (then
-    ``k_idx[X]`` those of t + 2). Returns the next tile's four chunks (loaded as the chunks are dequantized).
+    ``k_idx[X]`` those of t + 2). Returns the next tile's three chunks (loaded as the chunks are dequantized).
     ``X`` stays a runtime value: unrolled, the two tiles' code spills."""
     X = t % 2
     nope, rope, scales = k_nope.index(X), k_rope.index(X), k_scale.index(X)
@@ -386,14 +428,12 @@ def _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi,
     x1 = _load_chunk(kv_ptr, nxt.slice(_CHUNK, _CHUNK), num_slots, s_kv)
     _dequantize_chunk(nope, scales, x2, 2)
     x2 = _load_chunk(kv_ptr, nxt.slice(2 * _CHUNK, _CHUNK), num_slots, s_kv)
-    _dequantize_chunk(nope, scales, x3, 3)
-    x3 = _load_chunk(kv_ptr, nxt.slice(3 * _CHUNK, _CHUNK), num_slots, s_kv)
     gl.thread_barrier()  # everyone's reads of cur
     cur.store(after)
     async_copy.wait_group(0)  # the rope values (and the next tile's scales)
     fence_async_shared()  # the generic-proxy stores and copies, before the wgmma reads
     mbarrier.arrive(bars.index(_READY + X))  # after a barrier of the 128
-    return x0, x1, x2, x3
+    return x0, x1, x2
 
 
 @gluon.jit
@@ -402,7 +442,7 @@ def _produce(q_nope, q_rope, k_nope, k_rope, k_scale, k_idx, bars, q_ptr, H, s_q
     """The producer warpgroup over the FP8 latent cache (``kv_ptr``: uint8 rows of ``s_kv`` bytes): q (as
     :func:`_gather_q`), then tiles A and B of the tokens ``[lo, hi)`` for every pair (:func:`_produce_tile`; tokens
     past ``hi`` or invalid slots: zero rows), arriving on ``ready[X]`` once a tile (q with the first A). A tile's
-    slots are staged in ``k_idx`` (``[2, 64]`` int32) two tiles ahead, its e4m3 bytes are in
+    slots are staged in ``k_idx`` (``[2, 64]`` int32) two tiles ahead, the e4m3 bytes of its first 3 chunks are in
     registers since the previous tile, its scales in ``k_scale[X]`` (``[2, 64, 4]`` fp32, cp.async) since the
     previous tile's start; the rest once both math warpgroups are done with tile X."""
     n_pairs = gl.cdiv(hi - lo, 8 * _CHUNK)  # <= 0 for an empty split
@@ -418,10 +458,9 @@ def _produce(q_nope, q_rope, k_nope, k_rope, k_scale, k_idx, bars, q_ptr, H, s_q
     x0 = _load_chunk(kv_ptr, first.slice(0, _CHUNK), num_slots, s_kv)
     x1 = _load_chunk(kv_ptr, first.slice(_CHUNK, _CHUNK), num_slots, s_kv)
     x2 = _load_chunk(kv_ptr, first.slice(2 * _CHUNK, _CHUNK), num_slots, s_kv)
-    x3 = _load_chunk(kv_ptr, first.slice(3 * _CHUNK, _CHUNK), num_slots, s_kv)
     for t in range(2 * n_pairs):
-        x0, x1, x2, x3 = _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi, num_slots,
-                                       s_kv, t, x0, x1, x2, x3)
+        x0, x1, x2 = _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi, num_slots,
+                                   s_kv, t, x0, x1, x2)
     async_copy.wait_group(0)  # an empty split's (zero-filling) scale copies
 
 
