@@ -2,7 +2,7 @@
 latent + 64 rope), with two warpgroups that split each tile; and what the Gluon kernels share: the gathers, the
 slots of a tile, and whether a launch takes a Gluon kernel (:func:`gluon_fits`, :func:`gluon_applies`). The ops run
 the seesaw kernel of :mod:`.sparse_attention_seesaw` where a Gluon kernel applies (at decode B=64 on the H200
-1.15x this one over a bf16 cache, 1.26x over the FP8 cache); this one stays as scripts/gluon_attention.py's
+1.15x this one over a bf16 cache, 1.28-1.29x over the FP8 cache); this one stays as scripts/gluon_attention.py's
 comparison.
 
 Same contract as :func:`.sparse_attention_kernels._sparse_attention_fwd` (same arguments, same partial out / lse

@@ -42,11 +42,10 @@ use; loaded where used, each cost a round trip in series), prefetches the next t
 holds the next tile's e4m3 bytes in registers (its first 3 chunks of 16 tokens, 16 registers each, 16-byte loads)
 while it waits for ``free[X]``, and its scales in a small buffer of their own (``[2, 64, 4]`` fp32, cp.async a tile
 ahead); once tile X is free it copies its rope values (cp.async, 8 KB), dequantizes chunk after chunk into
-``k_nope[X]``
-(e4m3 -> bf16 by bit operations, times the scale in bf16x2: exact for the cache's power-of-two scales), loading the
-next tile's chunk into the registers each frees, and arrives on ``ready[X]`` after a proxy fence. Shared memory:
+``k_nope[X]`` (e4m3 -> bf16 by bit operations, times the scale in bf16x2: exact for the cache's power-of-two scales),
+loading the next tile's chunk into the registers each frees, and arrives on ``ready[X]`` after a proxy fence. Shared memory:
 225104 bytes. On the H200 at decode B=64 (k = 2048) this form takes 108.8-109.3 us against the two-warpgroup
-kernel's 140.7-141.2 (scripts/gluon_attention.py; 111.6-112.0 with the producer dequantizing all 4 chunks); the bf16
+kernel's 139.7-141.2 (scripts/gluon_attention.py; 111.5-112.3 with the producer dequantizing all 4 chunks); the bf16
 one 90.0.
 """
 from __future__ import annotations
