@@ -43,8 +43,8 @@ holds the next tile's e4m3 bytes in registers (its first 3 chunks of 16 tokens, 
 while it waits for ``free[X]``, and its scales in a small buffer of their own (``[2, 64, 4]`` fp32, cp.async a tile
 ahead); once tile X is free it copies its rope values (cp.async, 8 KB), dequantizes chunk after chunk into
 ``k_nope[X]`` (e4m3 -> bf16 by bit operations, times the scale in bf16x2: exact for the cache's power-of-two scales),
-loading the next tile's chunk into the registers each frees, and arrives on ``ready[X]`` after a proxy fence. Shared memory:
-225104 bytes. On the H200 at decode B=64 (k = 2048) this form takes 108.8-109.3 us against the two-warpgroup
+loading the next tile's chunk into the registers each frees, and arrives on ``ready[X]`` after a proxy fence. Shared
+memory: 225104 bytes. On the H200 at decode B=64 (k = 2048) this form takes 108.8-109.3 us against the two-warpgroup
 kernel's 139.7-141.2 (scripts/gluon_attention.py; 111.5-112.3 with the producer dequantizing all 4 chunks); the bf16
 one 90.0.
 """
@@ -388,8 +388,8 @@ def _own_chunk(nope, kv_ptr, idx_row, start, hi, num_slots, s_kv):
 @gluon.jit
 def _prefetch_tile(kv_ptr, idx, num_slots, s_kv):
     """``prefetch.global.L2`` of the FP8 latent cache rows (656 bytes, ``s_kv`` apart) of the valid slots staged in
-    ``idx`` (64): every 128-byte line of each (offsets 0, 128, ..., 640 and 655), so that the producer's loads of
-    that tile after its ``free`` wait hit L2."""
+    ``idx`` (64): every 128-byte line of each (offsets 0, 128, ..., 640 and 655), so that the loads of that tile
+    (the producer's after its ``free`` wait, its math warpgroup's chunk) hit L2."""
     slot, ok = _staged(idx, num_slots, gl.SliceLayout(1, _PREFETCH))
     offs = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, _PREFETCH)) * 128, 655)
     rows = kv_ptr + gl.where(ok, slot, 0).to(gl.int64) * s_kv
@@ -401,10 +401,9 @@ def _prefetch_tile(kv_ptr, idx, num_slots, s_kv):
 def _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi, num_slots, s_kv, t, x0, x1, x2):
     """Tile t (tokens ``[lo + 64t, lo + 64t + 64)``; X = t % 2 of pair t // 2) into ``k_nope[X]`` but for chunk
     ``_OWN`` (its math warpgroup's), and ``k_rope[X]``, arriving on ``ready[X]``: ``x0, x1, x2`` hold its e4m3 words
-    of chunks 0, 1, 2 (:func:`_load_chunk`, 16 tokens each),
-    ``k_scale[X]`` its scales (in flight), ``k_idx[X]`` / ``k_idx[1 - X]`` the slots of tiles t and t + 1 (then
-    ``k_idx[X]`` those of t + 2). Returns the next tile's three chunks (loaded as the chunks are dequantized).
-    ``X`` stays a runtime value: unrolled, the two tiles' code spills."""
+    of chunks 0, 1, 2 (:func:`_load_chunk`, 16 tokens each), ``k_scale[X]`` its scales (in flight), ``k_idx[X]`` /
+    ``k_idx[1 - X]`` the slots of tiles t and t + 1 (then ``k_idx[X]`` those of t + 2). Returns the next tile's three
+    chunks (loaded as the chunks are dequantized). ``X`` stays a runtime value: unrolled, the two tiles' code spills."""
     X = t % 2
     nope, rope, scales = k_nope.index(X), k_rope.index(X), k_scale.index(X)
     cur, nxt = k_idx.index(X), k_idx.index(1 - X)
