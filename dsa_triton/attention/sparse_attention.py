@@ -27,7 +27,8 @@ makes that row's out and lse NaN; a NaN in a cache row makes NaN every query row
 On an H200 (sm_90, outside the interpreter) a call with bf16 q and DSA dims (a bf16 cache or the FP8 latent cache)
 whose config is 64 query rows x 64-token tiles at 8 warps runs the Gluon seesaw kernel of
 :mod:`.sparse_attention_seesaw` (two warp-specialized warpgroups, each scoring its own tile; over the FP8 cache a
-third one dequantizes the tiles), when q and the cache are 16-byte aligned; ``DSA_GLUON=0`` keeps the Triton kernel.
+third one gathers the tiles and dequantizes 3 of each tile's 4 chunks, the math warpgroups the fourth), when q and
+the cache are 16-byte aligned; ``DSA_GLUON=0`` keeps the Triton kernel.
 
 Launch configs come from the tuning database through the registry (kernels ``sparse_attention_decode`` and
 ``sparse_attention_prefill``, and ``*_fp8`` over an FP8 latent cache, see :mod:`.sparse_attention_spec`) unless
