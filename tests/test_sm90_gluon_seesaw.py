@@ -3,7 +3,8 @@ Triton's bundled ptxas (:mod:`dsa_triton.bench.aot`), over a bf16 cache and over
 performance advisory (e.g. wgmma serialized), shared memory within Hopper's 227 KiB, each math warpgroup's score MMA
 a whole 64 x 64 tile and its value MMA 256 columns; over a bf16 cache no spills and 8 warps in all (two warpgroups by
 ``gl.warp_specialize``), over the FP8 cache 12 (a producer warpgroup more, its ``setmaxnreg`` as intended). Its
-numbers are checked on the GPU by ``scripts/gluon_attention.py --kernels gluon,seesaw``."""
+numbers are checked on the GPU by ``scripts/gluon_attention.py --kernels gluon,seesaw``. Over the FP8 cache the
+dequantization is split as intended: the producer 3 chunks of each tile, each math warpgroup the fourth of its own."""
 import pytest
 
 from dsa_triton.attention import sparse_attention_seesaw as seesaw
@@ -17,6 +18,7 @@ SETMAXNREG = "setmaxnreg.{}.sync.aligned.u32 \t{};"  # as the PTX writes it
 MATH_REGS, PRODUCER_REGS = seesaw.SEESAW_FP8_MATH_REGS.value, seesaw.SEESAW_PRODUCER_REGS.value
 FP8_NEEDLES = [SETMAXNREG.format("inc", MATH_REGS), SETMAXNREG.format("dec", PRODUCER_REGS),
                SETMAXNREG.format("dec", 3 * 168 - MATH_REGS - PRODUCER_REGS)]
+BF16X2_MUL = "mul.rn.bf16x2"  # the e4m3 conversion's: 2 a pair of values, 64 a thread for a 16-token chunk
 
 
 def seesaw_record(num_splits: int, fp8: bool = False) -> dict:
@@ -25,7 +27,7 @@ def seesaw_record(num_splits: int, fp8: bool = False) -> dict:
     base = record(num_splits, fp8=fp8)
     return {**base, "module": seesaw.__name__, "kernel": seesaw._sparse_attention_fwd_seesaw.__name__,
             "num_warps": seesaw.seesaw_meta({"num_warps": 8})["num_warps"],
-            "ptx_needles": base["ptx_needles"] + (FP8_NEEDLES if fp8 else [])}
+            "ptx_needles": base["ptx_needles"] + (FP8_NEEDLES if fp8 else []), "ptx_counted": [BF16X2_MUL]}
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,15 @@ def test_over_the_fp8_cache_the_producer_and_math_warpgroups_get_their_registers
     scales 8-byte ones."""
     for result in (compiled["fp8"], compiled["fp8 split"]):
         assert all(result["ptx_has"].values()), result
+
+
+def test_over_the_fp8_cache_the_producer_dequantizes_3_chunks_a_tile_and_each_math_warpgroup_its_fourth(compiled):
+    """The conversion's code, a 16-token chunk at a time: the producer's tile 3 (``_OWN`` = 3 is the math
+    warpgroups'), warpgroup 0's 2 (its first A, and the next A in its loop), warpgroup 1's 1 (its B); none over a
+    bf16 cache."""
+    assert seesaw._OWN.value == 3
+    for name, result in compiled.items():
+        assert result["ptx_count"] == {BF16X2_MUL: 64 * (3 + 2 + 1) if "fp8" in name else 0}, (name, result)
 
 
 @pytest.mark.xfail(strict=True, reason="at 200 / 200 / 104 registers the math warpgroups spill (52 bytes in all, 32"

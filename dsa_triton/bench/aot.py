@@ -176,8 +176,8 @@ def compile_in_subprocess(records: list[dict], timeout: float = 900, info: bool 
     """Run ``python -m dsa_triton.bench.aot`` on ``records``: ``[{"kernel", "error", "launcher", "seconds"}]`` in the
     same order (``launcher``: :func:`launcher_mismatch`, None when the own launcher passes the kernel's parameters);
     ``info`` adds :func:`ptxas_info`'s fields, the shared memory bytes (``shared``), the SASS's wgmma counts
-    (``gmma``, ``arrive``, ``depbar``) and, per string of a record's optional ``ptx_needles``, whether the PTX holds
-    it (``ptx_has``)."""
+    (``gmma``, ``arrive``, ``depbar``), per string of a record's optional ``ptx_needles`` whether the PTX holds it
+    (``ptx_has``) and per string of its optional ``ptx_counted`` how often (``ptx_count``)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(records, f, default=str)
         f.flush()
@@ -201,7 +201,8 @@ def main(path: str, info: bool = False) -> None:
                 result.update(ptxas_info(kernel), shared=kernel.metadata.shared,
                               gmma=sum("GMMA" in op for op in ops),
                               arrive=ops.count("WARPGROUP.ARRIVE"), depbar=ops.count("WARPGROUP.DEPBAR.LE"),
-                              ptx_has={s: s in kernel.asm["ptx"] for s in record.get("ptx_needles", ())})
+                              ptx_has={s: s in kernel.asm["ptx"] for s in record.get("ptx_needles", ())},
+                              ptx_count={s: kernel.asm["ptx"].count(s) for s in record.get("ptx_counted", ())})
         except Exception as exc:  # every failure is the answer for that record
             result["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
         print(json.dumps({**result, "seconds": round(time.perf_counter() - start, 2)}), flush=True)
