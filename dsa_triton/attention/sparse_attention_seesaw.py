@@ -78,6 +78,7 @@ _ROPE_COPY = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0]))  # 
 _PLAIN = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 _IDX = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # a tile's 64 slots over the producer's 128 threads
 _PREFETCH = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0]))  # [64 tokens, 8 lines]
+_SCALES_AT = gl.constexpr(512)  # byte of an FP8 latent cache row where its 4 fp32 scales start
 _ROPE_AT = gl.constexpr(528)  # byte of an FP8 latent cache row where its bf16 rope values start
 # mbarriers: tile X landed (2), m_A, m_B, P_A, P_B published, tile X free (2), the row sums published
 _READY, _M_A, _M_B, _P, _FREE, _DONE = (gl.constexpr(i) for i in (0, 2, 3, 4, 6, 8))
@@ -348,12 +349,17 @@ def _e4m3x4_to_bf16(w, scale):
 
 
 @gluon.jit
+def _scale_rows(kv_ptr, slot, s_kv):
+    """fp32 pointers to the 4 scales of the FP8 latent cache rows ``slot`` (``s_kv`` bytes apart from ``kv_ptr``)."""
+    return (kv_ptr + slot.to(gl.int64) * s_kv + _SCALES_AT).to(gl.pointer_type(gl.float32))
+
+
+@gluon.jit
 def _copy_scales(scales, kv_ptr, idx, num_slots, s_kv):
-    """cp.async the fp32 scales (4 a row, from byte 512) of the FP8 latent cache rows of the 64 tokens whose slots are
-    staged in ``idx`` into ``scales[64, 4]`` (zeros for invalid slots), one commit group."""
+    """cp.async the fp32 scales (4 a row, from byte ``_SCALES_AT``) of the FP8 latent cache rows of the 64 tokens
+    whose slots are staged in ``idx`` into ``scales[64, 4]`` (zeros for invalid slots), one commit group."""
     slot, ok = _staged(idx, num_slots, gl.SliceLayout(1, _SCALE_COPY))
-    rows = (kv_ptr + slot.to(gl.int64) * s_kv + 512).to(gl.pointer_type(gl.float32))
-    _copy_rows(scales, rows, ok, scales.shape[1], _SCALE_COPY)
+    _copy_rows(scales, _scale_rows(kv_ptr, slot, s_kv), ok, scales.shape[1], _SCALE_COPY)
     async_copy.commit_group()
 
 
@@ -380,8 +386,7 @@ def _own_chunk(nope, kv_ptr, idx_row, start, hi, num_slots, s_kv):
     L2: the producer prefetched them); tokens from ``hi`` on or invalid slots: zero rows."""
     slot, ok = _slots(idx_row, start + _OWN * _CHUNK, hi, num_slots, _CHUNK, gl.SliceLayout(1, _CHUNK_SCALES))
     groups = gl.arange(0, 4, layout=gl.SliceLayout(0, _CHUNK_SCALES))
-    scale_rows = (kv_ptr + slot.to(gl.int64) * s_kv + 512).to(gl.pointer_type(gl.float32))
-    scale = gl.load(scale_rows[:, None] + groups[None, :], mask=ok[:, None], other=0.0)
+    scale = gl.load(_scale_rows(kv_ptr, slot, s_kv)[:, None] + groups[None, :], mask=ok[:, None], other=0.0)
     _store_chunk(nope, scale, _load_words(kv_ptr, slot, ok, s_kv), _OWN)
 
 
@@ -404,6 +409,7 @@ def _produce_tile(k_nope, k_rope, k_scale, k_idx, bars, kv_ptr, idx_row, lo, hi,
     of chunks 0, 1, 2 (:func:`_load_chunk`, 16 tokens each), ``k_scale[X]`` its scales (in flight), ``k_idx[X]`` /
     ``k_idx[1 - X]`` the slots of tiles t and t + 1 (then ``k_idx[X]`` those of t + 2). Returns the next tile's three
     chunks (loaded as the chunks are dequantized). ``X`` stays a runtime value: unrolled, the two tiles' code spills."""
+    gl.static_assert(_OWN == 3, "the producer dequantizes chunks 0, 1, 2; its math warpgroup the last")
     X = t % 2
     nope, rope, scales = k_nope.index(X), k_rope.index(X), k_scale.index(X)
     cur, nxt = k_idx.index(X), k_idx.index(1 - X)
@@ -478,7 +484,7 @@ def _sparse_attention_fwd_seesaw(
     propagate)."""
     gl.static_assert(D_V == 512 and D_R == 64 and BLOCK_H == 64 and BLOCK_N == 64 and gl.num_warps() == 4)
     gl.static_assert(BLOCK_DV == D_V and BLOCK_DR == D_R and not DOT_FP32)
-    gl.static_assert(not KV_FP8 or (GROUP == 128 and ROPE_AT == _ROPE_AT))
+    gl.static_assert(not KV_FP8 or (GROUP == 128 and ROPE_AT == _ROPE_AT and _SCALES_AT + 4 * 4 == _ROPE_AT))
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     NOPE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_V], dtype)
     ROPE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], dtype)
