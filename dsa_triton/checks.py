@@ -5,7 +5,6 @@ from typing import Iterable
 
 import torch
 
-from . import registry
 from .runtime import interpreting
 
 
@@ -102,48 +101,3 @@ def check_positive(name: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name}: must be a positive integer, got {value!r}")
     return value
-
-
-def tensor_key(*tensors: torch.Tensor | None) -> tuple:
-    """What the host-side checks look at in each tensor: ``(dtype, shape, strides, device)``, ``None`` for
-    ``None``. Raises ``AttributeError`` for other objects."""
-    return tuple([None if t is None else (t.dtype, t.shape, t.stride(), t.device) for t in tensors])
-
-
-def exact_ints(*values) -> bool:
-    """True when each value is ``None`` or an ``int`` proper: a plan key may hold only those (``4.0`` and
-    ``True`` hash and compare like ``4`` and ``1``, so they would hit a plan without being checked)."""
-    return all(v is None or type(v) is int for v in values)
-
-
-class PlanCache:
-    """An op's launch plans (checked metadata, configs, grids) by a key that covers everything its
-    host-side checks read: :func:`tensor_key` of its tensors, its integer sizes and its config. A hit
-    skips the checks, a miss runs them. Emptied when the registry's config lookup changes and when full."""
-
-    def __init__(self, size: int = 256) -> None:
-        self.size = size
-        self._plans: dict = {}
-        self._generation = -1
-
-    def find(self, tensors: tuple, ints: tuple = (), config: dict | None = None) -> tuple:
-        """``(key, plan or None)``; the key is None when the arguments cannot key a plan (an object that
-        is not a tensor, a size that is not an ``int``, an unhashable config): the checks then name them."""
-        if not exact_ints(*ints):
-            return None, None
-        try:
-            key = (tensor_key(*tensors), ints, None if config is None else tuple((k, type(v), v) for k, v in config.items()))
-            if self._generation != registry.lookup_generation():
-                self._plans.clear()
-                self._generation = registry.lookup_generation()
-            return key, self._plans.get(key)
-        except (AttributeError, TypeError):
-            return None, None
-
-    def put(self, key, plan):
-        """Keep ``plan`` under ``key`` (unless None) and return it."""
-        if key is not None:
-            if len(self._plans) >= self.size:
-                self._plans.clear()
-            self._plans[key] = plan
-        return plan

@@ -2,8 +2,8 @@
 
 On the GPU the cast is one ``cvt.rn`` instruction. The Triton interpreter's own fp32 -> e4m3 cast rounds wrongly
 near binade edges and ties, so in the interpreter the value is first rounded in fp32 arithmetic
-(:func:`round_to_e4m3`), after which the cast is exact. The two agree bit for bit on the GPU (H200:
-every activation row of the MoE prefill shapes, ``scripts/quantize_bench.py``).
+(:func:`round_to_e4m3`), after which the cast is exact. The two agree bit for bit on the GPU
+(``scripts/quantize_bench.py`` compares them).
 """
 import triton
 import triton.language as tl

@@ -1,9 +1,7 @@
 """Lean eager launches: a repeated launch calls the compiled kernel directly, past Triton's Python launcher.
 
 An op launches with ``launch_with(kernel, grid, meta, *args)`` where it would write ``kernel[grid](*args, **meta)``,
-``meta`` a dict of keyword arguments its plan keeps or that a builder memoized with :func:`cached_meta` hands back
-(every op does); ``launch(kernel, grid, *args, **meta)`` is the same call with the keywords packed per call (about
-0.75 us more for 13 keywords on the dev CPU).
+``meta`` a dict of keyword arguments its plan keeps (:mod:`.plans`), so that a call spends nothing on packing them.
 Triton's own launch (``JITFunction.run``) rebuilds on every call what a repeated call already knew: it binds the
 arguments, specializes each one, formats the options into a string key, looks the compiled kernel up, builds the
 launch metadata and calls the (empty) launch hooks. Here the first call of each specialization goes through
@@ -20,7 +18,7 @@ Triton's own cache key, so an equal key launches the kernel Triton itself would 
 cheaper key of the same call, the fast key: ints by value instead of by class, each tensor's dtype, the addresses'
 residues modulo 16 (one 0 when all are aligned) and a token of the keyword values and types (the last call's while
 each value is the same object, else that of an equal set; never one of another set). The layout's hit function
-(:func:`launch` calls the first layout's; each hands a call of another layout to the next) builds it, looks it up
+(:func:`launch_with` calls the first layout's; each hands a call of another layout to the next) builds it, looks it up
 and launches a hit itself, with the tensors' addresses as ints (the launcher then skips its per-pointer
 ``data_ptr`` call and driver query); a tensor not on a CUDA device (``FAST_DEVICE``) is of no layout there, so its
 call takes Triton's path. A fast miss that hits the class key launches once with the tensors themselves, whose
@@ -42,9 +40,8 @@ the Python function unchanged, as does every call of a layout with a positional 
 module could not be built. The two keep different keys (bytes against tuples) of the same entries: a call keyed by
 one then missed by the other launches once more with the tensors, never another kernel. A tensor at the address a
 tensor had at its position in the layout's last call (a persistent buffer, a recycled allocation) reuses that
-call's int. ``logits_kernel``'s ``launch_with`` hit (34 arguments, 12 tensors) costs 1.2 us with the compiled hit
-against 4.7 us through the Python function alone on the dev CPU, ``_swiglu_kernel``'s (8, 2) 0.81 against 1.95
-(``python -m dsa_triton.bench.launchprof``, whose no-op launcher is part of both).
+call's int. The host cost of a hit through either form: ``python -m dsa_triton.bench.launchprof`` (measured:
+results/journal/launch.md).
 
 A hit's launcher is the lean path's own (:mod:`dsa_triton.launcher`: C, built at first use as Triton builds its
 launchers) where it serves the compiled kernel: from a descriptor of the kernel made once (each signature entry's
@@ -66,7 +63,6 @@ launches: ``scripts/launch_cost.py``.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import sys
@@ -95,33 +91,15 @@ _device = getattr(torch._C, "_cuda_getDevice", None)
 _stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def launch(kernel, grid, *args, **meta):
-    """``kernel[grid](*args, **meta)``, through the kernel's :class:`LeanKernel` when it is a compiled-mode
-    ``@triton.jit`` function. Pass every argument that is not a constexpr positionally: keyword arguments are
-    keyed by value. Returns what Triton's launch returns (the compiled kernel). (Its body is launch_with's: delegating
-    costs about 0.5 us a call on the dev CPU, repacking the arguments.)"""
-    lean = kernel.__dict__.get(_ATTRIBUTE) if ENABLED else None
-    if lean is None and (lean := _lean_kernel(kernel)) is None:
-        return kernel[grid](*args, **meta)
-    return lean.call(grid, args, meta)
-
-
 def launch_with(kernel, grid, meta: dict, *args):
-    """:func:`launch` with the keyword arguments in a dict the caller keeps (a plan's; not modified here): a call
-    then spends nothing on packing them (13 keywords: 0.75 us on the dev CPU)."""
+    """``kernel[grid](*args, **meta)``, through the kernel's :class:`LeanKernel` when it is a compiled-mode
+    ``@triton.jit`` function. ``meta``: the keyword arguments (constexprs and options), a dict the caller keeps and
+    nobody modifies; pass every argument that is not a constexpr positionally. Returns what Triton's launch returns
+    (the compiled kernel)."""
     lean = kernel.__dict__.get(_ATTRIBUTE) if ENABLED else None
     if lean is None and (lean := _lean_kernel(kernel)) is None:
         return kernel[grid](*args, **meta)
     return lean.call(grid, args, meta)
-
-
-def cached_meta(build):
-    """``build`` (the keyword arguments of a launch, made from its arguments alone: sizes, flags, config entries and
-    any module constant a test may change) memoized for :func:`launch_with`: calls with equal arguments of equal
-    types (``True`` and ``1`` apart) get the one dict, which no one may modify; at most ``MAX_ENTRIES`` are kept.
-    Arguments are ints, bools, strings, None or dtypes: not floats (``0.0 == -0.0``, which Triton compiles apart) nor
-    tuples (the types inside are not told apart)."""
-    return functools.lru_cache(maxsize=MAX_ENTRIES, typed=True)(build)
 
 
 def _lean_kernel(kernel) -> LeanKernel | None:
@@ -255,7 +233,7 @@ class _Layout(NamedTuple):
 
 class LeanKernel:
     """The compiled launches of one ``@triton.jit`` function by key and by fast key (module docstring), and the
-    functions of the argument layouts it was launched with; :func:`launch` calls :attr:`call`."""
+    functions of the argument layouts it was launched with; :func:`launch_with` calls :attr:`call`."""
 
     def __init__(self, fn: JITFunction) -> None:
         self.fn = fn
@@ -269,8 +247,8 @@ class LeanKernel:
     def globals_changed(self) -> bool:
         """Triton's check before each launch: a global the kernel read at compile time has another value now
         (Triton then raises; so does the call that takes its path). Triton keeps deep copies of the values, so an
-        equality test (a constexpr's ``!=`` builds objects: 10-13 us a launch for the top-k kernels on the H200
-        host) runs only when a global is bound to another object than the one last found equal; else identity."""
+        equality test (a constexpr's ``!=`` builds objects, microseconds a launch for kernels that read several
+        globals) runs only when a global is bound to another object than the one last found equal; else identity."""
         used = self.fn.used_global_vals
         if used is self.watched_of and len(used) == len(self.watched):
             for scope, name, seen in self.watched:

@@ -3,7 +3,7 @@
 As Triton builds its CUDA launcher: the source is compiled once per torch, Python and platform into a shared module
 kept in Triton's cache directory (``~/.triton/cache`` unless ``TRITON_CACHE_DIR`` says otherwise), then loaded from
 there. It reads tensors through torch's C++ API, so it is C++ built against the running torch's headers and libraries
-(about 11 s on the dev CPU, once). :func:`compiled_hit` is None where no C++ compiler is found, or the build or the
+(a build of seconds, once). :func:`compiled_hit` is None where no C++ compiler is found, or the build or the
 load fails (one warning says why): :mod:`dsa_triton.launch` then hits through each layout's Python function, the
 reference.
 """

@@ -1,11 +1,11 @@
 """The lean path's own launcher of compiled kernels (``launcher.c``), and which kernels it launches.
 
-A hit of :mod:`dsa_triton.launch` (the arguments known, tensors as addresses) called Triton's C launcher, whose
-``PyArg_ParseTuple`` of a format string of every argument, then per-pointer and float conversions, cost a fair
-part of a launch (4.4-6.4 us with the driver call, for kernels of 16-34 arguments on the H200 host). ``launch()``
-here packs the same kernel parameters from a descriptor made once per compiled kernel (each signature entry's type
-code, the block size, dynamic shared memory, the PDL attribute; one per number of entries a hit passes, as a tail
-of constexprs is not passed) and calls ``cuLaunchKernelEx`` as Triton's launcher does. The C source is built as
+A hit of :mod:`dsa_triton.launch` (the arguments known, tensors as addresses) need not go through Triton's C
+launcher, whose ``PyArg_ParseTuple`` of a format string of every argument, then per-pointer and float conversions,
+are a fair part of a launch's host cost (measured: results/journal/launch.md). ``launch()`` here packs the same
+kernel parameters from a descriptor made once per compiled kernel (each signature entry's type code, the block
+size, dynamic shared memory, the PDL attribute; one per number of entries a hit passes, as a tail of constexprs is
+not passed) and calls ``cuLaunchKernelEx`` as Triton's launcher does. The C source is built as
 Triton builds its launchers (``compile_module_from_src``: the system C compiler, Triton's ``cuda.h``, the module
 cached in Triton's cache directory; libcuda is opened at the first launch, so it builds and packs without a GPU).
 

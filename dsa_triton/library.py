@@ -18,7 +18,7 @@ How arguments map (a custom op takes tensors, ints, floats, bools, strings, dtyp
   pages for the bounds, is a device read), ``block_indexer_logits(max_len)`` (the bounds are
   ``[T, ceil(max_len / P)]``). Every other output size follows from shapes and integer arguments;
 - ops that write into given tensors declare them (``mutates_args``) and return nothing but what is new:
-  ``append`` (the four cache tensors), ``mxfp4_to_fp8_out`` (``w_out``, ``s_out``; it returns the unfit count),
+  ``append_tokens`` (the four cache tensors), ``mxfp4_to_fp8_out`` (``w_out``, ``s_out``; it returns the unfit count),
   ``fp8_grouped_gemm`` (``unfit_counter``), and the ``<op>_out`` form of every op whose output a caller would
   preallocate (``out``; ``dt``'s ``out=``): ``indexer_logits_out``, ``block_scores_out``, ``select_pages_out``,
   ``topk_indices_out``, ``mxfp4_dequantize_out``, ``fp8_grouped_gemm_out``, ``fused_moe_gemm_out``, ``swiglu_out``,
@@ -58,16 +58,27 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from . import (RoutingConfig, append_tokens, block_indexer_logits, block_scores, fp8_blockwise_linear,
-               fp8_grouped_gemm, fused_moe_gemm, indexer_logits, moe_forward, mxfp4_dequantize, mxfp4_quantize,
-               mxfp4_to_fp8, registry, route_topk, select_pages, sparse_attention_decode, sparse_attention_prefill,
-               swiglu, topk_indices)
+from .attention.append_tokens import append_tokens
+from .attention.block_indexer_logits import block_indexer_logits, block_scores
+from .attention.indexer_logits import indexer_logits
+from .attention.select_pages import select_pages
+from .attention.sparse_attention import sparse_attention_decode, sparse_attention_prefill
+from .attention.topk_indices import topk_indices
 from .checks import check_tensor
 from .hostmath import cdiv
-from .moe import ExpertSort
+from .linear.fp8_blockwise_linear import fp8_blockwise_linear
+from .moe.activation import swiglu
+from .moe.fp8_grouped_gemm import fp8_grouped_gemm
+from .moe.fused_moe_gemm import fused_moe_gemm
+from .moe.moe_forward import moe_forward
+from .moe.mxfp4 import mxfp4_dequantize, mxfp4_quantize
+from .moe.mxfp4_to_fp8 import mxfp4_to_fp8
+from .moe.permute import ExpertSort
+from .moe.route_topk import route_topk
+from .moe.routing import RoutingConfig
 # the launch-only entry points of the load-time MXFP4 ops (what their registry entries time): check_values=False
-from .moe.mxfp4_to_fp8 import convert_all
-from .moe.mxfp4 import dequantize_launch, quantize_launch
+from .moe.mxfp4 import DEQUANTIZE, QUANTIZE, dequantize_launch, quantize_launch
+from .moe.mxfp4_to_fp8 import conversion_config, convert_all
 
 NAMESPACE = "dsa"
 
@@ -107,10 +118,10 @@ def routing_kwargs(routing: RoutingConfig, mode_name: str = "mode") -> dict:
 
 # -- attention ----------------------------------------------------------------------------------------------------
 
-@_op("append", mutates_args=("kv_cache", "ik", "ik_scale", "summaries"))
-def append(kv_cache: Optional[Tensor], ik: Optional[Tensor], ik_scale: Optional[Tensor], summaries: Optional[Tensor],
-           kv: Optional[Tensor], index_k: Optional[Tensor], items: Tensor, check_values: bool = True,
-           config: Optional[str] = None) -> None:
+@_op("append_tokens", mutates_args=("kv_cache", "ik", "ik_scale", "summaries"))
+def append_tokens_op(kv_cache: Optional[Tensor], ik: Optional[Tensor], ik_scale: Optional[Tensor],
+                     summaries: Optional[Tensor], kv: Optional[Tensor], index_k: Optional[Tensor], items: Tensor,
+                     check_values: bool = True, config: Optional[str] = None) -> None:
     """:func:`dt.append_tokens`: new tokens ``kv[N, D]`` / ``index_k[N, DK]`` into the paged caches, in place.
 
     ``items[n, 4]`` int32 = (first source row, token count, physical page, first slot in the page), one per touched
@@ -121,7 +132,7 @@ def append(kv_cache: Optional[Tensor], ik: Optional[Tensor], ik_scale: Optional[
                   check_values=check_values)
 
 
-@append.register_fake
+@append_tokens_op.register_fake
 def _(kv_cache, ik, ik_scale, summaries, kv, index_k, items, check_values=True, config=None):
     return None
 
@@ -310,8 +321,7 @@ def mxfp4_quantize_op(w: Tensor, check_values: bool = True, config: Optional[str
     [..., N, K/32])``. ``check_values=False`` skips the argument checks and the finiteness scan."""
     if check_values:
         return mxfp4_quantize(w, config=_config(config))
-    spec = registry.get("mxfp4_quantize")
-    return quantize_launch(w, _config(config) or spec.launch_config("load", _flat(w.shape[:-1], w.shape[-1]), w.device))
+    return quantize_launch(w, _config(config) or QUANTIZE.launch_config("load", _flat(w.shape[:-1], w.shape[-1]), w.device))
 
 
 @mxfp4_quantize_op.register_fake
@@ -327,9 +337,8 @@ def mxfp4_dequantize_op(blocks: Tensor, scales: Tensor, dtype: torch.dtype = tor
     and the 0xFF (NaN) scale scan."""
     if check_values:
         return mxfp4_dequantize(blocks, scales, dtype, config=_config(config))
-    spec = registry.get("mxfp4_dequantize")
     shape = _flat(blocks.shape[:-2], blocks.shape[-2] * 32)
-    return dequantize_launch(blocks, scales, dtype, _config(config) or spec.launch_config("load", shape, blocks.device))
+    return dequantize_launch(blocks, scales, dtype, _config(config) or DEQUANTIZE.launch_config("load", shape, blocks.device))
 
 
 @mxfp4_dequantize_op.register_fake
@@ -346,9 +355,8 @@ def mxfp4_dequantize_out(blocks: Tensor, scales: Tensor, out: Tensor, check_valu
     if check_values:
         mxfp4_dequantize(blocks, scales, out.dtype, config=_config(config), out=out)
         return
-    spec = registry.get("mxfp4_dequantize")
     shape = _flat(blocks.shape[:-2], blocks.shape[-2] * 32)
-    dequantize_launch(blocks, scales, out.dtype, _config(config) or spec.launch_config("load", shape, blocks.device),
+    dequantize_launch(blocks, scales, out.dtype, _config(config) or DEQUANTIZE.launch_config("load", shape, blocks.device),
                       out)
 
 
@@ -374,8 +382,7 @@ def _to_fp8(blocks, scales, w, s, check_values, config) -> Tensor:
         experts *= d
     if w.numel() == 0:
         return torch.zeros(1, dtype=torch.int32, device=w.device)
-    shape = {"G": experts, "N": n, "K": 32 * kb}
-    config = _config(config) or registry.get("mxfp4_to_fp8").launch_config("prefill", shape, blocks.device)
+    config = _config(config) or conversion_config(experts, n, 32 * kb, blocks.device)
     return convert_all(blocks.reshape(experts, n, kb, 16), scales.reshape(experts, n, kb),
                        w.view(experts, n, 32 * kb), s.view(experts, n, -1), config)
 
@@ -563,7 +570,7 @@ def moe_forward_op(x: Tensor, router_weight: Tensor, gate_up_blocks: Tensor, gat
                    norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, phase: Optional[str] = None,
                    check_values: bool = True, config: Optional[str] = None) -> Tensor:
     """:func:`dt.moe_forward`: ``y[T, H]`` in ``x``'s dtype; the routing fields as in :class:`~dsa_triton.RoutingConfig`
-    (:func:`routing_kwargs`), ``config`` a ``moe_path`` config such as ``'{"path": "fused"}'``."""
+    (:func:`routing_kwargs`), ``config`` a ``moe_forward`` config such as ``'{"path": "fused"}'``."""
     routing = _routing(mode, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
     return moe_forward(x, router_weight, gate_up_blocks, gate_up_scales, down_blocks, down_scales, routing=routing,
                        router_bias=router_bias, shared_gate_up=shared_gate_up, shared_down=shared_down, phase=phase,
@@ -624,7 +631,7 @@ def _(x, weight, weight_scale_inv, out, check_values=True, config=None):
 
 
 OPS = {name: getattr(torch.ops.dsa, name) for name in (
-    "append", "indexer_logits", "indexer_logits_out", "block_scores", "block_scores_out", "select_pages",
+    "append_tokens", "indexer_logits", "indexer_logits_out", "block_scores", "block_scores_out", "select_pages",
     "select_pages_out", "block_indexer_logits", "topk_indices", "topk_indices_out", "sparse_attention_decode",
     "sparse_attention_prefill", "mxfp4_quantize", "mxfp4_dequantize", "mxfp4_dequantize_out", "mxfp4_to_fp8",
     "mxfp4_to_fp8_out", "fp8_grouped_gemm", "fp8_grouped_gemm_out", "fused_moe_gemm", "fused_moe_gemm_out",

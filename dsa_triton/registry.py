@@ -1,23 +1,25 @@
 """Kernel registry: what every tunable kernel declares, and how an op picks its launch config.
 
-A kernel module builds one :class:`KernelSpec` and calls :func:`register`. The tuner, the benchmark
-and the ops all read the same spec:
+Two declarations per kernel, so that an op never imports its registry entry:
 
-- ``space``: candidate values per launch parameter; ``constraint`` rejects combinations that are
-  invalid for a shape (it returns the reason);
-- ``fixed_dims`` / ``bucketed_dims``: which shape dimensions form the shape key, exact or rounded up to a
-  power of two (token, batch and context counts);
-- ``default(phase, shape)``: the config used when the tuning database has nothing better;
-- ``make_inputs`` / ``run`` / ``reference`` / ``compare``: a fresh random problem, the kernel with an
-  explicit config, the pure-PyTorch oracle and the agreement test;
-- ``cost`` and ``baseline``: the floor (bytes and FLOPs) and what a user would run instead.
+- :class:`LaunchSpace`, in the op's module: what the op needs at run time. ``space``: candidate values per launch
+  parameter; ``constraint`` rejects combinations that are invalid for a shape (it returns the reason);
+  ``fixed_dims`` / ``bucketed_dims``: which shape dimensions form the shape key, exact or rounded up to a power of
+  two (token, batch and context counts); ``default(phase, shape)``: the config used when the tuning database has
+  nothing better. The op calls :meth:`LaunchSpace.launch_config`.
+- :class:`KernelSpec`, in the op's ``<op>_spec.py``, which imports the op: its launch space and what measuring
+  needs: ``make_inputs`` / ``run`` / ``reference`` / ``compare`` (a fresh random problem, the kernel with an explicit
+  config, the pure-PyTorch oracle and the agreement test), ``cost`` and ``baseline`` (the floor in bytes and FLOPs,
+  and what a user would run instead), ``model_dims`` (the kernel's dims from a model's config.json, for the tuner).
+  :func:`register` adds it; the tuner, the bench and the tests read it.
 
-Ops call :meth:`KernelSpec.launch_config`, which asks the installed config lookup (host side, cached) and
-falls back to the default. ``import dsa_triton`` installs the tuning database as that lookup, in plain sight
-(:func:`set_config_lookup`); nothing else installs one on import.
+Launch configs come from the tuning database (:mod:`tuning_db`, a leaf package) that :func:`database` opens on first
+use (``$DSA_TUNING_DB`` or the packaged folder); :func:`use_database` makes another one current. Nothing is opened
+or installed as a side effect of an import.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import itertools
@@ -27,7 +29,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from .hostmath import next_pow2
+from tuning_db import Database, ShapeKey, bucket, shape_text  # noqa: F401  (re-exported: the names specs use)
 
 Config = dict[str, Any]
 Shape = Mapping[str, int]
@@ -36,38 +38,6 @@ Inputs = dict[str, Any]
 
 class ConfigError(ValueError):
     """A config that names an unknown parameter, a value outside the space, or breaks a constraint."""
-
-
-def shape_text(shape: Shape) -> str:
-    """The one text form of a shape, dims sorted by name: ``{"L": 5000, "B": 3}`` -> ``"B=3,L=5000"``."""
-    return ",".join(f"{k}={int(v)}" for k, v in sorted(shape.items()))
-
-
-def bucket(n: int) -> int:
-    """Round a count up to a power of two (0 stays 0): 1->1, 3->4, 4096->4096, 4097->8192."""
-    if n < 0:
-        raise ValueError(f"bucket: count must be >= 0, got {n}")
-    return 0 if n == 0 else next_pow2(n)
-
-
-@dataclass(frozen=True, order=True)
-class ShapeKey:
-    """Phase plus named dimensions; bucketed ones already rounded. ``str`` form: ``decode:B=64,L=131072``."""
-
-    phase: str
-    dims: tuple[tuple[str, int], ...]
-
-    def __str__(self) -> str:
-        return f"{self.phase}:{shape_text(dict(self.dims))}"
-
-    @classmethod
-    def parse(cls, text: str) -> "ShapeKey":
-        phase, _, rest = text.partition(":")
-        dims = tuple((k, int(v)) for k, v in (item.split("=") for item in rest.split(",") if item))
-        return cls(phase, tuple(sorted(dims)))
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.dims)
 
 
 @dataclass(frozen=True)
@@ -80,26 +50,18 @@ class Cost:
 
 
 @dataclass
-class KernelSpec:
+class LaunchSpace:
+    """An op's launch parameters: what the op needs at run time (module docstring). Declared in the op's module."""
+
     name: str
     phases: tuple[str, ...]
     space: dict[str, tuple[Any, ...]]
     default: Callable[[str, Shape], Config]
     fixed_dims: tuple[str, ...]
     bucketed_dims: tuple[str, ...]
-    make_inputs: Callable[[str, Shape, torch.device, int], Inputs]
-    run: Callable[[Inputs, Config], Any]
-    reference: Callable[[Inputs], Any]
-    compare: Callable[[Any, Any], str | None]
-    cost: Callable[[str, Shape], Cost]
-    bench_shapes: Callable[[str, bool], list[dict[str, int]]]
     constraint: Callable[[Config, Shape], str | None] = lambda config, shape: None
-    baseline: Callable[[Inputs], Any] | None = None
-    baseline_name: str = ""
-    source_modules: tuple[Any, ...] = ()
     _cache: dict = field(default_factory=dict, repr=False)
 
-    # -- shape keys -------------------------------------------------------------------------
     def shape_key(self, phase: str, shape: Shape) -> ShapeKey:
         """Exact fixed dims, power-of-two bucketed counts; a missing dimension is an error."""
         if phase not in self.phases:
@@ -107,11 +69,8 @@ class KernelSpec:
         missing = [d for d in (*self.fixed_dims, *self.bucketed_dims) if d not in shape]
         if missing:
             raise ValueError(f"{self.name}: shape lacks dimensions {missing} (got {dict(shape)})")
-        dims = [(d, int(shape[d])) for d in self.fixed_dims]
-        dims += [(d, bucket(int(shape[d]))) for d in self.bucketed_dims]
-        return ShapeKey(phase, tuple(sorted(dims)))
+        return ShapeKey.of(phase, shape, self.fixed_dims, self.bucketed_dims)
 
-    # -- configs ------------------------------------------------------------------------------
     def validate(self, config: Config, shape: Shape) -> Config:
         """Return a copy of ``config`` if it is a dict whose every parameter is known, in its space (type included:
         ``16.0`` is not ``16``) and the constraint holds; else raise :class:`ConfigError` naming the parameter (or
@@ -151,24 +110,107 @@ class KernelSpec:
         return math.prod(len(v) for v in self.space.values())
 
     def launch_config(self, phase: str, shape: Shape, device: torch.device | str | None = None) -> Config:
-        """The config an op launches with: the installed lookup's stored config for this shape, else the default.
+        """The config an op launches with: the current database's stored config for this shape, else the default.
 
-        The lookup is given the spec (nothing is looked up by name again); what it returns is validated here, and
-        an invalid stored config falls back to the (validated) default. Host-side and cached per (phase, shape, device) as given
-        and the lookup installed, so it is cheap on every call and never launches anything (safe inside
-        CUDA-graph capture once warmed up).
+        What the database returns is validated here, and an invalid stored config falls back to the (validated)
+        default. Host-side and cached per (phase, shape, device) as given and the database's :func:`generation`,
+        so it is cheap on every call and never launches anything (safe inside CUDA-graph capture once warmed up).
         """
-        key = (phase, tuple(shape.items()), device, _lookup_generation)  # as given: a hit does no other work
+        key = (phase, tuple(shape.items()), device, generation())  # as given: a hit does no other work
         hit = self._cache.get(key)
         if hit is not None:
             return dict(hit)
         from .runtime import device_name
 
-        config = None if _lookup is None else _lookup(self, phase, dict(shape), device_name(device))
-        if config is None or not self.is_valid(config, shape):  # a lookup that is not the database may err
+        config = database().lookup(self, phase, dict(shape), device_name(device))
+        if config is None or not self.is_valid(config, shape):  # a database that is not ours may err
             config = self.validate(dict(self.default(phase, shape)), shape)
+        if len(self._cache) >= MAX_CACHED:
+            self._cache.clear()
         self._cache[key] = dict(config)
         return dict(config)
+
+
+LAUNCH_FIELDS = ("name", "phases", "space", "default", "fixed_dims", "bucketed_dims", "constraint")
+
+
+@dataclass
+class KernelSpec:
+    """A registered kernel: its op's :class:`LaunchSpace` and what measuring and tuning need (module docstring).
+
+    ``model_dims(config)``: the kernel's dims that a model's config.json fixes, one dict per problem the model poses
+    (e.g. one per weight matrix), read through :mod:`.model_dims`; ``count_roles``: what each bucketed dim counts
+    (``batch``, ``tokens``, ``context`` or ``pages``), so a tuner can lay batch sizes and context lengths over them.
+    """
+
+    launch: LaunchSpace
+    make_inputs: Callable[[str, Shape, torch.device, int], Inputs]
+    run: Callable[[Inputs, Config], Any]
+    reference: Callable[[Inputs], Any]
+    compare: Callable[[Any, Any], str | None]
+    cost: Callable[[str, Shape], Cost]
+    bench_shapes: Callable[[str, bool], list[dict[str, int]]]
+    baseline: Callable[[Inputs], Any] | None = None
+    baseline_name: str = ""
+    source_modules: tuple[Any, ...] = ()
+    model_dims: Callable[[dict[str, Any]], list[dict[str, int]]] | None = None
+    count_roles: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, **fields) -> "KernelSpec":
+        """A spec from flat fields, those of its :class:`LaunchSpace` among them (a throw-away kernel's, a test's)."""
+        launch = {k: fields.pop(k) for k in LAUNCH_FIELDS if k in fields}
+        return cls(launch=LaunchSpace(**launch), **fields)
+
+    def replace(self, **changes) -> "KernelSpec":
+        """A copy with ``changes`` to any field, its launch space's included (a fresh launch-config cache)."""
+        launch = {k: changes.pop(k, getattr(self.launch, k)) for k in LAUNCH_FIELDS}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "launch"}
+        return KernelSpec.of(**launch, **{**fields, **changes})
+
+    @property
+    def name(self) -> str:
+        return self.launch.name
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        return self.launch.phases
+
+    @property
+    def space(self) -> dict[str, tuple[Any, ...]]:
+        return self.launch.space
+
+    @property
+    def fixed_dims(self) -> tuple[str, ...]:
+        return self.launch.fixed_dims
+
+    @property
+    def bucketed_dims(self) -> tuple[str, ...]:
+        return self.launch.bucketed_dims
+
+    def default(self, phase: str, shape: Shape) -> Config:
+        return self.launch.default(phase, shape)
+
+    def constraint(self, config: Config, shape: Shape) -> str | None:
+        return self.launch.constraint(config, shape)
+
+    def shape_key(self, phase: str, shape: Shape) -> ShapeKey:
+        return self.launch.shape_key(phase, shape)
+
+    def validate(self, config: Config, shape: Shape) -> Config:
+        return self.launch.validate(config, shape)
+
+    def is_valid(self, config: Config, shape: Shape) -> bool:
+        return self.launch.is_valid(config, shape)
+
+    def configs(self, shape: Shape) -> Iterator[Config]:
+        return self.launch.configs(shape)
+
+    def space_size(self) -> int:
+        return self.launch.space_size()
+
+    def launch_config(self, phase: str, shape: Shape, device: torch.device | str | None = None) -> Config:
+        return self.launch.launch_config(phase, shape, device)
 
     def source_hash(self) -> str:
         """Short hash of the kernel's source modules: a stored record is only trusted for the same code."""
@@ -179,10 +221,10 @@ class KernelSpec:
 
 
 # -- the registry -------------------------------------------------------------------------------
+MAX_CACHED = 4096  # launch configs kept per kernel; past this the cache starts over
 _KERNELS: dict[str, KernelSpec] = {}
-ConfigLookup = Callable[["KernelSpec", str, dict[str, int], str], "Config | None"]
-_lookup: ConfigLookup | None = None
-_lookup_generation = 0
+_database: Database | None = None
+_generation = 0  # bumped whenever another database becomes current
 
 
 def register(spec: KernelSpec) -> KernelSpec:
@@ -216,25 +258,30 @@ def kernels() -> list[KernelSpec]:
     return [_KERNELS[n] for n in sorted(_KERNELS)]
 
 
-def lookup_generation() -> int:
-    """Bumped by every :func:`set_config_lookup`: caches of launch decisions key on it."""
-    return _lookup_generation
+def source_hash(name: str) -> str | None:
+    """The source hash of the registered kernel ``name`` (None: not registered): the database's freshness test."""
+    spec = _KERNELS.get(name)
+    return None if spec is None else spec.source_hash()
 
 
-def set_config_lookup(fn: ConfigLookup | None) -> None:
-    """Install the function ops ask for stored configs: ``fn(spec, phase, shape, device) -> config or None``.
-
-    ``shape`` is the exact (unbucketed) shape, so a database can prefer an exact match over the same bucket; a
-    returned config must be valid for ``spec`` and ``shape`` (:meth:`KernelSpec.is_valid`). ``import dsa_triton``
-    installs the tuning database; tests install their own. Clears the caches.
-    """
-    global _lookup, _lookup_generation
-    _lookup = fn
-    _lookup_generation += 1
-    for spec in _KERNELS.values():
-        spec._cache.clear()
+def database() -> Database:
+    """The tuning database ops read launch configs from: the one :func:`use_database` made current, else the one in
+    ``$DSA_TUNING_DB`` (default: the packaged ``tuning_db/data``), opened on first use."""
+    return _database if _database is not None else use_database()
 
 
-def config_lookup() -> ConfigLookup | None:
-    """The installed lookup (None: every op launches with its default)."""
-    return _lookup
+def use_database(db: Database | str | None = None) -> Database:
+    """Make ``db`` the database every op reads (a :class:`tuning_db.Database`, a folder, or None: ``$DSA_TUNING_DB``
+    or the packaged one) and return it; the ops' cached launch decisions start over."""
+    global _database, _generation
+    if not isinstance(db, Database):
+        db = Database(db, source_hash=source_hash)
+    _database = db
+    _generation += 1
+    return db
+
+
+def generation() -> tuple[int, int]:
+    """Changes whenever a launch config may change (another database, or records added to the current one): caches
+    of launch decisions key on it."""
+    return _generation, -1 if _database is None else _database.generation

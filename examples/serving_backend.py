@@ -60,7 +60,7 @@ class DSAAttentionBackend:
         n, P = kv.shape[0], self.P
         table = self.block_table[seq].tolist()
         items = [(r, min(P, n - r), table[r // P], 0) for r in range(0, n, P)]
-        ops.append(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k,
+        ops.append_tokens(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k,
                    torch.tensor(items, dtype=torch.int32, device=kv.device), check_values=True)  # not in a graph
         self.seq_lens[seq] = n
 
@@ -74,7 +74,7 @@ class DSAAttentionBackend:
         P = self.P
         # one work item per sequence: (source row, 1 token, its page, its slot in the page), built on the device
         items = torch.stack([self.rows, torch.ones_like(self.rows), self.new_token_pages(), self.positions % P], 1)
-        ops.append(self.kv, self.ik, self.ik_scale, self.summaries, self.new_kv, self.new_index_k, items,
+        ops.append_tokens(self.kv, self.ik, self.ik_scale, self.summaries, self.new_kv, self.new_index_k, items,
                    check_values=False)
         self.seq_lens.copy_(self.positions + 1)
         logits = ops.indexer_logits(self.q_index, self.w_index, self.ik, self.ik_scale, self.seq_lens, self.max_len,
@@ -110,7 +110,7 @@ class MXFP4MoEMethod:
         """The same layer for an engine that computes the router logits itself: routing -> sort by expert ->
         gate_up -> SwiGLU -> down -> weighted combine plus the shared expert, op by op."""
         weights, ids = ops.route_topk(router_logits, self.router_bias, **self.routing, check_values=False)
-        sort = dt.moe.sort_and_align(ids, weights, self.num_experts, check_ids=False)  # one launch, no host read
+        sort = dt.sort_and_align(ids, weights, self.num_experts, check_ids=False)  # one launch, no host read
         by_expert = (sort.expert_offsets, sort.sorted_token, sort.sorted_expert)
         top_k = self.routing["top_k"]
         h = ops.fused_moe_gemm(x, *by_expert, *self.gate_up, top_k, gather_tokens=True, out_dtype=torch.float32,
@@ -126,7 +126,7 @@ class MXFP4MoEMethod:
 
 # -- plain-PyTorch references (what the ops compute) ---------------------------------------------------------------
 
-def indexer_reference(attn: DSAAttentionBackend) -> torch.Tensor:
+def indexer_logits_reference(attn: DSAAttentionBackend) -> torch.Tensor:
     """``score[b, s] = sum_h w[b, h] * relu(q[b, h] . k[s]) * k_scale[s]`` over positions ``s < seq_lens[b]``."""
     P, L = attn.P, attn.max_len
     pos = torch.arange(L, device=attn.kv.device)
@@ -183,7 +183,7 @@ def check_step(attn: DSAAttentionBackend, moe: MXFP4MoEMethod, step: dict, y: to
     P = attn.P
     slot_new = attn.new_token_pages() * P + attn.positions % P
     assert torch.equal(attn.kv.flatten(0, 1)[slot_new.long()], attn.new_kv), "append: the new latent rows"
-    assert_close(step["logits"], indexer_reference(attn), "indexer logits", rel)
+    assert_close(step["logits"], indexer_logits_reference(attn), "indexer logits", rel)
     # top-k: the selected logits are the k largest (ties may pick either position)
     logits = step["logits"]
     positions = torch.arange(attn.max_len, device=logits.device)

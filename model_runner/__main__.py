@@ -28,13 +28,14 @@ import torch
 from dsa_triton.hostmath import cdiv
 from dsa_triton.runtime import default_device
 
-from . import build_engine, config_file, distributed
+from .build import build_engine, config_file
 from .errors import RunnerError
 from .index_path import PATHS
 from .memory import bytes_per_token, format_plan
 from .sampling import SamplingParams
 from .batch_io import read_requests, write_results
 from .cache_manager import KV_CACHE_FORMATS
+from .distributed import Solo, setup, share, shutdown
 from .tiny import DENSE_FORMATS, EXPERT_FORMATS, make_tiny
 from .tokenizer import eos_token_ids, load_tokenizer
 
@@ -118,18 +119,18 @@ def generate(args) -> None:
         stop = () if args.ignore_eos else eos_token_ids(args.model)
     defaults = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, stop, args.top_k)
     requests = read_requests(args.prompts, defaults, tokenizer)
-    parallel = distributed.setup()  # None unless launched by torchrun with more than one process
+    parallel = setup()  # None unless launched by torchrun with more than one process
     try:
         _generate(args, requests, tokenizer, parallel)
     finally:
-        distributed.shutdown()
+        shutdown()
 
 
 def _generate(args, requests, tokenizer, parallel) -> None:
     device = parallel.device if parallel else default_device()
     dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float16
     max_seq_len = args.max_seq_len or max(len(r.token_ids) + r.params.max_new_tokens for r in requests)
-    here = len(distributed.share(len(requests), parallel)) if parallel else len(requests)  # this rank's prompts
+    here = len(share(len(requests), parallel or Solo()))  # this rank's prompts
     max_seqs = max(1, min(args.max_seqs, here))
     num_pages = args.num_pages or max_seqs * cdiv(max_seq_len, args.page_size)
     start = time.perf_counter()
@@ -140,7 +141,7 @@ def _generate(args, requests, tokenizer, parallel) -> None:
                           kv_cache=args.kv_cache, indexer_path=dict(zip(("decode", "prefill"), args.indexer_path)),
                           cuda_graphs=not args.no_cuda_graphs, profile=args.profile,
                           random_layers=(RANDOM_LAYERS if args.layers is None else args.layers)
-                          if args.random_weights else None)
+                          if args.random_weights else None, parallel=parallel)
     build_s = time.perf_counter() - start
     lead = parallel is None or parallel.rank == 0  # the process that prints and writes
     totals = parallel.all_gather(sum(engine.memory.values())) if parallel else []
@@ -157,15 +158,13 @@ def _generate(args, requests, tokenizer, parallel) -> None:
             print("memory plan totals by rank: " + ", ".join(f"{t / 2**20:.2f}" for t in totals) + " MiB", flush=True)
     prompts, params, names = ([r.token_ids for r in requests], [r.params for r in requests],
                               [r.name for r in requests])
-    start = time.perf_counter()
-    if parallel is None:
-        seqs = engine.run(prompts, params, progress=not args.no_progress, names=names)
-        reports = [(engine.throughput(), None)]
-    else:
+    if parallel is not None:
         parallel.timed = args.time_collectives
-        seqs = distributed.generate(engine, prompts, params, names, progress=not args.no_progress)
-        reports = parallel.all_gather((engine.throughput(), dict(parallel.stats)))
+    start = time.perf_counter()
+    seqs = engine.run(prompts, params, progress=not args.no_progress, names=names)
     run_s = time.perf_counter() - start
+    reports = (parallel.all_gather((engine.throughput(), dict(parallel.stats))) if parallel
+               else [(engine.throughput(), None)])
     if not lead:
         return
     write_results(args.out, seqs, tokenizer)

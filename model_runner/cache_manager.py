@@ -13,6 +13,9 @@ Pages are allocated as a sequence grows: :meth:`CacheManager.allocate` gives a s
 first chunk, :meth:`CacheManager.grow` adds pages before a step writes past them, :meth:`CacheManager.free` gives
 everything back (a finished sequence, or a preempted one that is recomputed later). :meth:`CacheManager.room` says
 how many tokens a sequence could hold now, so a scheduler can size chunks and choose preemptions.
+
+The manager owns each sequence's cached length (:meth:`CacheManager.length`): only :meth:`CacheManager.place` (which
+every forward's batch goes through, eager or CUDA graph) advances it; the scheduler and the engine ask for it.
 """
 from __future__ import annotations
 
@@ -154,6 +157,7 @@ class CacheManager:
         self._free_ids.append(seq)
 
     def length(self, seq: int) -> int:
+        """Tokens of sequence ``seq`` in the cache (placed by the forwards so far)."""
         return self._lens[seq]
 
     def pages(self, seq: int) -> list[int]:

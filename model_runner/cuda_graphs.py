@@ -42,6 +42,8 @@ def unavailable_reason(model: Model, device: torch.device) -> str | None:
         return "needs kernel mode with value checks off (--skip-checks): decode steps run eagerly"
     if model.index_precision != "fp8":
         return "needs the FP8 indexer (activation-precision scores read sizes on the host): decode steps run eagerly"
+    if model.parallel is not None and model.parallel.world_size > 1:
+        return "expert parallel: the MoE exchange reads row counts on the host: decode steps run eagerly"
     return None
 
 

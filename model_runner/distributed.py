@@ -5,13 +5,15 @@ gloo on CPUs), launched with torchrun::
 
 - Process group (:func:`setup`): torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (and ``MASTER_ADDR`` /
   ``MASTER_PORT``); a GPU rank runs on ``cuda:LOCAL_RANK``. One process (``WORLD_SIZE`` absent or 1) is the plain
-  runner: :func:`active` is None and nothing here runs.
+  runner: :func:`setup` returns None and nothing here runs. The group is handed to what needs it: the model build
+  (:func:`.build.build_engine`), hence the MoE layers and the engine.
 - Expert ownership (:meth:`Parallel.owned`): rank ``r`` of ``W`` holds experts ``[r E // W, (r + 1) E // W)`` of
   every MoE layer, and the loader reads only those; everything else (embeddings, attention, dense MLPs, router,
   shared expert, head) is on every rank.
-- Data-parallel attention (:func:`generate`): prompt ``i`` runs on rank ``i % W``, each rank with its own paged
-  caches and scheduler (its own :class:`.engine.Engine`); every rank returns all sequences in prompt order.
-- The MoE layer (:meth:`Parallel.moe`, called by :class:`.model.MoE` while a group is active): each rank routes its
+- Data-parallel attention (:meth:`.engine.Engine.run` of an engine built with the group): prompt ``i`` runs on
+  rank ``i % W`` (:func:`share`), each rank with its own paged caches and scheduler; every rank returns all
+  sequences in prompt order.
+- The MoE layer (:meth:`Parallel.moe`, called by a :class:`.model.MoE` built with the group): each rank routes its
   own tokens; each (token, choice) row goes to its expert's rank. The row counts are exchanged first (one
   ``all_to_all_single`` of ``W`` integers, read on the host to size the buffers), then the rows (activation dtype
   and local expert id packed as bytes: one ``all_to_all_single``); the owner runs its experts on what it received
@@ -19,8 +21,8 @@ gloo on CPUs), launched with torchrun::
   rows with its routing weights in fp32 (one batched matmul, as :func:`dsa_triton.moe.permute.combine_rows`) and
   rounds once to the activation dtype. Three collectives per MoE layer and step.
 - Ranks step together: each step is one forward on every rank. A rank with nothing to run joins each MoE layer's
-  collectives with no tokens (:meth:`Parallel.idle`); one all-reduce per step tells whether any rank has work left.
-  An error inside a step on one rank ends that process; torchrun then ends the others.
+  collectives with no tokens (:meth:`.model.Model.idle`); one all-reduce per step tells whether any rank has work
+  left. An error inside a step on one rank ends that process; torchrun then ends the others.
 
 gloo implements ``all_to_all_single`` with uneven splits (checked with torch 2.13), so one code path serves both
 backends.
@@ -36,7 +38,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from .errors import RunnerError
 
@@ -107,8 +108,8 @@ class Parallel:
         mine = self.owned(num_experts)
         if layer.experts[0].shape[0] != len(mine):
             raise RunnerError(f"experts: rank {self.rank} of {self.world_size} holds {layer.experts[0].shape[0]} "
-                              f"experts, expected {len(mine)} (experts {mine.start}..{mine.stop - 1}): load the "
-                              f"checkpoint after setup()")
+                              f"experts, expected {len(mine)} (experts {mine.start}..{mine.stop - 1}): load only "
+                              f"this rank's experts (build the engine with this group)")
         tokens, hidden = x.shape
         first = torch.tensor([r * num_experts // self.world_size for r in range(self.world_size + 1)],
                              device=x.device)
@@ -138,16 +139,6 @@ class Parallel:
         combined = torch.bmm(weights.float().reshape(tokens, 1, top_k), per_slot.view(tokens, top_k, hidden))
         return combined.view(tokens, hidden).to(x.dtype)
 
-    def idle(self, model) -> None:
-        """A step with no tokens on this rank: join every MoE layer's collectives (other ranks' rows still come
-        to this rank's experts)."""
-        from .model import MoE
-
-        empty = model.embed.new_empty(0, model.config.hidden_size)
-        for *_, mlp in model.layers:
-            if isinstance(mlp, MoE):
-                self.moe(empty, mlp, model.ops)
-
     def memory(self, config, tokens_per_step: int, dtype: torch.dtype) -> dict[str, int]:
         """The memory plan's line for the dispatch / combine buffers of one MoE layer at ``tokens_per_step`` tokens
         (at most: every rank sends all its rows here)."""
@@ -165,14 +156,10 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).view(t.shape[0], math.prod(t.shape[1:]) * t.element_size())
 
 
-def active() -> Parallel | None:
-    """The group joined by :func:`setup`, or None (one process)."""
-    return _ACTIVE
-
-
 def setup(backend: str | None = None) -> Parallel | None:
     """Join the process group torchrun describes in the environment (``backend``: default NCCL when CUDA is
-    available, else gloo) and make it :func:`active`; None when ``WORLD_SIZE`` is absent or 1."""
+    available, else gloo); None when ``WORLD_SIZE`` is absent or 1. The group is kept process-wide until
+    :func:`shutdown` (a second call returns it)."""
     global _ACTIVE
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or _ACTIVE is not None:
@@ -200,36 +187,19 @@ def shutdown() -> None:
     _ACTIVE = None
 
 
-def share(count: int, parallel: Parallel) -> list[int]:
-    """The request indices of ``parallel``'s rank (round robin over ranks)."""
-    return list(range(parallel.rank, count, parallel.world_size))
+class Solo:
+    """One process in the place of a group: rank 0 of 1, whose collectives return what this process gives."""
+    rank, world_size = 0, 1
+
+    @staticmethod
+    def any(flag: bool) -> bool:
+        return flag
+
+    @staticmethod
+    def all_gather(obj) -> list:
+        return [obj]
 
 
-def generate(engine, prompts: list[list[int]], params: list, names: list[str] | None = None,
-             progress: bool = True) -> list:
-    """Data-parallel :meth:`.engine.Engine.run`: this rank runs its :func:`share` of the prompts, stepping with the
-    other ranks until none has work left; returns every rank's sequences in prompt order (on every rank). A prompt
-    that the engine refuses is an error on every rank (agreed before the first step). The progress bar (rank 0)
-    counts rank 0's tokens."""
-    parallel = active()
-    names = names or [f"prompt {i}" for i in range(len(prompts))]
-    mine = share(len(prompts), parallel)
-    error, seqs = None, []
-    try:
-        seqs = [engine.add(prompts[i], params[i], names[i]) for i in mine]
-    except RunnerError as exc:
-        error = str(exc)
-    errors = [e for e in parallel.all_gather(error) if e]
-    if errors:
-        raise RunnerError(errors[0])
-    with tqdm(total=sum(params[i].max_new_tokens for i in mine), desc=f"generate (rank 0 of {parallel.world_size})",
-              unit="tok", disable=not progress or parallel.rank != 0) as bar:
-        while parallel.any(bool(engine.waiting or engine.running)):
-            if engine.waiting or engine.running:
-                before = sum(len(s.output) for s in engine.running)
-                finished = engine.step()
-                bar.update(sum(len(s.output) for s in engine.running + finished) - before)
-            else:
-                parallel.idle(engine.model)
-    everything = [pair for part in parallel.all_gather(list(zip(mine, seqs))) for pair in part]
-    return [seq for _, seq in sorted(everything, key=lambda pair: pair[0])]
+def share(count: int, group: Parallel | Solo) -> range:
+    """The request indices of ``group``'s rank (round robin over ranks)."""
+    return range(group.rank, count, group.world_size)

@@ -5,6 +5,10 @@ pages, preempting when the cache is full); the model runs them in one forward, r
 step is all decode tokens and :mod:`.cuda_graphs` is on; every sequence whose tokens are all cached samples its next
 token (:mod:`.sampling`, batched on the device); a sequence finishes at ``max_new_tokens`` ("length") or at one of
 its ``stop_token_ids`` ("stop") and frees its pages at once.
+
+One loop (:meth:`Engine.run`) serves one process and an expert-parallel group (the model's ``parallel``,
+:mod:`.distributed`): in a group each rank runs its share of the prompts, and the ranks step together until none has
+work left (a rank with nothing to run takes an empty step, :meth:`.model.Model.idle`).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from .cache_manager import CacheManager
+from .distributed import Solo, share
 from .errors import RunnerError
 from .model import Model
 from .sampling import SamplingParams, sample
@@ -86,7 +91,7 @@ class Engine:
     def _forward(self, step: Step) -> tuple[torch.Tensor, bool]:
         """Logits ``[chunks, vocab]`` fp32 of each chunk's last token, and whether a CUDA graph ran them."""
         chunks = [(seq.seq_id, n) for seq, n in step.chunks]
-        input_ids = [t for seq, n in step.chunks for t in seq.tokens[seq.cached: seq.cached + n]]
+        input_ids = [t for seq, n in step.chunks for t in seq.tokens[self.scheduler.cached(seq):][:n]]
         if self.graphs is not None and self.graphs.takes(step):
             return self.graphs.forward(input_ids, [s for s, _ in chunks]), self.graphs.replays
         batch = self.cache.prepare(chunks)
@@ -102,7 +107,7 @@ class Engine:
             logits, graph = self.profiler.run(step, lambda: self._forward(step), self.cache.device)
         else:
             logits, graph = self._forward(step)
-        ready = [i for i, (seq, n) in enumerate(step.chunks) if seq.cached + n == len(seq.tokens)]
+        ready = [i for i, (seq, _) in enumerate(step.chunks) if self.scheduler.pending(seq) == 0]  # all cached now
         seqs = [step.chunks[i][0] for i in ready]
         new = sample(logits[ready], [s.params for s in seqs], [s.seed for s in seqs],
                      [len(s.output) for s in seqs]) if ready else []
@@ -116,18 +121,34 @@ class Engine:
 
     def run(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], progress: bool = True,
             names: list[str] | None = None) -> list[Sequence]:
-        """Every prompt to completion; the sequences in prompt order. The progress bar counts generated tokens;
-        ``names`` label the prompts in errors (default "prompt {i}")."""
+        """Every prompt to completion; the sequences in prompt order. ``names`` label the prompts in errors (default
+        "prompt {i}"). In the model's group this rank runs its :func:`.distributed.share` of the prompts and every
+        rank returns all sequences; a prompt that one rank refuses is an error on every rank (agreed before the
+        first step). The progress bar (rank 0) counts this rank's generated tokens."""
+        group = self.model.parallel or Solo()
         params = params if isinstance(params, list) else [params] * len(prompts)
         names = names or [f"prompt {i}" for i in range(len(prompts))]
-        seqs = [self.add(p, sp, name) for p, sp, name in zip(prompts, params, names)]
-        with tqdm(total=sum(sp.max_new_tokens for sp in params), desc="generate", unit="tok",
-                  disable=not progress) as bar:
-            while self.scheduler.busy:
+        mine = share(len(prompts), group)
+        error, seqs = None, []
+        try:
+            seqs = [self.add(prompts[i], params[i], names[i]) for i in mine]
+        except RunnerError as exc:
+            error = str(exc)
+        errors = [e for e in group.all_gather(error) if e]
+        if errors:
+            raise RunnerError(errors[0])
+        desc = "generate" if group.world_size == 1 else f"generate (rank 0 of {group.world_size})"
+        with tqdm(total=sum(params[i].max_new_tokens for i in mine), desc=desc, unit="tok",
+                  disable=not progress or group.rank != 0) as bar:
+            while group.any(self.scheduler.busy):  # a group steps together until no rank has work left
+                if not self.scheduler.busy:
+                    self.model.idle()
+                    continue
                 before = sum(len(s.output) for s in seqs)
                 self.step()
                 bar.update(sum(len(s.output) for s in seqs) - before)
-        return seqs
+        everything = [pair for part in group.all_gather(list(zip(mine, seqs))) for pair in part]
+        return [seq for _, seq in sorted(everything, key=lambda pair: pair[0])]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  progress: bool = True) -> list[list[int]]:

@@ -2,9 +2,9 @@
 selection, exact) or "block" (``dt.block_indexer_logits``: page upper bounds from the page summaries, the
 :func:`pages_to_select` best pages per token, logits inside them, then top-k among those: fewer bytes read at long
 contexts, and the top-k runs over ``n_select * P`` columns instead of the context; it may miss a top-k token in a
-page whose bound ranks low). "auto" takes the block path where the tuning database's record of
-``indexer_block_path`` for the step's shape (exact, same bucket or nearest, as every lookup) timed it faster than its
-baseline, the token-level logits, in the same run; elsewhere, and with no record (prefill has none), the token path.
+page whose bound ranks low). "auto" asks the op which path serves the step's shape (:func:`dsa_triton.indexer_path`:
+the path its tuned launch config names, which a study picks by timing both; the token path where nothing is tuned,
+and in prefill, which the block path does not serve).
 
 A step whose sequences have at most one new token each is "decode", any other "prefill" (a mixed step runs the
 prefill kernels). The block path needs the FP8 indexer cache (the summaries live there); when the selected pages
@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from dsa_triton import registry
+from dsa_triton import indexer_path
 from dsa_triton.hostmath import cdiv
-from dsa_triton.runtime import device_name
 
 PATHS = ("token", "block", "auto")
 PAGES_PER_TOPK = 2  # the block path scores the pages of twice top-k tokens
@@ -34,11 +33,11 @@ def check_paths(paths: dict[str, str]) -> dict[str, str]:
 
 
 class PathChoice:
-    """The path of each step, from the settings per phase (cached per shape: host work only, CUDA-graph safe)."""
+    """The path of each step, from the settings per phase (host work only, cached per shape by the op's launch
+    config: CUDA-graph safe)."""
 
     def __init__(self, paths: dict[str, str] | None = None):
         self.paths = check_paths(paths or {"decode": "token", "prefill": "token"})
-        self._auto: dict[tuple, bool] = {}
 
     def __call__(self, batch, page_size: int, top_k: int, heads: int, head_dim: int, device) -> str:
         phase = "decode" if batch.max_q == 1 else "prefill"
@@ -48,25 +47,8 @@ class PathChoice:
             return "token"
         if path == "block":
             return "block"
-        shape = {"B": batch.cu_seqlens.shape[0] - 1, "Q": batch.max_q, "L": batch.num_cols, "P": page_size,
-                 "H": heads, "DK": head_dim, "SEL": n_select}
-        key = (phase, tuple(shape.values()), str(device))
-        if key not in self._auto:
-            self._auto[key] = block_faster(phase, shape, device_name(device))
-        return "block" if self._auto[key] else "token"
-
-
-def block_faster(phase: str, shape: dict[str, int], device: str, db=None) -> bool:
-    """Whether the ``indexer_block_path`` record for this shape on ``device`` (a device name,
-    ``dsa_triton.runtime.device_name``) beat its baseline; ``db``: a ``tuning_db.Database`` (default: the installed
-    one)."""
-    if db is None:
-        import tuning_db
-
-        db = tuning_db.installed()
-    spec = registry.get("indexer_block_path")
-    found = None if db is None or phase not in spec.phases else db.match(spec, phase, shape, device)
-    return found is not None and found[1].median_us < found[1].baseline_us
+        return indexer_path(phase, batch.cu_seqlens.shape[0] - 1, batch.max_q, batch.num_cols, page_size, heads,
+                            head_dim, device)
 
 
 def positions_to_slots(columns: torch.Tensor, positions: torch.Tensor, batch, page_size: int) -> torch.Tensor:

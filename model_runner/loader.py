@@ -46,8 +46,9 @@ import torch
 from safetensors import safe_open
 
 import dsa_triton as dt
-from dsa_triton.linear.fp8_linear_reference import dequantize_fp8_blockwise
-from dsa_triton.moe.mxfp4_reference import mxfp4_dequantize_torch, validate_mxfp4
+from dsa_triton.linear.formats import dequantize_fp8_blockwise
+from dsa_triton.moe.formats import validate_mxfp4
+from dsa_triton.moe.mxfp4_reference import mxfp4_dequantize_torch
 
 from .config import ModelConfig
 from .errors import RunnerError

@@ -36,7 +36,7 @@ def memory_plan(weights: dict, cache: CacheManager, config: ModelConfig, tokens_
     plan["workspace: indexer logits of a step"] = tokens_per_step * max_seq_len * 4
     if any(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
         n, k = 2 * config.moe_intermediate_size, config.hidden_size
-        slots = 2 * max(registry.get("moe_workspace_gemm").space["EXPERTS_PER_STAGE"])
+        slots = 2 * max(registry.get("fp8_grouped_gemm").space["EXPERTS_PER_STAGE"])
         plan["workspace: MoE FP8 (at most)"] = slots * (n * k + 4 * n * -(-k // 128))
     return plan
 

@@ -33,7 +33,6 @@ import torch.nn.functional as F
 
 import dsa_triton as dt
 
-from . import distributed
 from .cache_manager import CacheManager, PagedBatch
 from .config import ModelConfig
 from .index_path import PathChoice, pages_to_select
@@ -174,9 +173,11 @@ class DenseMLP:
 
 
 class MoE:
-    """Routed MXFP4 experts (DeepSeek sigmoid routing with correction bias and groups) plus the shared expert."""
+    """Routed MXFP4 experts (DeepSeek sigmoid routing with correction bias and groups) plus the shared expert;
+    ``parallel``: the expert-parallel group (:class:`.distributed.Parallel`; this rank holds only its experts) or
+    None (every expert here)."""
 
-    def __init__(self, c: ModelConfig, w: dict, prefix: str):
+    def __init__(self, c: ModelConfig, w: dict, prefix: str, parallel=None):
         e = prefix + "experts."
         self.experts = [w[e + name] for name in ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales")]
         self.router, self.bias = w[prefix + "gate.weight"], w[prefix + "gate.e_score_correction_bias"]
@@ -184,22 +185,27 @@ class MoE:
         self.routing = dt.RoutingConfig("deepseek", top_k=c.num_experts_per_tok, n_group=c.n_group,
                                         topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
                                         routed_scaling_factor=c.routed_scaling_factor)
+        self.parallel = parallel
+
+    def routed(self, x, ops) -> torch.Tensor:
+        """The routed experts' output ``[T, H]`` in ``x``'s dtype for ``x[T, H]`` (``T`` may be 0 in a group)."""
+        if self.parallel is not None:  # this rank holds only its experts: rows go to their experts' ranks and back
+            return self.parallel.moe(x, self, ops)
+        return ops.moe(x, self.router, *self.experts, routing=self.routing, router_bias=self.bias)
 
     def __call__(self, x, ops) -> torch.Tensor:
-        parallel = distributed.active()
-        if parallel is not None:  # this rank holds only its experts: rows go to their experts' ranks and back
-            return parallel.moe(x, self, ops) + self.shared(x, ops)
-        return ops.moe(x, self.router, *self.experts, routing=self.routing, router_bias=self.bias) + self.shared(x, ops)
+        return self.routed(x, ops) + self.shared(x, ops)
 
 
 class Model:
     """Weights from :func:`.loader.load_checkpoint`; ``ops`` a backend of :mod:`.ops`; ``index_precision`` one of
     :data:`INDEX_PRECISIONS` (the module docstring); ``indexer_path`` ``{"decode": path, "prefill": path}``
-    (:mod:`.index_path`; default token level in both)."""
+    (:mod:`.index_path`; default token level in both); ``parallel``: the expert-parallel group whose rank's experts
+    ``weights`` hold (:mod:`.distributed`), or None (one process, every expert)."""
 
     def __init__(self, config: ModelConfig, weights: dict, ops, index_precision: str = "fp8",
-                 indexer_path: dict[str, str] | None = None):
-        self.config, self.ops, self.index_precision = config, ops, index_precision
+                 indexer_path: dict[str, str] | None = None, parallel=None):
+        self.config, self.ops, self.index_precision, self.parallel = config, ops, index_precision, parallel
         if index_precision != "fp8" and indexer_path and "block" in indexer_path.values():
             raise ValueError("indexer_path: the block path needs the FP8 indexer (index_precision='fp8')")
         self.index_path = PathChoice(indexer_path if index_precision == "fp8" else None)
@@ -210,7 +216,8 @@ class Model:
         self.layers = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
-            mlp = MoE(config, weights, p + "mlp.") if config.is_moe_layer(i) else DenseMLP(weights, p + "mlp.")
+            mlp = (MoE(config, weights, p + "mlp.", parallel) if config.is_moe_layer(i)
+                   else DenseMLP(weights, p + "mlp."))
             self.layers.append((weights[p + "input_layernorm.weight"],
                                 Attention(config, weights, p + "self_attn.", index_precision, self.index_path),
                                 weights[p + "post_attention_layernorm.weight"], mlp))
@@ -229,3 +236,12 @@ class Model:
             x = x + attn(rms_norm(x, attn_norm, eps), tables, batch, layer, keys, self.ops)
             x = x + mlp(rms_norm(x, mlp_norm, eps), self.ops)
         return logits(rms_norm(x[batch.last_rows], self.norm, eps), self.lm_head, self.fp32_logits)
+
+    @torch.inference_mode()
+    def idle(self) -> None:
+        """A step with no tokens on this rank of the group: each MoE layer joins its collectives (other ranks' rows
+        still come to this rank's experts)."""
+        empty = self.embed.new_empty(0, self.config.hidden_size)
+        for *_, mlp in self.layers:
+            if isinstance(mlp, MoE):
+                mlp.routed(empty, self.ops)

@@ -21,17 +21,17 @@ import torch
 import torch.nn.functional as F
 
 import dsa_triton as dt
-from dsa_triton.attention.cache_reference import append_torch
-from dsa_triton.attention.block_scores_reference import gather_selected_torch, page_bounds_torch
-from dsa_triton.attention.indexer_reference import indexer_logits_torch
-from dsa_triton.attention.page_select_reference import select_pages_torch
+from dsa_triton.attention.append_tokens_reference import append_torch
+from dsa_triton.attention.block_indexer_logits_reference import gather_selected_torch, page_bounds_torch
+from dsa_triton.attention.indexer_logits_reference import indexer_logits_torch
+from dsa_triton.attention.select_pages_reference import select_pages_torch
 from dsa_triton.attention.sparse_attention_reference import (sparse_attention_decode_torch,
                                                              sparse_attention_prefill_torch)
-from dsa_triton.attention.topk_reference import topk_indices_torch
-from dsa_triton.linear.fp8_linear_reference import fp8_blockwise_linear_torch
+from dsa_triton.attention.topk_indices_reference import topk_indices_torch
+from dsa_triton.linear.fp8_blockwise_linear_reference import fp8_blockwise_linear_torch
 from dsa_triton.moe.activation_reference import swiglu_torch
-from dsa_triton.moe.layer import moe_experts
-from dsa_triton.moe.layer_reference import moe_experts_torch, moe_forward_torch
+from dsa_triton.moe.moe_forward import moe_experts
+from dsa_triton.moe.moe_forward_reference import moe_experts_torch, moe_forward_torch
 from dsa_triton.moe.routing_reference import route_torch
 
 from .cache_manager import PagedBatch

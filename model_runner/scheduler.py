@@ -59,6 +59,19 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def cached(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` whose rows are in the cache: its row's length in the cache manager, which advances it
+        as a forward places tokens (0 while it has no row: waiting, preempted or finished)."""
+        return 0 if seq.seq_id is None else self.cache.length(seq.seq_id)
+
+    def pending(self, seq: Sequence) -> int:
+        """Tokens to run before its next sample: the prompt (or, after a preemption, everything) not yet cached."""
+        return len(seq.prompt) + len(seq.output) - self.cached(seq)
+
+    def decoding(self, seq: Sequence) -> bool:
+        """A running sequence whose only uncached token is its last sample: its next step is a decode token."""
+        return seq.seq_id is not None and bool(seq.output) and self.pending(seq) == 1
+
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
@@ -69,7 +82,7 @@ class Scheduler:
         for seq in list(self.running):  # 1. decode tokens
             if budget == 0:
                 break
-            if seq.decoding and seq.seq_id is not None and self._make_room(seq, seq.cached + 1, scheduled, step):
+            if self.decoding(seq) and self._make_room(seq, self.cached(seq) + 1, scheduled, step):
                 self._take(step, scheduled, seq, 1)
                 budget -= 1
         step.decode_tokens = len(step.chunks)
@@ -78,19 +91,20 @@ class Scheduler:
                 break
             if seq in scheduled or seq.seq_id is None:
                 continue
-            if self.cache.room(seq.seq_id) <= seq.cached:
+            cached = self.cached(seq)
+            if self.cache.room(seq.seq_id) <= cached:
                 if step.chunks:  # others go on: wait for their pages rather than preempt
                     continue
-                if not self._make_room(seq, seq.cached + 1, scheduled, step):
+                if not self._make_room(seq, cached + 1, scheduled, step):
                     continue
-            n = min(seq.pending, budget, self.cache.room(seq.seq_id) - seq.cached)
+            n = min(self.pending(seq), budget, self.cache.room(seq.seq_id) - cached)
             self._take(step, scheduled, seq, n)
             budget -= n
         while self.waiting and budget > 0 and not step.preempted:  # 3. admissions, first come first served
             seq = self.waiting[0]
             P = self.cache.page_size
-            reserve = sum((s.cached + scheduled.get(s, 0)) % P == 0 for s in self.running)
-            n = min(seq.pending, budget, self.cache.room(reserve_pages=reserve))
+            reserve = sum((self.cached(s) + scheduled.get(s, 0)) % P == 0 for s in self.running)
+            n = min(self.pending(seq), budget, self.cache.room(reserve_pages=reserve))
             if n <= 0:
                 break
             self.waiting.popleft()
@@ -101,7 +115,7 @@ class Scheduler:
         return step
 
     def _take(self, step: Step, scheduled: dict, seq: Sequence, n: int) -> None:
-        self.cache.grow(seq.seq_id, seq.cached + n)
+        self.cache.grow(seq.seq_id, self.cached(seq) + n)
         step.chunks.append((seq, n))
         scheduled[seq] = n
 
@@ -120,19 +134,18 @@ class Scheduler:
         """Free ``seq``'s pages and queue it again, in arrival order, to be recomputed (its output is kept)."""
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
-        seq.seq_id, seq.cached = None, 0
+        seq.seq_id = None
         seq.preemptions += 1
         self.preemptions += 1
         position = next((i for i, s in enumerate(self.waiting) if s.index > seq.index), len(self.waiting))
         self.waiting.insert(position, seq)
 
     def update(self, step: Step, tokens: list[int | None]) -> list[Sequence]:
-        """After the step's forward: each chunk's tokens are cached; ``tokens[i]`` is the token sampled for chunk
-        ``i`` (None where the sequence is still in its prompt). Returns the sequences that finished; their pages are
-        free."""
+        """After the step's forward (which placed each chunk's tokens in the cache): ``tokens[i]`` is the token
+        sampled for chunk ``i`` (None where the sequence is still in its prompt). Returns the sequences that
+        finished; their pages are free."""
         finished = []
-        for (seq, n), token in zip(step.chunks, tokens):
-            seq.cached += n
+        for (seq, _), token in zip(step.chunks, tokens):
             if token is None:
                 continue
             seq.output.append(token)

@@ -1,4 +1,5 @@
-"""One request's state: its tokens, how many of them are in the cache, its cache row and its sampling stream."""
+"""One request's state: its tokens, its cache row and its sampling stream. How many of its tokens are in the cache is
+the cache manager's count of that row (:meth:`.scheduler.Scheduler.cached` asks it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,22 +15,11 @@ class Sequence:
     seed: int = 0  # its random stream (:mod:`.sampling`)
     output: list[int] = field(default_factory=list)
     seq_id: int | None = None  # cache row while running
-    cached: int = 0  # tokens whose rows are in the cache
     preemptions: int = 0  # times its pages were freed to be recomputed
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
-
-    @property
-    def pending(self) -> int:
-        """Tokens to run before the next sample: the prompt (or, after a preemption, everything) not yet cached."""
-        return len(self.prompt) + len(self.output) - self.cached
-
-    @property
-    def decoding(self) -> bool:
-        """Only its last sampled token is not cached: its next step is a decode token."""
-        return bool(self.output) and self.pending == 1
 
     @property
     def finish_reason(self) -> str | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dsa_triton.linear.fp8_linear_reference import quantize_fp8_blockwise
+from dsa_triton.linear.formats import quantize_fp8_blockwise
 from dsa_triton.moe.mxfp4_reference import mxfp4_quantize_torch
 
 from .config import ModelConfig, tiny_config

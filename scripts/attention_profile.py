@@ -2,7 +2,7 @@
 a profiler runs (``PROFILE_KERNEL=seesaw PROFILE_SCRIPT=scripts/attention_profile.py bash scripts/gpu_session.sh
 profile --cache fp8``: Nsight Compute of the second launch).
 
-``python scripts/attention_profile.py [--cache bf16|fp8] [--kernel triton|gluon|seesaw|seesaw:MODULE] [--rows R]
+``python scripts/attention_profile.py [--cache bf16|fp8] [--kernel triton|seesaw|seesaw:MODULE] [--rows R]
 [--reps N]``: R index rows of 128 heads, k = 2048 over a 128K-slot cache, at the script's config for the kernel.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     fp8 = args.cache == "fp8"
     q, kv, slots = make_inputs(args.rows, 1, 128, 2048, 131072, 7, odd=False, fp8=fp8)
-    config = config_for("triton" if args.kernel == "triton" else "gluon", args.rows, 128, 2048, fp8=fp8)
+    config = config_for(args.kernel, args.rows, 128, 2048, fp8=fp8)
     call = runner(args.kernel, q, kv, slots, config)
     for _ in range(args.reps):
         call()

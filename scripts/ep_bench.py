@@ -107,7 +107,7 @@ def _run(args, parallel) -> dict | None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16  # (the interpreter: fp16)
     engine = build_engine(args.folder, mode="kernel", dtype=dtype, device=device, num_pages=here * pages,
                           page_size=args.page_size, max_seqs=here, max_seq_len=max_seq_len,
-                          max_num_batched_tokens=args.chunk, check_values=False)
+                          max_num_batched_tokens=args.chunk, check_values=False, parallel=parallel)
     load_seconds = time.perf_counter() - start
     params = [SamplingParams(max_new_tokens=args.new_tokens)] * len(prompts)
     passes = {}
@@ -118,8 +118,7 @@ def _run(args, parallel) -> dict | None:
             parallel.timed = name == "collectives timed"
         synchronize(device)
         start = time.perf_counter()
-        seqs = (distributed.generate(engine, prompts, params, progress=False) if parallel
-                else engine.run(prompts, params, progress=False))
+        seqs = engine.run(prompts, params, progress=False)
         synchronize(device)
         wall = time.perf_counter() - start
         mine = {"throughput": engine.throughput(), "wall_s": wall,

@@ -1,6 +1,6 @@
-"""The Gluon sparse attention kernel on the GPU against the reference and the Triton kernel, over a bf16 cache and
-over the FP8 latent cache, then both kernels timed (``python scripts/gluon_attention.py [--only fp8|bf16|all]
-[--out DIR] [--variants JSON]``).
+"""The seesaw Gluon sparse attention kernel (:mod:`dsa_triton.attention.sparse_attention_seesaw`) on the GPU against
+the reference and the Triton kernel, over a bf16 cache and over the FP8 latent cache, then both kernels timed
+(``python scripts/gluon_attention.py [--only fp8|bf16|all] [--out DIR] [--kernels seesaw,seesaw:MODULE]``).
 
 Checks, per cache: small and odd shapes (index rows R 1 and 3; query rows M 64, 128 and 80 as 2 tokens x 40 heads,
 the last head block masked; k 64, 100 and 2048; a cache of a number of slots no multiple of 64 whose rows nothing
@@ -11,17 +11,14 @@ attention), and the two kernels' largest difference reported. The FP8 cache is m
 (``fp8_latent_quantize``: power-of-two scales) from rows whose 128-value groups differ in magnitude by up to 2^12,
 so the four scales of a row differ. Timing (``do_bench_cudagraph``, median; eager ``do_bench`` where capture
 fails): decode R = 64, 8, 1 with 128 heads, k = 2048 over a 128K-slot cache (151 MB in bf16, 86 MB in FP8: larger
-than the L2), the Triton kernel at its launch config (tuning database, the FP8 op's own), the Gluon one at the bf16
+than the L2), the Triton kernel at its launch config (tuning database, the FP8 op's own), the seesaw one at the bf16
 Triton config's split count (and twice it below R = 64), with TFLOP/s, the fraction of a bf16 ``torch.mm`` 8192^3
 measured in the same run, and the bytes each kernel reads per selected token (a bf16 row 1152, an FP8 row 656) with
 the rate they are read at. Prints PASS / FAIL per check and a table last; writes ``gluon-attention.json`` under
 ``--out``; exit 1 on any failure (a kernel that fails to compile or launch is a failure of its rows; the rest still
-runs). ``--variants``: a JSON list of dicts laid over the Gluon kernel's constexprs (its default: ``gluon_meta``'s;
-e.g. ``[{"MAX_XCHG": 0}]``), each checked like the default and timed beside it at every timing row (``vs default``:
-the default's time over its). ``--kernels gluon,seesaw``: the seesaw kernel
-(:mod:`dsa_triton.attention.sparse_attention_seesaw`, over either cache) checked and timed beside the Gluon one too
-(``vs default``: the Gluon default's time over its); ``seesaw:MODULE`` an alternative source of the seesaw kernel
-(an importable module with its interface, e.g. an experiment's), checked and timed the same way.
+runs). ``--kernels seesaw,seesaw:MODULE``: besides the package's seesaw kernel (always), ``seesaw:MODULE`` an
+alternative source of it (an importable module with its interface, e.g. an experiment's), checked and timed the same
+way (``vs seesaw``: the package kernel's time over its).
 """
 from __future__ import annotations
 
@@ -49,7 +46,7 @@ def make_inputs(R: int, S: int, H: int, k: int, num_slots: int, seed: int, odd: 
     (rows nothing selects NaN; FP8: NaN bytes, scales and rope values), ``slots[R, k]`` int32. ``odd``: rows hold -1
     padding from a random count on, about 5% of the slots negative or past the cache, and row 2 (when there is one)
     no valid slot."""
-    from dsa_triton.attention.cache_reference import LATENT_GROUP, fp8_latent_quantize
+    from dsa_triton.attention.formats import LATENT_GROUP, fp8_latent_quantize
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(R, S, H, D, generator=g, device="cuda").bfloat16()
@@ -76,32 +73,30 @@ def make_inputs(R: int, S: int, H: int, k: int, num_slots: int, seed: int, odd: 
 
 
 def config_for(kernel: str, R: int, H: int, k: int, num_splits: int | None = None, fp8: bool = False) -> dict:
-    """The Triton kernel's launch config (tuning database, else default) for decode ``R`` x ``H`` heads over the bf16
-    or (``fp8``) the FP8 cache; the Gluon kernel's (64 x 64 tiles, 8 warps) at ``num_splits`` (default: the bf16
-    Triton config's, tuned for 64-token tiles). Importing the package installs the tuning database's lookup."""
-    from dsa_triton.attention.sparse_attention_gluon import GLUON_CONFIG
-    from dsa_triton.attention.sparse_attention_spec import DECODE_FP8_SPEC, DECODE_SPEC
+    """The Triton kernel's (``kernel`` "triton") launch config (tuning database, else default) for decode ``R`` x
+    ``H`` heads over the bf16 or (``fp8``) the FP8 cache; a seesaw kernel's (:data:`GLUON_CONFIG`: 64 x 64 tiles) at
+    ``num_splits`` (default: the bf16 Triton config's, tuned for 64-token tiles). The tuning database is the
+    registry's."""
+    from dsa_triton.attention.sparse_attention_seesaw import GLUON_CONFIG
+    from dsa_triton.attention.sparse_attention import DECODE
 
-    shape = {"B": R, "S": 1, "H": H, "D": D, "Dv": DV, "k": k, "P": 64, "logical": 0}
+    shape = {"B": R, "S": 1, "H": H, "D": D, "Dv": DV, "k": k, "fp8": int(fp8)}
     if kernel == "triton":
-        return (DECODE_FP8_SPEC if fp8 else DECODE_SPEC).launch_config("decode", shape, torch.device("cuda"))
+        return DECODE.launch_config("decode", shape, torch.device("cuda"))
     return {**GLUON_CONFIG, "num_splits": num_splits or config_for("triton", R, H, k)["num_splits"]}
 
 
-def runner(kernel: str, q, kv, slots, config: dict, variant: dict | None = None):
-    """A call of ``sparse_attention_fwd`` with the ``kernel`` ("triton", "gluon" or a seesaw's) at ``config`` (a
-    uint8 ``kv``: the FP8 latent cache), ``variant``: constexprs laid over the Gluon launch's."""
-    from dsa_triton.attention import sparse_attention_gluon as g
+def runner(kernel: str, q, kv, slots, config: dict):
+    """A call of ``sparse_attention_fwd`` with the ``kernel`` ("triton", "seesaw" or "seesaw:MODULE") at ``config``
+    (a uint8 ``kv``: the FP8 latent cache)."""
     from dsa_triton.attention import sparse_attention_kernels as sak
 
     launch = sak.AttentionLaunch(D, DV, slots.shape[1], 1, q.dtype, kv.dtype == torch.uint8, config)
     if kernel.startswith("seesaw"):
         seesaw = seesaw_module(kernel)
         own = (seesaw._sparse_attention_fwd_seesaw, seesaw.seesaw_meta(launch.fwd_meta))
-    elif kernel == "gluon":
-        meta = g.gluon_meta(launch.fwd_meta, launch.tokens_per_split // launch.block_n)
-        own = (g._sparse_attention_fwd_gluon, {**meta, **(variant or {})})
     else:  # Triton's
+        assert kernel == "triton", kernel
         own = None
     return lambda: sak.sparse_attention_fwd(q, kv, slots, D ** -0.5, launch, kernel=own)
 
@@ -114,20 +109,15 @@ def seesaw_module(kernel: str):
     return importlib.import_module(kernel.partition(":")[2] or "dsa_triton.attention.sparse_attention_seesaw")
 
 
-def kernels_of(variants: list[dict], extra: tuple = ()) -> list[tuple[str, dict]]:
-    """(kernel, variant) pairs: Triton's, the Gluon default, the Gluon ``variants`` and the ``extra`` kernels
-    (e.g. "seesaw")."""
-    return [("triton", {}), ("gluon", {})] + [("gluon", v) for v in variants] + [(k, {}) for k in extra]
+def kernels_of(extra: tuple = ()) -> list[str]:
+    """The kernels: Triton's, the package's seesaw and the ``extra`` ones (alternative sources, "seesaw:MODULE")."""
+    return ["triton", "seesaw", *extra]
 
 
-def label(kernel: str, variant: dict) -> str:
-    return kernel + "".join(f" {k}={v}" for k, v in variant.items())
-
-
-def check_rows(cache: str, variants: list[dict], extra: tuple = ()) -> list[dict]:
-    """The checks over the ``cache`` ("bf16" or "fp8"), one row per kernel (and Gluon ``variants``, ``extra``
-    kernels), case and split count."""
-    from dsa_triton.attention.sparse_attention_gluon import GLUON_CONFIG
+def check_rows(cache: str, extra: tuple = ()) -> list[dict]:
+    """The checks over the ``cache`` ("bf16" or "fp8"), one row per kernel (and ``extra`` kernels), case and split
+    count."""
+    from dsa_triton.attention.sparse_attention_seesaw import GLUON_CONFIG
     from dsa_triton.attention.sparse_attention_reference import sparse_attention_torch
     from dsa_triton.attention.sparse_attention_spec import DECODE_SPEC
     from tests.poison import poisoned_allocations
@@ -140,14 +130,14 @@ def check_rows(cache: str, variants: list[dict], extra: tuple = ()) -> list[dict
         ref = tuple(x.reshape(R, S, H, *x.shape[2:]) for x in ref)
         for num_splits in (1, 4):
             outs = {}
-            for kernel, variant in kernels_of(variants, extra):
-                config = {**GLUON_CONFIG, "num_splits": num_splits}  # one config for both kernels
-                row = {"kernel": kernel, "variant": variant, "cache": cache, "R": R, "S": S, "H": H, "k": k,
-                       "num_slots": num_slots, "num_splits": num_splits}
+            for kernel in kernels_of(extra):
+                config = {**GLUON_CONFIG, "num_splits": num_splits}  # one config for every kernel
+                row = {"kernel": kernel, "cache": cache, "R": R, "S": S, "H": H, "k": k, "num_slots": num_slots,
+                       "num_splits": num_splits}
                 outs.pop("other", None)
                 try:
                     with poisoned_allocations():
-                        out = runner(kernel, q, kv, slots, config, variant)()
+                        out = runner(kernel, q, kv, slots, config)()
                     torch.cuda.synchronize()
                     row["check"] = DECODE_SPEC.compare(out, ref) or "ok"
                     outs["triton" if kernel == "triton" else "other"] = out
@@ -160,7 +150,7 @@ def check_rows(cache: str, variants: list[dict], extra: tuple = ()) -> list[dict
                     row["max_abs_diff_to_triton"] = (o1.float() - o2.float()).abs().max().item()
                     row["lse_max_abs_diff_to_triton"] = (l1 - l2)[finite].abs().max().item() if finite.any() else 0.0
                 status = "PASS" if row["check"] == "ok" else "FAIL"
-                print(f"{status} {label(kernel, variant)} {cache:4s} R={R} S={S} H={H} k={k} slots={num_slots} "
+                print(f"{status} {kernel} {cache:4s} R={R} S={S} H={H} k={k} slots={num_slots} "
                       f"splits={num_splits}: "
                       f"{row['check']}" + (f" (vs triton: out {row['max_abs_diff_to_triton']:.3g}, lse "
                                            f"{row['lse_max_abs_diff_to_triton']:.3g})"
@@ -188,12 +178,11 @@ def mm_tflops() -> float:
     return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
 
 
-def timing_rows(cache: str, passed: dict, mm_rate: float, variants: list[dict], index_rows: tuple,
-                extra: tuple = ()) -> list[dict]:
+def timing_rows(cache: str, passed: dict, mm_rate: float, index_rows: tuple, extra: tuple = ()) -> list[dict]:
     """Timings over the ``cache`` ("bf16" or "fp8") at each count of ``index_rows`` (decode sequences; 4096: the
-    prefill bench row's T), the Gluon kernel's default and ``variants`` and the ``extra`` kernels at each of its
-    configs; ``passed[label, multi_split]``: whether that kernel's checks over it passed (one split / several)."""
-    from dsa_triton.attention.cache_reference import fp8_latent_bytes
+    prefill bench row's T), the seesaw kernel and the ``extra`` kernels at each of its configs; ``passed[kernel,
+    multi_split]``: whether that kernel's checks over it passed (one split / several)."""
+    from dsa_triton.attention.formats import fp8_latent_bytes
 
     rows = []
     H, k, num_slots = 128, 2048, 131072
@@ -203,28 +192,28 @@ def timing_rows(cache: str, passed: dict, mm_rate: float, variants: list[dict], 
         q, kv, slots = make_inputs(R, 1, H, k, num_slots, 7, odd=False, fp8=fp8)
         flops = 2 * R * H * k * (D + DV)
         triton_config = config_for("triton", R, H, k, fp8=fp8)
-        splits = [config_for("gluon", R, H, k)["num_splits"]]
+        splits = [config_for("seesaw", R, H, k)["num_splits"]]
         splits += [2 * splits[0]] if R < 64 else []
-        runs = [("triton", {}, triton_config)] + [(kernel, v, config_for("gluon", R, H, k, s)) for s in splits
-                                                  for kernel, v in kernels_of(variants, extra)[1:]]
+        runs = [("triton", triton_config)] + [(kernel, config_for(kernel, R, H, k, s)) for s in splits
+                                              for kernel in kernels_of(extra)[1:]]
         base = default = None
-        for kernel, variant, config in runs:
-            row = {"kernel": kernel, "variant": variant, "cache": cache, "R": R, "H": H, "k": k,
-                   "num_slots": num_slots, "config": config, "bytes_per_token": row_bytes}
-            default = None if kernel == "gluon" and not variant else default
-            if kernel != "triton" and not passed[label(kernel, variant), config["num_splits"] > 1]:
+        for kernel, config in runs:
+            row = {"kernel": kernel, "cache": cache, "R": R, "H": H, "k": k, "num_slots": num_slots, "config": config,
+                   "bytes_per_token": row_bytes}
+            default = None if kernel == "seesaw" else default
+            if kernel != "triton" and not passed[kernel, config["num_splits"] > 1]:
                 row["error"] = "skipped: its checks failed"
             else:
                 try:
-                    us, mode = median_us(runner(kernel, q, kv, slots, config, variant))
+                    us, mode = median_us(runner(kernel, q, kv, slots, config))
                     tflops = flops / (us * 1e-6) / 1e12
                     row.update(us=us, timing=mode, tflops=tflops, fraction_of_mm=tflops / mm_rate,
                                row_gbps=R * k * row_bytes / (us * 1e-6) / 1e9)
                     base = us if kernel == "triton" else base
                     row["speedup_vs_triton"] = base / us if base else None
-                    default = us if kernel == "gluon" and not variant else default
-                    other = kernel != "triton" and (kernel, variant) != ("gluon", {})
-                    row["vs_default"] = default / us if other and default else None
+                    default = us if kernel == "seesaw" else default
+                    other = kernel not in ("triton", "seesaw")
+                    row["vs_seesaw"] = default / us if other and default else None
                 except Exception as exc:  # compile or launch failure: reported, the rest goes on
                     row["error"] = f"{exc!r}"[:2000]
                     traceback.print_exc()
@@ -235,47 +224,43 @@ def timing_rows(cache: str, passed: dict, mm_rate: float, variants: list[dict], 
 def print_table(mm_rate: float, timings: list[dict]) -> None:
     print(f"\nbf16 torch.mm 8192^3: {mm_rate:.0f} TFLOP/s")
     print(f"{'kernel':7s} {'cache':5s} {'R':>3s} {'splits':>6s} {'us':>8s} {'TFLOP/s':>8s} {'of mm':>6s} "
-          f"{'vs triton':>9s} {'B/token':>7s} {'GB/s':>6s} {'vs default':>10s} variant")
+          f"{'vs triton':>9s} {'B/token':>7s} {'GB/s':>6s} {'vs seesaw':>9s}")
     for r in timings:
         head = f"{r['kernel'].rpartition('.')[2]:7s} {r['cache']:5s} {r['R']:3d} {r['config']['num_splits']:6d}"
-        variant = json.dumps(r["variant"]) if r["variant"] else ""
         if "us" in r:
             speedup = f"{r['speedup_vs_triton']:.2f}x" if r["speedup_vs_triton"] else "-"
-            vs_default = f"{r['vs_default']:.3f}x" if r["vs_default"] else "-"
+            vs_seesaw = f"{r['vs_seesaw']:.3f}x" if r["vs_seesaw"] else "-"
             print(f"{head} {r['us']:8.1f} {r['tflops']:8.0f} {r['fraction_of_mm']:6.1%} {speedup:>9s} "
-                  f"{r['bytes_per_token']:7d} {r['row_gbps']:6.0f} {vs_default:>10s} {variant}")
+                  f"{r['bytes_per_token']:7d} {r['row_gbps']:6.0f} {vs_seesaw:>9s}")
         else:
-            print(f"{head}  {r['error'][:60]} {variant}")
+            print(f"{head}  {r['error'][:60]}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "results"))
     parser.add_argument("--only", choices=("fp8", "bf16", "all"), default="all", help="which cache to check and time")
-    parser.add_argument("--variants", type=json.loads, default=[],
-                        help="JSON list of dicts laid over the Gluon kernel's constexprs, checked and timed beside it")
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 8, 1],
                         help="index rows of the timing rows (128 heads each; 4096: the prefill bench row's T)")
-    parser.add_argument("--kernels", default="gluon",
-                        help="comma-separated: gluon (always), seesaw, seesaw:MODULE (an alternative source of the "
-                             "seesaw kernel), checked and timed")
+    parser.add_argument("--kernels", default="seesaw",
+                        help="comma-separated: seesaw (the package's, always), seesaw:MODULE (an alternative source of "
+                             "the seesaw kernel), checked and timed")
     parser.add_argument("--checks-only", action="store_true",
                         help="the checks alone (no mm rate, no timings: e.g. under compute-sanitizer)")
     args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "scripts/gluon_attention.py needs a GPU"
 
     caches = ("bf16", "fp8") if args.only == "all" else (args.only,)
-    extra = tuple(k for k in args.kernels.split(",") if k.startswith("seesaw"))
-    assert all(k == "gluon" or k == "seesaw" or k.startswith("seesaw:") for k in args.kernels.split(",")), args.kernels
-    checks = {cache: check_rows(cache, args.variants, extra) for cache in caches}
+    extra = tuple(k for k in args.kernels.split(",") if k.startswith("seesaw:"))
+    assert all(k == "seesaw" or k.startswith("seesaw:") for k in args.kernels.split(",")), args.kernels
+    checks = {cache: check_rows(cache, extra) for cache in caches}
     mm_rate = None if args.checks_only else mm_tflops()
     timings = []
     for cache in () if args.checks_only else caches:
-        passed = {(label(kernel, v), multi): all(r["check"] == "ok" for r in checks[cache]
-                                                 if r["kernel"] == kernel and r["variant"] == v
-                                                 and (r["num_splits"] > 1) == multi)
-                  for kernel, v in kernels_of(args.variants, extra)[1:] for multi in (False, True)}
-        timings += timing_rows(cache, passed, mm_rate, args.variants, tuple(args.rows), extra)
+        passed = {(kernel, multi): all(r["check"] == "ok" for r in checks[cache]
+                                       if r["kernel"] == kernel and (r["num_splits"] > 1) == multi)
+                  for kernel in kernels_of(extra)[1:] for multi in (False, True)}
+        timings += timing_rows(cache, passed, mm_rate, tuple(args.rows), extra)
     checks = [row for cache in caches for row in checks[cache]]
     failed = [r for r in checks if r["check"] != "ok"]
     failed += [r for r in timings if "error" in r and not r["error"].startswith("skipped")]
@@ -283,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {"device": torch.cuda.get_device_name(), "git": git_state(), "torch": torch.__version__,
               "triton": triton.__version__,
-              "variants": args.variants, "bf16_mm_tflops": mm_rate, "checks": checks, "timings": timings,
+              "kernels": kernels_of(extra), "bf16_mm_tflops": mm_rate, "checks": checks, "timings": timings,
               "failures": len(failed)}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

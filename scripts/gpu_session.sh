@@ -4,7 +4,7 @@
 # (the .git sent along, if any, is not the commit sent: the caller names it). Parts:
 #   check     every kernel at its small and odd shapes, launch/default/random configs (scripts/gpu_check.py;
 #             CHECK_KERNELS=a,b in the environment: only those), and with the sparse attention kernels the Gluon
-#             ones at DSA dims (scripts/gluon_attention.py --checks-only: both caches, gluon and seesaw)
+#             seesaw kernel at DSA dims (scripts/gluon_attention.py --checks-only: both caches)
 #   sanitize  compute-sanitizer memcheck (every kernel: launch, default and one random config) and racecheck
 #             (launch configs)
 #   bench     python -m dsa_triton.bench: every kernel and report against its baseline, with the ceilings
@@ -44,7 +44,7 @@ while [ $# -gt 0 ]; do
       timeout 300 python scripts/gpu_check.py --out "$OUT" --kernels "${CHECK_KERNELS:-}" 2>&1 | tee "$OUT/gpu-check.log" | tail -40 || status=1
       case ",${CHECK_KERNELS:-sparse_attention}," in  # the Gluon kernels at DSA dims, small and odd shapes
         *,sparse_attention*)
-          timeout 240 python scripts/gluon_attention.py --only all --kernels gluon,seesaw --checks-only \
+          timeout 240 python scripts/gluon_attention.py --only all --checks-only \
             --out "$OUT/gluon-checks" > "$OUT/gluon-checks.log" 2>&1 || status=1
           grep -c "^PASS" "$OUT/gluon-checks.log"; grep -v "^PASS" "$OUT/gluon-checks.log" | tail -8 ;;
       esac ;;

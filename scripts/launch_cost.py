@@ -1,6 +1,6 @@
 """Host cost of the ops' Triton launches, Triton's launcher against the lean path (:mod:`dsa_triton.launch`).
 
-    python scripts/launch_cost.py [--calls 200] [--rounds 5] [--kernels topk_indices,moe_route] [--out results]
+    python scripts/launch_cost.py [--calls 200] [--rounds 5] [--kernels topk_indices,route_topk] [--out results]
 
 For every registered kernel at its first CPU bench shape (tiny and odd: the device time is small, so the host
 path is what shows) the op's call (``spec.run``, the path a decode loop or the tuner takes) is run once with

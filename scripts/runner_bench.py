@@ -58,7 +58,7 @@ from dsa_triton.attention.cache import page_items  # noqa: E402
 from dsa_triton.bench.harness import floor_us, measure_ceilings  # noqa: E402
 from dsa_triton.bench.results import write_results  # noqa: E402
 from dsa_triton.hostmath import cdiv  # noqa: E402
-from dsa_triton.moe.fused_moe_spec import expected_active_experts  # noqa: E402
+from dsa_triton.moe.fused_moe_gemm_spec import expected_active_experts  # noqa: E402
 from dsa_triton.registry import Cost  # noqa: E402
 from model_runner import RopeConfig, tiny_config  # noqa: E402
 from model_runner.cache_manager import CacheManager  # noqa: E402
@@ -191,17 +191,18 @@ def step_floors(c, batch: int, tokens: int, context: int, phase: str,
     decode = phase == "decode"
     latent = c.latent_dim
     out = {
-        "append": _scaled(spec("paged_append").cost(phase, {"B": batch if decode else 1, "N": tokens, "P": P,
-                                                            "D": latent, "DK": c.index_head_dim, "ctx": context}), L),
+        "append": _scaled(spec("append_tokens").cost(phase, {"B": batch if decode else 1, "N": tokens, "P": P,
+                                                             "D": latent, "Dr": 0, "DK": c.index_head_dim, "fp8": 0,
+                                                             "ctx": context}), L),
         "indexer": _scaled(spec("indexer_logits").cost("decode" if decode else "prefill", {
             "B": batch, "Q": 1 if decode else tokens, "L": context, "P": P, "H": c.index_n_heads,
             "DK": c.index_head_dim}), L),
         "top-k": _scaled(spec("topk_indices").cost("any", {"T": tokens, "L": context, "k": c.index_topk}), L),
         "attention": _scaled(spec("sparse_attention_decode").cost("decode", {
             "B": batch, "H": c.num_attention_heads, "S": 1, "D": latent, "Dv": c.kv_lora_rank, "k": c.index_topk,
-            "P": P, "logical": 0}) if decode else spec("sparse_attention_prefill").cost("prefill", {
+            "P": P, "logical": 0, "fp8": 0}) if decode else spec("sparse_attention_prefill").cost("prefill", {
                 "T": tokens, "H": c.num_attention_heads, "D": latent, "Dv": c.kv_lora_rank, "k": c.index_topk,
-                "L": context, "P": P, "logical": 0}), L),
+                "L": context, "P": P, "logical": 0, "fp8": 0}), L),
         "moe": _scaled(moe_cost(c, tokens, phase, active_experts), moe_layers),
     }
     H, D = c.num_attention_heads, c.hidden_size
@@ -215,10 +216,10 @@ def step_floors(c, batch: int, tokens: int, context: int, phase: str,
 
 
 def moe_cost(c, tokens: int, phase: str, active_experts: float | None) -> Cost:
-    """One MoE layer's cost (``moe_path``'s), its expert bytes moved to ``active_experts`` experts when given."""
+    """One MoE layer's cost (``moe_forward``'s), its expert bytes moved to ``active_experts`` experts when given."""
     shape = {"T": tokens, "E": c.n_routed_experts, "top_k": c.num_experts_per_tok, "hidden": c.hidden_size,
              "I": c.moe_intermediate_size, "n_group": c.n_group, "topk_group": c.topk_group}
-    cost = registry.get("moe_path").cost("decode" if phase == "decode" else "prefill", shape)
+    cost = registry.get("moe_forward").cost("decode" if phase == "decode" else "prefill", shape)
     if active_experts is None:
         return cost
     per_expert = 3 * c.hidden_size * c.moe_intermediate_size * 17 / 32  # MXFP4 bytes of one expert

@@ -5,7 +5,7 @@ Rows: DeepSeek-V3.2 indexer scores as ``runner_bench.py --part decode-1m`` makes
 on unit-RMS activations, Hadamard-rotated and FP8 per head; head weights of either sign), one row per query.
 
 Per row: passes 1-2 emulated in PyTorch with the kernels' integer math
-(:func:`dsa_triton.attention.topk_reference.emulate_bound`: the window, tau, the candidate count, the route of
+(:func:`dsa_triton.attention.topk_indices_reference.emulate_bound`: the window, tau, the candidate count, the route of
 pass 3) and, with ``--kernel``, the kernels themselves: their candidate count (read from the workspace) and, on
 a GPU, the call's time (CUDA events, median of ``--repeat``). Prints a line per row and a summary.
 
@@ -26,10 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dsa_triton as dt  # noqa: E402
-from dsa_triton.attention import topk as tk  # noqa: E402
-from dsa_triton.attention.cache_reference import fp8_quantize_rows  # noqa: E402
-from dsa_triton.attention.indexer_reference import head_sum_logits  # noqa: E402
-from dsa_triton.attention.topk_reference import emulate_bound  # noqa: E402
+from dsa_triton.attention import topk_indices as tk  # noqa: E402
+from dsa_triton.attention.formats import fp8_quantize_rows
+from dsa_triton.attention.indexer_logits_reference import head_sum_logits  # noqa: E402
+from dsa_triton.attention.topk_indices_reference import emulate_bound  # noqa: E402
 from model_runner.model import hadamard  # noqa: E402
 
 # the config the runner used at L = 1M, T = 1 (the database's nearest record, L = 131072, T = 1)

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from dsa_triton.moe.activation import swiglu
-from dsa_triton.moe.activation_reference import class_major, row_major, swiglu_torch
+from dsa_triton.moe.formats import class_major, row_major
+from dsa_triton.moe.activation_reference import swiglu_torch
 from tests.poison import poisoned_allocations
 
 

@@ -5,11 +5,12 @@ import pytest
 import torch
 
 import dsa_triton as dt
+from tuning_db import Database
 from dsa_triton import registry
-from dsa_triton.attention.block_scores_reference import gather_selected_torch, page_bounds_torch
-from dsa_triton.attention.indexer_reference import indexer_logits_torch
-from dsa_triton.attention.indexer_spec import compare_logits, random_queries
-from dsa_triton.attention.page_select_reference import select_pages_torch
+from dsa_triton.attention.block_indexer_logits_reference import gather_selected_torch, page_bounds_torch
+from dsa_triton.attention.indexer_logits_reference import indexer_logits_torch
+from dsa_triton.attention.indexer_logits_spec import compare_logits, random_queries
+from dsa_triton.attention.select_pages_reference import select_pages_torch
 from dsa_triton.runtime import default_device, interpreting
 
 from .poison import poisoned_allocations
@@ -46,7 +47,7 @@ def test_bounds_are_upper_bounds(P):
 def test_several_chunks():
     """Over 256 pages (two bound chunks) and 20 selected pages of 16 (two logits chunks of 256 columns)."""
     cache, q, w, limits, cu = problem(16, lens=(4200, 40), rows=(2, 1), H=4, seed=4)
-    cfg = {**registry.get("indexer_block_path").default("decode", {"Q": 2, "H": 4}),
+    cfg = {**registry.get("block_indexer_logits").default("decode", {"Q": 2, "H": 4}),
            "bound_BLOCK_N": 16, "bound_CHUNK": 256, "BLOCK_N": 32, "CHUNK": 256}
     with poisoned_allocations():
         bounds = dt.block_scores(q, w, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens, limits, 16,
@@ -67,7 +68,7 @@ def test_several_chunks():
 def test_all_pages_selected_equals_token_level(P):
     cache, q, w, limits, cu = problem(P, seed=3)
     n_pages = -(-70 // P)
-    kw = dict(cu_seqlens_q=cu, config={**registry.get("indexer_block_path").default("decode", {"Q": 3, "H": 8}),
+    kw = dict(cu_seqlens_q=cu, config={**registry.get("block_indexer_logits").default("decode", {"Q": 3, "H": 8}),
                                        "BLOCK_N": 32, "CHUNK": 256, "num_warps": 4})
     with poisoned_allocations():
         logits, pos = dt.block_indexer_logits(q, w, cache.ik, cache.ik_scale, cache.pmax, cache.pmin,
@@ -106,16 +107,37 @@ def test_partial_selection_matches_dense_logits():
 
 
 def test_registry_entry():
-    spec = registry.get("indexer_block_path")
+    spec = registry.get("block_indexer_logits")
     for shape in spec.bench_shapes("decode", False):
         inputs = spec.make_inputs("decode", shape, torch.device("cpu"), 11)
         with poisoned_allocations():
-            out = spec.run(inputs, spec.default("decode", shape))
+            out = spec.run(inputs, {**spec.default("decode", shape), "path": "block"})
         ref = spec.reference(inputs)
         assert spec.compare(out, ref) is None
         bounds, logits, positions = out
         assert spec.compare((bounds, logits * 1.01, positions), ref) is not None
         assert spec.compare((bounds, logits, positions.roll(1, dims=0)), ref) is not None
+        path, dense = spec.run(inputs, {**spec.default("decode", shape), "path": "token"})  # the token path's logits
+        assert path == "token" and spec.compare((path, dense), ref) is None
+        assert spec.compare((path, dense * 1.01), ref) is not None
+
+
+def test_indexer_path_is_the_tuned_configs_path():
+    """``dt.indexer_path`` answers the path of the shape's launch config: the token path by default and in prefill,
+    the block path where the database's record names it."""
+    shape = dict(batch=8, max_q=1, max_len=131072, page_size=64, heads=64, head_dim=128, device="cpu")
+    assert dt.indexer_path("decode", **shape) == "token" and dt.indexer_path("prefill", **shape) == "token"
+
+    class Block(Database):
+        def lookup(self, spec, phase, shape, device):
+            return {**spec.default(phase, shape), "path": "block"}
+
+    previous = registry.database()
+    try:
+        registry.use_database(Block())
+        assert dt.indexer_path("decode", **shape) == "block"
+    finally:
+        registry.use_database(previous)
 
 
 def test_bad_inputs():
@@ -153,7 +175,7 @@ def test_recall_report_on_cpu():
 def test_page_select_registry_entry(tile):
     """Rows longer than a tile, n_select above the row length and above a tile, a row with no valid page;
     outputs poisoned (-2) so a slot the kernel skips shows."""
-    spec = registry.get("page_select")
+    spec = registry.get("select_pages")
     for shape in spec.bench_shapes("decode", False) + [{"T": 2, "pages": 300, "SEL": 150}, {"T": 2, "pages": 40, "SEL": 50}]:
         inputs = spec.make_inputs("decode", shape, torch.device("cpu"), tile)
         with poisoned_allocations():
@@ -183,7 +205,7 @@ def test_cached_plan_of_the_fast_path(monkeypatch):
     cache, q, w, limits, cu = problem(16, seed=5)
     args = (q, w, cache.ik, cache.ik_scale, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens, limits)
     checked = dt.block_indexer_logits(*args, 3, cu_seqlens_q=cu, return_bounds=True)
-    path = sys.modules["dsa_triton.attention.block_scores"]
+    path = sys.modules["dsa_triton.attention.block_indexer_logits"]
     real, plans = path._checked_path_plan, []
     monkeypatch.setattr(path, "_checked_path_plan", lambda *a: plans.append(a) or real(*a))
     for _ in range(2):

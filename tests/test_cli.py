@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 import tuning_db
+from dsa_triton import registry
 from tuner.cli import main
 from tuning_db import Database
 
@@ -17,7 +18,7 @@ TOYS = "toy_axpy,toy_buggy"
 def toys():
     with registered(toy_spec(bench=((3, 40), (9, 40))), buggy_spec()) as specs:
         yield specs
-    tuning_db.use()
+    registry.use_database()
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -130,15 +131,11 @@ def test_env_and_errors(toys, tmp_path, capsys):
 
 
 def test_tune_on_several_gpus_runs_one_shard_per_process(capsys, monkeypatch):
-    from dsa_triton import registry
-
-    if "paged_append" not in {s.name for s in registry.kernels()}:
-        pytest.skip("paged_append is not registered")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    rc, out, _ = run(capsys, "tune", "--kernels", "paged_append", "--gpus=2", "--list")
+    rc, out, _ = run(capsys, "tune", "--kernels", "append_tokens", "--gpus=2", "--list")
     assert rc == 0, out
-    assert sorted(line for line in out.splitlines() if line.endswith(" jobs")) == ["[gpu 0] 1 jobs", "[gpu 1] 1 jobs"]
-    rc, _, err = run(capsys, "tune", "--kernels", "paged_append", "--gpus", "2", "--shard", "0/2", "--list")
+    assert sorted(line for line in out.splitlines() if line.endswith(" jobs")) == ["[gpu 0] 2 jobs", "[gpu 1] 2 jobs"]
+    rc, _, err = run(capsys, "tune", "--kernels", "append_tokens", "--gpus", "2", "--shard", "0/2", "--list")
     assert rc == 2 and "exclude each other" in err
 
 

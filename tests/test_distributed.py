@@ -2,7 +2,7 @@
 
 The acceptance test: ``torchrun`` with two gloo processes (kernel mode in the Triton interpreter, fp16, a tiny
 model) writes the same output file, greedy tokens included, as one process. Beside it: the MoE layer split into
-routing and :func:`dsa_triton.moe.layer.moe_experts` (what a rank runs on the rows sent to it), expert ownership,
+routing and :func:`dsa_triton.moe.moe_forward.moe_experts` (what a rank runs on the rows sent to it), expert ownership,
 loading only a rank's experts, the expert-parallel layer against the one-process layer in a group of one, and four
 reference-mode processes with one rank that has no prompt at all.
 """
@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 import dsa_triton as dt
-from dsa_triton.moe.layer import moe_experts
-from dsa_triton.moe.layer_spec import compare_layer
-from dsa_triton.moe.layer_reference import moe_experts_torch, moe_forward_torch
-from model_runner import load_checkpoint, save_random_checkpoint, tiny_config
+from dsa_triton.moe.moe_forward import moe_experts
+from dsa_triton.moe.moe_forward_spec import compare_layer
+from dsa_triton.moe.moe_forward_reference import moe_experts_torch, moe_forward_torch
+from model_runner import SamplingParams, build_engine, load_checkpoint, save_random_checkpoint, tiny_config
 from model_runner.__main__ import main
 from model_runner.distributed import Parallel
 from model_runner.errors import RunnerError
@@ -131,6 +131,23 @@ def test_expert_parallel_layer_in_a_group_of_one(tmp_path, group_of_one, ops):
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-3 * want.abs().max().item())
     assert group_of_one.moe(x[:0], moe, ops).shape == (0, CONFIG.hidden_size)
     assert group_of_one.stats["collectives"] == 6  # counts, rows there, rows back; twice
+
+
+def test_an_engine_built_with_a_group_steps_with_it(tmp_path, group_of_one):
+    """build_engine(parallel=...) hands the group to the MoE layers and to the engine's loop: the one-process tokens,
+    with 3 collectives a MoE layer and step, one all-reduce a step and one to stop; an idle step joins every MoE
+    layer's collectives."""
+    save_random_checkpoint(CONFIG, tmp_path, seed=4)
+    common = dict(mode="reference", dtype=torch.float32, device="cpu")
+    prompts, params = [[5, 6, 7], [9, 8, 7, 6]], SamplingParams(max_new_tokens=3)
+    want = build_engine(tmp_path, **common).generate(prompts, params, progress=False)
+    engine = build_engine(tmp_path, **common, parallel=group_of_one)
+    assert "expert parallel: rank 0 of 1 holds experts 0..5 of 6 in each MoE layer" in engine.notes
+    assert engine.generate(prompts, params, progress=False) == want
+    assert group_of_one.stats["collectives"] == len(engine.steps) * (3 * 2 + 1) + 1
+    before = group_of_one.stats["collectives"]
+    engine.model.idle()
+    assert group_of_one.stats["collectives"] == before + 3 * 2
 
 
 def free_port() -> int:

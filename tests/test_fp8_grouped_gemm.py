@@ -13,7 +13,7 @@ from dsa_triton.moe.mxfp4_to_fp8_reference import mxfp4_to_fp8_torch
 from dsa_triton.moe.fp8_grouped_gemm import (fp8_grouped_gemm, plan_on_device, plan_stages,
                                              quantize_activations_fp8)
 from dsa_triton.moe.fp8_grouped_gemm_reference import fp8_grouped_gemm_torch, quantize_rows_fp8_torch
-from dsa_triton.moe.fused_moe_reference import grouped_gemm_torch
+from dsa_triton.moe.fused_moe_gemm_reference import grouped_gemm_torch
 from dsa_triton.moe.mxfp4_spec import random_mxfp4
 from dsa_triton.moe.workspace import FP8Workspace
 from tests.poison import poisoned_allocations
@@ -213,7 +213,7 @@ def test_default_config_serves_few_rows_and_one_expert(counts):
                   {"M": 20, "E": 1, "N": 4096, "K": 7168}, {"M": 0, "E": 256, "N": 4096, "K": 7168},
                   {"M": 131072, "E": 256, "N": 4096, "K": 7168}, {"M": 300, "E": 1, "N": 4096, "K": 7168},
                   {"M": 1000, "E": 8, "N": 32768, "K": 32768}):  # row-scaled defaults; a stage under 4 GiB
-        spec = registry.get("moe_workspace_gemm")
+        spec = registry.get("fp8_grouped_gemm")
         assert spec.is_valid(spec.default("prefill", shape), shape), shape
     with poisoned_allocations():
         y = fp8_grouped_gemm(x, offsets, blocks, scales)
@@ -224,7 +224,7 @@ def test_default_config_serves_few_rows_and_one_expert(counts):
 
 def test_default_takes_the_row_scaled_route_above_256_rows_per_expert():
     x, offsets, blocks, scales = problem([300, 220], 128, 256, seed=4)
-    config = registry.get("moe_workspace_gemm").default("prefill", {"M": 520, "E": 2, "N": 128, "K": 256})
+    config = registry.get("fp8_grouped_gemm").default("prefill", {"M": 520, "E": 2, "N": 128, "K": 256})
     assert (config["IN_REGISTERS"], config["ROW_SCALED"]) == (0, 1)
     with poisoned_allocations():
         y = fp8_grouped_gemm(x, offsets, blocks, scales, config=config)
@@ -253,7 +253,7 @@ def test_bad_arguments_raise_value_errors(change, match):
 
 
 def test_registry_entry_checks_out_and_catches_a_wrong_result():
-    spec = registry.get("moe_workspace_gemm")
+    spec = registry.get("fp8_grouped_gemm")
     (shape,) = spec.bench_shapes("prefill", False)
     inputs = spec.make_inputs("prefill", shape, torch.device("cpu"), 2)
     ref = spec.reference(inputs)
@@ -272,7 +272,7 @@ def test_registry_entry_checks_out_and_catches_a_wrong_result():
 def test_prefill_report_runs_both_routes_on_the_cpu(monkeypatch):
     """The moe_prefill report's CPU rows: every path runs and agrees with the bf16 baseline, with a W_SMEM=1,
     UNROLL=2 registers config as the launch config (the report's workspace-route config must drop both)."""
-    spec = registry.get("moe_workspace_gemm")
+    spec = registry.get("fp8_grouped_gemm")
     default = spec.launch_config
     monkeypatch.setattr(spec, "launch_config", lambda *a, **k: {**default(*a, **k), "W_SMEM": 1, "UNROLL": 2})
     rows = REPORTS["moe_prefill"](torch.device("cpu"), None)
@@ -395,7 +395,7 @@ def test_registers_route_default_is_right_on_the_gpu_at_ragged_k(k):
     """Issue 19: at K = 96 and 160 (not a multiple of 128) the registers route's default config (64-wide N tiles,
     2 stages) gave wrong sums on the H200 while the interpreter passed: the converted words were reread as bytes
     by a packed inline ``mov`` whose grouping of registers the compiler's layout did not keep."""
-    spec = registry.get("moe_workspace_gemm")
+    spec = registry.get("fp8_grouped_gemm")
     shape = {"M": 40, "E": 5, "N": 48, "K": k}
     inputs = spec.make_inputs("prefill", shape, torch.device("cuda"), 0)
     config = spec.default("prefill", shape)

@@ -10,9 +10,10 @@ import torch
 
 import dsa_triton as dt
 from dsa_triton import registry
-from dsa_triton.attention.cache import PagedCache, append_tokens
-from dsa_triton.attention.cache_reference import (append_torch, fp8_latent_bytes, fp8_latent_dequantize,
-                                                  fp8_latent_quantize, fp8_quantize_rows)
+from dsa_triton.attention.append_tokens import append_tokens
+from dsa_triton.attention.cache import PagedCache
+from dsa_triton.attention.formats import fp8_latent_bytes, fp8_latent_dequantize, fp8_latent_quantize, fp8_quantize_rows
+from dsa_triton.attention.append_tokens_reference import append_torch
 from dsa_triton.attention.sparse_attention_reference import (slots_from_indices, sparse_attention_decode_torch,
                                                              sparse_attention_prefill_torch)
 from dsa_triton.attention.sparse_attention_spec import random_paged_cache
@@ -184,18 +185,17 @@ def test_bad_inputs_append():
     assert cache.lengths() == [0, 0] and bool((cache.kv == 0).all())
 
 
-@pytest.mark.parametrize("name", ["paged_append_fp8"])
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
-def test_append_registry_entry(name, phase):
-    spec = registry.get(name)
-    for shape in spec.bench_shapes(phase, False):
+def test_append_registry_entry(phase):
+    spec = registry.get("append_tokens")
+    for shape in [s for s in spec.bench_shapes(phase, False) if s["fp8"]]:
         inputs = spec.make_inputs(phase, shape, torch.device("cpu"), 5)
         ref = spec.reference(inputs)
         assert spec.compare(spec.run(inputs, spec.default(phase, shape)), ref) is None
         ref[0].view(-1)[(ref[0].view(-1) != 0xFF).nonzero()[0]] ^= 1  # a changed byte must be caught
         assert spec.compare(spec.run(inputs, spec.default(phase, shape)), ref) is not None
-    dsa = spec.bench_shapes(phase, True)[0]
-    bf16 = registry.get("paged_append").cost(phase, {k: v for k, v in dsa.items() if k != "Dr"})
+    dsa = [s for s in spec.bench_shapes(phase, True) if s["fp8"]][0]
+    bf16 = spec.cost(phase, {**dsa, "Dr": 0, "fp8": 0})
     assert bf16.bytes - spec.cost(phase, dsa).bytes == dsa["N"] * (1152 - 656)
 
 
@@ -325,26 +325,26 @@ def test_bad_inputs_attention():
         dt.sparse_attention_prefill(q, kv[..., :-2], idx, 0.1, d_v=DV, block_table=table[:1])
 
 
-@pytest.mark.parametrize("name", ["sparse_attention_decode_fp8", "sparse_attention_prefill_fp8"])
+@pytest.mark.parametrize("name", ["sparse_attention_decode", "sparse_attention_prefill"])
 def test_attention_registry_entries(name):
-    """The FP8 entries: checked runs at their CPU shapes, 656 bytes a selected token in the cost (the bf16 entry's
-    1152), the bf16 entry's FLOPs, and defaults valid at the GPU shapes."""
+    """The FP8 cache's shapes (``fp8`` 1): checked runs at their CPU shapes, 656 bytes a selected token in the cost
+    (the bf16 cache's 1152), the bf16 cache's FLOPs, and defaults valid at the GPU shapes."""
     spec = registry.get(name)
-    bf16 = registry.get(name.removesuffix("_fp8"))
     phase = spec.phases[0]
-    for shape in spec.bench_shapes(phase, False):
+    for shape in [s for s in spec.bench_shapes(phase, False) if s["fp8"]]:
         inputs = spec.make_inputs(phase, shape, torch.device("cpu"), 7)
         assert inputs["kv_cache"].dtype == torch.uint8
         out, ref = spec.run(inputs, spec.launch_config(phase, shape, "cpu")), spec.reference(inputs)
         assert spec.compare(out, ref) is None
         assert spec.compare((out[0] + 0.01, out[1]), ref) is not None
-    dsa = spec.bench_shapes(phase, True)[0]
+    dsa = [s for s in spec.bench_shapes(phase, True) if s["fp8"]][0]
+    bf16 = {**dsa, "fp8": 0}
     rows = dsa["B"] * dsa["k"] if phase == "decode" else min(dsa["T"] * dsa["k"], dsa["L"])
-    assert bf16.cost(phase, dsa).bytes - spec.cost(phase, dsa).bytes == rows * (1152 - 656)
-    assert spec.cost(phase, dsa).flops == bf16.cost(phase, dsa).flops
+    assert spec.cost(phase, bf16).bytes - spec.cost(phase, dsa).bytes == rows * (1152 - 656)
+    assert spec.cost(phase, dsa).flops == spec.cost(phase, bf16).flops
     assert all(spec.is_valid(spec.default(phase, s), s) for s in spec.bench_shapes(phase, True))
     long_tile = {"BLOCK_N": 128, "BLOCK_H": 64, "num_splits": 1, "num_warps": 8, "num_stages": 1}
-    assert bf16.constraint(long_tile, dsa) is None and "dequantized tile" in spec.constraint(long_tile, dsa)
+    assert spec.constraint(long_tile, bf16) is None and "dequantized tile" in spec.constraint(long_tile, dsa)
 
 
 # -- the runner -----------------------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ import torch
 
 import dsa_triton as dt
 from dsa_triton import registry
-from dsa_triton.linear.fp8_linear_reference import (dequantize_fp8_blockwise, fp8_blockwise_linear_torch,
-                                                    quantize_fp8_blockwise)
+from dsa_triton.linear.formats import dequantize_fp8_blockwise, quantize_fp8_blockwise
+from dsa_triton.linear.fp8_blockwise_linear_reference import fp8_blockwise_linear_torch
 
 from .poison import poisoned_allocations
 

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from dsa_triton import ConfigError, registry
-from dsa_triton.moe import fused_moe
-from dsa_triton.moe.fused_moe import fused_moe_gemm
-from dsa_triton.moe.fused_moe_spec import SPEC
-from dsa_triton.moe.activation_reference import class_major
-from dsa_triton.moe.fused_moe_reference import fused_moe_gemm_torch
+from dsa_triton.moe import fused_moe_gemm as fused_module
+from dsa_triton.moe.fused_moe_gemm import fused_moe_gemm
+from dsa_triton.moe.fused_moe_gemm_spec import SPEC
+from dsa_triton.moe.formats import class_major
+from dsa_triton.moe.fused_moe_gemm_reference import fused_moe_gemm_torch
 from dsa_triton.moe.mxfp4_reference import mxfp4_dequantize_torch, mxfp4_quantize_torch
 from dsa_triton.moe.permute import combine_rows, max_padded_rows, sort_by_expert
 from dsa_triton.moe.sort_and_align_spec import random_routing
@@ -173,7 +173,7 @@ def test_default_config_and_registry_entry():
     out = SPEC.run(inputs, SPEC.launch_config("decode", shape, CPU))
     assert SPEC.compare(out, SPEC.reference(inputs)) is None
     assert SPEC.compare(out.float() + 1.0, SPEC.reference(inputs)) is not None
-    assert registry.get("moe_fused_gemm") is SPEC
+    assert registry.get("fused_moe_gemm") is SPEC
     gpu = SPEC.bench_shapes("decode", True)
     assert {(s["N"], s["K"]) for s in gpu} == {(4096, 7168), (7168, 2048)} and {s["T"] for s in gpu} == {1, 8, 32, 128}
     for s in gpu:  # the defaults are valid configs (registration checks it too), at any token count
@@ -235,7 +235,7 @@ def test_scale_bytes_above_the_paths_range_raise_once_per_version():
         fused_moe_gemm(x, sort, blocks, scales, config=config)
     scales[3, 7, 1] = 0  # small bytes are fine (all-zero blocks often carry 0)
     fused_moe_gemm(x, sort, blocks, scales, config=config)
-    assert fused_moe.SCALE_MAX[True] == 192  # the bf16 GPU path (inline PTX), not reachable on the CPU
+    assert fused_module.SCALE_MAX[True] == 192  # the bf16 GPU path (inline PTX), not reachable on the CPU
 
 
 def test_kernel_compiles_for_hopper():

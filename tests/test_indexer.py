@@ -4,9 +4,9 @@ import torch
 
 import dsa_triton as dt
 from dsa_triton import registry
-from dsa_triton.attention.cache_reference import fp8_quantize_rows
-from dsa_triton.attention.indexer_spec import compare_logits, random_queries
-from dsa_triton.attention.indexer_reference import indexer_logits_torch
+from dsa_triton.attention.formats import fp8_quantize_rows
+from dsa_triton.attention.indexer_logits_spec import compare_logits, random_queries
+from dsa_triton.attention.indexer_logits_reference import indexer_logits_torch
 
 from .poison import poisoned_allocations
 

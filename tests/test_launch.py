@@ -16,8 +16,9 @@ from triton.runtime.jit import JITFunction, compute_cache_key, create_function_f
 
 import dsa_triton as dt
 from dsa_triton import launch as lean
+from dsa_triton.plans import cached
 from dsa_triton import launch_hit
-from dsa_triton.attention.topk_kernels import topk_select_kernel
+from dsa_triton.attention.topk_indices_kernels import topk_select_kernel
 
 GLOBAL_LIMIT = tl.constexpr(4)  # a global the kernel below reads
 
@@ -334,11 +335,11 @@ def faked(monkeypatch) -> tuple:
 def test_a_repeated_launch_calls_the_compiled_kernel(fake_triton):
     fn, compiled, through_triton = fake_triton
     x, y = cuda_empty(32), cuda_empty(32)
-    returned = lean.launch(fn, (3, 2), x, y, 48, 17, True, 0.5, None, BLOCK=16, num_warps=4)
+    returned = lean.launch_with(fn, (3, 2), {"BLOCK": 16, "num_warps": 4}, x, y, 48, 17, True, 0.5, None)
     assert returned is compiled and len(through_triton) == 1 and not compiled.calls
     x2 = cuda_empty(32)
     for _ in range(2):
-        lean.launch(fn, (5,), x2, y, 64, 33, False, 2.0, None, BLOCK=16, num_warps=4)
+        lean.launch_with(fn, (5,), {"BLOCK": 16, "num_warps": 4}, x2, y, 64, 33, False, 2.0, None)
     assert len(through_triton) == 1
     # Triton's argument order: grid, stream, function, metadata, launch metadata and hooks (none), then every
     # parameter in signature order, constexprs (given and default) included; the first launch of a fast key with
@@ -368,7 +369,7 @@ def test_anything_the_key_or_the_fast_path_cannot_vouch_for_takes_tritons_path(f
     grid = (3,)
     if change == "float keyword":
         meta["SCALE"] = 0.5  # (a keyword Triton takes as an option here: only its effect on caching matters)
-    lean.launch(fn, grid, *args, **meta)
+    lean.launch_with(fn, grid, meta, *args)
     if change == "misaligned":
         args = (cuda_empty(33)[1:],) + args[1:]
     elif change == "int one":
@@ -378,7 +379,7 @@ def test_anything_the_key_or_the_fast_path_cannot_vouch_for_takes_tritons_path(f
     elif change == "callable grid":
         grid = lambda meta: (3,)  # noqa: E731
     set_a_hook_or_global(change, fn, monkeypatch)
-    lean.launch(fn, grid, *args, **meta)
+    lean.launch_with(fn, grid, meta, *args)
     assert len(through_triton) == 2 and not compiled.calls
 
 
@@ -402,7 +403,7 @@ def test_a_call_that_differs_never_launches_through_another_calls_fast_entry(fak
     x, y = empty(32), empty(32)
     meta = {"BLOCK": 1}
     for _ in range(3):
-        lean.launch(fn, (1,), x, y, 48, 17, True, 0.5, None, **meta)
+        lean.launch_with(fn, (1,), meta, x, y, 48, 17, True, 0.5, None)
     assert len(through_triton) == 1 and compiled.calls[-1][9:11] == (x.data_ptr(), y.data_ptr())
     args = [x, y, 48, 17, True, 0.5, None]
     if change == "other device":
@@ -417,7 +418,7 @@ def test_a_call_that_differs_never_launches_through_another_calls_fast_entry(fak
         meta["BLOCK"] = True  # (equal to 1, and of one hash)
     launched = len(compiled.calls)
     for _ in range(3):
-        lean.launch(fn, (1,), *args, **meta)
+        lean.launch_with(fn, (1,), meta, *args)
     if change == "other device":
         assert len(through_triton) == 4 and len(compiled.calls) == launched
     elif change == "int value":
@@ -430,7 +431,7 @@ def test_a_call_that_differs_never_launches_through_another_calls_fast_entry(fak
 def test_a_global_rebound_to_an_equal_value_keeps_the_lean_path(fake_triton, monkeypatch):
     fn, compiled, through_triton = fake_triton
     x = cuda_empty(32)
-    call = lambda: lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, None, BLOCK=16)  # noqa: E731
+    call = lambda: lean.launch_with(fn, (1,), {"BLOCK": 16}, x, x, 48, 17, True, 0.5, None)  # noqa: E731
     call()
     monkeypatch.setitem(globals(), "GLOBAL_LIMIT", tl.constexpr(4))  # another object, the same value
     call()
@@ -444,10 +445,10 @@ def test_a_global_rebound_to_an_equal_value_keeps_the_lean_path(fake_triton, mon
 def test_a_second_layout_gets_its_own_key_function(fake_triton):
     fn, compiled, through_triton = fake_triton
     x = cuda_empty(32)
-    lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, None, BLOCK=16)
-    lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, x, BLOCK=16)  # a tensor where None was
-    lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, x, BLOCK=16)
-    lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, None, BLOCK=16)
+    lean.launch_with(fn, (1,), {"BLOCK": 16}, x, x, 48, 17, True, 0.5, None)
+    lean.launch_with(fn, (1,), {"BLOCK": 16}, x, x, 48, 17, True, 0.5, x)  # a tensor where None was
+    lean.launch_with(fn, (1,), {"BLOCK": 16}, x, x, 48, 17, True, 0.5, x)
+    lean.launch_with(fn, (1,), {"BLOCK": 16}, x, x, 48, 17, True, 0.5, None)
     assert len(through_triton) == 2 and len(compiled.calls) == 2
     assert len(fn._dsa_lean.layouts) == 2
 
@@ -458,7 +459,7 @@ def test_the_cuda_launcher_is_called_without_its_python_wrapper(monkeypatch, fak
     compiled.run = launcher
     x = cuda_empty(32)
     for _ in range(3):
-        lean.launch(fn, (2, 3, 4), x, x, 48, 17, True, 0.5, None, BLOCK=16)
+        lean.launch_with(fn, (2, 3, 4), {"BLOCK": 16}, x, x, 48, 17, True, 0.5, None)
     assert not launcher.wrapped
     # what CudaLauncher.__call__ passes its C function: cooperative grid, PDL, the two scratch buffers (none)
     head = (2, 3, 4, 1234, 11, False, True, None, None, (4, 1, 0), None, None, None)
@@ -496,7 +497,7 @@ def test_a_hit_calls_the_own_launcher_with_the_parameters_tritons_would_pass(mon
     compiled.metadata = metadata_of(launch_pdl=True)
     compiled.run = unbuilt_cuda_launcher(compiled.metadata, launch=lambda *a: triton_calls.append(a))
     for _ in range(4):
-        lean.launch(fn, (3, 2), *args, **meta)
+        lean.launch_with(fn, (3, 2), meta, *args)
     launched = (x.data_ptr(), y.data_ptr(), 48, 17, True, 0.5, None, 16, 2)
     assert len(through_triton) == 1 and triton_calls[0][13:] == (*args, 16, 2)  # (the miss: the tensors)
     assert {type(key) for key in fn._dsa_lean.fast} == {bytes if (hits, fast_device) == ("compiled", "cpu") else tuple}
@@ -513,8 +514,7 @@ def test_launch_with_takes_the_keywords_in_a_dict_it_leaves_alone(fake_triton):
     fn, compiled, through_triton = fake_triton
     x = cuda_empty(32)
     meta = {"BLOCK": 16, "num_warps": 4}
-    lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, None, **meta)
-    for _ in range(2):
+    for _ in range(3):
         assert lean.launch_with(fn, (1,), meta, x, x, 48, 17, True, 0.5, None) is compiled
     assert len(through_triton) == 1 and compiled.calls[-1][9] == x.data_ptr()
     assert meta == {"BLOCK": 16, "num_warps": 4}
@@ -526,14 +526,14 @@ def test_the_cache_of_a_kernel_is_bounded(fake_triton, monkeypatch):
     monkeypatch.setattr(lean, "MAX_FAST_ENTRIES", 3)
     x = cuda_empty(32)
     for block in itertools.islice(itertools.cycle([16, 32, 64, 128]), 8):
-        lean.launch(fn, (1,), x, x, 48, 17, True, 0.5, None, BLOCK=block)
+        lean.launch_with(fn, (1,), {"BLOCK": block}, x, x, 48, 17, True, 0.5, None)
     for n in range(40, 48):  # one entry, many fast keys
-        lean.launch(fn, (1,), x, x, n, 17, True, 0.5, None, BLOCK=16)
+        lean.launch_with(fn, (1,), {"BLOCK": 16}, x, x, n, 17, True, 0.5, None)
     assert len(fn._dsa_lean.entries) <= 3 and len(fn._dsa_lean.fast) <= 3
 
 
 def test_the_interpreter_takes_tritons_path_unchanged(monkeypatch):
-    """Under TRITON_INTERPRET=1 kernels are InterpretedFunctions: launch() is kernel[grid](...), and an op's
+    """Under TRITON_INTERPRET=1 kernels are InterpretedFunctions: launch_with() is kernel[grid](...), and an op's
     launches reach the interpreter."""
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -555,12 +555,11 @@ def test_the_interpreter_takes_tritons_path_unchanged(monkeypatch):
         def __getitem__(self, grid):
             return lambda *a, **k: ("stub", grid, a, k)
 
-    assert lean.launch(Stub(), (2,), 1, X=3) == ("stub", (2,), (1,), {"X": 3})
     assert lean.launch_with(Stub(), (2,), {"X": 3}, 1) == ("stub", (2,), (1,), {"X": 3})
 
 
 def test_a_cached_meta_is_one_dict_per_value_and_type():
-    build = lean.cached_meta(lambda flag, n: {"FLAG": flag, "N": n})
+    build = cached(lambda flag, n: {"FLAG": flag, "N": n})
     assert build(True, 4) is build(True, 4) and build(True, 4) == {"FLAG": True, "N": 4}
     assert build(1, 4) is not build(True, 4) and type(build(1, 4)["FLAG"]) is int  # 1 == True, another constexpr
     assert build(True, 8)["N"] == 8
@@ -579,16 +578,10 @@ def test_a_repeated_op_call_launches_with_the_keyword_dicts_of_the_first(monkeyp
         seen.append(("launch_with", meta))
         return lean.launch_with(kernel, grid, meta, *args)
 
-    def recording_launch(kernel, grid, *args, **meta):
-        seen.append(("launch", meta))
-        return lean.launch(kernel, grid, *args, **meta)
-
     for name, module in list(sys.modules.items()):
         if name.startswith("dsa_triton.") and module is not lean:
             if getattr(module, "launch_with", None) is lean.launch_with:
                 monkeypatch.setattr(module, "launch_with", recording)
-            if getattr(module, "launch", None) is lean.launch:
-                monkeypatch.setattr(module, "launch", recording_launch)
     device = torch.device("cpu")
     for spec in registry.kernels():
         for phase in spec.phases:
@@ -746,5 +739,5 @@ def test_what_the_compiled_hit_cannot_vouch_for_goes_to_the_python_path(monkeypa
 def test_a_layout_without_tensors_hits(fake_triton):
     fn, compiled, through_triton = fake_triton
     for _ in range(3):
-        lean.launch(fn, (1,), None, None, 48, 17, True, 0.5, None, BLOCK=16)
+        lean.launch_with(fn, (1,), {"BLOCK": 16}, None, None, 48, 17, True, 0.5, None)
     assert len(through_triton) == 1 and len(compiled.calls) == 2 and compiled.calls[-1][9:11] == (None, None)

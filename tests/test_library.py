@@ -15,7 +15,7 @@ import torch
 import dsa_triton as dt
 from dsa_triton.bench.reports.moe_decode import AtenOpCounter
 from dsa_triton.library import OPS, config_json, routing_kwargs
-from dsa_triton.linear.fp8_linear_reference import quantize_fp8_blockwise
+from dsa_triton.linear.formats import quantize_fp8_blockwise
 
 from .poison import poison_
 
@@ -71,12 +71,12 @@ def moe_layer(tokens=3, experts=6, hidden=64, inter=32, seed=0, device="cpu"):
 
 def sort_of(tokens, experts, top_k, g):
     ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=1).indices.int()
-    return dt.moe.sort_by_expert(ids, torch.rand(tokens, top_k, generator=g), experts)
+    return dt.sort_by_expert(ids, torch.rand(tokens, top_k, generator=g), experts)
 
 
 # -- one (args, kwargs) per op ----------------------------------------------------------------------------------
 
-def case_append():
+def case_append_tokens():
     g = rng(1)
     cache = cache_with([20], 1)
     # 5 tokens at positions 20..24 of sequence 0: its page 1 (slots 4..8)

@@ -332,7 +332,7 @@ def test_finished_sequences_free_their_pages(checkpoint):
     while eng.scheduler.busy:
         finished += [len(s.output) for s in eng.step()]
         held = {s.index: len(eng.cache.pages(s.seq_id)) for s in eng.running}
-        assert held == {s.index: -(-s.cached // 16) for s in eng.running}  # just the pages of the cached tokens
+        assert held == {s.index: -(-eng.scheduler.cached(s) // 16) for s in eng.running}  # the cached tokens' pages
         assert eng.cache.num_free_pages == total - sum(held.values())
     assert finished == [2, 2, 6, 6]  # the eos sequence stops at its eos token
     assert eng.cache.num_free_pages == total and not eng.cache._pages

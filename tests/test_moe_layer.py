@@ -7,10 +7,10 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 import dsa_triton as dt
-from dsa_triton.moe import activation, fused_moe
+from dsa_triton.moe import activation, fused_moe_gemm
 from dsa_triton.bench.reports.moe_decode import AtenOpCounter
-from dsa_triton.moe.layer_spec import PATH, compare_layer
-from dsa_triton.moe.layer_reference import moe_forward_torch
+from dsa_triton.moe.moe_forward_spec import SPEC, compare_layer
+from dsa_triton.moe.moe_forward_reference import moe_forward_torch
 from dsa_triton.moe.mxfp4_reference import mxfp4_quantize_torch
 from dsa_triton.moe.routing import RoutingConfig
 from tests.poison import poisoned_allocations
@@ -66,8 +66,8 @@ def test_workspace_path_matches_oracle_to_fp8_precision():
 
 def test_path_default_is_a_crossover_on_rows_per_expert():
     decode = {"T": 1, "E": 256, "top_k": 8, "hidden": 7168, "I": 2048}
-    assert PATH.default("decode", decode) == {"path": "fused"}
-    assert PATH.default("prefill", dict(decode, T=16384)) == {"path": "workspace"}
+    assert SPEC.default("decode", decode) == {"path": "fused"}
+    assert SPEC.default("prefill", dict(decode, T=16384)) == {"path": "workspace"}
 
 
 def test_bad_inputs_raise_naming_the_argument():
@@ -155,7 +155,7 @@ def test_decode_path_runs_no_syncing_op_and_five_launches(monkeypatch, routing, 
     route_topk, sort_and_align = (importlib.import_module(f"dsa_triton.moe.{name}")  # the modules, not the functions
                                   for name in ("route_topk", "sort_and_align"))
     real_permute = sort_and_align._permute_kernel
-    monkeypatch.setattr(fused_moe, "_fused_moe_kernel", StubKernel())
+    monkeypatch.setattr(fused_moe_gemm, "_fused_moe_kernel", StubKernel())
     monkeypatch.setattr(activation, "_swiglu_kernel", StubKernel())
     monkeypatch.setattr(route_topk, "_route_kernel", StubRoute())
     monkeypatch.setattr(sort_and_align, "_permute_kernel", HiddenPermute())

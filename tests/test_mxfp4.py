@@ -4,8 +4,8 @@ import torch
 
 import dsa_triton as dt
 from dsa_triton import registry
-from dsa_triton.moe.mxfp4_reference import (e2m1_lut, mxfp4_dequantize_torch, mxfp4_quantize_torch, pad_k,
-                                            validate_mxfp4)
+from dsa_triton.moe.formats import e2m1_lut, pad_k, validate_mxfp4
+from dsa_triton.moe.mxfp4_reference import mxfp4_dequantize_torch, mxfp4_quantize_torch
 from tests.poison import poisoned_allocations
 
 

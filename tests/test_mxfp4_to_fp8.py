@@ -5,7 +5,8 @@ import torch
 import dsa_triton as dt
 from dsa_triton import registry
 from dsa_triton.moe.mxfp4_to_fp8_spec import compare_conversion
-from dsa_triton.moe.mxfp4_to_fp8_reference import GROUP, fp8_conversion_torch, mxfp4_to_fp8_torch
+from dsa_triton.moe.formats import GROUP
+from dsa_triton.moe.mxfp4_to_fp8_reference import fp8_conversion_torch, mxfp4_to_fp8_torch
 from dsa_triton.moe.mxfp4_spec import random_mxfp4
 from dsa_triton.moe.mxfp4_reference import mxfp4_dequantize_torch
 from tests.poison import poisoned_allocations

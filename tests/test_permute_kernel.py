@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsa_triton import ConfigError
-from dsa_triton.checks import PlanCache
+from dsa_triton.plans import PlanCache
 from dsa_triton.moe import permute
 from dsa_triton.moe.permute import sort_by_expert
 from dsa_triton.moe.sort_and_align import sort_and_align

@@ -7,8 +7,8 @@ import torch
 from hypothesis import strategies as st
 
 import dsa_triton as dt
-from dsa_triton.attention.cache_reference import append_torch
-from dsa_triton.attention.cache_spec import SPEC as APPEND_SPEC
+from dsa_triton.attention.append_tokens_reference import append_torch
+from dsa_triton.attention.append_tokens_spec import SPEC as APPEND_SPEC
 
 from .property_harness import (Case, checked, choice_arg, config_arg, element, exact, generator, int_arg, mutate,
                                one_of, rejecting, run_property, tensor_arg)
@@ -188,7 +188,7 @@ def _tokens(g, cache, n):
 
 def append_reference(cache, seq_ids, lens, kv, index_k):
     """The cache after the append, from its state before: the allocator's next pages in order, each token at its
-    slot, the touched pages' summaries recomputed (:func:`.cache_reference.append_torch`)."""
+    slot, the touched pages' summaries recomputed (:func:`.append_tokens_reference.append_torch`)."""
     P = cache.page_size
     tensors = [None if t is None else t.clone() for t in (cache.kv, cache.ik, cache.ik_scale, cache.summaries)]
     table, lengths, free = cache.block_table.clone(), cache.lengths(), allocator_state(cache.allocator)

@@ -7,14 +7,14 @@ import torch
 from hypothesis import strategies as st
 
 import dsa_triton as dt
-from dsa_triton.attention.block_scores_reference import gather_selected_torch, page_bounds_torch, page_summaries_torch
-from dsa_triton.attention.block_scores_spec import SPEC as PATH_SPEC
-from dsa_triton.attention.cache_reference import fp8_quantize_rows
-from dsa_triton.attention.indexer_reference import indexer_logits_torch
-from dsa_triton.attention.indexer_spec import SPEC as LOGITS_SPEC
-from dsa_triton.attention.indexer_spec import compare_logits, random_queries
-from dsa_triton.attention.page_select_reference import select_pages_torch
-from dsa_triton.attention.page_select_spec import SPEC as SELECT_SPEC
+from dsa_triton.attention.block_indexer_logits_reference import gather_selected_torch, page_bounds_torch, page_summaries_torch
+from dsa_triton.attention.block_indexer_logits_spec import SPEC as PATH_SPEC
+from dsa_triton.attention.formats import fp8_quantize_rows
+from dsa_triton.attention.indexer_logits_reference import indexer_logits_torch
+from dsa_triton.attention.indexer_logits_spec import SPEC as LOGITS_SPEC
+from dsa_triton.attention.indexer_logits_spec import compare_logits, random_queries
+from dsa_triton.attention.select_pages_reference import select_pages_torch
+from dsa_triton.attention.select_pages_spec import SPEC as SELECT_SPEC
 
 from .property_harness import (Case, checked, config_arg, element, generator, int_arg, mutate, nan_split, one_of,
                                run_property, tensor_arg)

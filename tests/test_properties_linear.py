@@ -1,13 +1,13 @@
 """Property tests of ``dt.fp8_blockwise_linear`` (:mod:`tests.property_harness`: every generated call raises a clear
-error or equals the reference, :func:`~dsa_triton.linear.fp8_linear_reference.fp8_blockwise_linear_torch`)."""
+error or equals the reference, :func:`~dsa_triton.linear.fp8_blockwise_linear_reference.fp8_blockwise_linear_torch`)."""
 import math
 
 import torch
 from hypothesis import strategies as st
 
 import dsa_triton as dt
-from dsa_triton.linear.fp8_linear_reference import quantize_fp8_blockwise
-from dsa_triton.linear.fp8_linear_spec import SPEC
+from dsa_triton.linear.formats import quantize_fp8_blockwise
+from dsa_triton.linear.fp8_blockwise_linear_spec import SPEC
 
 from .property_harness import (Case, checked, config_arg, element, generator, mutate, nan_split, run_property,
                                tensor_arg)

@@ -7,15 +7,17 @@ import torch
 from hypothesis import strategies as st
 
 import dsa_triton as dt
-from dsa_triton.moe import sort_and_align, sort_by_expert
-from dsa_triton.moe.activation_reference import class_major, swiglu_torch
+from dsa_triton.moe.permute import sort_by_expert
+from dsa_triton.moe.sort_and_align import sort_and_align
+from dsa_triton.moe.formats import class_major
+from dsa_triton.moe.activation_reference import swiglu_torch
 from dsa_triton.moe.fp8_grouped_gemm_reference import fp8_grouped_gemm_torch
 from dsa_triton.moe.fp8_grouped_gemm_spec import SPEC as GROUPED_SPEC
-from dsa_triton.moe.fused_moe_reference import fused_moe_gemm_torch
-from dsa_triton.moe.fused_moe_spec import SPEC as FUSED_SPEC
-from dsa_triton.moe.fused_moe_spec import compare_rows
-from dsa_triton.moe.layer_reference import moe_forward_torch
-from dsa_triton.moe.layer_spec import PATH, compare_layer
+from dsa_triton.moe.fused_moe_gemm_reference import fused_moe_gemm_torch
+from dsa_triton.moe.fused_moe_gemm_spec import SPEC as FUSED_SPEC
+from dsa_triton.moe.fused_moe_gemm_spec import compare_rows
+from dsa_triton.moe.moe_forward_reference import moe_forward_torch
+from dsa_triton.moe.moe_forward_spec import SPEC, compare_layer
 from dsa_triton.moe.sort_and_align_spec import SPEC as PERMUTE_SPEC
 from dsa_triton.moe.sort_and_align_spec import compare_permutations, permutation_tensors
 
@@ -313,7 +315,7 @@ def layer_cases(draw):
         "router_bias": tensor_arg("router_bias", FLOATS, like=lambda args: torch.zeros(E),
                                   none=(torch.zeros(E), "a bias")),
         "shared": shared, "phase": choice_arg("phase", ["decode", "prefill", "load", 3, "Decode"]),
-        "config": config_arg(PATH)})
+        "config": config_arg(SPEC)})
     return _layer_case(mutation, args, names)
 
 
@@ -333,7 +335,7 @@ def _layer_case(mutation, args, names):
         x, (E, two_i) = args["x"], args["gate_up_blocks"].shape[:2]
         shape = {"T": x.shape[0], "E": E, "top_k": args["routing"].top_k, "hidden": x.shape[1], "I": two_i // 2}
         phase = args.get("phase") or ("decode" if x.shape[0] <= 256 else "prefill")
-        path = (args["config"] or PATH.launch_config(phase, shape, x.device))["path"]
+        path = (args["config"] or SPEC.launch_config(phase, shape, x.device))["path"]
         # the fused path is within 0.05 % of the fp32 oracle; the workspace path rounds the activations of both GEMMs
         # to e4m3 (3 mantissa bits: up to 6 % an element), which a handful of outputs does not average down
         return nan_aware(lambda o, r: compare_layer(o, r, 0.01 if path == "fused" else 0.15))(out, ref)

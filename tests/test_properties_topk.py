@@ -6,8 +6,8 @@ import torch
 from hypothesis import strategies as st
 
 import dsa_triton as dt
-from dsa_triton.attention.topk_reference import check_topk, topk_indices_torch
-from dsa_triton.attention.topk_spec import SPEC
+from dsa_triton.attention.topk_indices_reference import check_topk, topk_indices_torch
+from dsa_triton.attention.topk_indices_spec import SPEC
 
 from .property_harness import (Case, choice_arg, config_arg, element, generator, int_arg, mutate, one_of, run_property,
                                tensor_arg)

@@ -1,9 +1,10 @@
-"""Registry logic: bucketing, shape keys, config validation, defaults and the lookup hook."""
+"""Registry logic: bucketing, shape keys, config validation, defaults and the database lookup."""
 import pytest
 import torch
 
 from dsa_triton import registry
 from dsa_triton.registry import ConfigError, Cost, KernelSpec, ShapeKey, bucket
+from tuning_db import Database
 
 
 def toy_spec(name="toy_scale", default=None, **overrides) -> KernelSpec:
@@ -24,7 +25,7 @@ def toy_spec(name="toy_scale", default=None, **overrides) -> KernelSpec:
         constraint=lambda config, shape: None if shape["D"] % config["BLOCK"] == 0 else "BLOCK must divide D",
     )
     fields.update(overrides)
-    return KernelSpec(**fields)
+    return KernelSpec.of(**fields)
 
 
 @pytest.mark.parametrize("n, want", [(0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (4096, 4096), (4097, 8192), (131071, 131072)])
@@ -100,6 +101,14 @@ def test_register_rejects_invalid_default_and_duplicates():
         registry.get("toy_dup")
 
 
+class Lookup(Database):
+    """A database whose lookup is ``fn(spec, phase, shape, device)``."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.lookup = fn
+
+
 def test_launch_config_uses_lookup_then_default():
     spec = toy_spec()
     shape = {"T": 5, "D": 64}
@@ -109,9 +118,9 @@ def test_launch_config_uses_lookup_then_default():
         seen.append((spec.name, phase, exact_shape, device))
         return {"BLOCK": 64, "num_warps": 4} if exact_shape["T"] == 5 else None
 
-    previous = registry._lookup
+    previous = registry.database()
     try:
-        registry.set_config_lookup(lookup)
+        registry.use_database(Lookup(lookup))
         assert spec.launch_config("decode", shape, "cpu") == {"BLOCK": 64, "num_warps": 4}
         assert seen == [("toy_scale", "decode", {"T": 5, "D": 64}, "cpu-interpreter")]
         spec.launch_config("decode", shape, "cpu")
@@ -121,11 +130,11 @@ def test_launch_config_uses_lookup_then_default():
         # a stored config that is invalid for the shape is ignored, not launched
         assert spec.launch_config("decode", {"T": 5, "D": 48}, "cpu") == {"BLOCK": 16, "num_warps": 1}
         # the phase is part of the cache key
-        registry.set_config_lookup(lambda spec, phase, s, d: {"BLOCK": 32, "num_warps": 2} if phase == "prefill" else None)
+        registry.use_database(Lookup(lambda spec, phase, s, d: {"BLOCK": 32, "num_warps": 2} if phase == "prefill" else None))
         assert spec.launch_config("decode", shape, "cpu")["BLOCK"] == 16
         assert spec.launch_config("prefill", shape, "cpu")["BLOCK"] == 32
     finally:
-        registry.set_config_lookup(previous)
+        registry.use_database(previous)
 
 
 def test_launch_config_returns_a_copy():

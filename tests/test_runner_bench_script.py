@@ -21,7 +21,7 @@ def runner_bench():
 
 def test_the_moe_floor_moves_with_the_experts_reached(runner_bench):
     """Uniform routing's count gives the registry's cost; each expert fewer takes its MXFP4 bytes off, FLOPs stay."""
-    from dsa_triton.moe.fused_moe_spec import expected_active_experts
+    from dsa_triton.moe.fused_moe_gemm_spec import expected_active_experts
 
     c = runner_bench.v32_config()
     shape = {"T": 64, "E": c.n_routed_experts, "top_k": c.num_experts_per_tok}

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsa_triton.linear.fp8_linear_reference import dequantize_fp8_blockwise
+from dsa_triton.linear.formats import dequantize_fp8_blockwise
 from model_runner import (ModelConfig, RopeConfig, RunnerError, SamplingParams, build_engine, load_checkpoint,
                           save_random_checkpoint, tiny_config)
 from model_runner.__main__ import main

@@ -6,15 +6,19 @@ Whole generations run in the reference mode (fp32: fast, and a recomputed prefix
 the kernel-mode checks are single steps (the Triton interpreter is slow).
 """
 import json
+import shutil
 
 import pytest
 import torch
 
+import tuning_db
+from dsa_triton import registry
+from dsa_triton.runtime import device_name
 from model_runner import SamplingParams, build_engine, save_random_checkpoint, tiny_config
 from model_runner.__main__ import main
 from model_runner.cache_manager import CacheManager
 from model_runner.cuda_graphs import DecodeGraphs, buckets
-from model_runner.index_path import PathChoice, block_faster
+from model_runner.index_path import PathChoice
 from model_runner.model import fp32_output_gemm, logits as lm_logits
 from model_runner.ops import KernelOps, ReferenceOps
 from model_runner.profiling import StepProfiler, op_group, profile_call
@@ -84,7 +88,7 @@ def test_decode_goes_on_while_a_long_prompt_is_chunked(checkpoint):
     long = eng.add(list(range(60)), SamplingParams(max_new_tokens=2))
     during = []
     while eng.scheduler.busy:
-        pending, decoding = 0 < long.cached < len(long.prompt), sum(not s.finished for s in short)
+        pending, decoding = 0 < eng.scheduler.cached(long) < len(long.prompt), sum(not s.finished for s in short)
         eng.step()
         if pending and decoding:
             during.append((eng.steps[-1], decoding))
@@ -112,11 +116,11 @@ def test_scheduler_invariants(seed):
         steps += 1
         assert step.chunks and step.tokens <= 12 and len({id(s) for s, _ in step.chunks}) == len(step.chunks)
         for s, n in step.chunks:
-            assert 1 <= n <= s.pending and len(cache.pages(s.seq_id)) == -(-(s.cached + n) // 16)
-            if s.cached == 0 and s.preemptions == 0:
+            assert 1 <= n <= sched.pending(s) and len(cache.pages(s.seq_id)) == -(-(sched.cached(s) + n) // 16)
+            if sched.cached(s) == 0 and s.preemptions == 0:
                 admitted.append(s.index)
-        cache.place([(s.seq_id, n) for s, n in step.chunks])
-        sched.update(step, [0 if s.cached + n == len(s.tokens) else None for s, n in step.chunks])
+        cache.place([(s.seq_id, n) for s, n in step.chunks])  # what the forward does
+        sched.update(step, [0 if sched.pending(s) == 0 else None for s, _ in step.chunks])
         assert steps < 2000
     assert admitted == sorted(admitted) == list(range(30))
     assert [len(s.output) for s in seqs] == [p.max_new_tokens for p in params]
@@ -213,7 +217,7 @@ def test_padded_decode_step_kernel_mode(checkpoint):
                                                                     list(range(1, 21)))]
     eng.step()  # the three prompts in one prefill step (on the references: faster in the interpreter)
     eng.model.ops = kernel_ops
-    assert all(s.decoding for s in seqs)
+    assert all(eng.scheduler.decoding(s) for s in seqs)
     cache, model = eng.cache, eng.model
     ids, rows = [s.output[-1] for s in seqs], [s.seq_id for s in seqs]
     start = [cache.length(r) for r in rows]
@@ -259,11 +263,10 @@ def test_block_indexer_path_kernel_mode(checkpoint):
     assert [len(s.output) for s in seqs] == [2, 2]
 
 
-def test_path_choice():
-    """Per phase; the token path where the selected pages would cover the context; "auto" from the database: on
-    the H200 records, the block path at batch 128 and 128K tokens (faster there), not at batch 1 and 4K."""
-    import tuning_db
-
+def test_path_choice(tmp_path):
+    """Per phase; the token path where the selected pages would cover the context; "auto" asks the op, which answers
+    its tuned config's path: with the H200 records standing for this device's, the block path at batch 128 and 128K
+    tokens (a study found it faster there), the token path at batch 1 and 32K, and in prefill."""
     class Batch:
         def __init__(self, max_q, num_cols, seqs):
             self.max_q, self.num_cols, self.cu_seqlens = max_q, num_cols, torch.zeros(seqs + 1)
@@ -276,12 +279,15 @@ def test_path_choice():
     assert auto(Batch(1, 131072, 128), 64, 2048, 64, 128, "cpu") == "token"  # no record for this device
     with pytest.raises(ValueError, match="indexer_path"):
         PathChoice({"decode": "fast", "prefill": "token"})
-    db = tuning_db.Database(tuning_db.DEFAULT_FOLDER)
-    shape = lambda b, L: {"B": b, "Q": 1, "L": L, "P": 64, "H": 64, "DK": 128, "SEL": 64}  # noqa: E731
-    assert block_faster("decode", shape(128, 131072), "nvidia-h200", db)
-    assert not block_faster("decode", shape(1, 4096), "nvidia-h200", db)
-    assert not block_faster("prefill", shape(128, 131072), "nvidia-h200", db)  # no prefill records
-    assert not block_faster("decode", shape(128, 131072), "no-such-device", db)
+    shutil.copy(tuning_db.DEFAULT_FOLDER / "nvidia-h200.csv", tmp_path / f"{device_name('cpu')}.csv")
+    previous = registry.database()
+    registry.use_database(str(tmp_path))
+    try:
+        assert auto(Batch(1, 131072, 128), 64, 2048, 64, 128, "cpu") == "block"
+        assert auto(Batch(1, 32768, 1), 64, 2048, 64, 128, "cpu") == "token"
+        assert auto(Batch(2, 131072, 128), 64, 2048, 64, 128, "cpu") == "token"  # prefill
+    finally:
+        registry.use_database(previous)
 
 
 # -- logits, profile mode, CLI -----------------------------------------------------------------------------------

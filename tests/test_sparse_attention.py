@@ -8,7 +8,7 @@ import torch
 
 import dsa_triton as dt
 from dsa_triton import registry
-from dsa_triton.checks import PlanCache
+from dsa_triton.plans import PlanCache
 from dsa_triton.attention import sparse_attention, sparse_attention_kernels
 from dsa_triton.attention.cache import PagedCache
 from dsa_triton.attention.sparse_attention_spec import random_paged_cache
@@ -242,24 +242,13 @@ def test_plans_that_gluon_serves_launch_it_on_aligned_pointers_only(monkeypatch)
 
 
 def test_a_launch_takes_the_seesaw_over_either_cache():
-    from dsa_triton.attention.sparse_attention_gluon import GLUON_CONFIG
-    from dsa_triton.attention.sparse_attention_seesaw import _sparse_attention_fwd_seesaw
+    from dsa_triton.attention.sparse_attention_seesaw import GLUON_CONFIG, _sparse_attention_fwd_seesaw
 
     config = {**GLUON_CONFIG, "num_splits": 2}
     for fp8 in (False, True):
         launch = sparse_attention_kernels.AttentionLaunch(576, 512, 2048, 1, torch.bfloat16, fp8, config)
         assert launch.gluon_kernel == (_sparse_attention_fwd_seesaw, {**launch.fwd_meta, "num_warps": 4})
         assert launch.fwd_meta.get("KV_FP8", False) == fp8
-
-
-def test_gluon_meta_picks_its_choices_by_cache_and_split_length():
-    from dsa_triton.attention.sparse_attention_gluon import LAZY_RESCALE_TILES, gluon_meta
-
-    base = {"BLOCK_N": 64, "NUM_SPLITS": 1}
-    assert gluon_meta(base, LAZY_RESCALE_TILES) == {**base, "MAX_XCHG": True, "LAZY_RESCALE": True}
-    assert gluon_meta(base, LAZY_RESCALE_TILES - 1) == {**base, "MAX_XCHG": True, "LAZY_RESCALE": False}
-    fp8 = {**base, "KV_FP8": True}
-    assert gluon_meta(fp8, 32) == {**fp8, "MAX_XCHG": False, "LAZY_RESCALE": False}
 
 
 @pytest.mark.parametrize("d, d_v", [(72, 40), (100, 64)])  # value part, then rope part, not a power of two

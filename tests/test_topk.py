@@ -4,10 +4,11 @@ import pytest
 import torch
 
 import dsa_triton as dt
-from dsa_triton.attention import topk as tk
-from dsa_triton.attention.topk_kernels import INFO_COUNT, INFO_KEY_LO, INFO_LO, INFO_SHIFT, INFO_STEP
-from dsa_triton.attention.topk_reference import check_topk, emulate_bound, topk_indices_torch
-from dsa_triton.attention.topk_spec import SPACE
+from tuning_db import Database
+from dsa_triton.attention import topk_indices as tk
+from dsa_triton.attention.topk_indices_kernels import INFO_COUNT, INFO_KEY_LO, INFO_LO, INFO_SHIFT, INFO_STEP
+from dsa_triton.attention.topk_indices_reference import check_topk, emulate_bound, topk_indices_torch
+from dsa_triton.attention.topk_indices import SPACE
 from dsa_triton.bench.reports import REPORTS
 
 # Small tiles so that short rows still reach the two-pass route (group_min = 2 * k * GROUP); rows shorter
@@ -80,7 +81,7 @@ def test_pass_one_ranks_by_count_as_by_sort(monkeypatch, candidate_counts):
     """The interpreter reads pass 1's sample ranks off counted ranks (its ``tl.sort`` costs about 0.3 s a call); the
     GPU reads them off ``tl.sort``: both give the same windows, so the same candidates and answers. Rows on both
     pass-1 histograms (group maxima; every score), with ties, signed zeros and infinities in the samples."""
-    from dsa_triton.checks import PlanCache
+    from dsa_triton.plans import PlanCache
 
     g = torch.Generator().manual_seed(23)
     k, L = 8, 4096  # group_min 128, route_min 32: rows of 32-127 scores histogram every score
@@ -427,7 +428,7 @@ def test_unused_table_entries_are_not_checked():
 
 def test_cached_plan_still_checks_scalars_and_follows_the_config_lookup(monkeypatch):
     """A call whose tensors match an earlier, valid call's still rejects bad scalars (``4.0`` and ``True``
-    hash like ``4`` and ``1``), and a new config lookup reaches the next call."""
+    hash like ``4`` and ``1``), and a new database reaches the next call."""
     s = torch.randn(3, 100)
     table = torch.arange(3 * 7, dtype=torch.int32).view(3, 7)
     run_and_check(s, 4, config=None, block_table=table, page_size=16)
@@ -437,12 +438,14 @@ def test_cached_plan_still_checks_scalars_and_follows_the_config_lookup(monkeypa
         with pytest.raises(ValueError, match=name):
             call()
     seen = []
-    previous = dt.registry._lookup
+    previous = dt.registry.database()
+    lookup = Database()
+    lookup.lookup = lambda spec, phase, shape, dev: seen.append(spec.name)
     try:
-        dt.registry.set_config_lookup(lambda spec, phase, shape, dev: seen.append(spec.name))
+        dt.registry.use_database(lookup)
         run_and_check(s, 4, config=None, block_table=table, page_size=16)
     finally:
-        dt.registry.set_config_lookup(previous)
+        dt.registry.use_database(previous)
     assert "topk_indices" in seen
 
 

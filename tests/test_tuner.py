@@ -338,61 +338,74 @@ V32 = {"hidden_size": 7168, "num_attention_heads": 128, "kv_lora_rank": 512, "qk
        "num_experts_per_tok": 8, "moe_intermediate_size": 2048}
 
 
-def shaped(name, fixed, bucketed, phases=("decode", "prefill"), bench=None) -> KernelSpec:
+def shaped(name, fixed, bucketed, phases=("decode", "prefill"), bench=None, dims=lambda m: [{}], roles=None
+           ) -> KernelSpec:
+    """A toy spec of these dims: ``dims`` its ``model_dims``, ``roles`` its ``count_roles``."""
     base = toy_spec(name)
     bench = bench or {d: 2 for d in (*fixed, *bucketed)}
-    return KernelSpec(**{**base.__dict__, "_cache": {}, "fixed_dims": fixed, "bucketed_dims": bucketed,
-                         "phases": phases, "bench_shapes": lambda phase, gpu: [dict(bench)],
-                         "default": lambda phase, shape: {"BLOCK": 32, "num_warps": 1}, "constraint": lambda c, s: None})
+    return base.replace(fixed_dims=fixed, bucketed_dims=bucketed, phases=phases,
+                        bench_shapes=lambda phase, gpu: [dict(bench)],
+                        default=lambda phase, shape: {"BLOCK": 32, "num_warps": 1}, constraint=lambda c, s: None,
+                        model_dims=dims, count_roles=roles or {})
+
+
+INDEXER = lambda m: [{"H": m.index_heads, "D": m.index_dim, "P": m.page}]  # noqa: E731
+EXPERT_GEMMS = lambda m: [{"E": m.experts, "top_k": m.top_k, **g} for g in m.expert_gemms()]  # noqa: E731
 
 
 def test_model_shapes_decode_batches_times_contexts():
-    spec = shaped("indexer_decode", ("H", "D", "P"), ("B", "L"), phases=("decode",))
+    spec = shaped("indexer_decode", ("H", "D", "P"), ("B", "L"), phases=("decode",), dims=INDEXER,
+                  roles={"B": "batch", "L": "context"})
     got = sh.model_shapes(spec, "decode", V32)
     assert len(got) == 8 * 6
     assert {s["H"] for s in got} == {64} and {s["D"] for s in got} == {128} and {s["P"] for s in got} == {64}
     assert {s["B"] for s in got} == set(sh.DECODE_BATCHES) and {s["L"] for s in got} == set(sh.CONTEXTS)
-    attn = shaped("sparse_attention", ("H", "D", "Dv", "k"), ("B",), phases=("decode",))
+    attn = shaped("sparse_attention", ("H", "D", "Dv", "k"), ("B",), phases=("decode",), roles={"B": "batch"},
+                  dims=lambda m: [{"H": m.heads, "D": m.qk, "Dv": m.latent, "k": m.index_topk}])
     assert sh.model_shapes(attn, "decode", V32, batches=(1, 64))[1] == {"H": 128, "D": 576, "Dv": 512, "k": 2048, "B": 64}
 
 
 def test_model_shapes_prefill_chunks_and_expert_gemms():
-    gemm = shaped("moe_gemm", ("E", "top_k", "N", "K", "gather"), ("T",))
+    gemm = shaped("moe_gemm", ("E", "top_k", "N", "K", "gather"), ("T",), dims=EXPERT_GEMMS, roles={"T": "tokens"})
     got = sh.model_shapes(gemm, "prefill", V32, chunks=(4096,))
     assert got == [{"E": 256, "top_k": 8, "N": 4096, "K": 7168, "gather": 1, "T": 4096},
                    {"E": 256, "top_k": 8, "N": 7168, "K": 2048, "gather": 0, "T": 4096}]
-    grouped = shaped("moe_workspace_gemm", ("E", "N", "K"), ("M",), phases=("prefill",))
+    grouped = shaped("fp8_grouped_gemm", ("E", "N", "K"), ("M",), phases=("prefill",), roles={"M": "rows"},
+                     dims=lambda m: [{"E": m.experts, "N": g["N"], "K": g["K"]} for g in m.expert_gemms()])
     assert [(s["M"], s["N"]) for s in sh.model_shapes(grouped, "prefill", V32, chunks=(512, 4096))] == [
         (4096, 4096), (32768, 4096), (4096, 7168), (32768, 7168)]  # M: routed rows, 8 per token
     assert {s["M"] for s in sh.model_shapes(grouped, "prefill", V32, overrides={"top_k": 4}, chunks=(512,))} == {2048}
-    pages = shaped("page_select", (), ("T", "pages", "SEL"), phases=("decode",))
+    pages = shaped("select_pages", (), ("T", "pages", "SEL"), phases=("decode",),
+                   roles={"T": "tokens", "pages": "pages"})
     assert {(s["T"], s["pages"]) for s in sh.model_shapes(pages, "decode", V32, batches=(64,), contexts=(4096, 131072))} == {
         (64, 64), (64, 2048)}  # pages: context over the 64-token page
     assert {s["pages"] for s in sh.model_shapes(pages, "decode", V32, overrides={"P": 16}, batches=(1,),
                                                 contexts=(4096,))} == {256}
-    weights = shaped("mxfp4_convert", ("K",), ("N",), phases=("load",))
+    weights = shaped("mxfp4_convert", ("K",), ("N",), phases=("load",),
+                     dims=lambda m: [{"N": g["N"], "K": g["K"]} for g in m.expert_gemms()])
     assert [(s["N"], s["K"]) for s in sh.model_shapes(weights, "load", V32)] == [(4096, 7168), (7168, 2048)]
     decode = sh.model_shapes(gemm, "decode", V32, batches=(1, 128))
     assert sorted((s["T"], s["N"]) for s in decode) == [(1, 4096), (1, 7168), (128, 4096), (128, 7168)]
-    topk = shaped("topk", ("k",), ("T", "L"))
+    topk_dims, topk_roles = lambda m: [{"k": m.index_topk}], {"T": "tokens", "L": "context"}
+    topk = shaped("topk", ("k",), ("T", "L"), dims=topk_dims, roles=topk_roles)
     prefill = sh.model_shapes(topk, "prefill", V32, contexts=(4096, 16384), chunks=(1024, 8192))
     assert [(s["T"], s["L"]) for s in prefill] == [(1024, 4096), (1024, 16384), (8192, 16384)]  # context >= chunk
-    anyphase = shaped("topk_any", ("k",), ("T", "L"), phases=("any",))
+    anyphase = shaped("topk_any", ("k",), ("T", "L"), phases=("any",), dims=topk_dims, roles=topk_roles)
     both = sh.model_shapes(anyphase, "any", V32, batches=(1, 64), contexts=(4096,), chunks=(4096, 8192))
     assert [(s["T"], s["L"]) for s in both] == [(1, 4096), (64, 4096), (4096, 4096)]  # decode rows, then prefill
 
 
 def test_model_shapes_overrides_bench_fallbacks_and_errors():
     spec = shaped("indexer", ("H", "D", "P", "qmax"), ("B",), bench={"H": 64, "D": 128, "P": 64, "qmax": 4, "B": 8,
-                                                                     "extra": 3})
+                                                                     "extra": 3}, dims=INDEXER, roles={"B": "batch"})
     notes = []
     got = sh.model_shapes(spec, "decode", V32, overrides={"P": 16}, batches=(2,), notes=notes)
     assert got == [{"extra": 3, "H": 64, "D": 128, "P": 16, "qmax": 4, "B": 2}]  # qmax, extra from the bench shape
     assert notes == ["indexer decode: extra=3, qmax=4 from its GPU bench shapes (not model dims; --set to change)"]
     # an unknown dim comes from the bench shape that agrees most with the derived ones
-    odd = shaped("odd", ("k", "W"), ("B", "Z"))
-    odd = KernelSpec(**{**odd.__dict__, "_cache": {}, "bench_shapes": lambda phase, gpu: [
-        {"k": 1024, "W": 1, "B": 1, "Z": 5}, {"k": 2048, "W": 2, "B": 1, "Z": 6}]})
+    odd = shaped("odd", ("k", "W"), ("B", "Z"), dims=lambda m: [{"k": m.index_topk}], roles={"B": "batch"})
+    odd = odd.replace(bench_shapes=lambda phase, gpu: [
+        {"k": 1024, "W": 1, "B": 1, "Z": 5}, {"k": 2048, "W": 2, "B": 1, "Z": 6}])
     assert sh.model_shapes(odd, "decode", V32, batches=(4,)) == [{"k": 2048, "W": 2, "B": 4, "Z": 6}]
     assert sh.model_shapes(odd, "decode", V32, overrides={"W": 5}, batches=(1,)) == [{"k": 2048, "W": 5, "B": 1, "Z": 6}]
     with pytest.raises(ValueError, match="lacks 'index_n_heads'.*--set H="):
@@ -400,11 +413,13 @@ def test_model_shapes_overrides_bench_fallbacks_and_errors():
 
 
 def test_model_shapes_decode_tokens_per_sequence_or_tied_to_the_batch():
-    queries = shaped("indexer", ("H",), ("B", "Q", "L"), phases=("decode",))
-    queries = KernelSpec(**{**queries.__dict__, "_cache": {}, "bench_shapes": lambda phase, gpu: [
-        {"H": 64, "B": 64, "Q": 1, "L": 9}, {"H": 64, "B": 64, "Q": 2, "L": 9}]})
+    queries = shaped("indexer", ("H",), ("B", "Q", "L"), phases=("decode",), dims=lambda m: [{"H": m.index_heads}],
+                     roles={"B": "batch", "Q": "tokens", "L": "context"})
+    queries = queries.replace(bench_shapes=lambda phase, gpu: [
+        {"H": 64, "B": 64, "Q": 1, "L": 9}, {"H": 64, "B": 64, "Q": 2, "L": 9}])
     assert {s["Q"] for s in sh.model_shapes(queries, "decode", V32)} == {1}  # queries per sequence
-    tied = shaped("append", ("P",), ("B", "N"), bench={"P": 64, "B": 64, "N": 64})
+    tied = shaped("append", ("P",), ("B", "N"), bench={"P": 64, "B": 64, "N": 64}, dims=lambda m: [{"P": m.page}],
+                  roles={"B": "batch", "N": "tokens"})
     assert [(s["B"], s["N"]) for s in sh.model_shapes(tied, "decode", V32, batches=(2, 8))] == [(2, 2), (8, 8)]
     assert [(s["B"], s["N"]) for s in sh.model_shapes(tied, "prefill", V32, chunks=(512,))] == [(1, 512)]
 

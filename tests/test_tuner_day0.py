@@ -51,8 +51,9 @@ def test_every_job_carries_the_configs_dims(tmp_path, capsys):
               "M": {6 * c for c in CHUNKS}, "Q": set(CHUNKS)}
     for job in jobs:
         name, shape = job.spec.name, job.shape
-        model = {**MODEL, "H": 32 if "index" in name else 64, "D": 128 if "index" in name else 448}
-        weights = name.startswith(("moe_fused", "moe_workspace", "mxfp4"))
+        model = {**MODEL, "H": 32 if "index" in name else 64, "D": 128 if "index" in name else 448,
+                 "Dr": 64 if shape.get("fp8") else 0, "fp8": shape.get("fp8")}  # both caches: rows, or FP8 rows
+        weights = name.startswith(("fused_moe_gemm", "fp8_grouped_gemm", "mxfp4"))
         linear = "linear" in name
         if weights:
             assert (shape["N"], shape["K"], shape.get("gather", GEMMS_GATHER[(shape["N"], shape["K"])])) in GEMMS, str(job)
@@ -69,9 +70,9 @@ def test_every_job_carries_the_configs_dims(tmp_path, capsys):
                 assert dim in NOT_MODEL, (str(job), dim)
                 assert f"{name} {job.phase}: " in notes and f"{dim}={value}" in notes, (str(job), dim)  # named
     assert {(j.shape["N"], j.shape["K"]) for j in jobs if "linear" in j.spec.name} == LINEAR
-    path = [j.shape for j in jobs if j.spec.name == "moe_path"]
+    path = [j.shape for j in jobs if j.spec.name == "moe_forward"]
     assert path and all((s["n_group"], s["topk_group"]) == (1, 1) for s in path)  # outside its shape key
-    route = [j.shape for j in jobs if j.spec.name == "moe_route"]
+    route = [j.shape for j in jobs if j.spec.name == "route_topk"]
     assert route and all((s["n_group"], s["topk_group"], s["softmax"]) == (1, 1, 0) for s in route)
     assert "n_group" not in notes and "topk_group" not in notes and "softmax" not in notes
 
@@ -81,7 +82,7 @@ def test_every_job_carries_the_configs_dims(tmp_path, capsys):
                                               ({"n_group": 8, "topk_group": 3}, (8, 3))])
 def test_expert_groups_from_the_config(groups, expected):
     config = {k: v for k, v in OTHER.items() if k not in ("n_group", "topk_group")} | groups
-    for name, phase in (("moe_path", "prefill"), ("moe_route", "decode")):
+    for name, phase in (("moe_forward", "prefill"), ("route_topk", "decode")):
         shapes = sh.model_shapes(registry.get(name), phase, config, batches=(8,), chunks=(2048,))
         assert {(s["n_group"], s["topk_group"]) for s in shapes} == {expected}, name
 
@@ -89,11 +90,11 @@ def test_expert_groups_from_the_config(groups, expected):
 def test_missing_model_dims_are_errors_unless_set(tmp_path, capsys):
     grouped = {**OTHER, "n_group": 4, "topk_group": None}
     with pytest.raises(ValueError, match="lacks 'topk_group'.*--set topk_group="):
-        sh.model_shapes(registry.get("moe_path"), "decode", grouped)
-    assert {s["topk_group"] for s in sh.model_shapes(registry.get("moe_path"), "decode", grouped,
+        sh.model_shapes(registry.get("moe_forward"), "decode", grouped)
+    assert {s["topk_group"] for s in sh.model_shapes(registry.get("moe_forward"), "decode", grouped,
                                                      overrides={"topk_group": 2}, batches=(1,))} == {2}
     with pytest.raises(ValueError, match="scoring_func 'relu'"):
-        sh.model_shapes(registry.get("moe_route"), "decode", {**OTHER, "scoring_func": "relu"})
+        sh.model_shapes(registry.get("route_topk"), "decode", {**OTHER, "scoring_func": "relu"})
     no_topk = {k: v for k, v in OTHER.items() if k != "index_topk"}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(no_topk))
@@ -233,20 +234,16 @@ def test_a_tiny_budget_leaves_a_record_for_every_job_and_the_next_run_goes_on(tm
             assert len(measured) > first and len(set(measured)) == len(measured)  # resumed, nothing measured twice
             assert all(r.trials >= 2 for r in records)  # the known pass's config and the new ones
         finally:
-            import tuning_db
-
-            tuning_db.use()
+            registry.use_database()
 
 
 def test_a_job_whose_known_configs_all_fail_is_searched_first(tmp_path):
-    import dataclasses
-
     from tuner.tune import Job, tune
 
     from .test_tuner_toys import buggy_spec, database, registered
 
     # BLOCK=64 drops the tail of 120 elements: the default is wrong here, only a search finds a config
-    wrong_default = dataclasses.replace(buggy_spec(), _cache={}, default=lambda phase, shape: {"BLOCK": 64, "num_warps": 1})
+    wrong_default = buggy_spec().replace(default=lambda phase, shape: {"BLOCK": 64, "num_warps": 1})
     with registered(wrong_default) as (spec,), database(tmp_path / "db") as db:
         logs = []
         [result] = tune([Job(spec, "decode", {"T": 3, "D": 40})], db, default_device(), trials=3, total_s=60.0,
@@ -324,7 +321,7 @@ def test_day0_tunes_then_generates_with_the_runner_and_times_each_stage(tmp_path
             assert "the runner cannot build random weights from it: config: missing field" in capsys.readouterr().err
             assert len(runs) == 1  # neither got to the runner
         finally:
-            tuning_db.use()
+            registry.use_database()
 
 
 def test_day0_from_a_config_to_first_tokens_from_random_weights(tmp_path, capsys):
@@ -340,7 +337,7 @@ def test_day0_from_a_config_to_first_tokens_from_random_weights(tmp_path, capsys
     tiny_config().to_json(config)
     db, out = tmp_path / "db", tmp_path / "out"
     try:
-        assert main(["day0", "--model", str(config), "--kernels", "moe_route", "--batches", "1,2", "--budget", "1s",
+        assert main(["day0", "--model", str(config), "--kernels", "route_topk", "--batches", "1,2", "--budget", "1s",
                      "--db", str(db), "--storage", "none", "--no-progress", "--random-weights", "--layers", "2",
                      "--max-new-tokens", "2", "--out", str(out), "--flat"]) == 0
         text = capsys.readouterr().out
@@ -360,7 +357,7 @@ def test_day0_from_a_config_to_first_tokens_from_random_weights(tmp_path, capsys
         assert all(r["tokens_per_s"] > 0 for r in results["throughput"])
         assert results["random_layers"] == 2 and results["config"]["hidden_size"] == 64
     finally:
-        tuning_db.use()
+        registry.use_database()
 
 
 def test_the_gpu_runs_config_is_new_and_read_by_tuner_and_runner():
@@ -397,7 +394,7 @@ def test_the_tune_stage_in_a_child_process_returns_its_summary(tmp_path):
 
     config, db = tmp_path / "config.json", tmp_path / "db"
     tiny_config().to_json(config)
-    args = build_parser().parse_args(["day0", "--model", str(config), "--kernels", "moe_route", "--batches", "1",
+    args = build_parser().parse_args(["day0", "--model", str(config), "--kernels", "route_topk", "--batches", "1",
                                       "--budget", "1s", "--db", str(db), "--storage", "none", "--no-progress"])
     tuned = tune_in_child(args)
     shape = "E=6,T=1,n_group=3,softmax=0,top_k=2,topk_group=2"

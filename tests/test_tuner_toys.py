@@ -72,7 +72,7 @@ def buggy_run(inputs: dict, config: dict) -> torch.Tensor:
 
 def toy_spec(name: str = "toy_axpy", run=launch, space=None, bench=((3, 40),)) -> KernelSpec:
     """A [T, D] axpy spec; ``bench``: (T, D) pairs of the tiny bench shapes."""
-    return KernelSpec(
+    return KernelSpec.of(
         name=name,
         phases=("decode", "prefill"),
         space=space or {"BLOCK": (16, 32, 64, 128), "num_warps": (1, 2, 4)},
@@ -89,6 +89,8 @@ def toy_spec(name: str = "toy_axpy", run=launch, space=None, bench=((3, 40),)) -
                                           else "BLOCK must be at least 16 x num_warps"),
         baseline=reference,
         baseline_name="torch",
+        model_dims=lambda m: [{"D": m.qk}],  # a model's latent cache row
+        count_roles={"T": "tokens"},
     )
 
 
@@ -119,11 +121,11 @@ def registered(*specs: KernelSpec) -> Iterator[tuple[KernelSpec, ...]]:
 
 @contextlib.contextmanager
 def database(folder) -> Iterator[tuning_db.Database]:
-    """Install the database in ``folder`` for the duration; the default one after."""
+    """Make the database in ``folder`` the one ops read for the duration; the default one after."""
     try:
-        yield tuning_db.use(folder)
+        yield registry.use_database(folder)
     finally:
-        tuning_db.use()
+        registry.use_database()
 
 
 DEVICE = default_device()

@@ -1,5 +1,4 @@
 """Tuning database: record files, lookup order (exact, bucket, nearest, default), staleness, merge, install."""
-import dataclasses
 import math
 import os
 import subprocess
@@ -188,7 +187,7 @@ def test_merge_prefers_a_tuned_record_over_a_faster_untuned_one(spec, tmp_path):
 
 def test_seeds_come_from_any_fixed_dims_nearest_over_every_dim(tmp_path):
     # BLOCK must not exceed D here, so a config of a wider shape may be invalid for a narrower one
-    narrow = dataclasses.replace(toy_spec(), _cache={}, constraint=lambda c, s: None if c["BLOCK"] <= s["D"] else "BLOCK > D")
+    narrow = toy_spec().replace(constraint=lambda c, s: None if c["BLOCK"] <= s["D"] else "BLOCK > D")
     with registered(narrow) as (spec,), database(tmp_path) as db:
         db.add([record({"T": 4, "D": 128}, B128), record({"T": 64, "D": 48}, DEFAULT),
                 record({"T": 4, "D": 64}, B16, status="untuned"), record({"T": 4, "D": 32}, {"BLOCK": 32, "num_warps": 2})])
@@ -246,10 +245,11 @@ def test_lookup_reads_the_file_once_and_is_cached(spec, tmp_path, monkeypatch):
         assert len(reads) == 1
 
 
-def test_import_installs_the_database_without_optuna():
-    code = ("import sys, dsa_triton, tuning_db; from dsa_triton import registry; "
-            "assert registry._lookup == tuning_db.active().lookup; assert 'optuna' not in sys.modules; print('ok')")
+def test_import_opens_no_database_and_the_first_lookup_opens_the_env_folder():
+    code = ("import sys, dsa_triton; from dsa_triton import registry; "
+            "assert registry._database is None and 'optuna' not in sys.modules; "
+            "print(registry.database().folder)")
     env = {**os.environ, tuning_db.ENV_VAR: "/nonexistent-db"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert tuning_db.active().lookup == registry._lookup
+    assert out.stdout.strip() == "/nonexistent-db"

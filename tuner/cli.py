@@ -18,17 +18,9 @@ import math
 import sys
 
 from .day0 import cmd_day0
+from .jobs import any_failed, build_jobs, names, run_tune, setup
 
 SHARD_HELP = "I/N: tune only every N-th job starting at I (one process per GPU, all writing to one database)"
-
-
-def _setup(args: argparse.Namespace):
-    """Import the kernels, install the chosen database; returns (device, db)."""
-    import dsa_triton  # noqa: F401  (registers every kernel)
-    import tuning_db
-    from dsa_triton.runtime import default_device
-
-    return default_device(), tuning_db.use(args.db)
 
 
 UNITS = {"s": 1, "m": 60, "h": 3600}
@@ -43,51 +35,6 @@ def duration(text: str) -> float:
     if not re.fullmatch(rf"(?:{DURATION_PART}\s*)+", text):
         raise argparse.ArgumentTypeError(f"expected a duration like 20m, 90s, 1h or seconds, got {text!r}")
     return sum(float(number) * UNITS[unit or "s"] for number, unit in re.findall(DURATION_PART, text))
-
-
-def _names(text: str) -> list[str]:
-    return [n.strip() for n in text.split(",") if n.strip()]
-
-
-def _specs(args: argparse.Namespace):
-    from dsa_triton import registry
-
-    wanted = _names(args.kernels)
-    return [registry.get(n) for n in wanted] if wanted else registry.kernels()
-
-
-def build_jobs(args: argparse.Namespace, device) -> list:
-    """The (kernel, phase, shape) jobs the arguments ask for, in order (then this shard's share)."""
-    from tuning_db.records import shape_from_text
-
-    from .shapes import (CONTEXTS, DECODE_BATCHES, PREFILL_CHUNKS, job_shapes, load_model_config, model_shapes,
-                         parse_ints, parse_shapes)
-    from .tune import Job
-
-    given = parse_shapes(args.shapes)
-    overrides = shape_from_text(args.set)
-    model = load_model_config(args.model) if args.model else None
-    counts = {name: parse_ints(getattr(args, name)) or default
-              for name, default in (("batches", DECODE_BATCHES), ("contexts", CONTEXTS), ("chunks", PREFILL_CHUNKS))}
-    phases = _names(args.phases)
-    jobs, notes = [], []
-    for spec in _specs(args):
-        for phase in [p for p in spec.phases if not phases or p in phases]:
-            if model is not None:
-                templates = model_shapes(spec, phase, model, overrides, counts["batches"], counts["contexts"],
-                                         counts["chunks"], notes)
-            else:
-                templates = spec.bench_shapes(phase, device.type == "cuda")
-            shapes = job_shapes(spec, phase, given=given, templates=templates, overrides=overrides)
-            jobs += [Job(spec, phase, s) for s in shapes]
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-    if args.shard:
-        parts = parse_ints(args.shard.replace("/", ","))
-        if len(parts) != 2 or not 0 <= parts[0] < parts[1]:
-            raise ValueError(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
-        jobs = jobs[parts[0]::parts[1]]
-    return jobs
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -141,7 +88,7 @@ def run_on_gpus(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     if args.gpus > 1:
         return run_on_gpus(args)
-    device, db = _setup(args)
+    device, db = setup(args)
     jobs = build_jobs(args, device)
     if args.list:
         for job in jobs:
@@ -151,34 +98,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return any_failed(run_tune(args, jobs, device, db))
 
 
-def any_failed(results: list) -> int:
-    """1 when a job of ``results`` (:class:`~tuner.tune.JobResult`) failed, else 0."""
-    return 1 if any(r.status == "failed" for r in results) else 0
-
-
-def run_tune(args: argparse.Namespace, jobs: list, device, db) -> list:
-    """Tune ``jobs`` as the arguments say, print the summary and return the :class:`~tuner.tune.JobResult` list."""
-    from dsa_triton.bench.results import dict_table
-
-    from .tune import summary_rows, tune
-
-    trials = args.trials or (40 if device.type == "cuda" else 4)
-    budget = "" if args.budget is None else f", budget {args.budget:.0f} s"
-    print(f"tuning {len(jobs)} jobs on {device} into {db.folder} (sampler {args.sampler}, {trials} configs each"
-          f"{budget})", flush=True)
-    results = tune(jobs, db, device, sampler=args.sampler, trials=trials, timeout=args.timeout, total_s=args.budget,
-                   storage_dir=None if args.storage == "none" else args.storage, retune=args.retune,
-                   seed=args.seed, progress=not args.no_progress, workers=args.workers)
-    print(dict_table(summary_rows(results)))
-    return results
-
-
 def cmd_show(args: argparse.Namespace) -> int:
     from dsa_triton.bench.results import dict_table
     from dsa_triton.runtime import device_name
 
-    device, db = _setup(args)
-    kernels = _names(args.kernels)
+    device, db = setup(args)
+    kernels = names(args.kernels)
     records = db.records(None if args.device == "all" else args.device or device_name(device))
     rows = [{"device": r.device, "kernel": r.kernel, "phase": r.phase, "shape": r.shape, "config": r.config,
              "us": r.median_us, "default us": r.default_us, "tuned/default": r.speedup(),
@@ -207,8 +132,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from .bench_db import bench
 
-    device, db = _setup(args)
-    rows = bench(db, device, _names(args.kernels))
+    device, db = setup(args)
+    rows = bench(db, device, names(args.kernels))
     print(dict_table(rows) if rows else f"no stored records for this device in {db.folder}")
     path = write_results(args.out, "tuned", {"tuned vs default vs baseline": rows}, note=f"database: {db.folder}")
     print(f"wrote {path} and .json")
@@ -216,7 +141,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    _, db = _setup(args)
+    _, db = setup(args)
     n = db.merge_files(args.files)
     print(f"merged {n} records from {len(args.files)} files into {db.folder}: {len(db.records())} records now")
     return 0
@@ -227,14 +152,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     from .compare import compare_kernel
 
-    device, _ = _setup(args)
+    device, _ = setup(args)
     jobs = build_jobs(args, device)
     if not args.shapes and not args.model:  # one shape per kernel and phase: an exhaustive search is costly
         jobs = list({(j.spec.name, j.phase): j for j in reversed(jobs)}.values())[::-1]
     summaries, runs = [], []
     for job in jobs:
         print(f"compare {job}")
-        summary, rows = compare_kernel(job.spec, job.phase, job.shape, device, samplers=tuple(_names(args.samplers)),
+        summary, rows = compare_kernel(job.spec, job.phase, job.shape, device, samplers=tuple(names(args.samplers)),
                                        repeats=args.repeats, progress=not args.no_progress,
                                        workers=args.workers)
         summaries.append(summary)

@@ -23,7 +23,7 @@ def cmd_day0(args: argparse.Namespace) -> int:
     start = time.monotonic()  # the plan stage: the imports (torch, Triton, the kernels), the device, the jobs
     import tempfile
 
-    from .cli import _setup, build_jobs
+    from .jobs import build_jobs, setup
     from .shapes import model_path
 
     if args.checkpoint and args.random_weights:
@@ -38,7 +38,7 @@ def cmd_day0(args: argparse.Namespace) -> int:
         stages.append({"stage": name, "seconds": time.monotonic() - start, "detail": detail})
         print(f"day0 {name}: {detail} ({stages[-1]['seconds']:.1f} s)", flush=True)
 
-    device, db = _setup(args)
+    device, db = setup(args)
     model = model_path(args.model)
     if not args.checkpoint:  # the runner builds the random model from this config: one it cannot read fails now
         from model_runner import ModelConfig, RunnerError
@@ -74,7 +74,7 @@ def tune_stage(args: argparse.Namespace, device, db, jobs: list) -> dict:
     job failed, "records": jobs with an exact record}``, plain data."""
     from dsa_triton.runtime import device_name
 
-    from .cli import any_failed, run_tune
+    from .jobs import any_failed, run_tune
     from .tune import summary_rows
 
     results = run_tune(args, jobs, device, db)
@@ -84,17 +84,16 @@ def tune_stage(args: argparse.Namespace, device, db, jobs: list) -> dict:
 
 def _tune_stage_to(args: argparse.Namespace, connection) -> None:
     """The child's side: its own device, database and jobs (a job's kernel spec does not cross processes)."""
-    from .cli import _setup, build_jobs
+    from .jobs import build_jobs, setup
 
-    device, db = _setup(args)
+    device, db = setup(args)
     connection.send(tune_stage(args, device, db, build_jobs(args, device)))
 
 
 def tune_in_child(args: argparse.Namespace) -> dict:
     """:func:`tune_stage` in a child process (spawned): the GPU memory tuning took (input sets, graph pools, what a
-    cache may keep) goes back with it, whole, before the runner loads the model's weights. On the H200 the tuning
-    process still held 137 GiB after ``gc.collect()`` and ``torch.cuda.empty_cache()``, and the runner ran out of
-    memory loading 4 layers."""
+    cache may keep) goes back with it, whole, before the runner loads the model's weights: ``gc.collect()`` and
+    ``torch.cuda.empty_cache()`` in the tuning process do not give all of it back."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")

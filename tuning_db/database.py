@@ -25,17 +25,27 @@ import functools
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
-from dsa_triton import registry
-from dsa_triton.registry import KernelSpec, ShapeKey, shape_text
-
+from .keys import ShapeKey, shape_text
 from .records import Record, read_records, update_file
 
 DEFAULT_FOLDER = Path(__file__).resolve().parent / "data"
 ENV_VAR = "DSA_TUNING_DB"
 LEVELS = ("exact", "bucket", "nearest")
-_installed: "Database | None" = None
+
+
+class Kernel(Protocol):
+    """What a lookup needs of a kernel (the registry's ``LaunchSpace`` has it): its name, its shape-key dims, its
+    shape key and whether a config is valid for a shape."""
+
+    name: str
+    fixed_dims: tuple[str, ...]
+    bucketed_dims: tuple[str, ...]
+
+    def shape_key(self, phase: str, shape: dict[str, int]) -> ShapeKey: ...
+
+    def is_valid(self, config: dict[str, Any], shape: dict[str, int]) -> bool: ...
 
 
 @functools.cache
@@ -58,14 +68,18 @@ def shape_distance(a: dict[str, int], b: dict[str, int], dims: Iterable[str]) ->
 class Database:
     """Records under ``folder`` (default: ``$DSA_TUNING_DB``, else ``tuning_db/data``), one ``<device>.csv`` each.
 
-    Files are read once per device and indexed; :meth:`add` and :meth:`merge_files` write atomically and
-    refresh the index (and the registry's caches when this database is the installed one).
+    ``source_hash(kernel)``: the hash of the code that runs now for a kernel name (None: no such kernel); a record
+    of another hash is stale. Without it every record counts as stale. Files are read once per device and indexed;
+    :meth:`add` and :meth:`merge_files` write atomically and refresh the index, which bumps :attr:`generation` (what
+    caches of lookups key on).
     """
 
-    def __init__(self, folder: str | Path | None = None):
+    def __init__(self, folder: str | Path | None = None, source_hash: Callable[[str], str | None] | None = None):
         self.folder = Path(folder or os.environ.get(ENV_VAR) or DEFAULT_FOLDER)
+        self.source_hash = source_hash
+        self.generation = 0
         self._by_device: dict[str, dict[tuple[str, str], list[Record]]] = {}
-        self._hashes: dict[str, str] = {}
+        self._hashes: dict[str, str | None] = {}
 
     def __repr__(self) -> str:
         return f"Database({str(self.folder)!r})"
@@ -91,20 +105,16 @@ class Database:
         return self._by_device[device]
 
     def refresh(self) -> None:
-        """Forget what was read; if this database is installed, clear the registry's launch-config caches."""
+        """Forget what was read and bump :attr:`generation`."""
         self._by_device.clear()
         self._hashes.clear()
-        if _installed is self:
-            registry.set_config_lookup(self.lookup)
+        self.generation += 1
 
     # -- freshness ----------------------------------------------------------------------------
     def current_hash(self, kernel: str) -> str | None:
-        """The source hash of the registered kernel (None if it is not registered)."""
+        """The source hash of the code that runs ``kernel`` now (None: unknown kernel, or no ``source_hash``)."""
         if kernel not in self._hashes:
-            try:
-                self._hashes[kernel] = registry.get(kernel).source_hash()
-            except KeyError:
-                return None
+            self._hashes[kernel] = None if self.source_hash is None else self.source_hash(kernel)
         return self._hashes[kernel]
 
     def is_fresh(self, record: Record) -> bool:
@@ -134,7 +144,7 @@ class Database:
         return len(incoming)
 
     # -- lookup -------------------------------------------------------------------------------
-    def matches(self, spec: KernelSpec, phase: str, shape: dict[str, int], device: str) -> list[tuple[str, Record]]:
+    def matches(self, spec: Kernel, phase: str, shape: dict[str, int], device: str) -> list[tuple[str, Record]]:
         """Stored records usable for this shape, best first, each with its level (exact, bucket, nearest)."""
         key = spec.shape_key(phase, shape).as_dict()
         exact = shape_text(shape)
@@ -154,20 +164,19 @@ class Database:
         ranked.sort(key=lambda item: item[0])
         return [(level, r) for _, level, r in ranked]
 
-    def match(self, spec: KernelSpec, phase: str, shape: dict[str, int], device: str) -> tuple[str, Record] | None:
+    def match(self, spec: Kernel, phase: str, shape: dict[str, int], device: str) -> tuple[str, Record] | None:
         """The record a launch uses (level, record), or None: the first match whose config is valid here."""
         for level, r in self.matches(spec, phase, shape, device):
             if spec.is_valid(r.config_dict(), shape):
                 return level, r
         return None
 
-    def lookup(self, spec: KernelSpec, phase: str, shape: dict[str, int], device: str) -> dict[str, Any] | None:
-        """The registry's hook (:func:`dsa_triton.registry.set_config_lookup`): a stored config valid for
-        ``shape``, or None."""
+    def lookup(self, spec: Kernel, phase: str, shape: dict[str, int], device: str) -> dict[str, Any] | None:
+        """A stored config valid for ``shape`` (what the registry's launch configs ask), or None."""
         found = self.match(spec, phase, dict(shape), device)
         return None if found is None else found[1].config_dict()
 
-    def nearest_configs(self, spec: KernelSpec, phase: str, shape: dict[str, int], device: str, n: int = 3) -> list[dict]:
+    def nearest_configs(self, spec: Kernel, phase: str, shape: dict[str, int], device: str, n: int = 3) -> list[dict]:
         """Up to ``n`` distinct stored configs valid for ``shape``, nearest first: the seeds of a study.
 
         Unlike the run-time lookup, fixed dims need not match (another model's records seed a new model's
@@ -198,15 +207,3 @@ def _existing(path: str | Path) -> Path:
     if not path.is_file():
         raise ValueError(f"merge: no record file at {path}")
     return path
-
-
-def install(db: Database) -> Database:
-    """Make ``db`` the database every op reads (through the registry's lookup hook)."""
-    global _installed
-    _installed = db
-    registry.set_config_lookup(db.lookup)
-    return db
-
-
-def installed() -> Database | None:
-    return _installed

@@ -17,7 +17,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from dsa_triton.registry import ShapeKey, shape_text
+from .keys import ShapeKey, shape_from_text
 
 NUMERIC = ("median_us", "default_us", "baseline_us")
 
@@ -69,22 +69,6 @@ class Record:
 
 
 COLUMNS = tuple(f.name for f in fields(Record))
-
-
-def shape_from_text(text: str) -> dict[str, int]:
-    """Inverse of :func:`dsa_triton.registry.shape_text`; raises ValueError on a malformed item."""
-    shape = {}
-    for item in (s.strip() for s in text.split(",")):
-        if not item:
-            continue
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip():
-            raise ValueError(f"shape: expected NAME=INT items, got {item!r} in {text!r}")
-        try:
-            shape[name.strip()] = int(value)
-        except ValueError:
-            raise ValueError(f"shape: {name.strip()} must be an integer, got {value!r} in {text!r}") from None
-    return shape
 
 
 def config_text(config: dict[str, Any]) -> str:

@@ -1,10 +1,11 @@
-"""Paged caches of one DSA layer and the append op that fills them.
+"""Paged caches of one DSA layer: :class:`PagedCache` (the tensors, page tables and lengths) and its
+:class:`PageAllocator`.
 
 Layout (page size ``P`` in 16, 32, 64, 128; every size a parameter):
 
 - latent KV cache ``kv[num_pages, P, kv_dim]`` (bf16 on GPU; 576 = 512 latent + 64 rope), or the FP8 latent
   cache ``kv[num_pages, P, bytes]`` uint8 (``kv_dtype="fp8"``: 656 bytes a token for 512 + 64, DeepSeek's layout:
-  e4m3 latent values, one fp32 power-of-two scale per 128 of them, bf16 rope values; :mod:`.cache_reference`),
+  e4m3 latent values, one fp32 power-of-two scale per 128 of them, bf16 rope values; :mod:`.formats`),
   quantized on append;
 - indexer K cache ``ik[num_pages, P, index_dim]`` float8_e4m3fn and ``ik_scale[num_pages, P]`` fp32,
   one power-of-two scale per token vector, quantized on append (DeepSeek-V3.2 ``act_quant``, ue8m0);
@@ -15,11 +16,7 @@ Layout (page size ``P`` in 16, 32, 64, 128; every size a parameter):
 
 Token ``i`` of sequence ``b`` lives at physical slot ``block_table[b, i // P] * P + i % P``.
 
-The append kernel (:mod:`.cache_kernels`) takes *work items*, one per (sequence, touched page):
-``items[n, 4]`` int32 = (first source row, token count, physical page, first slot in the page); an item
-never crosses a page and each page is written by one program. Launch configs come from the tuning database
-through the registry (kernels ``paged_append`` and, into an FP8 latent cache, ``paged_append_fp8``, see
-:mod:`.cache_spec`) unless ``config`` is given.
+New tokens go in through :func:`~.append_tokens.append_tokens` (:meth:`PagedCache.append` plans its work items).
 """
 from __future__ import annotations
 
@@ -28,215 +25,12 @@ from typing import Sequence
 
 import torch
 
-from ..checks import PlanCache, check_device, check_kernel_device, check_positive, check_tensor
-from ..hostmath import cdiv, next_pow2
-from ..launch import cached_meta, launch_with
-from .cache_kernels import append_kernel
-from .cache_reference import LATENT_GROUP, fp8_latent_bytes
-from .cache_spec import FP8_SPEC, SPEC
+from ..checks import check_device, check_positive, check_tensor
+from ..hostmath import cdiv
+from .append_tokens import check_cache_tensors, check_append_values, append_plan, launch_append
+from .formats import PAGE_SIZES, ROW_DTYPES, SUMMARY_DTYPES, check_fp8_latent_layout, fp8_latent_bytes
 
-PAGE_SIZES = (16, 32, 64, 128)
-SUMMARY_DTYPES = (torch.bfloat16, torch.float32)
 KV_DTYPES = (None, "fp8")  # PagedCache(kv_dtype=...): rows in ``dtype``, or the FP8 latent layout
-ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # PagedCache(dtype=...): latent rows kept as they are
-FP8_SOURCE_DTYPES = ROW_DTYPES  # new rows appended to an FP8 latent cache
-
-
-def check_fp8_latent_layout(name: str, d_latent: int, d_rope: int) -> None:
-    """The FP8 latent layout's sizes: ``d_latent >= 1`` a multiple of 4 and ``d_rope >= 0`` even, so every fp32
-    scale and bf16 rope value is aligned in every row; else a ValueError naming ``name``."""
-    if d_latent < 1 or d_latent % 4 or d_rope < 0 or d_rope % 2:
-        raise ValueError(f"{name}: an FP8 latent cache needs a latent width that is a positive multiple of 4 and an "
-                         f"even rope width, got {d_latent} + {d_rope}")
-
-
-@cached_meta
-def _append_meta(P: int, has_kv: bool, has_index: bool, DK: int, block_t: int, block_d: int, num_warps: int,
-                 D: int, row_bytes: int | None, rope_dim: int | None) -> dict:
-    """The append kernel's keyword arguments; ``row_bytes`` and ``rope_dim``: of an FP8 latent cache's rows (None:
-    rows in kv's dtype)."""
-    meta = dict(P=P, HAS_KV=has_kv, HAS_INDEX=int(has_index), BLOCK_T=block_t, BLOCK_D=block_d,
-                DKP=next_pow2(max(DK, 16)), num_warps=num_warps)
-    if row_bytes is not None:
-        meta.update(KV_FP8=True, ROW_BYTES=row_bytes, ROPE_AT=D + 4 * cdiv(D, LATENT_GROUP), DR=rope_dim,
-                    GROUP=min(LATENT_GROUP, next_pow2(D)), BLOCK_R=next_pow2(max(rope_dim, 16)))
-    return meta
-
-
-def launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config, rope_dim: int = 64) -> None:
-    n_items = items.shape[0]
-    has_kv, has_index = kv is not None, index_k is not None
-    if n_items == 0 or not (has_kv or has_index):
-        return
-    cache = kv_cache if has_kv else ik
-    P = cache.shape[1]
-    D = kv_cache.shape[-1] if has_kv else 0
-    DK = ik.shape[-1] if has_index else 0
-    row_bytes = rope = None
-    if has_kv and kv_cache.dtype == torch.uint8:  # one part per 128-value latent group, one for the rope values
-        D, row_bytes, rope = kv.shape[-1] - rope_dim, kv_cache.shape[-1], rope_dim
-        kv_parts = cdiv(D, LATENT_GROUP) + int(rope_dim > 0)
-    else:
-        kv_parts = cdiv(D, config["BLOCK_D"]) if has_kv else 0
-    meta = _append_meta(P, has_kv, has_index, DK, config["BLOCK_T"], config["BLOCK_D"], config["num_warps"],
-                        D, row_bytes, rope)
-    dummy = items  # never dereferenced: the constexpr flags remove those loads
-    launch_with(append_kernel, (n_items, kv_parts + int(has_index)), meta,
-        items,
-        kv if has_kv else dummy, kv_cache if has_kv else dummy, kv.stride(0) if has_kv else 0,
-        index_k if has_index else dummy, ik if has_index else dummy,
-        ik_scale if has_index else dummy, summaries if has_index else dummy,
-        index_k.stride(0) if has_index else 0,
-        D, DK,
-    )
-
-
-def _check_cache_tensors(kv_cache, ik, ik_scale, summaries, kv, index_k,
-                         rope_dim: int = 64) -> tuple[int, int, torch.device]:
-    """Validate cache and new-token tensors; returns (page size, token count, device)."""
-    if kv is None and index_k is None:
-        raise ValueError("kv, index_k: at least one of them must be given")
-    P = n = device = None
-    if kv is not None:
-        check_tensor("kv_cache", kv_cache, ndim=3)
-        device = check_kernel_device("kv_cache", kv_cache)
-        if not kv_cache.is_contiguous():
-            raise ValueError(f"kv_cache: must be contiguous, got strides {kv_cache.stride()}")
-        P, D = kv_cache.shape[1], kv_cache.shape[2]
-        if kv_cache.dtype == torch.uint8:  # FP8 latent cache: rows of D bytes hold kv's rows quantized
-            check_tensor("kv", kv, dtype=FP8_SOURCE_DTYPES, ndim=2, device=device)
-            if type(rope_dim) is not int or not 0 <= rope_dim < kv.shape[1]:
-                raise ValueError(f"rope_dim: must be an integer in [0, {kv.shape[1]}) (kv's width), got {rope_dim!r}")
-            check_fp8_latent_layout("rope_dim", kv.shape[1] - rope_dim, rope_dim)
-            if fp8_latent_bytes(kv.shape[1] - rope_dim, rope_dim) != D:
-                raise ValueError(f"kv_cache: FP8 rows of {kv.shape[1] - rope_dim} latent + {rope_dim} rope values "
-                                 f"take {fp8_latent_bytes(kv.shape[1] - rope_dim, rope_dim)} bytes, got {D}")
-        else:
-            check_tensor("kv", kv, dtype=kv_cache.dtype, shape=(None, D), device=device)
-        n = kv.shape[0]
-    if index_k is not None:
-        check_tensor("ik", ik, dtype=torch.float8_e4m3fn, ndim=3, device=device)
-        device = device or check_kernel_device("ik", ik)
-        num_pages, P2, DK = ik.shape
-        if P is not None and (P2 != P or num_pages != kv_cache.shape[0]):
-            raise ValueError(f"ik: shape {tuple(ik.shape)} does not match kv_cache {tuple(kv_cache.shape)} in pages")
-        P = P2
-        check_tensor("ik_scale", ik_scale, dtype=torch.float32, shape=(num_pages, P), device=device)
-        check_tensor("summaries", summaries, dtype=SUMMARY_DTYPES, shape=(num_pages, 2, DK), device=device)
-        for name, t in (("ik", ik), ("ik_scale", ik_scale), ("summaries", summaries)):
-            if not t.is_contiguous():
-                raise ValueError(f"{name}: must be contiguous, got strides {t.stride()}")
-        check_tensor("index_k", index_k, dtype=(torch.float32, torch.bfloat16, torch.float16),
-                     shape=(None, DK), device=device)
-        if n is not None and index_k.shape[0] != n:
-            raise ValueError(f"index_k: {index_k.shape[0]} rows, but kv has {n}")
-        n = index_k.shape[0]
-    if P not in PAGE_SIZES:
-        name = "kv_cache" if kv is not None else "ik"
-        raise ValueError(f"{name}: page size (dimension 1) must be one of {PAGE_SIZES}, got {P}")
-    return P, n, device
-
-
-def append_tokens(
-    kv_cache: torch.Tensor | None,
-    ik: torch.Tensor | None,
-    ik_scale: torch.Tensor | None,
-    summaries: torch.Tensor | None,
-    kv: torch.Tensor | None,
-    index_k: torch.Tensor | None,
-    items: torch.Tensor,
-    *,
-    rope_dim: int = 64,
-    config: dict | None = None,
-    check_values: bool = True,
-) -> None:
-    """Write new tokens into the paged caches in place (the functional form of :meth:`PagedCache.append`).
-
-    kv_cache ``[num_pages, P, D]``, kv ``[N, D]`` same dtype; or an FP8 latent cache ``kv_cache[num_pages, P,
-    bytes]`` uint8 (layout: :mod:`.cache_reference`) and kv ``[N, D]`` fp32 / bf16 / fp16, whose last ``rope_dim``
-    values are the rope part (kept as bf16) and the others the latent part (quantized, one power-of-two scale
-    per 128 values; ``bytes = fp8_latent_bytes(D - rope_dim, rope_dim)``, 656 for 512 + 64); ik
-    ``[num_pages, P, DK]`` e4m3, ik_scale ``[num_pages, P]`` fp32, summaries ``[num_pages, 2, DK]`` bf16 or fp32,
-    index_k ``[N, DK]`` float.
-    ``items[n, 4]`` int32: (first row of kv/index_k, token count, physical page, first slot in the page).
-    Either the latent or the index part may be ``None`` (both its cache and its new tokens). Shapes, dtypes,
-    devices and ``config`` are always checked (once per tensor metadata and config), before anything is written.
-
-    ``check_values=True`` also checks on the device, in one transfer, what the kernel relies on, and raises a
-    ValueError naming the argument before any write: every item's rows ``src .. src + count`` lie in ``[0, N)``
-    (``count >= 0``), its page in ``[0, num_pages)``, its slots ``first .. first + count`` in ``[0, P]``, no page
-    appears in two items; and every value of ``kv`` and ``index_k`` is finite. ``check_values=False`` (CUDA
-    graphs, hot loops with items built by a trusted planner) skips these checks and never waits on the device:
-    the caller then promises the item conditions above, and an item that breaks them makes the kernel read
-    outside ``kv`` / ``index_k`` or write outside the caches.
-
-    Non-finite values with ``check_values=False``: they propagate as NaN, never as a finite wrong number. A
-    ``kv`` row is copied as it is. An ``index_k`` row with a NaN or an inf gets a NaN scale and NaN key bytes
-    (so every logit of that key is NaN), and its page's summaries turn NaN in every dimension and stay NaN
-    until the page is written again from slot 0 (so the page's bound is NaN, which page selection never takes).
-    """
-    P, n, num_pages, config = _append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config, rope_dim)
-    if check_values:
-        _check_values(kv, index_k, items, n, num_pages, P)
-    launch_append(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config, rope_dim)
-
-
-def _append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config, rope_dim: int = 64) -> tuple:
-    """The checked plan of an append, ``(P, N, num_pages, config)``: cached per tensor metadata, rope_dim and
-    config."""
-    key, plan = _APPEND_PLANS.find((kv_cache, ik, ik_scale, summaries, kv, index_k, items), (rope_dim,), config)
-    if plan is None:
-        plan = _APPEND_PLANS.put(key, _checked_append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items,
-                                                           config, rope_dim))
-    return plan
-
-
-_APPEND_PLANS = PlanCache()
-
-
-def _checked_append_plan(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config, rope_dim) -> tuple:
-    """The metadata checks of :func:`append_tokens`; returns ``(P, N, num_pages, config)``."""
-    P, n, device = _check_cache_tensors(kv_cache, ik, ik_scale, summaries, kv, index_k, rope_dim)
-    check_tensor("items", items, dtype=torch.int32, shape=(None, 4), device=device)
-    if not items.is_contiguous():
-        raise ValueError(f"items: must be contiguous, got strides {items.stride()}")
-    num_pages = (kv_cache if kv is not None else ik).shape[0]
-    phase = "decode" if items.shape[0] == n else "prefill"
-    fp8 = kv is not None and kv_cache.dtype == torch.uint8
-    shape = _append_shape(kv_cache, ik, n, items.shape[0])
-    if fp8:  # the latent width as kv gives it (the cache's is in bytes), and the rope width
-        shape = {**shape, "D": kv.shape[1], "Dr": rope_dim}
-    spec = FP8_SPEC if fp8 else SPEC
-    if config is None:
-        config = spec.launch_config(phase, shape, device)
-    else:
-        spec.validate(config, shape)
-    return P, n, num_pages, config
-
-
-def _check_values(kv, index_k, items: torch.Tensor | None, n: int, num_pages: int, P: int) -> None:
-    """Token ranges in ``[0, n)``, pages in ``[0, num_pages)``, slots inside a page, distinct pages (when ``items``
-    is given); finite new tokens: one transfer."""
-    checks = []
-    if items is not None and items.shape[0]:
-        src, count, page, first = items.long().unbind(1)
-        pages = page.sort().values
-        checks += [(((src < 0) | (count < 0) | (src + count > n)).any(), f"items: token ranges must lie in [0, {n})"),
-                   (((page < 0) | (page >= num_pages)).any(), f"items: pages must lie in [0, {num_pages})"),
-                   (((first < 0) | (first + count > P)).any(), f"items: slots must stay inside a page of {P}"),
-                   ((pages[1:] == pages[:-1]).any(), "items: each page may appear in one item only")]
-    checks += [((~t.isfinite()).any(), f"{name}: every value must be finite (NaN or inf found)")
-               for name, t in (("kv", kv), ("index_k", index_k)) if t is not None and t.numel()]
-    if checks:
-        for failed, (_, message) in zip(torch.stack([bad for bad, _ in checks]).tolist(), checks):
-            if failed:
-                raise ValueError(message)
-
-
-def _append_shape(kv_cache, ik, n_tokens: int, n_items: int) -> dict[str, int]:
-    cache = kv_cache if kv_cache is not None else ik
-    return {"P": cache.shape[1], "D": kv_cache.shape[-1] if kv_cache is not None else 0,
-            "DK": ik.shape[-1] if ik is not None else 0, "N": n_tokens, "B": n_items}
 
 
 def as_index(name: str, value) -> int:
@@ -461,12 +255,12 @@ class PagedCache:
         new_pages = [cdiv(self._lens[s] + n, P) - len(self._pages[s]) for s, n in zip(seq_ids, lens)]
         if sum(new_pages) > self.allocator.num_free:
             raise ValueError(f"lens: needs {sum(new_pages)} new pages, {self.allocator.num_free} free")
-        _, n_rows, _ = _check_cache_tensors(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k,
+        _, n_rows, _ = check_cache_tensors(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k,
                                             self.rope_dim)
         if n_rows != sum(lens):
             raise ValueError(f"kv, index_k: {n_rows} rows, but sum(lens) = {sum(lens)}")
         if check_values:
-            _check_values(kv, index_k, None, n_rows, 0, P)
+            check_append_values(kv, index_k, None, n_rows, 0, P)
 
         # the plan: each sequence's new pages (the allocator's next ones, in order), work items, table entries
         fresh = iter(self.allocator.peek(sum(new_pages)))
@@ -482,9 +276,9 @@ class PagedCache:
         meta = torch.tensor(flat, dtype=torch.int32).to(self.device)
         n_items, n_upd = 4 * len(items), 3 * len(table_updates)
         items_t = meta[:n_items].view(-1, 4)
-        config = _append_plan(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k, items_t, config,
-                              self.rope_dim)[3]
-        launch_append(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k, items_t, config, self.rope_dim)
+        plan = append_plan(self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k, items_t, config,
+                           self.rope_dim)
+        launch_append(plan, self.kv, self.ik, self.ik_scale, self.summaries, kv, index_k, items_t)
 
         # the launch is queued: commit the bookkeeping (the kernel reads none of it)
         self.allocator.allocate(sum(new_pages))

@@ -17,7 +17,7 @@ sequence, or a prefill token) attends to the ``k`` rows its index set names:
 
 The cache is either rows in q's dtype or DeepSeek's FP8 latent cache (``PagedCache(kv_dtype="fp8")``): uint8 rows of
 ``fp8_latent_bytes(d_v, D - d_v)`` bytes (656 for 512 + 64: ``d_v`` e4m3 latent values, one fp32 scale per 128 of
-them, ``D - d_v`` bf16 rope values; :mod:`.cache_reference`), which the kernels dequantize as they gather them
+them, ``D - d_v`` bf16 rope values; :mod:`.formats`), which the kernels dequantize as they gather them
 (same signature and outputs; the values are the dequantized latent part).
 
 Non-finite values (checked or not: the checks look at indices only): NaN in, NaN out. A NaN in a query row
@@ -30,9 +30,12 @@ whose config is 64 query rows x 64-token tiles at 8 warps runs the Gluon seesaw 
 third one gathers the tiles and dequantizes 3 of each tile's 4 chunks, the math warpgroups the fourth), when q and
 the cache are 16-byte aligned; ``DSA_GLUON=0`` keeps the Triton kernel.
 
-Launch configs come from the tuning database through the registry (kernels ``sparse_attention_decode`` and
-``sparse_attention_prefill``, and ``*_fp8`` over an FP8 latent cache, see :mod:`.sparse_attention_spec`) unless
-``config`` is given.
+Launch configs come from the tuning database through the registry (:data:`DECODE`, :data:`PREFILL`; the shape's
+``fp8`` is 1 over the FP8 latent cache) unless ``config`` is given: ``BLOCK_N`` tokens per gathered tile,
+``BLOCK_H`` query rows per program (heads, times the decode tokens sharing an index set), ``num_splits`` programs per
+row over the ``k`` selected tokens (merged by the combine kernel), ``num_warps``, ``num_stages``. The head dim is
+always split into a value part (``Dv``: 512) and a rope part (``D - Dv``: 64), two dots into one score tile, so it
+needs no parameter.
 """
 from __future__ import annotations
 
@@ -42,16 +45,104 @@ from typing import NamedTuple
 
 import torch
 
-from ..checks import PlanCache, check_kernel_device, check_positive, check_tensor
-from ..registry import KernelSpec
+from ..checks import check_kernel_device, check_positive, check_tensor
+from ..plans import PlanCache
+from ..hostmath import cdiv, next_pow2
+from ..registry import LaunchSpace
 from .cache import check_fp8_latent_layout
-from .cache_reference import fp8_latent_bytes
-from .sparse_attention_gluon import gluon_aligned, gluon_applies
-from .sparse_attention_kernels import AttentionLaunch, logical_to_slots, sparse_attention_fwd
-from .sparse_attention_spec import DECODE_FP8_SPEC, DECODE_SPEC, PREFILL_FP8_SPEC, PREFILL_SPEC
+from .formats import fp8_latent_bytes
+from .sparse_attention_kernels import AttentionLaunch, head_blocks, logical_to_slots, sparse_attention_fwd
+from .sparse_attention_seesaw import gluon_aligned, gluon_applies
 
 DTYPES = (torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+SPACE = {
+    "BLOCK_N": (16, 32, 64, 128),
+    "BLOCK_H": (16, 32, 64, 128),
+    "num_splits": (1, 2, 4, 8, 16, 32, 64),
+    "num_warps": (4, 8),
+    "num_stages": (1, 2, 3, 4),
+}
+SMEM_BYTES = 232448  # Hopper's shared memory per block (227 KiB)
+REG_BUDGET = 128  # 32-bit registers per thread for the fp32 accumulator (+ q where mma.sync keeps it in registers)
+FALLBACK_SMS = 132  # H200, when no GPU is visible
+WGMMA_ROWS = 64  # below this many rows per tile Triton uses mma.sync, with q held in registers
+# FP8 cache: registers a thread may spend on the dequantized tile beyond REG_BUDGET: about what ptxas keeps without
+# spilling in sm_90 compiles of the DSA decode shape (bench.aot reports the spills).
+FP8_TILE_REGS = 80
+
+
+def _rows(phase: str, shape) -> tuple[int, int]:
+    """(index rows R, query rows per index row M)."""
+    return (shape["B"], shape["S"] * shape["H"]) if phase == "decode" else (shape["T"], shape["H"])
+
+
+def _constraint(phase: str):
+    """FP8 cache (``fp8`` 1): the gathered bytes become a tile in q's dtype in registers (``FP8_TILE_REGS`` more a
+    thread) and then in shared memory once, while the bytes themselves are what the stages buffer."""
+    def constraint(config, shape) -> str | None:
+        R, M = _rows(phase, shape)
+        fp8 = bool(shape["fp8"])
+        k, bh, bn, warps = shape["k"], config["BLOCK_H"], config["BLOCK_N"], config["num_warps"]
+        bdv, bdr = head_blocks(shape["D"], shape["Dv"])
+        if bh > max(16, next_pow2(M)):
+            return f"BLOCK_H={bh} is wider than the {M} query rows"
+        if bn > max(16, next_pow2(k)):
+            return f"BLOCK_N={bn} is longer than k={k}"
+        if config["num_splits"] > cdiv(k, bn):
+            return f"num_splits={config['num_splits']} exceeds the {cdiv(k, bn)} tiles of k"
+        threads = 32 * warps
+        regs = bh * bdv / threads + (bh * (bdv + bdr) / 2 / threads if bh < WGMMA_ROWS else 0)
+        if regs > REG_BUDGET:
+            return f"accumulator needs ~{regs:.0f} registers per thread (> {REG_BUDGET}): fewer rows or more warps"
+        tile = bn * (bdv + bdr) / 2 / threads
+        if fp8 and regs + tile > REG_BUDGET + FP8_TILE_REGS:
+            return (f"accumulator and dequantized tile need ~{regs + tile:.0f} registers per thread "
+                    f"(> {REG_BUDGET + FP8_TILE_REGS}): a shorter token tile")
+        smem = 2 * (bh + min(config["num_stages"], 2) * bn) * (bdv + bdr)
+        if fp8:
+            smem = 2 * (bh + bn) * (bdv + bdr) + min(config["num_stages"], 2) * bn * (bdv + bdr)
+        if smem > SMEM_BYTES:
+            return f"q tile + KV buffers need ~{smem} bytes of shared memory (> {SMEM_BYTES})"
+        return None
+    return constraint
+
+
+def _sm_count() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else FALLBACK_SMS
+
+
+def _default(phase: str):
+    """The widest head tile (64 rows: wgmma) whose tiles still fill one wave, else the narrowest (wider tiles that
+    leave SMs idle are slower); the longest token tile that fits; then splits over k up to one wave of programs
+    (two per SM below 64 rows, where a program needs half the registers)."""
+    constraint = _constraint(phase)
+
+    def default(_phase, shape) -> dict:
+        R, M = _rows(phase, shape)
+        k, sms = shape["k"], _sm_count()
+        top = min(WGMMA_ROWS, max(16, next_pow2(M)))
+        fitting = []  # per head tile (widest first): its first valid (warps, token tile)
+        for bh in (64, 32, 16):
+            candidates = ({"BLOCK_N": bn, "BLOCK_H": bh, "num_splits": 1, "num_warps": w, "num_stages": 2}
+                          for w in (4, 8) for bn in (64, 32, 16))
+            fitting += [c for c in candidates if bh <= top and constraint(c, shape) is None][:1]
+        config = next((c for c in fitting if R * cdiv(M, c["BLOCK_H"]) * cdiv(k, c["BLOCK_N"]) >= sms), fitting[-1])
+        programs = R * cdiv(M, config["BLOCK_H"])
+        wave = sms * (1 if config["BLOCK_H"] >= WGMMA_ROWS else 2)
+        while (config["num_splits"] * 2 <= min(SPACE["num_splits"][-1], cdiv(k, config["BLOCK_N"]))
+               and programs * config["num_splits"] * 2 <= wave):
+            config["num_splits"] *= 2
+        return config
+    return default
+
+
+DECODE = LaunchSpace(name="sparse_attention_decode", phases=("decode",), space=SPACE, default=_default("decode"),
+                     fixed_dims=("S", "H", "D", "Dv", "k", "fp8"), bucketed_dims=("B",),
+                     constraint=_constraint("decode"))
+PREFILL = LaunchSpace(name="sparse_attention_prefill", phases=("prefill",), space=SPACE, default=_default("prefill"),
+                      fixed_dims=("H", "D", "Dv", "k", "fp8"), bucketed_dims=("T",), constraint=_constraint("prefill"))
 
 
 def _check_common(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int,
@@ -104,14 +195,14 @@ def _check_index_range(indices: torch.Tensor, block_table: torch.Tensor | None, 
         raise ValueError(f"block_table: an entry used by indices is outside [0, {num_slots // page_size}) (num_pages)")
 
 
-def _launch_config(spec: KernelSpec, shape: dict[str, int], device: torch.device, config: dict | None) -> dict:
+def _launch_config(spec: LaunchSpace, shape: dict[str, int], device: torch.device, config: dict | None) -> dict:
     """The registry's config, or a validated copy of an explicit one (once per plan: plans are keyed by config)."""
     if config is None:
         return spec.launch_config(spec.phases[0], shape, device)
     return spec.validate(config, shape)
 
 
-def _attention_launch(spec: KernelSpec, shape: dict[str, int], q: torch.Tensor, kv_cache: torch.Tensor,
+def _attention_launch(spec: LaunchSpace, shape: dict[str, int], q: torch.Tensor, kv_cache: torch.Tensor,
                       page_size: int, config: dict | None) -> AttentionLaunch:
     """The launches' keyword arguments for the registry ``shape`` of a checked call."""
     return AttentionLaunch(shape["D"], shape["Dv"], shape["k"], page_size, q.dtype, kv_cache.dtype == torch.uint8,
@@ -200,10 +291,10 @@ def _checked_decode_plan(q, kv_cache, indices, block_table, d_v, config) -> _Pla
     if block_table is not None and block_table.shape[0] != B:
         raise ValueError(f"block_table: expected {B} rows (one per sequence), got shape {tuple(block_table.shape)}")
     rows, tile, bt_div = (B * S, 1, S) if per_token else (B, S, 1)
-    shape = {"B": rows, "S": tile, "H": H, "D": D, "Dv": d_v, "k": indices.shape[-1]}
+    shape = {"B": rows, "S": tile, "H": H, "D": D, "Dv": d_v, "k": indices.shape[-1],
+             "fp8": int(kv_cache.dtype == torch.uint8)}
     out_shape = (B, S, H, d_v) if per_token else (B, H, d_v) if q.dim() == 3 else None
-    spec = DECODE_FP8_SPEC if kv_cache.dtype == torch.uint8 else DECODE_SPEC
-    launch = _attention_launch(spec, shape, q, kv_cache, page_size, config)
+    launch = _attention_launch(DECODE, shape, q, kv_cache, page_size, config)
     return _Plan(launch, bt_div, page_size, per_token, out_shape, gluon_applies(q, kv_cache, d_v, launch.config))
 
 
@@ -245,7 +336,6 @@ def _checked_prefill_plan(q, kv_cache, indices, block_table, d_v, config) -> _Pl
     check_positive("indices.shape[1] (k)", indices.shape[1])
     if block_table is not None and block_table.shape[0] not in (1, T):
         raise ValueError(f"block_table: expected 1 or {T} rows (T), got shape {tuple(block_table.shape)}")
-    shape = {"T": T, "H": H, "D": D, "Dv": d_v, "k": indices.shape[1]}
-    spec = PREFILL_FP8_SPEC if kv_cache.dtype == torch.uint8 else PREFILL_SPEC
-    launch = _attention_launch(spec, shape, q, kv_cache, page_size, config)
+    shape = {"T": T, "H": H, "D": D, "Dv": d_v, "k": indices.shape[1], "fp8": int(kv_cache.dtype == torch.uint8)}
+    launch = _attention_launch(PREFILL, shape, q, kv_cache, page_size, config)
     return _Plan(launch, 1, page_size, False, (T, H, d_v), gluon_applies(q, kv_cache, d_v, launch.config))

@@ -9,23 +9,24 @@ same tile (MQA: one load serves every head). Online softmax in base 2; invalid s
 cache) are masked and never read. With ``num_splits > 1`` each split writes a normalised fp32 partial and its
 lse, and ``_combine_splits`` merges them, weighted by ``exp(lse_split - lse)``.
 
-FP8 latent cache (``KV_FP8``; layout in :mod:`.cache_reference`): a gathered row is one contiguous read of its
+FP8 latent cache (``KV_FP8``; layout in :mod:`.formats`): a gathered row is one contiguous read of its
 bytes (656 for DSA): the ``D_V`` e4m3 latent bytes as a ``[BLOCK_N, groups, 128]`` tile, times the fp32 scale of
 each 128-value group, converted to q's dtype (exact in bf16: the append op's scales are powers of two), and the
 ``D_R`` bf16 rope values; then the same two dots as rows in q's dtype.
 
-Hopper notes (Triton 3.6, sm_90a; the measurements are in results/JOURNAL.md): a 64 rows x 512 fp32 accumulator is
-what 8 warps can hold (255 registers, no spills with BLOCK_N=64, 2 stages, 221 KB shared memory: q and two gathered
-tiles), so one program runs per SM and 128 heads take two programs per tile (the second gather hits L2). Both dots
-use wgmma; Triton gives a score dot that feeds another dot all warps along M, so with 64 rows the two warpgroups
-compute the same score tile, both reading q and the tile from shared memory: per 64-token tile about 300 KB of
-shared-memory reads by our count (not profiled) for the scores against 64 KB for the value dot, over an SM's 128
-bytes a clock. The pipeliner issues the next tile's gather at the end of the loop body (after a synchronous load of
-its indices), so the gather overlaps only the value dot. Tried and slower on the H200: a token-major form (scores
-[tokens, heads], accumulator [Dv, heads], probabilities through shared memory: both operands of every wgmma from
-shared memory, the softmax state rematerialized per layout), 1.34x slower at decode B=64; the indices loaded a tile
-ahead, 1.27x slower at BLOCK_N=64 (at BLOCK_N=32, 3 stages, 1.26x faster than without, still under 64). The row
-gathers are 16-byte cp.async.
+Hopper notes (Triton 3.6, sm_90a; the measurements are in results/journal/attention.md, the forms tried in
+docs/design/sparse_attention.md): a 64 rows x 512 fp32 accumulator is what 8 warps can hold (255 registers, no
+spills with BLOCK_N=64, 2 stages, 221 KB shared memory: q and two gathered tiles), so one program runs per SM and 128
+heads take two programs per tile (the second gather hits L2). Both dots use wgmma; Triton gives a score dot that
+feeds another dot all warps along M, so with 64 rows the two warpgroups compute the same score tile, both reading q
+and the tile from shared memory: per 64-token tile about 300 KB of shared-memory reads by our count (not profiled)
+for the scores against 64 KB for the value dot, over an SM's 128 bytes a clock. The pipeliner issues the next tile's
+gather at the end of the loop body (after a synchronous load of its indices), so the gather overlaps only the value
+dot. The row gathers are 16-byte cp.async.
+
+Where a Gluon kernel applies (sm_90, DSA dims, bf16 q: :func:`.sparse_attention_seesaw.gluon_applies`) the op
+launches the seesaw kernel of :mod:`.sparse_attention_seesaw` in this one's place (:class:`AttentionLaunch`'s
+``gluon_kernel``): the same arguments and outputs, one Gluon kernel for both caches.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ import triton.language as tl
 from ..hostmath import cdiv, next_pow2
 from ..launch import launch_with
 from ..runtime import interpreting
-from .cache_reference import LATENT_GROUP
+from .formats import LATENT_GROUP
 from .sparse_attention_seesaw import _sparse_attention_fwd_seesaw, seesaw_meta
 
 LOG2E = 1.4426950408889634
@@ -229,7 +230,7 @@ class AttentionLaunch:
             DOT_FP32=q_dtype == torch.bfloat16 and interpreting(),
             num_warps=config["num_warps"], num_stages=config["num_stages"], **fp8)
         self.tokens_per_split = cdiv(cdiv(k, self.num_splits), self.block_n) * self.block_n
-        self.gluon_kernel = (_sparse_attention_fwd_seesaw, seesaw_meta(self.fwd_meta))  # where a Gluon kernel applies
+        self.gluon_kernel = (_sparse_attention_fwd_seesaw, seesaw_meta(self.fwd_meta))  # where gluon_applies
         self.block_c = self.combine_meta = None
         if self.num_splits > 1:
             block_s = next_pow2(self.num_splits)
@@ -258,7 +259,7 @@ def sparse_attention_fwd(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
     width ``d_v``), ``slots[R, k]`` (negative or >= num_slots: skipped) -> ``out[R, S, H, d_v]`` in q's dtype,
     ``lse[R, S, H]`` fp32; ``d_v``, the config and the constexprs from ``launch``. ``kernel``: ``(kernel, meta)``
     launched in place of the Triton kernel, with the same arguments and outputs (``launch.gluon_kernel``, where it
-    applies; the script's others, e.g. the two-warpgroup kernel of :mod:`.sparse_attention_gluon`)."""
+    applies; scripts/gluon_attention.py's alternative sources of the seesaw kernel)."""
     R, S, H = q.shape[:3]
     M, k = S * H, slots.shape[1]
     d_v, num_splits = launch.d_v, launch.num_splits

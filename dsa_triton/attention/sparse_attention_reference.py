@@ -8,7 +8,7 @@ Shapes (MQA form of DeepSeek-V3.2's MLA): every query row attends to ``k`` cache
 - ``sparse_attention_decode_torch`` / ``sparse_attention_prefill_torch``: the public ops' signatures;
 - ``gather_einsum``: index_select, einsum, softmax, einsum in the input dtype (the benchmark baseline).
 
-A uint8 cache is the FP8 latent cache (:mod:`.cache_reference`, ``d_v`` latent values a row): every function here
+A uint8 cache is the FP8 latent cache (:mod:`.formats`, ``d_v`` latent values a row): every function here
 dequantizes the rows it gathers with ``fp8_latent_dequantize`` (the oracle in fp32, the baseline into q's dtype),
 then goes on as with rows in a float dtype.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache_reference import fp8_latent_dequantize
+from .formats import fp8_latent_dequantize
 
 # Rows per chunk of the oracle: bounds the gathered [rows, k, D] fp32 tensor at long prefill.
 ORACLE_GATHER_BYTES = 1 << 29

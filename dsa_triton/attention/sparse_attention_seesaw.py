@@ -1,6 +1,9 @@
 """Gluon kernel of sparse attention for Hopper (sm_90a) over a bf16 or FP8 latent cache in FlashMLA's "seesaw"
-schedule: the contract of :func:`.sparse_attention_gluon._sparse_attention_fwd_gluon` (same arguments, same partial
-out / lse layout, so ``_combine_splits`` merges its splits), bf16 q, ``BLOCK_H`` = ``BLOCK_N`` = 64.
+schedule: the contract of the Triton kernel :func:`.sparse_attention_kernels._sparse_attention_fwd` (same arguments,
+same partial out / lse layout, so ``_combine_splits`` merges its splits), bf16 q, DSA head dims (512 latent + 64
+rope), ``BLOCK_H`` = ``BLOCK_N`` = 64. The ops launch it in the Triton kernel's place where it applies
+(:func:`gluon_applies`: :func:`gluon_fits` on a CUDA sm_90 device outside the interpreter, unless ``DSA_GLUON=0``)
+on :func:`gluon_aligned` pointers; the interpreter cannot run Gluon, so its CPU twin is the Triton kernel.
 
 Two warpgroups by ``gl.warp_specialize`` (the kernel's 4 warps and one worker of 4; launch with ``num_warps`` = 4,
 :func:`seesaw_meta`), one source (:func:`_seesaw_wg`) for both. The tokens go in pairs of 64-token blocks, A = block
@@ -29,7 +32,7 @@ B' after warpgroup 1's; the gather has the rest of the pair's work of the other 
 pair. mbarriers carry every exchange between the warpgroups (no CTA-wide barrier in the loop): tile landed
 (``ready``), ``m_A`` / ``m_B`` / ``P_A`` / ``P_B`` published, tile X free, the final row sums.
 
-FP8 latent cache (656 bytes a token: 512 e4m3, 4 fp32 scales, 64 bf16 rope; :mod:`.cache_reference`): a third
+FP8 latent cache (656 bytes a token: 512 e4m3, 4 fp32 scales, 64 bf16 rope; :mod:`.formats`): a third
 warpgroup, the producer (:func:`_produce`), gathers q and every tile; the math warpgroups run the same code without
 their gathers (they wait on ``ready`` only, arrived once a tile by the producer), except that warpgroup 1 runs its
 ``P_A @ V_A`` before it waits for tile B, so tile A is free before B lands and the producer, the slower side, does
@@ -38,25 +41,34 @@ not wait for ``free``; and each math warpgroup dequantizes the last 16 tokens of
 once both are done with A, warpgroup 1 those of B as a pair starts, once the previous pair is done with B.
 Registers a thread: 200 for each math warpgroup, 104 for the producer (the pool of 3 x 168).
 The producer stages each tile's slots in shared memory two tiles ahead (``k_idx``: one global load serves every
-use; loaded where used, each cost a round trip in series), prefetches the next tile's rows to L2 as a tile starts,
+use, where a load at each use costs a round trip in series), prefetches the next tile's rows to L2 as a tile starts,
 holds the next tile's e4m3 bytes in registers (its first 3 chunks of 16 tokens, 16 registers each, 16-byte loads)
 while it waits for ``free[X]``, and its scales in a small buffer of their own (``[2, 64, 4]`` fp32, cp.async a tile
 ahead); once tile X is free it copies its rope values (cp.async, 8 KB), dequantizes chunk after chunk into
 ``k_nope[X]`` (e4m3 -> bf16 by bit operations, times the scale in bf16x2: exact for the cache's power-of-two scales),
 loading the next tile's chunk into the registers each frees, and arrives on ``ready[X]`` after a proxy fence. Shared
-memory: 225104 bytes. On the H200 at decode B=64 (k = 2048) this form takes 108.8-109.3 us against the two-warpgroup
-kernel's 139.7-141.2 (scripts/gluon_attention.py; 111.5-112.3 with the producer dequantizing all 4 chunks); the bf16
-one 90.0.
+memory: 225104 bytes.
 """
 from __future__ import annotations
 
+import os
+
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .sparse_attention_gluon import _copy_rows, _gather, _slots, _valid
+from ..runtime import interpreting
+from .formats import fp8_latent_bytes
+
+ENABLED = os.environ.get("DSA_GLUON", "1") != "0"  # off (DSA_GLUON=0): the Triton kernel serves every launch
+
+GLUON_D_V, GLUON_D_R = 512, 64  # the head dims the kernel is written for (DSA)
+# the launch config (the Triton kernel's, which the plan holds) the kernel serves: 64 x 64 tiles; seesaw_meta launches
+# it with 4 warps; num_stages: for the config's key
+GLUON_CONFIG = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 
 SEESAW_WORKER_REGS = gl.constexpr(240)  # setmaxnreg of the worker warpgroup (the default one: 256)
 # FP8 cache: setmaxnreg of the second math warpgroup and of the producer; the first math warpgroup gets the rest of
@@ -89,6 +101,38 @@ def seesaw_meta(fwd_meta: dict) -> dict:
     """The seesaw kernel's keyword arguments from the Triton kernel's ``fwd_meta`` (a bf16 or FP8 cache): 4 warps
     (the other warpgroups come from ``gl.warp_specialize``)."""
     return {**fwd_meta, "num_warps": 4}
+
+
+@gluon.jit
+def _copy_rows(dst, rows, ok, COLS: gl.constexpr, LAYOUT: gl.constexpr):
+    """cp.async ``dst[i, :COLS]`` from the ``COLS`` elements at pointer ``rows[i]`` (``rows`` in
+    ``SliceLayout(1, LAYOUT)``); rows where ``ok`` is off are zero-filled without a read."""
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
+    async_copy.async_copy_global_to_shared(dst, rows[:, None] + cols[None, :], mask=ok[:, None])
+
+
+@gluon.jit
+def _gather(dst_nope, dst_rope, base, rows, ok, D_V: gl.constexpr, D_R: gl.constexpr, LAYOUT: gl.constexpr):
+    """cp.async rows ``base + rows[i]`` (element offsets, int64; ``rows`` in ``SliceLayout(1, LAYOUT)``) into
+    ``dst_nope[i, :D_V]`` and ``dst_rope[i, :D_R]`` (from element ``D_V`` on); rows where ``ok`` is off are
+    zero-filled without a read."""
+    ptrs = base + rows
+    _copy_rows(dst_nope, ptrs, ok, D_V, LAYOUT)
+    _copy_rows(dst_rope, ptrs + D_V, ok, D_R, LAYOUT)
+
+
+@gluon.jit
+def _valid(slot, num_slots):
+    """Whether each slot names a cache row (a negative one or one past the cache is skipped)."""
+    return (slot >= 0) & (slot < num_slots)
+
+
+@gluon.jit
+def _slots(idx_row, start, hi, num_slots, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+    """Slots of tokens ``[start, start + BLOCK_N)`` (-1 from ``hi`` on) in ``LAYOUT`` and whether each is valid."""
+    offs = start + gl.arange(0, BLOCK_N, layout=LAYOUT)
+    slot = gl.load(idx_row + offs, mask=offs < hi, other=-1)
+    return slot, _valid(slot, num_slots)
 
 
 @gluon.jit
@@ -477,11 +521,11 @@ def _sparse_attention_fwd_seesaw(
     NUM_SPLITS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DOT_FP32: gl.constexpr,
     KV_FP8: gl.constexpr = False, GROUP: gl.constexpr = 128, ROPE_AT: gl.constexpr = 0,
 ):
-    """The arguments and outputs of ``_sparse_attention_fwd_gluon``, launched with 4 warps (:func:`seesaw_meta`):
-    ``kv_ptr`` rows of ``s_kv`` bf16 elements, or (``KV_FP8``) FP8 latent cache rows of ``s_kv`` bytes (``GROUP`` =
-    128, rope values at byte ``ROPE_AT`` = 528); ``out[R, M, NUM_SPLITS, D_V]`` (q's dtype with one split, else fp32
-    partials), ``lse[R, M, NUM_SPLITS]`` natural log (-inf and out 0 for a row without a valid slot; NaN scores
-    propagate)."""
+    """The arguments and outputs of the Triton kernel ``_sparse_attention_fwd``, launched with 4 warps
+    (:func:`seesaw_meta`): ``kv_ptr`` rows of ``s_kv`` bf16 elements, or (``KV_FP8``) FP8 latent cache rows of
+    ``s_kv`` bytes (``GROUP`` = 128, rope values at byte ``ROPE_AT`` = 528); ``out[R, M, NUM_SPLITS, D_V]`` (q's dtype
+    with one split, else fp32 partials), ``lse[R, M, NUM_SPLITS]`` natural log (-inf and out 0 for a row without a
+    valid slot; NaN scores propagate)."""
     gl.static_assert(D_V == 512 and D_R == 64 and BLOCK_H == 64 and BLOCK_N == 64 and gl.num_warps() == 4)
     gl.static_assert(BLOCK_DV == D_V and BLOCK_DR == D_R and not DOT_FP32)
     gl.static_assert(not KV_FP8 or (GROUP == 128 and ROPE_AT == _ROPE_AT and _SCALES_AT + 4 * 4 == _ROPE_AT))
@@ -523,3 +567,30 @@ def _sparse_attention_fwd_seesaw(
                            [SEESAW_FP8_MATH_REGS, SEESAW_PRODUCER_REGS])
     else:
         gl.warp_specialize([(_seesaw_wg0, args), (_seesaw_wg1, args)], [4], [SEESAW_WORKER_REGS])
+
+
+def gluon_fits(q: torch.Tensor, kv: torch.Tensor, d_v: int, config: dict) -> bool:
+    """Whether the seesaw kernel's shapes, dtypes and strides fit a launch (metadata only: the pointers are
+    :func:`gluon_aligned`'s): bf16 ``q[..., D]`` with D = 576 and ``d_v`` = 512, and ``kv[num_slots, D]`` bf16 or the
+    FP8 latent cache ``kv[num_slots, 656]`` uint8; the last dim contiguous and the other strides multiples of 16
+    bytes (the gathers are 16-byte cp.async), and a config of ``BLOCK_H`` = ``BLOCK_N`` = 64 at 8 warps
+    (:data:`GLUON_CONFIG`; any ``num_splits`` and stages)."""
+    strided = all(t.stride(-1) == 1 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+                  for t in (q, kv))
+    width = {torch.bfloat16: GLUON_D_V + GLUON_D_R, torch.uint8: fp8_latent_bytes(GLUON_D_V, GLUON_D_R)}
+    return (q.dtype == torch.bfloat16 and d_v == GLUON_D_V and q.shape[-1] == GLUON_D_V + GLUON_D_R
+            and kv.shape[-1] == width.get(kv.dtype) and strided
+            and all(config[k] == v for k, v in GLUON_CONFIG.items() if k != "num_stages"))
+
+
+def gluon_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor's address is a multiple of 16 bytes (with :func:`gluon_fits`' strides: every row)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def gluon_applies(q: torch.Tensor, kv: torch.Tensor, d_v: int, config: dict) -> bool:
+    """Whether the seesaw kernel serves launches of this metadata: :func:`gluon_fits`, on a CUDA sm_90 device outside
+    the interpreter, unless ``DSA_GLUON=0`` (then the Triton kernel serves every launch). A call still needs
+    :func:`gluon_aligned` pointers."""
+    return (ENABLED and q.is_cuda and not interpreting() and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and gluon_fits(q, kv, d_v, config))

@@ -85,7 +85,7 @@ def graph_time_us(call: Callable[[T], Any], sets: Sequence[T], device: torch.dev
 
     Each set is run once on a side stream first (compiles kernels, fills host caches) so the capture records
     only launches. ``calls_per_graph`` > 1: each graph holds that many calls on consecutive sets and the time is
-    per call (the graph's own launch, ~4.6 us on the H200, shared by them, as in a decode step's graph).
+    per call (the graph's own launch shared by them, as in a decode step's graph).
     NaN off the GPU. A capture failure (an op that syncs) raises ``RuntimeError``.
     """
     if not isinstance(calls_per_graph, int) or calls_per_graph < 1:

@@ -38,7 +38,7 @@ def git_state(repo: Path = REPO) -> dict[str, Any]:
 
 
 def run_folder(root: str | Path, device: str, stamp: dt.datetime) -> Path:
-    """``root/<device without the vendor>/<date>``: ``results/h200/2026-12-01``."""
+    """``root/<device without the vendor>/<date>``: ``results/h200/<YYYY-MM-DD>``."""
     short = device.removeprefix("nvidia-")
     return Path(root) / short / f"{stamp:%Y-%m-%d}"
 

@@ -1,17 +1,6 @@
-"""MXFP4 mixture-of-experts: format, online MXFP4->FP8 conversion, shared FP8 workspace, grouped GEMMs, routing."""
-from .mxfp4 import mxfp4_dequantize, mxfp4_quantize  # first: later ops' specs draw inputs from its spec
-from .mxfp4_to_fp8 import mxfp4_to_fp8
-from .routing import RoutingConfig, deepseek_topk, route, softmax_topk
-from .route_topk import route_topk
-from .permute import ExpertSort, sort_by_expert
-from .sort_and_align import sort_and_align
-from .fused_moe import fused_moe_gemm
-from .activation import swiglu
-from .layer import moe_forward
-from .workspace import FP8Workspace, shared_workspace
-from .fp8_grouped_gemm import fp8_grouped_gemm
+"""MXFP4 mixture-of-experts: format, online MXFP4->FP8 conversion, shared FP8 workspace, grouped GEMMs, routing.
 
-__all__ = ["mxfp4_quantize", "mxfp4_dequantize", "mxfp4_to_fp8"]
-__all__ += ["RoutingConfig", "deepseek_topk", "softmax_topk", "route", "route_topk", "ExpertSort", "sort_by_expert",
-            "sort_and_align", "fused_moe_gemm", "swiglu", "moe_forward"]
-__all__ += ["FP8Workspace", "shared_workspace", "fp8_grouped_gemm"]
+The ops are ``dt.<op>`` (or ``dsa_triton.moe.<op>.<op>``); importing the package registers their kernels.
+"""
+from . import (fp8_grouped_gemm_spec, fused_moe_gemm_spec, moe_forward_spec, mxfp4_spec,  # noqa: F401  (registers them)
+               mxfp4_to_fp8_spec, route_topk_spec, sort_and_align_spec)

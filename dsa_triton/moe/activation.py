@@ -2,7 +2,7 @@
 
 ``y = silu(gate) * up`` in fp32 from ``h[M, 2I]`` (gate columns ``0 .. I-1``, up ``I .. 2I-1``), rounded to the
 output dtype. With ``class_major=True`` the output is ``[M, 4, I/4]`` (``y[m, c, q]`` = column ``4q + c``), the
-layout :func:`.fused_moe.fused_moe_gemm` reads its activations in: the down GEMM then needs no transpose of its
+layout :func:`.fused_moe_gemm.fused_moe_gemm` reads its activations in: the down GEMM then needs no transpose of its
 own (the layout costs nothing here: the same bytes are written, in another order). Replaces the three torch
 kernels of the reference (silu, mul, conversion) with one. An elementwise op at a fixed tile (1024 columns
 of a row per program, 4 warps): not a tuned kernel.
@@ -15,7 +15,8 @@ import triton.language as tl
 
 from ..checks import check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
-from ..launch import cached_meta, launch_with
+from ..launch import launch_with
+from ..plans import cached
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_Q = 256  # column quarters (4 columns each) per program
@@ -38,7 +39,7 @@ def _swiglu_kernel(h_ptr, y_ptr, I, stride_h, stride_y, CLASS_MAJOR: tl.constexp
     tl.store(y_ptr + row * stride_y + dest, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@cached_meta
+@cached
 def _swiglu_meta(class_major: bool, block_q: int) -> dict:
     return dict(CLASS_MAJOR=class_major, BLOCK_Q=block_q, num_warps=4)
 

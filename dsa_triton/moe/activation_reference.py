@@ -4,16 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def class_major(x: torch.Tensor) -> torch.Tensor:
-    """``x[M, K]`` -> ``[M, 4, K/4]`` contiguous with ``out[m, c, q] = x[m, 4q + c]``: the layout in which the fused
-    MXFP4 GEMM reads each nibble class of a K tile as one contiguous run."""
-    return x.view(x.shape[0], x.shape[1] // 4, 4).transpose(1, 2).contiguous()
-
-
-def row_major(x: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`class_major`: ``[M, 4, K/4]`` -> ``[M, K]``."""
-    return x.transpose(1, 2).reshape(x.shape[0], -1)
+from .formats import class_major
 
 
 def swiglu_torch(h: torch.Tensor, dtype: torch.dtype | None = None, class_major_out: bool = False) -> torch.Tensor:

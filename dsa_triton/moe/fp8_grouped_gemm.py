@@ -1,8 +1,10 @@
 """Prefill grouped expert GEMM on FP8 tensor cores from MXFP4 weights: ``dt.fp8_grouped_gemm``.
 
 ``y_sorted[r] = x_sorted[r] @ W_e^T`` for the rows ``r`` of expert ``e`` (CSR ``expert_offsets``), MXFP4 weights.
-Kernels: :mod:`.fp8_grouped_gemm_kernels`; launch configs: registry entry ``moe_workspace_gemm``
-(:mod:`.fp8_grouped_gemm_spec`). One call:
+Kernels: :mod:`.fp8_grouped_gemm_kernels`; launch configs: :data:`LAUNCH` (tiles ``BLOCK_M`` x ``BLOCK_N`` x
+``BLOCK_K``, ``GROUP_M``, ``num_warps``, ``num_stages``; the route, ``IN_REGISTERS``, and each route's own knobs,
+:data:`REGISTERS_ROUTE_KNOBS` and :data:`WORKSPACE_ROUTE_KNOBS`, neutral on the other route; ``EXPERTS_PER_STAGE``
+experts per workspace stage). One call:
 
 1. quantizes ``x`` to e4m3 with one power-of-two scale per row (``_quantize_rows_kernel``; oracle
    :func:`.fp8_grouped_gemm_reference.quantize_rows_fp8_torch`, bit for bit), for the registers route in its
@@ -37,9 +39,9 @@ Kernels: :mod:`.fp8_grouped_gemm_kernels`; launch configs: registry entry ``moe_
 Why two streams rather than one persistent kernel for the workspace route: conversion is memory-bound integer
 work, the GEMM tensor-core work; as two kernels on two streams the hardware runs conversion CTAs beside GEMM CTAs
 with no hand-made synchronisation, each kernel keeps its tuned tiles, and the interpreter runs the same code in
-order. Whether the overlap pays is measured per shape (``OVERLAP`` chooses; results/NOTES.md): the GEMM fills
-every SM, so the overlap hides little of the shorter part, and a GEMM persistent on all but a few SMs, leaving
-those to the conversion, was slower still. (The registers route removes the round trip through memory.)
+order. Whether the overlap pays depends on the shape (``OVERLAP`` chooses, a tuned knob; measurements:
+results/journal/moe.md): the GEMM fills every SM, so the overlap hides little of the shorter part. (The registers
+route removes the round trip through memory.)
 """
 from __future__ import annotations
 
@@ -52,21 +54,111 @@ import triton
 
 from ..checks import check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
-from ..launch import cached_meta, launch_with
+from ..launch import launch_with
+from ..plans import cached
+from ..registry import LaunchSpace, bucket
 from ..runtime import interpreting
 from .fp8_grouped_gemm_kernels import _fused_gemm_kernel, _grouped_gemm_kernel, _quantize_rows_kernel
-from .fp8_grouped_gemm_spec import SPEC
 from .mxfp4_to_fp8 import check_experts_layout, check_scales, conversion_config, convert_experts, row_references
 from .workspace import FP8Workspace, shared_workspace
 
 
 # activation quantization: rows of up to QUANTIZE_TILE elements (padded to a power of two) are read once and kept in
 # registers, a row tile of at least QUANTIZE_ROW elements a program (4 warps; up to 64 fp32 a thread); longer rows
-# are read twice in steps of QUANTIZE_STEP (4 rows x 1024). H200 (scripts/quantize_bench.py): 0.93-0.98 of the copy
-# bandwidth at K = 7168, 0.81-0.92 at K = 2048 (one row, 4 warps; 8 warps and software rounding: 0.53-0.58)
+# are read twice in steps of QUANTIZE_STEP (4 rows x 1024). Its rate against the copy bandwidth:
+# scripts/quantize_bench.py (measured: results/journal/moe.md)
 QUANTIZE_TILE = 8192
 QUANTIZE_ROW = 2048
 QUANTIZE_STEP = (4, 1024)
+
+
+SPACE = {
+    "BLOCK_M": (16, 32, 64, 128),
+    "BLOCK_N": (32, 64, 128, 256),
+    "BLOCK_K": (64, 128),  # divides the 128-k scale group
+    "GROUP_M": (1, 4, 8, 16),
+    "num_warps": (4, 8),
+    # 1: no software pipelining, the registers route's wgmmas back to back on sm_90 (2-4 stages serialize them:
+    # ptxas advisory C7515), at the cost of the prefetch: a choice to tune
+    "num_stages": (1, 2, 3, 4, 5),
+    "EXPERTS_PER_STAGE": (1, 2, 4, 8, 16, 32),  # workspace route
+    "IN_REGISTERS": (0, 1),  # 1: the registers route (experts it cannot take still go through the workspace)
+    # workspace route: 1 converts the experts that fit against their rows' references (one scale per row) and
+    # runs a plain FP8 GEMM (no per-group rescaling in the k loop)
+    "ROW_SCALED": (0, 1),
+    # workspace route: 1 converts the next stage on a side stream while the GEMM of this one runs, 0 both on one
+    # stream (which is faster depends on the matrix: a choice to tune, not a rule)
+    "OVERLAP": (0, 1),
+    # registers route: converted weights as the shared-memory MMA operand (which is faster depends on the tile:
+    # a choice to tune)
+    "W_SMEM": (0, 1),
+    # registers route: k loop unrolled twice, its wgmmas back to back at any num_stages (sm_90 SASS); costs
+    # registers, so fewer programs fit an SM
+    "UNROLL": (1, 2),
+}
+WORKSPACE_LIMIT = 4 * 2**30  # bytes of two stages of FP8 experts
+REGISTERS_ROUTE_KNOBS = {"W_SMEM": 0, "UNROLL": 1}  # the registers route's own knobs, at their workspace-route values
+WORKSPACE_ROUTE_KNOBS = {"ROW_SCALED": 0, "OVERLAP": 1}  # the workspace route's own knobs, at registers-route values
+
+
+def route_config(config: dict, in_registers: int, row_scaled: int = 0) -> dict:
+    """``config`` for one route: ``IN_REGISTERS`` set (and ``ROW_SCALED`` on the workspace route; the registers
+    route has no such choice, so ``row_scaled`` must then be 0), the other route's own knobs neutral."""
+    if in_registers and row_scaled:
+        raise ValueError("row_scaled is a choice of the workspace route (in_registers=0)")
+    if in_registers:
+        return {**config, "IN_REGISTERS": 1, **WORKSPACE_ROUTE_KNOBS}
+    return {**config, "IN_REGISTERS": 0, **REGISTERS_ROUTE_KNOBS, "ROW_SCALED": row_scaled}
+
+
+def _constraint(config, shape) -> str | None:
+    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if config["IN_REGISTERS"] and bk != 128:
+        return "the registers route steps through K by 128-k groups (BLOCK_K=128)"
+    if not config["IN_REGISTERS"] and any(config[k] != v for k, v in REGISTERS_ROUTE_KNOBS.items()):
+        return f"{', '.join(REGISTERS_ROUTE_KNOBS)} are choices of the registers route"
+    if config["IN_REGISTERS"] and any(config[k] != v for k, v in WORKSPACE_ROUTE_KNOBS.items()):
+        return f"{', '.join(WORKSPACE_ROUTE_KNOBS)} are choices of the workspace route"
+    if config["num_stages"] * config["UNROLL"] * (bm + bn) * bk > 200 * 1024:
+        return "x and w tiles of all pipeline stages (twice unrolled: twice as many) exceed 200 KB of shared memory"
+    if bm * bn > 128 * 32 * config["num_warps"]:
+        return "accumulator over 128 fp32 registers per thread"
+    if bm > max(16, bucket(shape["M"])):
+        return "BLOCK_M exceeds the routed rows"
+    if config["EXPERTS_PER_STAGE"] > bucket(shape["E"]):
+        return "a stage larger than the expert count"
+    if 2 * config["EXPERTS_PER_STAGE"] * shape["N"] * shape["K"] > WORKSPACE_LIMIT:
+        return "workspace (two stages of FP8 experts) over 4 GiB"
+    return None
+
+
+REGISTERS_TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+WORKSPACE_TILE = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+
+
+def _default(phase, shape):
+    """The registers route up to 256 routed rows per expert: 128 x 128 tiles and 4 warps from 128 rows per expert,
+    64 x 128 below (fewer wasted rows in an expert's last tile). Above 256 rows per expert the row-scaled workspace
+    route with :data:`WORKSPACE_TILE`: there the GEMM's tensor-core time outweighs the conversion's round trip
+    through memory. (The measurements behind these bounds: results/journal/moe.md.)"""
+    rows_tile = max(16, bucket(shape["M"]))  # the constraint's bound on BLOCK_M (few routed rows)
+    if shape["M"] * shape["N"] * shape["K"] < 2**24:  # interpreter-sized: few programs, still two stages
+        return route_config({"BLOCK_M": min(32, rows_tile), "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1,
+                             "num_warps": 4, "num_stages": 2, "EXPERTS_PER_STAGE": min(2, bucket(shape["E"])),
+                             **REGISTERS_ROUTE_KNOBS}, 1)
+    stage = min(8, bucket(shape["E"]))
+    while stage > 1 and 2 * stage * shape["N"] * shape["K"] > WORKSPACE_LIMIT:  # the constraint's bound
+        stage //= 2
+    rows_per_expert = shape["M"] / max(1, shape["E"])
+    config = route_config({**REGISTERS_TILE, **REGISTERS_ROUTE_KNOBS, "EXPERTS_PER_STAGE": stage,
+                           "BLOCK_M": min(128 if rows_per_expert >= 128 else 64, rows_tile)}, 1)
+    if rows_per_expert > 256:
+        config = {**route_config(config, 0, row_scaled=1), **WORKSPACE_TILE}
+    return config
+
+
+LAUNCH = LaunchSpace(name="fp8_grouped_gemm", phases=("prefill",), space=SPACE, default=_default,
+                     fixed_dims=("E", "N", "K"), bucketed_dims=("M",), constraint=_constraint)
 
 
 def interleaves(k: int, kb: int) -> bool:
@@ -75,7 +167,7 @@ def interleaves(k: int, kb: int) -> bool:
     return k == 32 * kb and kb % 4 == 0
 
 
-@cached_meta
+@cached
 def _quantize_meta(k: int, interleaved: bool, tile: int, row: int, step_m: int, step_k: int) -> dict:
     """The activation quantization's keyword arguments for rows of ``k``: rows of up to ``tile`` elements in
     registers, ``row`` elements or more a program (else steps of ``step_m`` rows x ``step_k``); software rounding
@@ -171,7 +263,7 @@ def plan_on_device(expert_offsets: torch.Tensor, block_m: int, rows: int) -> Sta
     return StagePlan(max(1, e), experts, tiles.to(torch.int32), ((0, e, 0, tiles.shape[0]),))
 
 
-@cached_meta
+@cached
 def _gemm_meta(block_m: int, block_n: int, block_k: int, group_m: int, even_k: bool, row_scaled: bool,
                num_warps: int, num_stages: int) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, EVEN_K=even_k,
@@ -195,7 +287,7 @@ def launch_gemm(xq, sx, w_half, s_half, y, tiles, config, row_scaled: bool = Fal
     )
 
 
-@cached_meta
+@cached
 def _fused_meta(block_m: int, block_n: int, group_m: int, w_smem: int, even_k: bool, ptx: bool, unroll: int,
                 num_warps: int, num_stages: int) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=group_m, W_SMEM=w_smem, EVEN_K=even_k, PTX=ptx,
@@ -320,7 +412,7 @@ def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, block
       (the padding columns are ignored). A 0xFF (NaN) scale: ``ValueError`` naming its block with ``check_values``
       (the scan is cached per tensor and in-place version), else NaN in the outputs of that weight row for the
       rows of its expert;
-    - ``config``: a ``moe_workspace_gemm`` config (None: the tuning database's for this shape);
+    - ``config``: a ``fp8_grouped_gemm`` config (None: the tuning database's for this shape);
     - ``workspace``: default the device's :func:`shared_workspace` (leased only when an expert takes the
       workspace route, whose conversions run on a side stream); one given must hold ``2 * EXPERTS_PER_STAGE``
       slots of ``[N, K_w]`` where an expert may take that route (whatever the offsets), else a ValueError naming
@@ -341,7 +433,7 @@ def fp8_grouped_gemm(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, block
     device = _check(x_sorted, expert_offsets, blocks, scales, workspace, unfit_counter)
     m, (e, n, kb) = x_sorted.shape[0], scales.shape
     shape = {"M": m, "E": e, "N": n, "K": 32 * kb}
-    config = SPEC.launch_config("prefill", shape, device) if config is None else SPEC.validate(config, shape)
+    config = LAUNCH.launch_config("prefill", shape, device) if config is None else LAUNCH.validate(config, shape)
     if out is not None:
         check_out(out, (m, n), x_sorted.dtype, device, contiguous=False)
     if check_values:

@@ -1,11 +1,11 @@
-"""The baselines of the prefill grouped GEMM (``moe_workspace_gemm``'s spec and the ``moe_prefill`` report): what a
+"""The baselines of the prefill grouped GEMM (``fp8_grouped_gemm``'s spec and the ``moe_prefill`` report): what a
 user would run instead on the same routed rows (CSR over experts), torch on expert weights converted ahead of time.
 
 - FP8: an offline e4m3 copy of every expert with one fp32 scale per expert, activations quantized with one
   scale, then ``torch._scaled_mm`` per active expert (cuBLASLt, fast accumulation), or ``torch._scaled_grouped_mm``
-  in one call where this torch has it; the faster of the two is the baseline. Per-tensor scales because rowwise ``_scaled_mm`` is not supported on every
-  cuBLAS stack (results/ records where it failed); the speed of the product should not depend on the scale
-  granularity (expected, not measured);
+  in one call where this torch has it; the faster of the two is the baseline. Per-tensor scales because rowwise
+  ``_scaled_mm`` is not supported on every cuBLAS stack (where it fails: results/journal/moe.md); the speed of the
+  product should not depend on the scale granularity (expected, not measured);
 - bf16: a bf16 copy of every expert, ``torch.mm`` per active expert (cuBLAS), or ``torch._grouped_mm``.
 
 Each takes the active experts as host ``spans`` ``[(expert, first row, end row)]`` computed beforehand, so the
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_grouped_gemm_reference import E4M3_MAX
+from .formats import E4M3_MAX
 from .mxfp4 import mxfp4_dequantize
 
 Spans = list[tuple[int, int, int]]

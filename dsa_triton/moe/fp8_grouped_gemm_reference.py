@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from .fused_moe_reference import grouped_gemm_torch
-from .mxfp4_reference import exp2_exact
+from .fused_moe_gemm_reference import grouped_gemm_torch
+from .formats import E4M3_MAX, exp2_exact
 
-E4M3_MAX = 448.0
 MIN_EXPONENT = -126
 
 

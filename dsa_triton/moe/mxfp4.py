@@ -1,8 +1,8 @@
 """MXFP4 quantize / dequantize (OCP MX, gpt-oss layout): ``dt.mxfp4_quantize``, ``dt.mxfp4_dequantize``.
 
-The format and the oracle are in :mod:`.mxfp4_reference`; the kernels (:mod:`.mxfp4_kernels`) match it bit for
-bit (codes, scales and dequantized values). Launch configs: registry entries ``mxfp4_quantize`` and
-``mxfp4_dequantize`` (:mod:`.mxfp4_spec`).
+The format is :mod:`.formats`, the oracle :mod:`.mxfp4_reference`; the kernels (:mod:`.mxfp4_kernels`) match it bit
+for bit (codes, scales and dequantized values). Launch configs: :data:`QUANTIZE` and :data:`DEQUANTIZE` (``BLOCK_B``
+32-element blocks per program, ``num_warps``; shape ``N`` rows, every leading dimension flattened, and ``K``).
 """
 from __future__ import annotations
 
@@ -12,12 +12,23 @@ import torch
 
 from ..checks import check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
-from ..launch import cached_meta, launch_with
+from ..launch import launch_with
+from ..plans import cached
+from ..registry import LaunchSpace
 from .mxfp4_kernels import _dequantize_kernel, _quantize_kernel
-from .mxfp4_reference import BLOCK, validate_mxfp4
-from .mxfp4_spec import DEQUANTIZE, QUANTIZE
+from .formats import BLOCK, validate_mxfp4
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_SPACE = {"BLOCK_B": (8, 16, 32, 64, 128), "num_warps": (1, 2, 4, 8)}
+
+
+def _default(phase, shape):
+    return {"BLOCK_B": 64, "num_warps": 4} if shape["N"] * shape["K"] >= 2**20 else {"BLOCK_B": 16, "num_warps": 2}
+
+
+QUANTIZE, DEQUANTIZE = (LaunchSpace(name=name, phases=("load",), space=_SPACE, default=_default, fixed_dims=("K",),
+                                    bucketed_dims=("N",)) for name in ("mxfp4_quantize", "mxfp4_dequantize"))
 
 
 def _flat_shape(w_shape: tuple[int, ...]) -> dict[str, int]:
@@ -44,7 +55,7 @@ def mxfp4_quantize(w: torch.Tensor, *, config: dict | None = None) -> tuple[torc
     return quantize_launch(w, config)
 
 
-@cached_meta
+@cached
 def _block_meta(block_b: int, num_warps: int) -> dict:
     return dict(BLOCK_B=block_b, num_warps=num_warps)
 

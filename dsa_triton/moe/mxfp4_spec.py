@@ -1,8 +1,7 @@
-"""Registry entries of the MXFP4 load-time kernels (``mxfp4_quantize``, ``mxfp4_dequantize``), and the random
-MXFP4 inputs other specs and tests draw from (:func:`random_mxfp4`, :func:`realistic_mxfp4`).
-
-Config space: ``BLOCK_B`` 32-element blocks per program, ``num_warps``. Shape: ``N`` rows (every leading
-dimension flattened, bucketed), ``K`` elements per row (exact).
+"""Registry entries of the MXFP4 load-time kernels (:func:`~dsa_triton.mxfp4_quantize`,
+:func:`~dsa_triton.mxfp4_dequantize`), and the random MXFP4 inputs other specs and tests draw from
+(:func:`random_mxfp4`, :func:`realistic_mxfp4`). Shape: ``N`` rows (every leading dimension flattened, bucketed),
+``K`` elements per row (exact).
 """
 from __future__ import annotations
 
@@ -13,8 +12,9 @@ import torch
 from .. import registry
 from ..checks import exact_mismatch
 from ..registry import Cost
-from . import mxfp4, mxfp4_kernels, mxfp4_reference
-from .mxfp4_reference import BLOCK, mxfp4_dequantize_torch, mxfp4_quantize_torch
+from . import formats, mxfp4, mxfp4_kernels, mxfp4_reference
+from .formats import BLOCK
+from .mxfp4_reference import mxfp4_dequantize_torch, mxfp4_quantize_torch
 
 
 def random_weights(n: int, k: int, device, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -52,27 +52,15 @@ def _compare_exact(out, ref) -> str | None:
     return exact_mismatch((f"output {i}", a, b) for i, (a, b) in enumerate(zip(out, ref)))
 
 
-_SPACE = {"BLOCK_B": (8, 16, 32, 64, 128), "num_warps": (1, 2, 4, 8)}
-
-
-def _default(phase, shape):
-    return {"BLOCK_B": 64, "num_warps": 4} if shape["N"] * shape["K"] >= 2**20 else {"BLOCK_B": 16, "num_warps": 2}
-
-
 def _bench_shapes(phase, gpu):
     return [{"N": 8192, "K": 7168}, {"N": 7168, "K": 2048}] if gpu else [{"N": 24, "K": 96}]
 
 
-def _register(name: str, make_inputs, run, reference, reference_name: str) -> registry.KernelSpec:
+def _register(launch, make_inputs, run, reference, reference_name: str) -> registry.KernelSpec:
     """The two load-time kernels share space, defaults, shapes, exact comparison and cost (both move 2.53 bytes
     per weight: bf16 one way, 4.25-bit MXFP4 the other); the float64 oracle is also the baseline."""
     return registry.register(registry.KernelSpec(
-        name=name,
-        phases=("load",),
-        space=_SPACE,
-        default=_default,
-        fixed_dims=("K",),
-        bucketed_dims=("N",),
+        launch=launch,
         make_inputs=make_inputs,
         run=run,
         reference=reference,
@@ -81,12 +69,13 @@ def _register(name: str, make_inputs, run, reference, reference_name: str) -> re
         bench_shapes=_bench_shapes,
         baseline=reference,
         baseline_name=f"{reference_name} (float64 torch ops)",
-        source_modules=(mxfp4, mxfp4_kernels, sys.modules[__name__], mxfp4_reference),
+        source_modules=(mxfp4, mxfp4_kernels, sys.modules[__name__], mxfp4_reference, formats),
+        model_dims=lambda m: [{"N": g["N"], "K": g["K"]} for g in m.expert_gemms()],
     ))
 
 
 QUANTIZE = _register(
-    "mxfp4_quantize",
+    mxfp4.QUANTIZE,
     make_inputs=lambda phase, shape, device, seed: {"w": random_weights(shape["N"], shape["K"], device, seed)},
     run=lambda inputs, config: mxfp4.quantize_launch(inputs["w"], config),  # the op adds a finiteness scan (a sync)
     reference=lambda inputs: mxfp4_quantize_torch(inputs["w"]),
@@ -94,7 +83,7 @@ QUANTIZE = _register(
 )
 
 DEQUANTIZE = _register(
-    "mxfp4_dequantize",
+    mxfp4.DEQUANTIZE,
     make_inputs=lambda phase, shape, device, seed: dict(zip(("blocks", "scales"), random_mxfp4((shape["N"],), shape["K"], device, seed, spread=40))),
     run=lambda inputs, config: mxfp4.dequantize_launch(inputs["blocks"], inputs["scales"], torch.bfloat16, config),
     reference=lambda inputs: mxfp4_dequantize_torch(inputs["blocks"], inputs["scales"], torch.bfloat16),

@@ -1,7 +1,8 @@
 """Online MXFP4 -> FP8 conversion: ``dt.mxfp4_to_fp8``, and the launcher the prefill GEMM pipelines.
 
 Semantics and oracle: :mod:`.mxfp4_to_fp8_reference`; the kernel and its register-side helpers:
-:mod:`.mxfp4_to_fp8_kernels`. Launch configs: registry entry ``mxfp4_to_fp8`` (:mod:`.mxfp4_to_fp8_spec`).
+:mod:`.mxfp4_to_fp8_kernels`. Launch configs: :data:`LAUNCH` (``BLOCK_N`` rows x ``GROUPS`` 128-k groups per program,
+``num_warps``).
 :func:`row_references` picks each weight row's reference exponent and the experts whose every block is within
 reach of it (the prefill GEMM's registers route and row-scaled workspace route take those).
 """
@@ -14,14 +15,31 @@ import torch
 
 from ..checks import check_kernel_device, check_tensor
 from ..hostmath import cdiv
-from ..launch import cached_meta, launch_with
-from .mxfp4_reference import BLOCK, SCALE_NAN, check_no_nan_scale, validate_mxfp4
+from ..launch import launch_with
+from ..plans import cached
+from ..registry import LaunchSpace
+from .formats import BLOCK, BLOCKS_PER_GROUP, GROUP, SCALE_NAN, check_no_nan_scale, n_groups, validate_mxfp4
 from .mxfp4_to_fp8_kernels import _convert_kernel
-from .mxfp4_to_fp8_reference import BLOCKS_PER_GROUP, n_groups
-from .mxfp4_to_fp8_spec import SPEC
 
 
-@cached_meta
+def _default(phase, shape):
+    if shape["G"] * shape["N"] * shape["K"] >= 2**22:
+        return {"BLOCK_N": 32, "GROUPS": 2, "num_warps": 4}
+    return {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4}  # interpreter-sized: few, large programs
+
+
+LAUNCH = LaunchSpace(
+    name="mxfp4_to_fp8",
+    phases=("prefill",),
+    space={"BLOCK_N": (4, 8, 16, 32, 64), "GROUPS": (1, 2, 4, 8), "num_warps": (1, 2, 4, 8)},
+    default=_default,
+    fixed_dims=("N", "K"),
+    bucketed_dims=("G",),  # experts converted per call
+    constraint=lambda c, shape: "tile over 16384 values" if c["BLOCK_N"] * c["GROUPS"] * GROUP > 16384 else None,
+)
+
+
+@cached
 def _convert_meta(block_n: int, groups: int, count_unfit: bool, row_ref: bool, ptx: bool, num_warps: int) -> dict:
     return dict(BLOCK_N=block_n, GROUPS=groups, COUNT_UNFIT=count_unfit, ROW_REF=row_ref, PTX=ptx,
                 num_warps=num_warps)
@@ -118,7 +136,7 @@ def mxfp4_to_fp8(blocks: torch.Tensor, scales: torch.Tensor,
     k, ng = kb * BLOCK, n_groups(kb * BLOCK)
     experts = math.prod(lead)  # not -1: reshape cannot infer it when a dimension is 0
     shape = {"G": experts, "N": n, "K": k}
-    config = SPEC.launch_config("prefill", shape, device) if config is None else SPEC.validate(config, shape)
+    config = LAUNCH.launch_config("prefill", shape, device) if config is None else LAUNCH.validate(config, shape)
     blocks3, scales3 = blocks.reshape(experts, n, kb, 16), scales.reshape(experts, n, kb)
     check_experts_layout(name, blocks3, scales3)
     if out is None:
@@ -154,4 +172,4 @@ def convert_all(blocks: torch.Tensor, scales: torch.Tensor, w: torch.Tensor, s: 
 def conversion_config(experts: int, n: int, k: int, device: torch.device) -> dict:
     """The conversion's launch config for ``experts`` matrices of ``[n, k]`` (the tuning database's, else the
     default): what :func:`convert_experts` is given by the callers that pipeline it."""
-    return SPEC.launch_config("prefill", {"G": experts, "N": n, "K": k}, device)
+    return LAUNCH.launch_config("prefill", {"G": experts, "N": n, "K": k}, device)

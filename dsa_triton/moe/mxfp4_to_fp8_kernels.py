@@ -141,8 +141,8 @@ def unfit_blocks(pairs, lossy):
 def words_to_fp8(words):
     """int32 ``[R, W]`` of four e4m3 bytes each (first k in the low byte) -> float8e4nv ``[R, 4 W]``: the bytes
     shifted out and interleaved. Tensor operations only, so any layout the compiler picks keeps the k order; a
-    packed inline-asm reread of the words as bytes depends on which registers the layout groups (it broke at K
-    not a multiple of 128 with 64-wide N tiles and pipelining, where the interpreter, which takes no PTX, passed)."""
+    packed inline-asm reread of the words as bytes depends on which registers the layout groups (wrong at K not a
+    multiple of 128 with 64-wide N tiles and pipelining, which the interpreter, taking no PTX, cannot show)."""
     rows: tl.constexpr = words.shape[0]
     width: tl.constexpr = words.shape[1] * 4
     b0, b1 = (words & 0xFF).to(tl.int8), ((words >> 8) & 0xFF).to(tl.int8)

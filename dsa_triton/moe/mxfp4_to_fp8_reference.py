@@ -11,17 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..hostmath import cdiv
-from .mxfp4_reference import BLOCK, exp2_exact, mxfp4_dequantize_torch, validate_mxfp4
-
-GROUP = 128  # k elements per fp32 scale of the FP8 weights
-BLOCKS_PER_GROUP = GROUP // BLOCK
-E2M1_HEADROOM = 6  # binades between the group's top block scale and the reference: 6 * 2^6 = 384 <= 448
-
-
-def n_groups(k: int) -> int:
-    """Scale columns for ``k`` elements: ``ceil(k / 128)``."""
-    return cdiv(k, GROUP)
+from .formats import BLOCK, BLOCKS_PER_GROUP, E2M1_HEADROOM, GROUP, exp2_exact, validate_mxfp4
+from .mxfp4_reference import mxfp4_dequantize_torch
 
 
 def group_reference_exponent(scales: torch.Tensor) -> torch.Tensor:

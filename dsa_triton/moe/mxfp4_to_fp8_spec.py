@@ -1,7 +1,5 @@
-"""Registry entry of the MXFP4 -> FP8 conversion (``mxfp4_to_fp8``).
-
-Config space: ``BLOCK_N`` rows x ``GROUPS`` 128-k groups per program, ``num_warps``. Shape: ``G`` experts
-converted per call (bucketed), ``N`` rows and ``K`` elements per row (exact).
+"""Registry entry of the MXFP4 -> FP8 conversion, :func:`~dsa_triton.mxfp4_to_fp8`. Shape: ``G`` experts converted
+per call (bucketed), ``N`` rows and ``K`` elements per row (exact).
 """
 from __future__ import annotations
 
@@ -11,10 +9,10 @@ import torch
 
 from .. import registry
 from ..registry import Cost
-from . import mxfp4_to_fp8, mxfp4_to_fp8_kernels, mxfp4_to_fp8_reference
-from .mxfp4_reference import BLOCK
+from . import formats, mxfp4_to_fp8, mxfp4_to_fp8_kernels, mxfp4_to_fp8_reference
 from .mxfp4_spec import realistic_mxfp4
-from .mxfp4_to_fp8_reference import GROUP, mxfp4_to_fp8_torch, n_groups
+from .formats import BLOCK, n_groups
+from .mxfp4_to_fp8_reference import mxfp4_to_fp8_torch
 
 
 def compare_conversion(out, ref) -> str | None:
@@ -57,20 +55,8 @@ def _cost(phase, shape) -> Cost:
     return Cost(bytes=g * n * k * (0.5 + 1 / BLOCK + 1) + g * n * n_groups(k) * 4)
 
 
-def _default(phase, shape):
-    if shape["G"] * shape["N"] * shape["K"] >= 2**22:
-        return {"BLOCK_N": 32, "GROUPS": 2, "num_warps": 4}
-    return {"BLOCK_N": 64, "GROUPS": 2, "num_warps": 4}  # interpreter-sized: few, large programs
-
-
 SPEC = registry.register(registry.KernelSpec(
-    name="mxfp4_to_fp8",
-    phases=("prefill",),
-    space={"BLOCK_N": (4, 8, 16, 32, 64), "GROUPS": (1, 2, 4, 8), "num_warps": (1, 2, 4, 8)},
-    constraint=lambda c, shape: "tile over 16384 values" if c["BLOCK_N"] * c["GROUPS"] * GROUP > 16384 else None,
-    default=_default,
-    fixed_dims=("N", "K"),
-    bucketed_dims=("G",),  # experts converted per call
+    launch=mxfp4_to_fp8.LAUNCH,
     make_inputs=_make_inputs,
     run=_run,
     reference=lambda inputs: mxfp4_to_fp8_reference.fp8_conversion_torch(inputs["blocks"], inputs["scales"]),
@@ -80,5 +66,6 @@ SPEC = registry.register(registry.KernelSpec(
                                      else [{"G": 3, "N": 20, "K": 160}]),
     baseline=lambda inputs: mxfp4_to_fp8_torch(inputs["blocks"], inputs["scales"]),
     baseline_name="mxfp4_to_fp8_torch (float64 torch ops)",
-    source_modules=(mxfp4_to_fp8, mxfp4_to_fp8_kernels, sys.modules[__name__], mxfp4_to_fp8_reference),
+    model_dims=lambda m: [{"N": g["N"], "K": g["K"]} for g in m.expert_gemms()],
+    source_modules=(mxfp4_to_fp8, mxfp4_to_fp8_kernels, sys.modules[__name__], mxfp4_to_fp8_reference, formats),
 ))

@@ -3,8 +3,8 @@ among exact ties aside: lowest expert first here, unspecified in ``torch.topk``)
 
 The torch form (:mod:`.routing`, the reference) is ~14 kernel-launching ops per call (sigmoid, bias add, group
 top-2 sums, group top-k, mask, top-k, gather, normalize, scale); at decode the host time of those launches is most
-of the routing time. Here one program routes ``TOKENS`` tokens (:mod:`.route_topk_kernels`); its registry entry,
-``moe_route``, is :mod:`.route_topk_spec`.
+of the routing time. Here one program routes ``TOKENS`` tokens (:mod:`.route_topk_kernels`); launch parameters
+(:data:`LAUNCH`): ``TOKENS`` and ``num_warps``.
 
 Outside the kernel's range (``top_k`` > :data:`MAX_TOP_K`, or a padded row over :data:`MAX_BLOCK` experts) the
 op falls back to the torch functions of :mod:`.routing`. With ``check_values=False`` no host sync and no
@@ -18,15 +18,39 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import PlanCache, check_kernel_device
+from ..checks import check_kernel_device
+from ..plans import PlanCache
 from ..hostmath import cdiv, next_pow2
 from ..launch import launch_with
+from ..registry import LaunchSpace
 from .route_topk_kernels import _route_kernel, ranked_groups, tile_of
-from .route_topk_spec import SPEC
 from .routing import RoutingConfig, check_route, check_route_values, route
 
 MAX_TOP_K = 16  # top_k up to this runs in the kernel (one argmax pass per expert chosen); above: torch
 MAX_BLOCK = 4096  # padded experts per token (groups x group block) the kernel holds in registers; above: torch
+
+
+def _default(phase, shape) -> dict:
+    """One token per program, about 8 padded experts per thread (one warp for DeepSeek's 256)."""
+    groups, group_block = tile_of(shape["E"], shape["n_group"], shape["topk_group"])
+    return {"num_warps": min(8, max(1, groups * group_block // 256)), "TOKENS": 1}
+
+
+def _constraint(config, shape) -> str | None:
+    groups, group_block = tile_of(shape["E"], shape["n_group"], shape["topk_group"])
+    per_thread = config["TOKENS"] * groups * group_block // (32 * config["num_warps"])
+    return f"{per_thread} experts per thread (at most 64 in registers)" if per_thread > 64 else None
+
+
+LAUNCH = LaunchSpace(
+    name="route_topk",
+    phases=("decode",),  # one launch at any T: prefill calls share the bucketed decode keys
+    space={"num_warps": (1, 2, 4, 8), "TOKENS": (1, 2, 4)},
+    default=_default,
+    fixed_dims=("E", "top_k", "n_group", "topk_group", "softmax"),
+    bucketed_dims=("T",),
+    constraint=_constraint,
+)
 
 
 class RouteLaunch:
@@ -41,7 +65,7 @@ class RouteLaunch:
         self.fallback = routing.top_k > MAX_TOP_K or groups * group_block > MAX_BLOCK
         if self.fallback:
             return
-        config = SPEC.launch_config("decode", shape, logits.device) if config is None else SPEC.validate(config, shape)
+        config = LAUNCH.launch_config("decode", shape, logits.device) if config is None else LAUNCH.validate(config, shape)
         n_group = ranked_groups(n_group, topk_group)
         self.grid = (cdiv(tokens, config["TOKENS"]),)
         self.args = (tokens, logits.stride(0), n_group, experts // n_group, topk_group, routing.top_k)

@@ -1,4 +1,4 @@
-"""Registry entry ``moe_route``: :func:`.route_topk.route_topk` (one launch) against the torch routing of
+"""Registry entry ``route_topk``: :func:`.route_topk.route_topk` (one launch) against the torch routing of
 :func:`.routing.route` (its reference and its baseline, ~14 kernel-launching ops).
 
 Config space: ``num_warps``, ``TOKENS`` (tokens per program). Shape: ``T`` (bucketed), ``E``, ``top_k``,
@@ -14,7 +14,6 @@ import torch
 from .. import registry
 from ..registry import Cost, KernelSpec
 from . import route_topk_kernels
-from .route_topk_kernels import tile_of
 from .routing import RoutingConfig, route
 
 op = import_module(".route_topk", __package__)  # the module: the package exports its function by that name
@@ -51,18 +50,6 @@ def compare_routes(out, ref, rtol: float = 1e-6) -> str | None:
     return None if worst <= rtol else f"weights: relative error {worst:.3g} over {rtol}"
 
 
-def _default(phase, shape) -> dict:
-    """One token per program, about 8 padded experts per thread (one warp for DeepSeek's 256)."""
-    groups, group_block = tile_of(shape["E"], shape["n_group"], shape["topk_group"])
-    return {"num_warps": min(8, max(1, groups * group_block // 256)), "TOKENS": 1}
-
-
-def _constraint(config, shape) -> str | None:
-    groups, group_block = tile_of(shape["E"], shape["n_group"], shape["topk_group"])
-    per_thread = config["TOKENS"] * groups * group_block // (32 * config["num_warps"])
-    return f"{per_thread} experts per thread (at most 64 in registers)" if per_thread > 64 else None
-
-
 def _cost(phase, shape) -> Cost:
     """Logits (fp32) and bias read once, weights and ids written once."""
     t, e, k = shape["T"], shape["E"], shape["top_k"]
@@ -83,13 +70,7 @@ def _torch_route(inputs):
 
 
 SPEC = registry.register(KernelSpec(
-    name="moe_route",
-    phases=("decode",),  # one launch at any T: prefill calls share the bucketed decode keys
-    space={"num_warps": (1, 2, 4, 8), "TOKENS": (1, 2, 4)},
-    default=_default,
-    constraint=_constraint,
-    fixed_dims=("E", "top_k", "n_group", "topk_group", "softmax"),
-    bucketed_dims=("T",),
+    launch=op.LAUNCH,
     make_inputs=_make_inputs,
     run=lambda inputs, config: op.route_topk(inputs["logits"], inputs["routing"], inputs["bias"], check_values=False,
                                              config=config),
@@ -99,5 +80,8 @@ SPEC = registry.register(KernelSpec(
     bench_shapes=_bench_shapes,
     baseline=_torch_route,
     baseline_name="routing.route (torch, ~14 ops)",
+    model_dims=lambda m: [{"E": m.experts, "top_k": m.top_k, "n_group": m.n_group, "topk_group": m.topk_group,
+                           "softmax": m.softmax}],
+    count_roles={"T": "tokens"},
     source_modules=(op, route_topk_kernels, sys.modules[__name__]),
 ))

@@ -19,23 +19,34 @@ Outputs, bit-identical to :func:`.permute.sort_by_expert` + :func:`.permute.alig
 buffer (one allocation). Over :data:`MAX_ROWS` slots or :data:`MAX_EXPERTS` experts (or no slot) the op falls
 back to the torch functions; an expert's padding tile over :data:`MAX_PAD_TILE` leaves the alignment to
 :meth:`.permute.ExpertSort.aligned`. No host sync and no data-dependent shape: capturable in a CUDA graph.
-The registry entry, ``moe_permute``, is :mod:`.sort_and_align_spec`.
+Launch parameter (:data:`LAUNCH`): ``num_warps``.
 """
 from __future__ import annotations
 
 import torch
 
-from ..checks import PlanCache, check_kernel_device, check_positive
+from ..checks import check_kernel_device, check_positive
+from ..plans import PlanCache
 from ..hostmath import next_pow2
 from ..launch import launch_with
+from ..registry import LaunchSpace
 from .permute import (BlockAlignment, ExpertSort, check_id_range, check_routing, max_padded_rows,
                       sort_by_expert)
 from .sort_and_align_kernels import _permute_kernel
-from .sort_and_align_spec import SPEC
 
 MAX_ROWS = 4096  # routed slots (T * top_k) the one program sorts in registers; above: torch
 MAX_EXPERTS = 4096  # experts; above: torch (keys expert * M + slot stay below 2^31 within both bounds)
 MAX_PAD_TILE = 1 << 15  # experts x padding rows per expert (both padded to powers of two) written as one tile
+
+
+def _default(phase, shape) -> dict:
+    """About 256 sort keys or experts per warp: one warp at T = 1, E = 256; 8 warps at 2048 slots."""
+    lanes = max(shape["T"] * shape["top_k"], shape["E"])
+    return {"num_warps": min(16, max(1, next_pow2(lanes) // 256))}
+
+
+LAUNCH = LaunchSpace(name="sort_and_align", phases=("decode",), space={"num_warps": (1, 2, 4, 8, 16)},
+                     default=_default, fixed_dims=("E", "top_k", "block_m"), bucketed_dims=("T",))
 
 
 class PermuteLaunch:
@@ -65,7 +76,7 @@ class PermuteLaunch:
         self.sizes = [num_experts + 1, rows, rows, rows, rows] + ([rows] if weights_mode else [])
         self.sizes += [2 * padded, num_experts] if align else []  # padded rows | padded experts, shift scratch
         shape = permute_shape(tokens, num_experts, top_k, block_m or 0)
-        config = SPEC.launch_config("decode", shape, topk_ids.device) if config is None else SPEC.validate(config, shape)
+        config = LAUNCH.launch_config("decode", shape, topk_ids.device) if config is None else LAUNCH.validate(config, shape)
         m_block = max(16, next_pow2(rows))
         self.args = (rows, top_k, num_experts, block_m or 1, padded) + tuple(topk_ids.stride())
         self.args += (1, 1) if topk_weights is None else tuple(topk_weights.stride())

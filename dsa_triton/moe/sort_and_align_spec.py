@@ -1,4 +1,4 @@
-"""Registry entry ``moe_permute``: :func:`.sort_and_align.sort_and_align` (one launch) against the torch functions
+"""Registry entry ``sort_and_align``: :func:`.sort_and_align.sort_and_align` (one launch) against the torch functions
 :func:`.permute.sort_by_expert` + :func:`.permute.align_blocks` (its reference and its baseline), bit for bit.
 
 Config space: ``num_warps``. Shape: ``T`` (bucketed), ``E``, ``top_k``, ``block_m`` (0: no alignment).
@@ -12,7 +12,6 @@ import torch
 
 from .. import registry
 from ..checks import exact_mismatch
-from ..hostmath import next_pow2
 from ..registry import Cost, KernelSpec
 from . import sort_and_align_kernels
 from .permute import ExpertSort, max_padded_rows, sort_by_expert
@@ -59,12 +58,6 @@ def _torch_permute(inputs):
     return permutation_tensors(sort, inputs["block_m"])  # (its sort.aligned runs align_blocks)
 
 
-def _default(phase, shape) -> dict:
-    """About 256 sort keys or experts per warp: one warp at T = 1, E = 256; 8 warps at 2048 slots."""
-    lanes = max(shape["T"] * shape["top_k"], shape["E"])
-    return {"num_warps": min(16, max(1, next_pow2(lanes) // 256))}
-
-
 def _cost(phase, shape) -> Cost:
     """int32 ids read once; offsets, four int32 rows per slot and the padded rows and experts written once."""
     t, e, k, bm = shape["T"], shape["E"], shape["top_k"], shape["block_m"]
@@ -80,12 +73,7 @@ def _bench_shapes(phase, gpu) -> list[dict]:
 
 
 SPEC = registry.register(KernelSpec(
-    name="moe_permute",
-    phases=("decode",),
-    space={"num_warps": (1, 2, 4, 8, 16)},
-    default=_default,
-    fixed_dims=("E", "top_k", "block_m"),
-    bucketed_dims=("T",),
+    launch=op.LAUNCH,
     make_inputs=_make_inputs,
     run=_run,
     reference=_torch_permute,
@@ -94,5 +82,7 @@ SPEC = registry.register(KernelSpec(
     bench_shapes=_bench_shapes,
     baseline=_torch_permute,
     baseline_name="permute.sort_by_expert + align_blocks (torch, 15 kernel-launching ops)",
+    model_dims=lambda m: [{"E": m.experts, "top_k": m.top_k}],
+    count_roles={"T": "tokens"},
     source_modules=(op, sort_and_align_kernels, sys.modules[__name__]),
 ))

@@ -20,8 +20,8 @@ import torch
 
 from ..checks import check_device
 from ..hostmath import cdiv
-from .mxfp4_to_fp8_reference import n_groups
-from .mxfp4_reference import BLOCK
+from .formats import n_groups
+from .formats import BLOCK
 
 ALIGN = 256  # slot starts aligned to 256 bytes (16-byte vector loads, TMA-friendly)
 

@@ -11,11 +11,11 @@ import torch
 import triton
 
 from dsa_triton.bench.harness import graph_us, time_us
-from dsa_triton.attention.block_scores import block_indexer_logits, block_scores, selected_page_logits
+from dsa_triton.attention.block_indexer_logits import block_indexer_logits, block_scores, selected_page_logits
 from dsa_triton.attention.cache import PagedCache
-from dsa_triton.attention.cache_reference import fp8_quantize_rows
-from dsa_triton.attention.indexer import indexer_logits
-from dsa_triton.attention.page_select import select_pages
+from dsa_triton.attention.formats import fp8_quantize_rows
+from dsa_triton.attention.indexer_logits import indexer_logits
+from dsa_triton.attention.select_pages import select_pages
 
 FRACTIONS = (8, 16, 32)  # 1/8, 1/16, 1/32 of the pages selected
 

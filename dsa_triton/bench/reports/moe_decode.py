@@ -2,7 +2,7 @@
 
 ``moe_decode``: the fused MXFP4 grouped GEMM against the issue's acceptance, measured in one run.
 
-For every ``moe_fused_gemm`` bench shape (GPU: E=256, top-8, gate_up N=4096 K=7168 and down N=7168 K=2048,
+For every ``fused_moe_gemm`` bench shape (GPU: E=256, top-8, gate_up N=4096 K=7168 and down N=7168 K=2048,
 T in {1, 8, 32, 128}): the launch config checked against the reference, its median time, the fraction of the
 measured copy bandwidth it reaches on the MXFP4 bytes of the experts that actually got rows (4.25 bits per
 weight, counted from the routing of the timed input sets), and the speedup over cuBLAS bf16 on
@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsa_triton.bench.harness import floor_us, graph_time_us, rotation, time_rotating
 from dsa_triton.registry import Cost
-from dsa_triton.moe.fused_moe_spec import SPEC
-from dsa_triton.moe.layer_spec import PATH
+from dsa_triton.moe.fused_moe_gemm_spec import SPEC
+from dsa_triton.moe.moe_forward_spec import SPEC
 
 MIN_COPY_FRACTION, GOAL_COPY_FRACTION, MIN_SPEEDUP = 0.5, 0.75, 2.0
 STEADY_CALLS = 8  # calls per CUDA graph of the steady_us column
@@ -160,16 +160,16 @@ def _device_profile(call, sets, calls: int = 5, top: int = 5) -> dict:
 
 
 def moe_layer_decode_report(device, ceilings) -> list[dict]:
-    """Report ``moe_layer_decode``: per ``moe_path`` decode bench shape (GPU: DeepSeek-V3.2, T = 1 and 64), the
+    """Report ``moe_layer_decode``: per ``moe_forward`` decode bench shape (GPU: DeepSeek-V3.2, T = 1 and 64), the
     eager median, the host time to issue one call, the aten ops and syncing ops of one call and, on CUDA, the
     summed kernel time of one call (torch.profiler), its longest kernels and the CUDA-graph replay median (the
     capture itself shows the path has no sync). Eager well above both host and device time means a stall."""
     device = torch.device(device)
     rows = []
-    for shape in PATH.bench_shapes("decode", ceilings is not None):
-        config = PATH.launch_config("decode", shape, device)
-        sets = rotation(lambda i: PATH.make_inputs("decode", shape, device, i), PATH.cost("decode", shape).bytes, device)
-        call = lambda s: PATH.run(s, config)  # noqa: E731
+    for shape in SPEC.bench_shapes("decode", ceilings is not None):
+        config = SPEC.launch_config("decode", shape, device)
+        sets = rotation(lambda i: SPEC.make_inputs("decode", shape, device, i), SPEC.cost("decode", shape).bytes, device)
+        call = lambda s: SPEC.run(s, config)  # noqa: E731
         row = {"T": shape["T"], "path": config["path"], "eager_us": time_rotating(call, sets, device),
                "host_issue_us": _host_issue_us(call, sets, device)}
         with AtenOpCounter() as counter:

@@ -14,7 +14,7 @@ top-8, random routing, trained-layer-like MXFP4 scales) one row:
 - ``registers_us``: the registers route (weights converted on their way to the tensor cores, no workspace;
   unchecked, as ours);
 - ``workspace_us``: the workspace route end to end (the config's when it names that route, else the row-scaled
-  workspace route with :data:`.fp8_grouped_gemm_spec.WORKSPACE_TILE`; the registers route likewise with
+  workspace route with :data:`.fp8_grouped_gemm.WORKSPACE_TILE`; the registers route likewise with
   ``REGISTERS_TILE``); its stages' conversions alone (``convert_us``), GEMMs alone
   (``gemm_us``), both on one stream (``serial_us``) and with conversions on the side stream (``pipelined_us``);
   ``hidden`` = (serial - pipelined) / min(convert, gemm), the part of the shorter one the overlap hides;
@@ -24,7 +24,7 @@ top-8, random routing, trained-layer-like MXFP4 scales) one row:
   ``vs_fp8`` = fp8_us / ours_us (target >= 0.8, goal 0.9);
 - ``bf16_us``: the faster of cuBLAS ``torch.mm`` per active expert and ``torch._grouped_mm`` on a bf16 copy;
   ``vs_bf16`` = bf16_us / ours_us (target > 1);
-- ``of_floor``: the registry's floor of ``moe_workspace_gemm`` (the MXFP4 bytes of every expert, x and y at copy
+- ``of_floor``: the registry's floor of ``fp8_grouped_gemm`` (the MXFP4 bytes of every expert, x and y at copy
   speed, or the FLOPs at the measured FP8 rate, whichever is longer) over ours_us;
 - memory: the workspace a call leases on each route, the shared workspace, the peak allocated during our call
   (and above what was allocated before it), and the offline FP8 and bf16 copies of every expert of this matrix
@@ -49,7 +49,8 @@ from dsa_triton.moe.fp8_grouped_gemm import fp8_grouped_gemm, interleaves, prefi
 from dsa_triton.moe.fp8_grouped_gemm_baselines import (active_spans, grouped_mm, mm_loop, offline_fp8_experts,
                                                        expert_scales, padded_rows, scaled_grouped_mm, scaled_mm_loop,
                                                        tensorwise_fp8)
-from dsa_triton.moe.fp8_grouped_gemm_spec import REGISTERS_TILE, SPEC, WORKSPACE_TILE, route_config
+from dsa_triton.moe.fp8_grouped_gemm import REGISTERS_TILE, WORKSPACE_TILE, route_config
+from dsa_triton.moe.fp8_grouped_gemm_spec import SPEC
 from dsa_triton.moe.sort_and_align_spec import random_routing
 from dsa_triton.moe.mxfp4 import mxfp4_dequantize
 from dsa_triton.moe.mxfp4_spec import realistic_mxfp4

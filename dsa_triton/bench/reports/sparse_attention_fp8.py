@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from dsa_triton.attention.cache_reference import fp8_latent_bytes
-from dsa_triton.attention.sparse_attention_spec import DECODE_FP8_SPEC, DECODE_SPEC
+from dsa_triton.attention.formats import fp8_latent_bytes
+from dsa_triton.attention.sparse_attention_spec import DECODE_SPEC
 from dsa_triton.bench.harness import Ceilings, rotation, timed_us
 from dsa_triton.registry import shape_text
 
@@ -18,19 +18,20 @@ def fp8_cache_report(device, ceilings: Ceilings | None) -> list[dict]:
     the bf16 cache's (``bf16_us / fp8_us``) and whether it reaches ``MIN_RATE_OF_BF16``. A failed check is the row's
     ``error``."""
     gpu = torch.device(device).type == "cuda"
-    shapes = DECODE_FP8_SPEC.bench_shapes("decode", gpu)
+    shapes = [s for s in DECODE_SPEC.bench_shapes("decode", gpu) if s["fp8"]]
     shapes = shapes[:2] if gpu else shapes[-1:]
     rows = []
     for shape in shapes:
         row, errors = {"shape": shape_text(shape)}, []
         fp8_bytes = fp8_latent_bytes(shape["Dv"], shape["D"] - shape["Dv"])
-        for name, spec, row_bytes in (("bf16", DECODE_SPEC, 2 * shape["D"]), ("fp8", DECODE_FP8_SPEC, fp8_bytes)):
-            config = spec.launch_config("decode", shape, device)
-            sets = rotation(lambda i: spec.make_inputs("decode", shape, device, i), spec.cost("decode", shape).bytes,
-                            device)
-            check = spec.compare(spec.run(sets[0], config), spec.reference(sets[0]))
+        for name, fp8, row_bytes in (("bf16", 0, 2 * shape["D"]), ("fp8", 1, fp8_bytes)):
+            cache_shape = {**shape, "fp8": fp8}
+            config = DECODE_SPEC.launch_config("decode", cache_shape, device)
+            sets = rotation(lambda i: DECODE_SPEC.make_inputs("decode", cache_shape, device, i),
+                            DECODE_SPEC.cost("decode", cache_shape).bytes, device)
+            check = DECODE_SPEC.compare(DECODE_SPEC.run(sets[0], config), DECODE_SPEC.reference(sets[0]))
             errors += [f"{name}: {check}"] if check else []
-            us, how = timed_us(lambda s: spec.run(s, config), sets, device)
+            us, how = timed_us(lambda s: DECODE_SPEC.run(s, config), sets, device)
             row |= {f"{name}_config": str(config), f"{name}_bytes_per_selected_token": row_bytes,
                     f"{name}_us": us, f"{name}_timing": how}
         row["fp8_rate_of_bf16"] = row["bf16_us"] / row["fp8_us"]

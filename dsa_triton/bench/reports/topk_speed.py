@@ -16,9 +16,10 @@ import json
 import torch
 
 from dsa_triton.bench.harness import floor_us, graph_time_us, rotation, time_rotating
-from dsa_triton.attention.topk import topk_indices
-from dsa_triton.attention.topk_spec import PHASE, SPACE, SPEC, random_scores
-from dsa_triton.attention.topk_reference import check_topk, topk_indices_torch
+from dsa_triton.attention.topk_indices import topk_indices
+from dsa_triton.attention.topk_indices import PHASE, SPACE
+from dsa_triton.attention.topk_indices_spec import SPEC, random_scores
+from dsa_triton.attention.topk_indices_reference import check_topk, topk_indices_torch
 
 ACCEPTANCE = {64: (2.0, 5.0), 4096: (1.5, 4.0)}  # rows T: (minimum, goal) speedup over torch.topk
 
