@@ -5,6 +5,8 @@ Imported first by ``dsa_triton/__init__.py``: on a machine without a GPU it sets
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 
 import torch
@@ -47,3 +49,54 @@ def environment() -> dict[str, str]:
         info["sms"] = str(props.multi_processor_count)
         info["memory_gib"] = f"{props.total_memory / 2**30:.0f}"
     return info
+
+
+DEFAULT_STACK_BYTES = 1024  # the CUDA driver's per-thread stack size at context creation
+CU_LIMIT_STACK_SIZE = 0
+
+
+@functools.cache
+def _driver():
+    """The CUDA driver library (libcuda), or None without one."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def stack_bytes(device: torch.device | str | None = None) -> int | None:
+    """The per-thread stack (local memory) size of ``device``'s context, or None off CUDA.
+
+    The driver grows it to what the most demanding kernel launched so far needs (a kernel that spills) and never
+    shrinks it on its own; the context keeps ``stack x the device's resident threads`` of device memory for it,
+    outside PyTorch's allocator (:func:`device_memory`)."""
+    driver = _driver()
+    if driver is None or not torch.cuda.is_available() or torch.device(device or "cuda").type != "cuda":
+        return None
+    torch.cuda.synchronize(device)  # the primary context is current on this thread
+    value = ctypes.c_size_t()
+    if driver.cuCtxGetLimit(ctypes.byref(value), CU_LIMIT_STACK_SIZE) != 0:
+        return None
+    return int(value.value)
+
+
+def release_stack(device: torch.device | str | None = None, size: int = DEFAULT_STACK_BYTES) -> bool:
+    """Shrink the context's per-thread stack back to ``size`` bytes, which frees the local memory that spilling
+    kernels made the driver reserve (the next such launch grows it again); False off CUDA or when the driver
+    refuses."""
+    driver = _driver()
+    if driver is None or not torch.cuda.is_available() or torch.device(device or "cuda").type != "cuda":
+        return False
+    torch.cuda.synchronize(device)
+    return driver.cuCtxSetLimit(CU_LIMIT_STACK_SIZE, ctypes.c_size_t(size)) == 0
+
+
+def device_memory(device: torch.device | str | None = None) -> dict[str, int] | None:
+    """Bytes of ``device``: ``total``, ``free``, ``reserved`` by PyTorch's caching allocator, and ``outside`` it
+    (``total - free - reserved``: the contexts' own memory, local memory for spilling kernels, libraries'
+    workspaces, other processes); None off CUDA."""
+    if not torch.cuda.is_available() or torch.device(device or "cuda").type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    return {"total": total, "free": free, "reserved": reserved, "outside": total - free - reserved}

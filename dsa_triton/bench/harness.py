@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 
 from ..registry import Cost
+from ..runtime import device_memory, release_stack, stack_bytes
 
 T = TypeVar("T")
 
@@ -172,6 +173,8 @@ class Measurement:
     graph_baseline_us: float = float("nan")
     graph_speedup: float = float("nan")
     graph_floor_fraction: float = float("nan")
+    outside_mib: float = float("nan")  # device memory outside PyTorch's allocator after the row (:func:`settle`)
+    stack_bytes: int = 0  # the context's per-thread stack the row left (local memory of spilling kernels)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -229,3 +232,22 @@ def measure_ceilings(device: torch.device | str = "cuda") -> Ceilings:
     one = torch.ones((), device=device)
     fp8_us = time_us(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), device)
     return Ceilings(copy_tbps, flops / (bf16_us * 1e-6) / 1e12, flops / (fp8_us * 1e-6) / 1e12)
+
+
+def settle(device: torch.device | str) -> dict[str, float]:
+    """After a bench row or a tuning job: return the caching allocator's free blocks, note the device memory outside
+    the allocator and the per-thread stack the work left, then release the stack (the driver keeps local memory for
+    the most demanding kernel launched so far, ``stack x resident threads``, until told otherwise). On the GPU:
+    ``{"outside_mib", "stack_bytes", "outside_released_mib"}``; off it: ``{}``."""
+    if torch.device(device).type != "cuda":
+        return {}
+    torch.cuda.empty_cache()
+    outside, stack = device_memory(device)["outside"], stack_bytes(device) or 0
+    release_stack(device)
+    return {"outside_mib": outside / 2**20, "stack_bytes": stack,
+            "outside_released_mib": device_memory(device)["outside"] / 2**20}
+
+
+def does_not_fit(exc: BaseException) -> bool:
+    """An out-of-memory error (PyTorch's, or the driver's as a RuntimeError)."""
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()

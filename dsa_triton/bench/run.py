@@ -18,7 +18,8 @@ import torch
 from .. import registry
 from ..registry import shape_text
 from ..runtime import default_device
-from .harness import Ceilings, Measurement, graph_time_or_nan, measure_ceilings, measurement, rotation, time_rotating
+from .harness import (Ceilings, Measurement, does_not_fit, graph_time_or_nan, measure_ceilings, measurement, rotation,
+                      settle, time_rotating)
 from .results import fmt, write_results
 
 
@@ -48,6 +49,15 @@ def bench_kernel(spec: registry.KernelSpec, phase: str, shape: dict[str, int], d
                        graph_baseline_us=graph_base_us)
 
 
+def free_gib(device: torch.device) -> str:
+    """The device's free memory after the failed allocation's blocks went back, as a row's skip reason says it."""
+    if device.type != "cuda":
+        return "host memory"
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free"
+
+
 def table(rows: list[Measurement], interpreter: bool) -> str:
     """The bench's markdown table; in the interpreter only the checks and the interpreter's seconds."""
     if interpreter:
@@ -67,14 +77,43 @@ def table(rows: list[Measurement], interpreter: bool) -> str:
     return "\n".join(lines)
 
 
-def summary(rows: list[Measurement], report_rows: dict[str, list[dict]]) -> tuple[str, bool]:
-    """``("43/43 checks ok", True)``, or the count and every failure named; the second item: all ok."""
-    failures = [f"{r.kernel} {r.phase} {r.shape}: {r.check}" for r in rows if r.check != "ok"]
+SKIPPED = "skipped: "  # a row whose problem does not fit the device's memory: named, not failed
+
+
+def summary(rows: list[Measurement], report_rows: dict[str, list[dict]], memory: dict | None = None
+            ) -> tuple[str, bool]:
+    """``("43/43 checks ok", True)``, or the count and every failure named (rows that do not fit the device are
+    skipped with the reason, not failed); the second item: no failure. ``memory``: the device memory outside
+    PyTorch's allocator, said after the count."""
+    failures = [f"{r.kernel} {r.phase} {r.shape}: {r.check}" for r in rows
+                if r.check != "ok" and not r.check.startswith(SKIPPED)]
     failures += [f"report {name}: {row['error']}" for name, items in report_rows.items() for row in items
                  if "error" in row]
-    checks = len(rows) + len(report_rows)
+    skipped = [f"{r.kernel} {r.phase} {r.shape}: {r.check}" for r in rows if r.check.startswith(SKIPPED)]
+    skipped += [f"report {name}: {row['skipped']}" for name, items in report_rows.items() for row in items
+                if "skipped" in row]
+    checks = len(rows) + len(report_rows) - len(skipped)
     line = f"{checks - len(failures)}/{checks} checks ok"
+    if skipped:
+        line += f" ({len(skipped)} skipped: " + "; ".join(skipped) + ")"
+    if memory:
+        line += (f"; memory outside PyTorch's allocator: {memory['end_mib']:.0f} MiB at the end, at most "
+                 f"{memory['peak_mib']:.0f} MiB after a row ({memory['peak_row']}, per-thread stack "
+                 f"{memory['peak_stack_bytes']} bytes) before its stack was released")
     return (line if not failures else line + "; failed:\n  " + "\n  ".join(failures)), not failures
+
+
+def memory_summary(rows: list[Measurement], report_memory: dict[str, dict], device: torch.device) -> dict | None:
+    """The largest memory outside the allocator a row or report left, and what is left at the end (GPU only)."""
+    if device.type != "cuda":
+        return None
+    seen = [(r.outside_mib, f"{r.kernel} {r.phase} {r.shape}", r.stack_bytes) for r in rows
+            if r.outside_mib == r.outside_mib]
+    seen += [(m["outside_mib"], f"report {name}", m["stack_bytes"]) for name, m in report_memory.items() if m]
+    peak = max(seen, default=(0.0, "-", 0))
+    settled = settle(device)
+    return {"end_mib": settled["outside_released_mib"], "peak_mib": peak[0], "peak_row": peak[1],
+            "peak_stack_bytes": peak[2]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,31 +143,36 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Measurement] = []
     for spec, phase, shape in tqdm(jobs, desc="bench", file=sys.stderr, disable=not jobs):
         try:
-            rows.append(bench_kernel(spec, phase, shape, device, ceilings))
+            row = bench_kernel(spec, phase, shape, device, ceilings)
         except Exception as exc:  # one broken kernel must not hide the others' numbers
-            rows.append(Measurement(spec.name, phase, shape_text(shape), "", float("nan"), check=f"error: {exc!r}"[:300]))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            check = f"{SKIPPED}does not fit ({free_gib(device)})" if does_not_fit(exc) else f"error: {exc!r}"[:300]
+            row = Measurement(spec.name, phase, shape_text(shape), "", float("nan"), check=check)
+        settled = settle(device)
+        row.outside_mib, row.stack_bytes = settled.get("outside_mib", float("nan")), settled.get("stack_bytes", 0)
+        rows.append(row)
 
     report_rows: dict[str, list[dict]] = {}
+    report_memory: dict[str, dict] = {}
     wanted_reports = {} if args.no_reports else {n: f for n, f in REPORTS.items() if not wanted or n in wanted}
     for name, fn in tqdm(wanted_reports.items(), desc="reports", file=sys.stderr, disable=not wanted_reports):
         try:
             report_rows[name] = fn(device, ceilings)
         except Exception as exc:
-            report_rows[name] = [{"error": repr(exc)[:300]}]
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            report_rows[name] = ([{"skipped": f"does not fit ({free_gib(device)})"}] if does_not_fit(exc)
+                                 else [{"error": repr(exc)[:300]}])
+        report_memory[name] = settle(device)
 
     interpreter = device.type != "cuda"
     note = ("Triton interpreter on the CPU: the checks are real, the times are the interpreter's (no speedups)"
             if interpreter else
             f"ceilings: copy {ceilings.copy_tbps:.2f} TB/s, bf16 matmul {ceilings.bf16_tflops:.0f} TFLOP/s, "
             f"fp8 matmul {ceilings.fp8_tflops:.0f} TFLOP/s" if ceilings is not None else "")
-    line, ok = summary(rows, report_rows)
+    memory = memory_summary(rows, report_memory, device)
+    line, ok = summary(rows, report_rows, memory)
     path = write_results(args.out, "bench", report_rows, note=note, lead=table(rows, interpreter) + "\n\n" + line,
                          data={"ceilings": None if ceilings is None else ceilings.__dict__,
-                               "rows": [r.as_dict() for r in rows], "summary": line})
+                               "rows": [r.as_dict() for r in rows], "summary": line, "memory": memory,
+                               "report_memory": report_memory})
     png = plot_bench(rows, path.with_suffix(".png"), interpreter=interpreter)
     print(path.read_text())
     print(f"wrote {path} (.json, {png.suffix})")

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dsa_triton.bench.harness import floor_us, graph_time_us, rotation, time_rotating
 from dsa_triton.registry import Cost
 from dsa_triton.moe.fused_moe_gemm_spec import SPEC
-from dsa_triton.moe.moe_forward_spec import SPEC
+from dsa_triton.moe.moe_forward_spec import SPEC as LAYER
 
 MIN_COPY_FRACTION, GOAL_COPY_FRACTION, MIN_SPEEDUP = 0.5, 0.75, 2.0
 STEADY_CALLS = 8  # calls per CUDA graph of the steady_us column
@@ -166,10 +166,11 @@ def moe_layer_decode_report(device, ceilings) -> list[dict]:
     capture itself shows the path has no sync). Eager well above both host and device time means a stall."""
     device = torch.device(device)
     rows = []
-    for shape in SPEC.bench_shapes("decode", ceilings is not None):
-        config = SPEC.launch_config("decode", shape, device)
-        sets = rotation(lambda i: SPEC.make_inputs("decode", shape, device, i), SPEC.cost("decode", shape).bytes, device)
-        call = lambda s: SPEC.run(s, config)  # noqa: E731
+    for shape in LAYER.bench_shapes("decode", ceilings is not None):
+        config = LAYER.launch_config("decode", shape, device)
+        sets = rotation(lambda i: LAYER.make_inputs("decode", shape, device, i), LAYER.cost("decode", shape).bytes,
+                        device)
+        call = lambda s: LAYER.run(s, config)  # noqa: E731
         row = {"T": shape["T"], "path": config["path"], "eager_us": time_rotating(call, sets, device),
                "host_issue_us": _host_issue_us(call, sets, device)}
         with AtenOpCounter() as counter:

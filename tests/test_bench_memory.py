@@ -1,0 +1,44 @@
+"""The bench's memory accounting: rows that do not fit the device are skipped with the reason, not failed; the device
+memory outside PyTorch's allocator is measured after each row (GPU) and the context's stack released."""
+import torch
+
+from dsa_triton import runtime
+from dsa_triton.bench import run
+from dsa_triton.bench.harness import Measurement, does_not_fit, settle
+
+
+def test_off_the_gpu_nothing_is_measured_or_released():
+    assert runtime.stack_bytes("cpu") is None and runtime.device_memory("cpu") is None
+    assert runtime.release_stack("cpu") is False and settle("cpu") == {}
+
+
+def test_out_of_memory_is_told_apart():
+    assert does_not_fit(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 14.00 GiB"))
+    assert does_not_fit(RuntimeError("CUDA error: out of memory"))
+    assert not does_not_fit(RuntimeError("CUDA error: an illegal memory access was encountered"))
+
+
+def test_summary_skips_what_does_not_fit_and_fails_the_rest():
+    ok = Measurement("a", "decode", "B=1", "{}", 1.0)
+    skipped = Measurement("b", "prefill", "T=4096", "{}", float("nan"),
+                          check="skipped: does not fit (2.0 of 79.6 GiB free)")
+    line, fine = run.summary([ok, skipped], {"moe_prefill": [{"skipped": "does not fit (1.0 of 79.6 GiB free)"}]})
+    assert fine and line.startswith("1/1 checks ok (2 skipped: ") and "b prefill T=4096" in line
+    broken = Measurement("c", "decode", "B=2", "{}", 1.0, check="max error 1e-1")
+    line, fine = run.summary([ok, broken], {}, {"end_mib": 600.0, "peak_mib": 900.0, "peak_row": "a decode B=1",
+                                                "peak_stack_bytes": 2048})
+    assert not fine and "1/2 checks ok" in line and "failed:" in line and "600 MiB at the end" in line
+
+
+def test_a_row_that_runs_out_of_memory_is_skipped(tmp_path, monkeypatch, capsys):
+    real = run.bench_kernel
+
+    def bench_kernel(spec, phase, shape, device, ceilings):
+        if phase == "prefill":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 14.00 GiB")
+        return real(spec, phase, shape, device, ceilings)
+
+    monkeypatch.setattr(run, "bench_kernel", bench_kernel)
+    assert run.main(["--kernels", "fp8_blockwise_linear", "--no-reports", "--out", str(tmp_path)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("1/1 checks ok (1 skipped: fp8_blockwise_linear prefill") and "does not fit" in last
