@@ -42,3 +42,12 @@ def test_a_row_that_runs_out_of_memory_is_skipped(tmp_path, monkeypatch, capsys)
     assert run.main(["--kernels", "fp8_blockwise_linear", "--no-reports", "--out", str(tmp_path)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("1/1 checks ok (1 skipped: fp8_blockwise_linear prefill") and "does not fit" in last
+
+
+def test_the_flashmla_report_says_when_flashmla_is_not_here():
+    from dsa_triton.bench.reports import REPORTS
+
+    assert REPORTS["sparse_attention_flashmla"]("cpu", None) == [
+        {"skipped": "FlashMLA is not built here (scripts/flashmla_build.sh, on a GPU)"}]
+    line, fine = run.summary([], {"sparse_attention_flashmla": REPORTS["sparse_attention_flashmla"]("cpu", None)})
+    assert fine and "1 skipped" in line

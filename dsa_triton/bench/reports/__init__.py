@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import (block_scores_recall, moe_decode, moe_prefill, sparse_attention_fp8, sparse_attention_latency,
-               topk_speed)
+from . import (block_scores_recall, moe_decode, moe_prefill, sparse_attention_flashmla, sparse_attention_fp8,
+               sparse_attention_latency, topk_speed)
 
 Report = Callable[..., list[dict[str, Any]]]
 
@@ -20,6 +20,7 @@ REPORTS: dict[str, Report] = {
     "moe_prefill": moe_prefill.moe_prefill_report,
     "sparse_attention_decode_latency": sparse_attention_latency.decode_latency_report,
     "sparse_attention_fp8_cache": sparse_attention_fp8.fp8_cache_report,
+    "sparse_attention_flashmla": sparse_attention_flashmla.flashmla_report,
     "topk_routes": topk_speed.topk_routes_report,
     "topk_speed": topk_speed.topk_speed_report,
 }

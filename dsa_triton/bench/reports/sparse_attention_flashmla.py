@@ -1,0 +1,89 @@
+"""Sparse attention beside FlashMLA on the same GPU: the same cache bytes, indices and scale, CUDA-graph replay.
+
+Decode over the FP8 latent cache at DeepSeek-V3.2 dims (128 heads, D 576, Dv 512, top-2048 of a 32K-token
+sequence), ``B`` in 1, 8, 64, 128 and ``s_q`` 1 and 2 query tokens a sequence, each with its own index set (the
+speculative-decoding form FlashMLA takes); 64 heads (a two-way tensor-parallel shard of V3.2, V4-Flash's head count)
+at B 64; prefill over a bf16 cache, T 4096 over 32K and 128K tokens. Each row: both medians, ``ours_over_flashmla``
+(time ratio: below 1 ours is faster), both as fractions of the bf16 matmul rate measured in the same run, and the
+largest difference of the two outputs (both bf16; a row whose outputs disagree beyond bf16 rounding is an error).
+Without FlashMLA (not built, or no GPU) the report is one row that says so.
+"""
+from __future__ import annotations
+
+import torch
+
+from dsa_triton.attention.sparse_attention import sparse_attention_decode, sparse_attention_prefill
+from dsa_triton.attention.sparse_attention_spec import random_fp8_paged_cache, random_paged_cache
+from dsa_triton.bench import flashmla
+from dsa_triton.bench.harness import Ceilings, graph_time_us, rotation
+
+D, DV, K, P = 576, 512, 2048, 64
+DECODE = [(b, s, 128) for b in (1, 8, 64, 128) for s in (1, 2)] + [(64, s, 64) for s in (1, 2)]
+PREFILL = [(4096, 32768, 128), (4096, 131072, 128)]
+ATOL, RTOL = 2e-3, 2e-2  # two bf16 outputs of the same function: a few units of bf16 rounding apart
+
+
+def _decode_set(B: int, S: int, H: int, L: int, seed: int, device) -> dict:
+    g = torch.Generator(device=device).manual_seed(seed)
+    kv, table = random_fp8_paged_cache(B, L, P, D, DV, g)
+    logical = torch.rand(B * S, L, generator=g, device=device).topk(K, dim=1).indices.view(B, S, K)
+    slots = (table.long()[torch.arange(B, device=device)[:, None, None], logical // P] * P + logical % P).int()
+    q = torch.randn(B, S, H, D, generator=g, device=device).to(torch.bfloat16)
+    return {"q": q, "kv": kv, "slots": slots}
+
+
+def _prefill_set(T: int, L: int, H: int, seed: int, device) -> dict:
+    g = torch.Generator(device=device).manual_seed(seed)
+    kv, table = random_paged_cache(1, L, P, D, torch.bfloat16, g)
+    logical = torch.rand(T, L, generator=g, device=device).topk(K, dim=1).indices
+    slots = (table.long()[0, logical // P] * P + logical % P).int()
+    q = torch.randn(T, H, D, generator=g, device=device).to(torch.bfloat16)
+    return {"q": q, "kv": kv.flatten(0, 1), "slots": slots}
+
+
+def _disagreement(ours: torch.Tensor, theirs: torch.Tensor) -> tuple[float, int]:
+    """The largest absolute difference and how many elements differ beyond bf16 rounding (NaN counts)."""
+    diff = (ours.float() - theirs.float()).abs()
+    bad = ~(diff <= ATOL + RTOL * theirs.float().abs())
+    return diff.nan_to_num(float("inf")).max().item(), int(bad.sum())
+
+
+def _row(name: str, flops: float, ours, theirs, sets, device, ceilings: Ceilings) -> dict:
+    """Check on the first set, then time both calls (graph replay over the rotated sets)."""
+    ours_out, theirs_out = ours(sets[0])[0], theirs[0]()[0]
+    largest, bad = _disagreement(ours_out.reshape(theirs_out.shape), theirs_out)
+    ours_us = graph_time_us(ours, sets, device)
+    theirs_us = graph_time_us(lambda i: theirs[i](), list(range(len(sets))), device)
+    rate = ceilings.bf16_tflops * 1e12
+    row = {"case": name, "ours_us": ours_us, "flashmla_us": theirs_us, "ours_over_flashmla": ours_us / theirs_us,
+           "ours_of_bf16_rate": flops / (ours_us * 1e-6) / rate,
+           "flashmla_of_bf16_rate": flops / (theirs_us * 1e-6) / rate, "max_abs_diff": largest}
+    if bad:
+        row["error"] = f"{bad} output elements differ beyond bf16 rounding (max abs {largest:.3g})"
+    return row
+
+
+def flashmla_report(device, ceilings: Ceilings | None) -> list[dict]:
+    if torch.device(device).type != "cuda" or ceilings is None or flashmla.module() is None:
+        return [{"skipped": "FlashMLA is not built here (scripts/flashmla_build.sh, on a GPU)"}]
+    rows = []
+    for B, S, H in DECODE:
+        sets = rotation(lambda i: _decode_set(B, S, H, 32768, i, device), B * S * K * 656, device, max_sets=4)
+        scale = D ** -0.5
+        theirs = [flashmla.decode(s["q"], s["kv"], s["slots"], scale, DV) for s in sets]
+        rows.append(_row(f"decode fp8 B={B} s_q={S} Hq={H}", 2.0 * B * S * H * K * (D + DV),
+                         lambda s: sparse_attention_decode(s["q"], s["kv"], s["slots"], scale, DV, check_values=False),
+                         theirs, sets, device, ceilings))
+        del sets, theirs
+        torch.cuda.empty_cache()
+    for T, L, H in PREFILL:
+        sets = rotation(lambda i: _prefill_set(T, L, H, i, device), L * D * 2, device, max_sets=2)
+        scale = D ** -0.5
+        theirs = [flashmla.prefill(s["q"], s["kv"], s["slots"], scale, DV) for s in sets]
+        rows.append(_row(f"prefill bf16 T={T} L={L} Hq={H}", 2.0 * T * H * K * (D + DV),
+                         lambda s: sparse_attention_prefill(s["q"], s["kv"], s["slots"], scale, DV,
+                                                            check_values=False),
+                         theirs, sets, device, ceilings))
+        del sets, theirs
+        torch.cuda.empty_cache()
+    return rows
