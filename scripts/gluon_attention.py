@@ -1,6 +1,7 @@
 """The seesaw Gluon sparse attention kernel (:mod:`dsa_triton.attention.sparse_attention_seesaw`) on the GPU against
 the reference and the Triton kernel, over a bf16 cache and over the FP8 latent cache, then both kernels timed
-(``python scripts/gluon_attention.py [--only fp8|bf16|all] [--out DIR] [--kernels seesaw,seesaw:MODULE]``).
+(``python scripts/gluon_attention.py [--only fp8|bf16|all] [--out DIR] [--kernels seesaw,seesaw:MODULE]
+[--stress N]``).
 
 Checks, per cache: small and odd shapes (index rows R 1 and 3; query rows M 64, 128 and 80 as 2 tokens x 40 heads,
 the last head block masked; k 64, 100 and 2048; a cache of a number of slots no multiple of 64 whose rows nothing
@@ -159,6 +160,47 @@ def check_rows(cache: str, extra: tuple = ()) -> list[dict]:
     return rows
 
 
+STRESS_CASES = [(1, 1, 128, 2048, 40000), (3, 2, 40, 2048, 5000), (8, 1, 128, 2048, 40000), (64, 1, 128, 2048, 40000),
+                 (7, 1, 64, 100, 1000)]  # (R, S, H, k, num_slots)
+
+
+def stress_rows(cache: str, launches: int) -> list[dict]:
+    """The seesaw kernel launched ``launches`` times per case and split count (1, 2, 4) over the ``cache``: every
+    launch's out and lse bitwise equal to the first's (a race shows as run-to-run differences), and within the
+    spec's tolerance of the fp32 reference, and the largest difference to the Triton kernel."""
+    from dsa_triton.attention.sparse_attention_reference import sparse_attention_torch
+    from dsa_triton.attention.sparse_attention_seesaw import GLUON_CONFIG
+    from dsa_triton.attention.sparse_attention_spec import DECODE_SPEC
+
+    rows = []
+    for case_no, (R, S, H, k, num_slots) in enumerate(STRESS_CASES):
+        q, kv, slots = make_inputs(R, S, H, k, num_slots, 300 + case_no, fp8=cache == "fp8")
+        valid = torch.where((slots >= 0) & (slots < num_slots), slots.long(), -1)
+        ref = sparse_attention_torch(q.reshape(R, S * H, D), kv, valid, D ** -0.5, DV, magnitude=True)
+        ref = tuple(x.reshape(R, S, H, *x.shape[2:]) for x in ref)
+        for num_splits in (1, 2, 4):
+            config = {**GLUON_CONFIG, "num_splits": num_splits}
+            row = {"cache": cache, "R": R, "S": S, "H": H, "k": k, "num_splits": num_splits, "launches": launches}
+            try:
+                seesaw, triton_call = runner("seesaw", q, kv, slots, config), runner("triton", q, kv, slots, config)
+                first = tuple(x.clone() for x in seesaw())
+                differing = sum(not all(torch.equal(a, b) for a, b in zip(seesaw(), first))
+                                for _ in range(launches - 1))
+                torch.cuda.synchronize()
+                row["check"] = DECODE_SPEC.compare(first, ref) or "ok"
+                if differing:
+                    row["check"] = f"{differing} of {launches - 1} launches differ from the first (a race)"
+                out_t = triton_call()[0]
+                row["max_abs_diff_to_triton"] = (first[0].float() - out_t.float()).abs().max().item()
+            except Exception as exc:
+                row["check"] = f"error: {exc!r}"[:2000]
+                traceback.print_exc()
+            print(f"{'PASS' if row['check'] == 'ok' else 'FAIL'} stress {cache:4s} R={R} S={S} H={H} k={k} "
+                  f"splits={num_splits} x{launches}: {row['check']}", flush=True)
+            rows.append(row)
+    return rows
+
+
 def median_us(fn) -> tuple[float, str]:
     """Median time of ``fn`` in us: replayed from a CUDA graph, else eager."""
     fn()
@@ -247,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                              "the seesaw kernel), checked and timed")
     parser.add_argument("--checks-only", action="store_true",
                         help="the checks alone (no mm rate, no timings: e.g. under compute-sanitizer)")
+    parser.add_argument("--stress", type=int, default=0, metavar="N",
+                        help="also launch the seesaw kernel N times per stress case and split count, both caches: "
+                             "bitwise equal run to run, within tolerance of the reference")
     args = parser.parse_args(argv)
     assert torch.cuda.is_available(), "scripts/gluon_attention.py needs a GPU"
 
@@ -262,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                   for kernel in kernels_of(extra)[1:] for multi in (False, True)}
         timings += timing_rows(cache, passed, mm_rate, tuple(args.rows), extra)
     checks = [row for cache in caches for row in checks[cache]]
+    checks += [row for cache in caches for row in stress_rows(cache, args.stress)] if args.stress else []
     failed = [r for r in checks if r["check"] != "ok"]
     failed += [r for r in timings if "error" in r and not r["error"].startswith("skipped")]
     from dsa_triton.bench.results import git_state
