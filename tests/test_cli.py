@@ -143,3 +143,37 @@ def test_without_option():
     from tuner.cli import without_option
 
     assert without_option(["tune", "--gpus", "4", "--x", "--gpus=2", "y"], "--gpus") == ["tune", "--x", "y"]
+
+
+def test_show_and_bench_name_an_unknown_kernel_in_one_line(toys, tmp_path, capsys):
+    for command in (["show"], ["bench", "--out", tmp_path / "results"]):
+        rc, out, err = run(capsys, *command, "--kernels", "toy_axpy,nope", "--db", tmp_path / "db")
+        assert err.startswith(f"dsa-tune {command[0]}: --kernels: no kernel 'nope'") and err.count("\n") == 1
+        assert rc == 2
+    assert not (tmp_path / "results").exists()  # bench wrote no empty results file
+    from .test_tuning_db import record
+
+    Database(tmp_path / "db").add([record({"T": 3, "D": 40}, {"BLOCK": 32, "num_warps": 1}, kernel="toy_gone")])
+    rc, out, _ = run(capsys, "show", "--kernels", "toy_gone", "--db", tmp_path / "db")  # stored, no longer registered
+    assert rc == 0 and "1 records" in out
+
+
+def test_show_plot_without_records_is_an_error(toys, tmp_path, capsys):
+    rc, out, err = run(capsys, "show", "--db", tmp_path / "db", "--plot", tmp_path / "show.png")
+    assert rc == 2 and err == f"dsa-tune show: --plot: no records to plot in {tmp_path / 'db'}\n"
+    assert not (tmp_path / "show.png").exists()
+
+
+def test_ctrl_c_ends_every_command_with_one_line(capsys, monkeypatch):
+    from tuner import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    commands = {"env": [], "tune": [], "show": [], "bench": [], "merge": ["x.csv"], "compare": [],
+                "day0": ["--model", "deepseek-v3.2"]}
+    for name in commands:
+        monkeypatch.setattr(cli, f"cmd_{name}", interrupted)
+    for name, extra in commands.items():
+        rc, out, err = run(capsys, name, *extra)
+        assert (rc, out, err) == (130, "", f"dsa-tune {name}: interrupted\n")

@@ -147,10 +147,10 @@ class FakeClock:
 
 
 def test_the_budget_goes_where_the_default_is_furthest_from_the_floor(tmp_path, monkeypatch):
-    """Known pass for every job first (each "takes" 1 s here), then searches in falling gap (the default's time on
-    the CPU), each with its gap's share of the time less its fixed cost, while the shares cover twice the known
-    pass; the jobs the budget does not reach keep their untuned records. Two runs of 10 s give each job the search
-    time one run of 20 s would."""
+    """Known pass for every job first (each "takes" 1 s here; bigger problems first), then searches in falling gap
+    (the default's time on the CPU), each with its gap's share of the time less its fixed cost, while the shares
+    cover twice the known pass; the jobs the budget does not reach keep their untuned records. The last 5% of a
+    budget is its margin. Two runs of 10 s give each job the search time one run of 20 s would."""
     from tuner import tune as tune_module
     from tuner.tune import Job, tune
 
@@ -179,32 +179,34 @@ def test_the_budget_goes_where_the_default_is_furthest_from_the_floor(tmp_path, 
     monkeypatch.setattr(tune_module, "now", clock)
     monkeypatch.setattr(tune_module, "tune_job", fake)
     results = run(10.0, "two")
-    assert [(t, known) for t, known, _ in calls[:4]] == [(1, True), (2, True), (3, True), (4, True)]
-    # 6 s left, costs 2 s: T=2 and T=4 can afford a search (6 * 30/70 >= 2, 6 * 20/90 < 2): T=2 gets 6 * 40/70
-    # less its fixed cost 1; then 10 - 4 - 6 * 40/70 = 2.57 s are left, all for T=4 (less 1)
+    assert [(t, known) for t, known, _ in calls[:4]] == [(4, True), (3, True), (2, True), (1, True)]
+    # 9.5 - 4 = 5.5 s left, costs 2 s: T=2 and T=4 can afford a search (5.5 * 30/70 >= 2, 5.5 * 20/90 < 2): T=2
+    # gets 5.5 * 40/70 less its fixed cost 1; then 5.5 - 5.5 * 40/70 = 2.36 s are left, all for T=4 (less 1)
     assert [(t, known) for t, known, _ in calls[4:]] == [(2, False), (4, False)]
-    assert calls[4][2] == pytest.approx(6 * 40 / 70 - 1) and calls[5][2] == pytest.approx(6 - 6 * 40 / 70 - 1)
+    assert calls[4][2] == pytest.approx(5.5 * 40 / 70 - 1) and calls[5][2] == pytest.approx(5.5 - 5.5 * 40 / 70 - 1)
     assert [r.status for r in results] == ["untuned", "tuned", "untuned", "tuned"]
     assert all(r.record is not None for r in results)
     first = searched()
 
-    results = run(10.0, "two")  # records exist: no known pass; 10 s of searches on top of the 6 s used
+    results = run(10.0, "two")  # records exist: no known pass; 9.5 s of searches on top of the 5.5 s used
     assert all(known is False for _, known, _ in calls)
     second = searched()
     assert [r.status for r in results] == ["tuned", "tuned", "untuned", "tuned"]
 
-    run(20.0, "one")  # one run of 20 s: 16 s for searches, T=2, T=4 and T=1 (16 * 10/100 < 2 for T=3)
+    run(20.0, "one")  # one run of 20 s: 19 - 4 = 15 s for searches, T=2, T=4 and T=1 (15 * 10/100 < 2 for T=3)
     once = searched()
-    assert once == pytest.approx({2: 16 * 40 / 90, 4: 16 * 30 / 90, 1: 16 * 20 / 90})
+    assert once == pytest.approx({2: 15 * 40 / 90, 4: 15 * 30 / 90, 1: 15 * 20 / 90})
     assert {t: first.get(t, 0) + second.get(t, 0) for t in once} == pytest.approx(once)
 
 
 def test_a_tiny_budget_leaves_a_record_for_every_job_and_the_next_run_goes_on(tmp_path, capsys, monkeypatch):
-    """Interpreter, real toy kernels and one real kernel: a budget too small for any search still leaves a checked
-    record for every job (``untuned``); a later run with time searches on from the journal, measuring no config
-    twice, and its records are ``tuned``."""
+    """Interpreter, real toy kernels and one real kernel: a budget too small for anything names what each job keeps
+    (the default: nothing is stored); a budget that reaches the known configs but no search leaves a checked record
+    for every job (``untuned``); a later run with time searches on from the journal, measuring no config twice, and
+    its records are ``tuned``."""
     from dsa_triton.registry import shape_text
     from tuner.objective import Evaluator
+    from tuner.tune import _Run
     from tuning_db import Database
     from tuning_db.records import config_text
 
@@ -219,10 +221,17 @@ def test_a_tiny_budget_leaves_a_record_for_every_job_and_the_next_run_goes_on(tm
             "--trials", "3", "--no-progress"]
     with registered(toy_spec(bench=((3, 40), (9, 40))), buggy_spec()):
         try:
-            assert main([str(a) for a in [*args, "--budget", "0.01"]]) == 0
+            assert main([str(a) for a in [*args, "--budget", "0"]]) == 0
+            out = capsys.readouterr().out
+            assert "known configs: 0 of 7 jobs have a record" in out and out.count("| kept: default |") == 7
+            assert measured == [] and Database(db).records("cpu-interpreter") == []
+
+            with monkeypatch.context() as m:
+                m.setattr(_Run, "searches", lambda self, deadline: None)
+                assert main([str(a) for a in [*args, "--budget", "2m"]]) == 0
             out = capsys.readouterr().out
             records = Database(db).records("cpu-interpreter")
-            assert "known configs: 7 of 7 jobs have a record" in out and "searched 0 jobs" in out
+            assert "known configs: 7 of 7 jobs have a record" in out
             assert len(records) == 7 and {r.status for r in records} == {"untuned"}
             assert all(r.median_us > 0 and r.trials == 1 for r in records)  # the default only: nothing stored before
             first = len(measured)
@@ -297,7 +306,7 @@ def test_day0_tunes_then_generates_with_the_runner_and_times_each_stage(tmp_path
 
     monkeypatch.setattr(subprocess, "run", run)
     db, out = tmp_path / "db", tmp_path / "out"
-    common = ["--kernels", "toy_axpy", "--phases", "decode", "--batches", "2", "--budget", "1s", "--db", str(db),
+    common = ["--kernels", "toy_axpy", "--phases", "decode", "--batches", "2", "--budget", "10s", "--db", str(db),
               "--storage", "none", "--no-progress", "--out", str(out), "--flat"]
     with registered(toy_spec()):
         try:
@@ -337,7 +346,7 @@ def test_day0_from_a_config_to_first_tokens_from_random_weights(tmp_path, capsys
     tiny_config().to_json(config)
     db, out = tmp_path / "db", tmp_path / "out"
     try:
-        assert main(["day0", "--model", str(config), "--kernels", "route_topk", "--batches", "1,2", "--budget", "1s",
+        assert main(["day0", "--model", str(config), "--kernels", "route_topk", "--batches", "1,2", "--budget", "10s",
                      "--db", str(db), "--storage", "none", "--no-progress", "--random-weights", "--layers", "2",
                      "--max-new-tokens", "2", "--out", str(out), "--flat"]) == 0
         text = capsys.readouterr().out
@@ -395,7 +404,7 @@ def test_the_tune_stage_in_a_child_process_returns_its_summary(tmp_path):
     config, db = tmp_path / "config.json", tmp_path / "db"
     tiny_config().to_json(config)
     args = build_parser().parse_args(["day0", "--model", str(config), "--kernels", "route_topk", "--batches", "1",
-                                      "--budget", "1s", "--db", str(db), "--storage", "none", "--no-progress"])
+                                      "--budget", "10s", "--db", str(db), "--storage", "none", "--no-progress"])
     tuned = tune_in_child(args)
     shape = "E=6,T=1,n_group=3,softmax=0,top_k=2,topk_group=2"
     assert tuned["records"] == 1 and tuned["failed"] == 0

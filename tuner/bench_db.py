@@ -26,7 +26,8 @@ def bench_record(record: Record, device: torch.device, db: Database) -> dict[str
     times = dict.fromkeys(("tuned", "default"), math.nan)
     times.update(zip(ok, evaluator.time_all(list(ok.values()), budget["final_warmup_ms"], budget["final_rep_ms"])))
     base = evaluator.time_baseline(budget["final_warmup_ms"], budget["final_rep_ms"])
-    check = "; ".join(f"{name} {f.status}: {f.detail}" for name, f in failures.items() if f is not None) or "ok"
+    failed = [f"{name} {f.cause or f.status}: {f.detail}" for name, f in failures.items() if f is not None]
+    check = "; ".join(failed) or "ok"
     return {"kernel": record.kernel, "phase": record.phase, "shape": record.shape, "config": record.config,
             "tuned us": times["tuned"], "default us": times["default"], "baseline": spec.baseline_name or "-",
             "baseline us": base, "tuned/default": times["default"] / times["tuned"],

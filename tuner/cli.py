@@ -10,6 +10,7 @@
   checkpoint, or random weights at its widths), with each stage's time and the tuned-over-default speedups.
 
 Without a GPU everything runs in the Triton interpreter on the kernels' tiny bench shapes with few trials.
+Bad arguments end with one line and exit status 2; Ctrl-C (or SIGTERM) with one line and 130 (143).
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import argparse
 import math
 import sys
 
-from .day0 import cmd_day0
-from .jobs import any_failed, build_jobs, names, run_tune, setup
+from .day0 import INTERRUPT_GRACE_S, cmd_day0
+from .jobs import Terminated, any_failed, build_jobs, names, run_tune, setup, sigterm_interrupts
 
 SHARD_HELP = "I/N: tune only every N-th job starting at I (one process per GPU, all writing to one database)"
 
@@ -73,15 +74,28 @@ def run_on_gpus(args: argparse.Namespace) -> int:
                                  env={**os.environ, "CUDA_VISIBLE_DEVICES": visible[i]}, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True) for i in range(args.gpus)]
 
+    stopped = threading.Event()  # after Ctrl-C: the children's last lines are not relayed
+
     def relay(i: int, child: subprocess.Popen) -> None:
         for line in child.stdout:
-            print(f"[gpu {visible[i]}] {line}", end="", flush=True)
+            if not stopped.is_set():
+                print(f"[gpu {visible[i]}] {line}", end="", flush=True)
 
-    threads = [threading.Thread(target=relay, args=(i, c)) for i, c in enumerate(children)]
+    threads = [threading.Thread(target=relay, args=(i, c), daemon=True) for i, c in enumerate(children)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.join()
+    except KeyboardInterrupt:  # Ctrl-C reaches the children too and they end; a SIGTERM to this process alone does not
+        stopped.set()
+        for child in children:
+            try:
+                child.wait(timeout=INTERRUPT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.terminate()  # SIGTERM: it ends as after Ctrl-C
+                child.wait()
+        raise
     return max(c.wait() for c in children)
 
 
@@ -98,18 +112,32 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return any_failed(run_tune(args, jobs, device, db))
 
 
+def known_kernels(text: str, stored: set[str] = frozenset()) -> list[str]:
+    """The kernel names of ``--kernels``, each registered or in ``stored`` (names of stored records); raises
+    ``ValueError`` naming the first unknown one."""
+    from dsa_triton import registry
+
+    wanted, registered = names(text), {s.name for s in registry.kernels()}
+    unknown = [n for n in wanted if n not in registered | set(stored)]
+    if unknown:
+        raise ValueError(f"--kernels: no kernel {unknown[0]!r}; registered: {', '.join(sorted(registered))}")
+    return wanted
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from dsa_triton.bench.results import dict_table
     from dsa_triton.runtime import device_name
 
     device, db = setup(args)
-    kernels = names(args.kernels)
+    kernels = known_kernels(args.kernels, {r.kernel for r in db.records()})
     records = db.records(None if args.device == "all" else args.device or device_name(device))
     rows = [{"device": r.device, "kernel": r.kernel, "phase": r.phase, "shape": r.shape, "config": r.config,
              "us": r.median_us, "default us": r.default_us, "tuned/default": r.speedup(),
              "baseline/tuned": r.baseline_us / r.median_us, "timing": r.timing, "configs run": r.trials,
              "status": r.status, "code": "fresh" if db.is_fresh(r) else "stale", "date": r.date}
             for r in records if not kernels or r.kernel in kernels]
+    if args.plot and not rows:
+        raise ValueError(f"--plot: no records to plot in {db.folder}")
     print(f"{len(rows)} records in {db.folder}")
     others = [d for d in db.devices() if args.device != "all" and d != (args.device or device_name(device))]
     if others:
@@ -133,7 +161,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench_db import bench
 
     device, db = setup(args)
-    rows = bench(db, device, names(args.kernels))
+    rows = bench(db, device, known_kernels(args.kernels))
     print(dict_table(rows) if rows else f"no stored records for this device in {db.folder}")
     path = write_results(args.out, "tuned", {"tuned vs default vs baseline": rows}, note=f"database: {db.folder}")
     print(f"wrote {path} and .json")
@@ -190,9 +218,11 @@ def _job_args(p: argparse.ArgumentParser) -> None:
                         "(default: up to 8; 1: none)")
 
 
-BUDGET_HELP = ("time for the whole run (20m, 90s, 1h or seconds): first a record for every shape from the configs "
-               "known for it (nearest tuned shape, default), then searches where the default is furthest from the "
-               "floor; runs resume, so budgets of several runs add up (tuning_db/README.md)")
+BUDGET_HELP = ("time for the whole run, counted from the command's start (20m, 90s, 1h or seconds): first a record "
+               "for every shape from the configs known for it (nearest tuned shape, default), biggest expected gain "
+               "first, then searches where the default is furthest from the floor; shapes the budget does not reach "
+               "keep the nearest record or the default; runs resume, so budgets of several runs add up "
+               "(tuning_db/README.md)")
 
 
 def _tune_args(p: argparse.ArgumentParser, db_help: str) -> None:
@@ -277,13 +307,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import time
+
+    started = time.time()  # a --budget counts from here
     args = build_parser().parse_args(argv)
-    args.argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    args.argv, args.started = [str(a) for a in (sys.argv[1:] if argv is None else argv)], started
     try:
-        return args.func(args)
+        with sigterm_interrupts():
+            return args.func(args)
     except (ValueError, KeyError) as exc:  # bad arguments (shapes, model config, kernel names): one line
         print(f"dsa-tune {args.command}: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: one line (the studies resume on the next run)
+        terminated = isinstance(exc, Terminated)
+        print(f"dsa-tune {args.command}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 143 if terminated else 130
 
 
 if __name__ == "__main__":

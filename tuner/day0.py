@@ -1,8 +1,10 @@
 """``dsa-tune day0``: a new model's config.json to a tuned database and first generated tokens, each stage timed.
 
-Plan (the jobs of the config's shapes), tune (within ``--budget``; on a GPU in a child process, so that its memory
-is back before the runner loads the weights), generate (the model runner in a subprocess reading the database just
-tuned, from ``--checkpoint`` or random weights at the config's widths), then one results file.
+Plan (the jobs of the config's shapes), tune (on a GPU in a child process, so that its memory is back before the
+runner loads the weights), generate (the model runner in a subprocess reading the database just tuned, from
+``--checkpoint`` or random weights at the config's widths), then one results file. ``--budget`` bounds the plan and
+tune stages together (it counts from the command's start); jobs the budget does not reach keep the nearest stored
+record or the default, and the tokens are generated all the same.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+INTERRUPT_GRACE_S = 5.0  # after Ctrl-C, how long the tuning process has to end by itself
 DAY0_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [5, 4, 3], [7] * 40)  # token ids: any vocabulary has them
 
 
@@ -83,11 +86,16 @@ def tune_stage(args: argparse.Namespace, device, db, jobs: list) -> dict:
 
 
 def _tune_stage_to(args: argparse.Namespace, connection) -> None:
-    """The child's side: its own device, database and jobs (a job's kernel spec does not cross processes)."""
-    from .jobs import build_jobs, setup
+    """The child's side: its own device, database and jobs (a job's kernel spec does not cross processes). Ctrl-C or
+    SIGTERM ends it quietly (the parent says so)."""
+    from .jobs import build_jobs, setup, sigterm_interrupts
 
-    device, db = setup(args)
-    connection.send(tune_stage(args, device, db, build_jobs(args, device)))
+    try:
+        with sigterm_interrupts():
+            device, db = setup(args)
+            connection.send(tune_stage(args, device, db, build_jobs(args, device)))
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 def tune_in_child(args: argparse.Namespace) -> dict:
@@ -106,6 +114,11 @@ def tune_in_child(args: argparse.Namespace) -> dict:
         return receive.recv()
     except EOFError:
         raise RuntimeError(f"the tune stage's process ended without a result (exit status {child.exitcode})") from None
+    except KeyboardInterrupt:  # Ctrl-C reaches the child too and it ends; a SIGTERM to this process alone does not
+        child.join(timeout=INTERRUPT_GRACE_S)
+        if child.is_alive():
+            child.terminate()  # SIGTERM: the child ends as after Ctrl-C
+        raise
     finally:
         child.join()
 

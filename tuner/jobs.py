@@ -1,9 +1,36 @@
-"""What ``dsa-tune tune`` and ``dsa-tune day0`` share: the database and device, the jobs the arguments ask for, and
-a tuning run with its summary."""
+"""What ``dsa-tune tune`` and ``dsa-tune day0`` share: the database and device, the jobs the arguments ask for, a
+tuning run with its summary, and SIGTERM taken as an interrupt."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
+import time
+from typing import Iterator
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, so that it ends as after Ctrl-C (a trial in progress is not left
+    running in its study's journal)."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Within: SIGTERM raises :class:`Terminated` (in the main thread; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
 
 
 def setup(args: argparse.Namespace):
@@ -65,6 +92,14 @@ def any_failed(results: list) -> int:
     return 1 if any(r.status == "failed" for r in results) else 0
 
 
+def budget_left(args: argparse.Namespace) -> float | None:
+    """Seconds of ``--budget`` left: the budget counts from the command's start (``args.started``, wall clock, set by
+    the CLI), so planning and, for day0, starting the tuning process count too. None without a budget."""
+    if args.budget is None:
+        return None
+    return max(0.0, args.budget - (time.time() - getattr(args, "started", time.time())))
+
+
 def run_tune(args: argparse.Namespace, jobs: list, device, db) -> list:
     """Tune ``jobs`` as the arguments say, print the summary and return the :class:`~tuner.tune.JobResult` list."""
     from dsa_triton.bench.results import dict_table
@@ -72,10 +107,11 @@ def run_tune(args: argparse.Namespace, jobs: list, device, db) -> list:
     from .tune import summary_rows, tune
 
     trials = args.trials or (40 if device.type == "cuda" else 4)
-    budget = "" if args.budget is None else f", budget {args.budget:.0f} s"
+    total_s = budget_left(args)
+    budget = "" if total_s is None else f", budget {args.budget:.0f} s ({total_s:.0f} s left)"
     print(f"tuning {len(jobs)} jobs on {device} into {db.folder} (sampler {args.sampler}, {trials} configs each"
           f"{budget})", flush=True)
-    results = tune(jobs, db, device, sampler=args.sampler, trials=trials, timeout=args.timeout, total_s=args.budget,
+    results = tune(jobs, db, device, sampler=args.sampler, trials=trials, timeout=args.timeout, total_s=total_s,
                    storage_dir=None if args.storage == "none" else args.storage, retune=args.retune,
                    seed=args.seed, progress=not args.no_progress, workers=args.workers)
     print(dict_table(summary_rows(results)))

@@ -5,7 +5,8 @@ fresh random input set and rotated input sets for timing. Every check runs on a 
 inputs (``make_inputs`` with the same seed) and compares with the reference computed once; a kernel whose
 ``make_inputs`` turns out not to be deterministic in its seed gets the reference recomputed per check.
 A config that breaks the constraint is rejected without running; one that raises or disagrees with the
-reference is penalised; neither is ever timed or stored.
+reference is penalised; neither is ever timed or stored. Each failure carries its cause (:func:`failure_cause`):
+``wrong result``, ``out of memory``, ``compile error`` or ``launch error``.
 """
 from __future__ import annotations
 
@@ -25,18 +26,62 @@ FATAL_CUDA_ERRORS = ("illegal memory access", "unspecified launch failure", "mis
                      "illegal instruction", "device-side assert")
 
 
+# the causes of a failed evaluation
+WRONG, OOM, COMPILE, LAUNCH = "wrong result", "out of memory", "compile error", "launch error"
+# frames of Triton's compiler: an exception that passed through one was raised while compiling or lowering
+COMPILER_FRAMES = (("triton/compiler/compiler.py", "compile"), ("triton/compiler/code_generator.py", ""))
+
+
 class DeviceLost(RuntimeError):
     """A config broke the CUDA context; nothing more can run in this process."""
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling, outermost first."""
+    out: list[BaseException] = []
+    while exc is not None and exc not in out:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def _in_compiler(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        path = code.co_filename.replace("\\", "/")
+        if any(path.endswith(file) and name in ("", code.co_name) for file, name in COMPILER_FRAMES):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def failure_cause(exc: BaseException) -> str:
+    """Why running a config raised: ``out of memory`` (``torch.OutOfMemoryError`` or a CUDA out-of-memory error),
+    ``compile error`` (Triton's ``CompilationError``, a ptxas error, a kernel over the SM's shared memory or threads,
+    or any exception raised inside Triton's compiler), else ``launch error``. The whole chain counts."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    chain = _chain(exc)
+    if any(isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower().replace("_", " ")
+           for e in chain):
+        return OOM
+    if any(isinstance(e, (CompilationError, PTXASError, OutOfResources)) or _in_compiler(e) for e in chain):
+        return COMPILE
+    return LAUNCH
 
 
 @dataclass(frozen=True)
 class Outcome:
     """``status``: ok (timed), invalid (constraint), error (raised), wrong (disagrees with the reference),
-    fatal (raised and broke the CUDA context)."""
+    fatal (raised and broke the CUDA context); ``cause``: why a run config failed (:func:`failure_cause`, or
+    ``wrong result``), empty when it passed or was not run."""
 
     status: str
     us: float = math.nan
     detail: str = ""
+    cause: str = ""
 
     @property
     def ok(self) -> bool:
@@ -119,7 +164,7 @@ class Evaluator:
             error = self.spec.compare(out, self.spec.reference(inputs) if self.expected is None else self.expected)
         except Exception as exc:  # a config that does not compile or launch is penalised
             return self._failure(exc)
-        return Outcome("wrong", detail=str(error)[:300]) if error else None
+        return Outcome("wrong", detail=str(error)[:300], cause=WRONG) if error else None
 
     def evaluate(self, config: dict[str, Any]) -> Outcome:
         """Check, then time with the trial budget."""
@@ -133,7 +178,8 @@ class Evaluator:
 
     def _failure(self, exc: Exception) -> Outcome:
         fatal = self.device.type == "cuda" and any(m in str(exc) for m in FATAL_CUDA_ERRORS)
-        return Outcome("fatal" if fatal else "error", detail=f"{type(exc).__name__}: {exc}"[:300])
+        return Outcome("fatal" if fatal else "error", detail=f"{type(exc).__name__}: {exc}"[:300],
+                       cause=failure_cause(exc))
 
     def time(self, config: dict[str, Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
         """Median microseconds of the kernel with ``config`` over the rotated input sets (see ``timing``)."""

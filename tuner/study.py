@@ -11,6 +11,11 @@ Samplers: ``tpe`` (multivariate TPE), ``random``, ``exhaustive`` (every valid co
 ``auto`` (exhaustive when the valid space fits in the trial budget, else TPE). Studies are seeded
 (``enqueue_trial``) with the default config and the nearest stored ones.
 
+A study is run by one process at a time: trials an earlier run left running (a process killed, or stopped by
+SIGTERM, mid-trial) or waiting (its queue) are failed when the study resumes, and this run queues again what it
+wants, so an interrupted config is measured by the next run. Ctrl-C inside a trial ends the search with the trial
+pruned (nothing is recorded for its config) and raises ``KeyboardInterrupt`` to the caller.
+
 Optuna is imported here only: ``import dsa_triton`` and the database work without it.
 """
 from __future__ import annotations
@@ -19,7 +24,9 @@ import hashlib
 import json
 import random
 import sys
+import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -30,7 +37,7 @@ from dsa_triton.registry import KernelSpec
 from dsa_triton.registry import shape_text
 from tuning_db.records import config_text
 
-from .objective import DeviceLost, Outcome
+from .objective import LAUNCH, WRONG, DeviceLost, Outcome
 
 SAMPLERS = ("auto", "tpe", "exhaustive", "random")
 MAX_ENUMERATED = 100_000  # spaces larger than this are not enumerated (no exhaustive search)
@@ -52,6 +59,7 @@ class Step:
 class SearchResult:
     name: str
     steps: list[Step] = field(default_factory=list)  # every trial of the study, earlier sessions included
+    cut: bool = False  # stopped by the deadline before it ran what it was asked to
 
     def measured(self) -> dict[str, Outcome]:
         """Config JSON -> outcome, one per distinct config that was checked (or rejected)."""
@@ -65,6 +73,15 @@ class SearchResult:
     def runs(self) -> int:
         """Configs that were run (checked, and timed if they passed): what the search cost."""
         return sum(1 for o in self.measured().values() if o.status != "invalid")
+
+    def causes(self) -> Counter:
+        """Cause -> how many distinct configs failed with it (:data:`~tuner.objective.WRONG` and the others)."""
+        return Counter(o.cause for o in self.measured().values() if o.cause)
+
+
+def causes_text(causes: Counter | dict[str, int]) -> str:
+    """``"3 out of memory, 1 compile error"``: most frequent first."""
+    return ", ".join(f"{n} {cause}" for cause, n in sorted(causes.items(), key=lambda item: (-item[1], item[0])))
 
 
 def space_hash(spec: KernelSpec) -> str:
@@ -167,8 +184,23 @@ def _step(trial: "optuna.trial.FrozenTrial") -> Step | None:
     attrs = trial.user_attrs
     if trial.state != optuna.trial.TrialState.COMPLETE or "status" not in attrs:
         return None
-    outcome = Outcome(attrs["status"], attrs.get("us", float("nan")), attrs.get("detail", ""))
+    status = attrs["status"]
+    older = {"wrong": WRONG, "error": LAUNCH, "fatal": LAUNCH}.get(status, "")  # trials stored before causes were
+    outcome = Outcome(status, attrs.get("us", float("nan")), attrs.get("detail", ""), attrs.get("cause", older))
     return Step(trial.number, attrs["config"], outcome, not attrs.get("repeat", False))
+
+
+def fail_leftovers(storage: "optuna.storages.BaseStorage", name: str) -> int:
+    """Fail the trials of study ``name`` an earlier run left running or waiting (this run queues again what it
+    wants); how many."""
+    from optuna.trial import TrialState
+
+    study_id = storage.get_study_id_from_name(name)
+    left = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING))
+    for trial in left:
+        storage.set_trial_state_values(storage.get_trial_id_from_study_id_trial_number(study_id, trial.number),
+                                       TrialState.FAIL)
+    return len(left)
 
 
 def search(
@@ -186,10 +218,13 @@ def search(
     progress: bool = True,
     stop_below: float | None = None,
     only_seeds: bool = False,
+    deadline: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> SearchResult:
     """Run (or resume) the study ``name`` until ``trials`` new configs ran, the valid space is exhausted,
     ``timeout`` seconds passed or a config ran in at most ``stop_below`` us; ``seeds`` are tried first.
-    ``only_seeds``: run the seeds the study has not measured yet and nothing else (``trials`` aside)."""
+    ``only_seeds``: run the seeds the study has not measured yet and nothing else (``trials`` aside).
+    ``deadline`` (on ``clock``): no evaluation starts after it (the result is then ``cut``)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     valid = valid_configs(spec, shape)
@@ -197,18 +232,33 @@ def search(
     rng = random.Random(seed)
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
                                 sampler=make_sampler(kind, None if valid is None else len(valid), seed))
+    if storage is not None:
+        fail_leftovers(storage, name)
     known: dict[str, Outcome] = {s.config: s.outcome for t in study.trials if (s := _step(t)) and s.new}
     queue = {config_text(c): c for c in [*seeds, *(valid if kind == "exhaustive" and not only_seeds else [])]}
     queued = [text for text, config in queue.items() if text not in known and in_space(config, spec.space)]
-    for text in queued:
-        study.enqueue_trial(encode(queue[text], spec.space), skip_if_exists=True)
+    for text in queued:  # not skip_if_exists: that also skips a config whose trial failed or was interrupted
+        study.enqueue_trial(encode(queue[text], spec.space))
     valid_texts = None if valid is None else [config_text(c) for c in valid]
     goal = trials if valid is None else min(trials, sum(t not in known for t in valid_texts))
     if only_seeds:  # the enqueued seeds run first, one call each: stop after them
         goal = min(goal, len(queued))
     counts = {"new": 0, "calls": 0}
     lost: list[str] = []
+    stopped: dict[str, Any] = {}  # "cut": the deadline passed; "interrupted": Ctrl-C (or SIGTERM) inside a trial
     bar = _progress(goal, name, progress)
+
+    def measure(trial: "optuna.trial.Trial", config: Config) -> Outcome:
+        """``evaluate(config)``, unless the deadline passed; a trial cut or interrupted is pruned (not recorded)."""
+        if deadline is not None and clock() >= deadline:
+            stopped["cut"] = True
+        else:
+            try:
+                return evaluate(config)
+            except KeyboardInterrupt as exc:
+                stopped["interrupted"] = exc
+        trial.study.stop()
+        raise optuna.TrialPruned()
 
     def objective(trial: "optuna.trial.Trial") -> float:
         config = suggest(trial, spec.space)
@@ -218,7 +268,7 @@ def search(
         outcome = known.get(text)
         trial.set_user_attr("repeat", outcome is not None)
         if outcome is None:
-            outcome = known[text] = evaluate(config)
+            outcome = known[text] = measure(trial, config)
             if outcome.status != "invalid":
                 counts["new"] += 1
                 bar.update(1)
@@ -228,6 +278,7 @@ def search(
         trial.set_user_attr("status", outcome.status)
         trial.set_user_attr("us", outcome.us)
         trial.set_user_attr("detail", outcome.detail)
+        trial.set_user_attr("cause", outcome.cause)
         if outcome.status == "fatal":
             lost.append(f"{text}: {outcome.detail}")
             trial.study.stop()
@@ -248,10 +299,12 @@ def search(
             study.optimize(objective, timeout=timeout, callbacks=[budget])
     finally:
         bar.close()
+    if "interrupted" in stopped:
+        raise stopped["interrupted"]
     if lost:
         raise DeviceLost(f"{name}: {lost[0]}")
     steps = [s for t in sorted(study.trials, key=lambda t: t.number) if (s := _step(t))]
-    return SearchResult(name, steps)
+    return SearchResult(name, steps, cut=stopped.get("cut", False))
 
 
 def _progress(total: int, name: str, enabled: bool):
