@@ -101,3 +101,14 @@ def check_positive(name: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name}: must be a positive integer, got {value!r}")
     return value
+
+
+INT32_MAX = 2**31 - 1  # the kernels hold positions, slots, pages, columns and counts in int32
+
+
+def check_int32(name: str, value, low: int = 1, high: int = INT32_MAX) -> int:
+    """``value``, an ``int`` (not a bool) in ``[low, high]``; else a ``ValueError`` naming ``name``. Sizes that
+    size an allocation or an int32 index are checked so before anything is allocated."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"{name}: must be an integer in [{low}, {high}], got {value!r}")
+    return value

@@ -84,6 +84,51 @@ def test_all_pages_selected_equals_token_level(P):
     assert torch.equal(pos, expected.where(expected < limits[:, None], -1).int())
 
 
+def test_n_select_past_the_pages_costs_nothing_more():
+    """n_select = 10,000 over 2 pages: the launches cover the 2 pages (the rest of the documented width is one fill
+    of -inf / -1), so the call is as fast as n_select = 2 (it took 77 s in the interpreter) and equals the token
+    level there; select_pages alike."""
+    import time
+
+    cache, q, w, limits, cu = problem(16, lens=(20, 32), rows=(2, 1), seed=5)
+    args = (q, w, cache.ik, cache.ik_scale, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens, limits)
+    dense = dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, cu_seqlens_q=cu, block_table=cache.block_table,
+                              seq_lens=cache.seq_lens, num_cols=32)
+    start = time.perf_counter()
+    with poisoned_allocations():
+        logits, pos, bounds = dt.block_indexer_logits(*args, 10_000, cu_seqlens_q=cu, return_bounds=True)
+        fast = dt.block_indexer_logits(*args, 10_000, cu_seqlens_q=cu, max_len=32, max_q=2, check_values=False)
+        pages = dt.select_pages(bounds, 10_000)
+    assert time.perf_counter() - start < 5.0
+    assert logits.shape == pos.shape == (3, 160_000) and bounds.shape == (3, 2)
+    assert torch.equal(logits[:, :32], dense) and bool(logits[:, 32:].isneginf().all())
+    expected = torch.arange(32).expand(3, -1)
+    assert torch.equal(pos[:, :32], expected.where(expected < limits[:, None], -1).int())
+    assert bool((pos[:, 32:] == -1).all())
+    assert torch.equal(fast[0], logits) and torch.equal(fast[1], pos)
+    assert torch.equal(pages, select_pages_torch(bounds, 10_000))
+
+
+def test_sizes_past_int32_raise_naming_them():
+    """A size that sizes an output or an int32 index past 2^31 - 1 raises a ValueError naming it before anything is
+    allocated (n_select = 2^31 was an allocation RuntimeError, or no error over no rows)."""
+    cache, q, w, limits, cu = problem(16, lens=(20, 32), rows=(2, 1), seed=5)
+    args = (q, w, cache.ik, cache.ik_scale, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens, limits)
+    fast = dict(cu_seqlens_q=cu, max_len=32, max_q=2, check_values=False)
+    for name, call in (
+            ("n_select", lambda: dt.select_pages(torch.zeros(0, 3), 2**31)),
+            ("n_select", lambda: dt.select_pages(torch.zeros(2, 3), 2**40)),
+            ("n_select", lambda: dt.block_indexer_logits(*args, 2**27, cu_seqlens_q=cu)),  # 2^31 columns of P = 16
+            ("n_select", lambda: dt.block_indexer_logits(*args, 2**27, **fast)),
+            ("max_len", lambda: dt.block_indexer_logits(*args, 2, cu_seqlens_q=cu, max_len=2**40)),
+            ("max_len", lambda: dt.block_indexer_logits(*args, 2, **{**fast, "max_len": 2**31})),
+            ("max_q", lambda: dt.block_indexer_logits(*args, 2, **{**fast, "max_q": 2**31})),
+            ("num_cols", lambda: dt.block_scores(*args[:2], *args[4:], 16, cu_seqlens_q=cu, num_cols=2**31))):
+        with pytest.raises(ValueError, match=f"^{name}: must be"):
+            call()
+    assert dt.select_pages(torch.zeros(0, 3), 2**31 - 1).shape == (0, 2**31 - 1)  # the largest
+
+
 def test_partial_selection_matches_dense_logits():
     cache, q, w, limits, cu = problem(16, lens=(150, 3, 0), rows=(2, 1, 2), seed=9)
     bounds = dt.block_scores(q, w, cache.pmax, cache.pmin, cache.block_table, cache.seq_lens, limits, 16,
@@ -191,12 +236,39 @@ def test_page_select_ties_and_nan():
     assert dt.select_pages(bounds, 3).tolist() == [[1, 2, 3]]  # ties: the lower pages first
     assert dt.select_pages(bounds, 6).tolist() == [[0, 1, 2, 3, 4, 6]]
     assert dt.select_pages(bounds, 9).tolist() == [[0, 1, 2, 3, 4, 6, -1, -1, -1]]  # -inf and NaN never
-    for n in (6, 9):  # the reference agrees: NaN ranks as -inf, not first (torch.topk's order)
+    for n in (3, 6, 9):  # the reference agrees: NaN ranks as -inf, not first (torch.topk's order); ties alike
         assert select_pages_torch(bounds, n).tolist() == dt.select_pages(bounds, n).tolist()
     with pytest.raises(ValueError, match="^n_select"):
         dt.select_pages(bounds, 0)
     with pytest.raises(ValueError, match="^bounds: dtype"):
         dt.select_pages(bounds.double(), 2)
+
+
+def test_ties_go_to_the_lower_pages_and_positions():
+    """Rows of many equal bounds (+0.0 and -0.0 apart: -0.0 ranks below, as in every sort key here): select_pages
+    and its reference take the lowest pages among equal bounds, exactly. The block path's logits hold their
+    positions in ascending order, so a top-k over its columns (lowest columns first among equal logits) takes the
+    lowest positions, as the token level does: with every page selected the two give the same positions, many of
+    their logits exactly 0.0 (one head, a ReLU)."""
+    g = torch.Generator().manual_seed(41)
+    bounds = torch.randint(0, 3, (6, 300), generator=g).float()
+    bounds[2] = torch.where(torch.rand(300, generator=g) < 0.5, 0.0, -0.0)
+    bounds[3, ::3] = float("nan")
+    for n in (1, 7, 64, 299):
+        pages = dt.select_pages(bounds, n)
+        assert torch.equal(pages, select_pages_torch(bounds, n)), n
+    assert torch.equal(dt.select_pages(bounds[2:3], 5)[0], (bounds[2].view(torch.int32) == 0).nonzero()[:5, 0].int())
+    cache, q, w, limits, cu = problem(16, lens=(150, 40), rows=(2, 1), H=1, seed=8)
+    w = w.abs()  # one head, a positive weight: every key whose product is negative scores exactly 0.0
+    logits, pos = dt.block_indexer_logits(q, w, cache.ik, cache.ik_scale, cache.pmax, cache.pmin, cache.block_table,
+                                          cache.seq_lens, limits, 10, cu_seqlens_q=cu)
+    dense = dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, cu_seqlens_q=cu, block_table=cache.block_table,
+                              seq_lens=cache.seq_lens)
+    assert int((dense == 0).sum()) > 60
+    k = 48
+    block = pos.gather(1, dt.topk_indices(logits, k).long())
+    token = dt.topk_indices(dense, k, limits)
+    assert torch.equal(block.sort(1).values, token.sort(1).values)
 
 
 def test_cached_plan_of_the_fast_path(monkeypatch):
@@ -298,10 +370,11 @@ def test_non_finite_keys_and_queries_give_nan_never_a_score():
     if interpreting():
         return  # the interpreter reads the e4m3 NaN byte as 480: the query half runs on a GPU only
     q_nan = q.clone()
-    q_nan.view(torch.uint8)[1, 3, 7] = 0x7F  # e4m3 NaN in one head of row 1
+    q_nan.view(torch.uint8)[1, 3, 7] = 0x7F  # e4m3 NaN in one head of row 1 (value checks on: a ValueError)
     out = dt.indexer_logits(q_nan, w, cache.ik, cache.ik_scale, limits, cu_seqlens_q=cu, block_table=table,
-                            seq_lens=seq_lens).cpu()
+                            seq_lens=seq_lens, check_values=False).cpu()
     assert bool(out[1, :40].isnan().all()) and torch.equal(out[[0, 2]].isnan(), nan_at[[0, 2]])
-    bounds = dt.block_scores(q_nan, w, cache.pmax, cache.pmin, table, seq_lens, limits, P, cu_seqlens_q=cu).cpu()
+    bounds = dt.block_scores(q_nan, w, cache.pmax, cache.pmin, table, seq_lens, limits, P, cu_seqlens_q=cu,
+                             check_values=False).cpu()
     assert bool(bounds[1].isnan().all()) and torch.equal(bounds[[0, 2]].isnan(), bad_page[[0, 2]])
     assert dt.select_pages(bounds.to(device), 3)[1].tolist() == [-1, -1, -1]

@@ -256,6 +256,19 @@ def test_sizes_and_ids_must_be_integers():
     assert cache.lengths() == [0, 3]
 
 
+def test_sizes_past_int32_raise_before_any_allocation():
+    """Slots (page * P + offset), positions and page ids are int32: a cache too large for them raises a ValueError
+    naming the size before anything is allocated (it was an allocation RuntimeError or MemoryError)."""
+    for match, kw in (("num_pages", dict(num_pages=2**31)), ("num_pages", dict(num_pages=2**25, page_size=64)),
+                      ("max_seqs", dict(max_seqs=2**31)), ("max_pages_per_seq", dict(max_pages_per_seq=2**40)),
+                      ("max_pages_per_seq", dict(max_pages_per_seq=2**27)), ("kv_dim", dict(kv_dim=2**40)),
+                      ("index_dim", dict(index_dim=2**40))):
+        with pytest.raises(ValueError, match=f"^{match}: must be"):
+            PagedCache(**{"num_pages": 4, "page_size": 16, **kw}, device="cpu")
+    with pytest.raises(ValueError, match="^num_pages: must be"):
+        PageAllocator(2**40)
+
+
 def test_non_finite_keys():
     """Value checks on: non-finite new keys raise. Off: a row with NaN or inf gets a NaN scale and NaN key bytes,
     its page a NaN summary (kept by later appends), as the reference computes it; other rows are unchanged."""

@@ -45,6 +45,21 @@ def test_sort_by_expert_matches_a_direct_construction():
     assert torch.equal(sort.sorted_slot[sort.slot_row.long()], torch.arange(18, dtype=torch.int32))
 
 
+def test_sizes_past_int32_raise_naming_them():
+    """num_experts and block_m size the offsets and the padded rows (int32): past 2^31 - 1 a ValueError names them
+    before anything is allocated (it was an allocation RuntimeError or a ZeroDivisionError)."""
+    from dsa_triton.moe.sort_and_align import sort_and_align
+
+    weights, ids = routing(2, 5, 2, seed=1)
+    for call in (lambda: sort_by_expert(ids, weights, 2**40), lambda: sort_and_align(ids, weights, 2**31, 8)):
+        with pytest.raises(ValueError, match="^num_experts: must be"):
+            call()
+    for call in (lambda: sort_by_expert(ids, weights, 5).aligned(2**40),
+                 lambda: sort_and_align(ids, weights, 5, 2**31)):
+        with pytest.raises(ValueError, match="^block_m: must be"):
+            call()
+
+
 @pytest.mark.parametrize("block_m", [1, 4, 16])
 def test_block_alignment_pads_each_expert_and_marks_padding(block_m):
     experts = 9
@@ -228,14 +243,32 @@ def test_scale_bytes_above_the_paths_range_raise_once_per_version():
     config = cfg(8, 32, 64)
     fused_moe_gemm(x, sort, blocks, scales, config=config)  # in range: checked, remembered
     scales[3, 7, 1] = 250  # in place: a new version is read again
-    with pytest.raises(ValueError, match="scales: bytes must be at most 240 .* got 250"):
+    with pytest.raises(ValueError, match="scales: bytes must be at most 140 .* got 250"):
         fused_moe_gemm(x, sort, blocks, scales, config=config)
     scales[3, 7, 1] = 0xFF  # NaN in E8M0
     with pytest.raises(ValueError, match="scales"):
         fused_moe_gemm(x, sort, blocks, scales, config=config)
     scales[3, 7, 1] = 0  # small bytes are fine (all-zero blocks often carry 0)
     fused_moe_gemm(x, sort, blocks, scales, config=config)
-    assert fused_module.SCALE_MAX[True] == 192  # the bf16 GPU path (inline PTX), not reachable on the CPU
+    assert fused_module.SCALE_MAX["bf16 gpu"] == 192  # the bf16 GPU path (inline PTX), not reachable on the CPU
+
+
+@pytest.mark.parametrize("byte", [141, 240])
+def test_fp16_path_bound_keeps_every_weight_finite(byte):
+    """fp16 activations: the weights are rounded to fp16, whose largest block is 6 * 2^(140 - 127) = 49152. Every
+    byte up to 140 is exact (identity activations give the weights themselves); a larger one (up to 240 was
+    accepted) made infinite weights and NaN outputs where the reference is finite: a ValueError naming scales."""
+    n, k = 32, 64
+    x, sort = identity_problem(k, torch.float16)
+    blocks = torch.arange(n * k // 2, dtype=torch.int64).remainder(256).to(torch.uint8).view(1, n, k // 32, 16)
+    scales = torch.randint(104, 141, (1, n, k // 32), generator=gen(byte)).to(torch.uint8)
+    scales[0, :4] = 140
+    y = fused_moe_gemm(x, sort, blocks, scales, config=cfg(16, 32, 64))
+    assert torch.equal(y, mxfp4_dequantize_torch(blocks[0], scales[0], torch.float16).t())
+    scales[0, 3, 1] = byte
+    with pytest.raises(ValueError, match=f"scales: bytes must be at most 140 .* got {byte}"):
+        fused_moe_gemm(x, sort, blocks, scales, config=cfg(16, 32, 64))
+    assert fused_module.scale_max(x) == 140 and fused_module.scale_max(x.bfloat16()) == 240  # (the interpreter's)
 
 
 def test_kernel_compiles_for_hopper():

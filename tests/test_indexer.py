@@ -155,6 +155,44 @@ def test_bad_inputs():
                                                                                                   dtype=torch.int32))
 
 
+def test_sizes_past_int32_raise_naming_them():
+    """num_cols and max_q size the output and the grid: past 2^31 - 1 a ValueError names each (num_cols = 2^31
+    named "max_q, num_cols" as one launch's limit, and max_q = 2^40 failed a device check on a wrapped value)."""
+    cache = paged_cache([20, 3], 16, 32)
+    limits, cu = decode_rows([20, 3], [1, 1])
+    q, w = random_queries(2, 4, 32, torch.Generator().manual_seed(0))
+    kw = dict(cu_seqlens_q=cu, block_table=cache.block_table, seq_lens=cache.seq_lens)
+    for name, extra in (("num_cols", dict(num_cols=2**31)), ("max_q", dict(max_q=2**40)),
+                        ("max_q", dict(max_q=2**31, num_cols=20, check_values=False))):
+        with pytest.raises(ValueError, match=f"^{name}: must be"):
+            dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, **kw, **extra)
+
+
+@pytest.mark.parametrize("byte", [0x7F, 0xFF])
+def test_nan_bytes_in_q_raise_with_value_checks(byte):
+    """An e4m3 NaN byte ((byte & 0x7F) == 0x7F) in q: with value checks on (the default) every indexer op raises a
+    ValueError naming q, within the checks' one transfer (the interpreter reads the byte as +-480, so the logits
+    came out finite); with checks off nothing is read (on a GPU the NaN propagates to the row's logits)."""
+    cache = paged_cache([20, 3], 16, 32)
+    limits, cu = decode_rows([20, 3], [2, 1])
+    q, w = random_queries(3, 4, 32, torch.Generator().manual_seed(1))
+    table, lens = cache.block_table, cache.seq_lens
+    bounds = dt.block_scores(q, w, cache.pmax, cache.pmin, table, lens, limits, 16, cu_seqlens_q=cu)
+    pages = dt.select_pages(bounds, 2)
+    q.view(torch.uint8)[1, 2, 5] = byte
+    calls = (lambda **kw: dt.indexer_logits(q, w, cache.ik, cache.ik_scale, limits, cu_seqlens_q=cu, block_table=table,
+                                            seq_lens=lens, **kw),
+             lambda **kw: dt.block_scores(q, w, cache.pmax, cache.pmin, table, lens, limits, 16, cu_seqlens_q=cu, **kw),
+             lambda **kw: dt.selected_page_logits(q, w, cache.ik, cache.ik_scale, table, lens, limits, pages,
+                                                  cu_seqlens_q=cu, **kw),
+             lambda **kw: dt.block_indexer_logits(q, w, cache.ik, cache.ik_scale, cache.pmax, cache.pmin, table, lens,
+                                                  limits, 2, cu_seqlens_q=cu, **kw))
+    for call in calls:
+        with pytest.raises(ValueError, match="^q: "):
+            call()
+        call(check_values=False)
+
+
 def test_cached_plan_of_the_fast_path():
     """Value checks off with the sizes given: the checked plan is cached; repeated calls give the checked
     answer into fresh (poisoned) outputs, with the key_starts / cu it made or the caller's new ones, and

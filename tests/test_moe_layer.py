@@ -118,6 +118,18 @@ def test_weight_errors_name_the_weight(path):
                 dt.moe_forward(*bad_args, **kwargs, config={"path": path})
 
 
+def test_fused_path_rejects_scale_bytes_past_the_fp16_bound():
+    """fp16 activations on the fused path: a scale byte above 140 (a weight past fp16's range there) raises naming the
+    scales, as fused_moe_gemm does; the workspace path (FP8 with its own scales) takes it."""
+    args, kwargs = layer(4, 6, 64, 32, DEEPSEEK, seed=12)
+    big = args[3].clone()
+    big[2, 5, 1] = 141
+    bad_args = (*args[:3], big, *args[4:])
+    with pytest.raises(ValueError, match="^gate_up_scales: bytes must be at most 140"):
+        dt.moe_forward(*bad_args, **kwargs, config={"path": "fused"})
+    dt.moe_forward(*bad_args, **kwargs, config={"path": "workspace"})
+
+
 def test_zero_tokens_give_an_empty_output():
     args, kwargs = layer(0, 6, 64, 32, DEEPSEEK)
     y = dt.moe_forward(*args, **kwargs)

@@ -40,7 +40,7 @@ def allocator_cases(draw):
     method = draw(st.sampled_from(["allocate", "peek", "free", "construct"]))
     if method == "construct":
         args = {"num_pages": n}
-        mutation, names = mutate(draw, args, {"valid": None, "num_pages": int_arg("num_pages", huge=False)})
+        mutation, names = mutate(draw, args, {"valid": None, "num_pages": int_arg("num_pages")})
         value = args["num_pages"]
         return Case("PageAllocator", mutation, args, lambda: dt.PageAllocator(value), names, lambda: None,
                     lambda out, _: None if allocator_state(out) == list(range(value)) else "not every page free")
@@ -116,12 +116,12 @@ def construct_cases(draw):
         return "", ("kv_dim", "index_dim")
 
     mutation, names = mutate(draw, kw, {
-        "valid": None, "num_pages": int_arg("num_pages", huge=False),
-        "page_size": int_arg("page_size", huge=False, special=((24, "24"),)),
-        "max_seqs": int_arg("max_seqs", huge=False),
-        "max_pages_per_seq": int_arg("max_pages_per_seq", kw["max_pages_per_seq"] or 1, huge=False),
-        "kv_dim": int_arg("kv_dim", kw["kv_dim"] or 1, huge=False, special=((-16, "-16"),)),  # (0: no such cache)
-        "index_dim": int_arg("index_dim", kw["index_dim"] or 1, huge=False),
+        "valid": None, "num_pages": int_arg("num_pages"),
+        "page_size": int_arg("page_size", special=((24, "24"),)),
+        "max_seqs": int_arg("max_seqs"),
+        "max_pages_per_seq": int_arg("max_pages_per_seq", kw["max_pages_per_seq"] or 1),
+        "kv_dim": int_arg("kv_dim", kw["kv_dim"] or 1, special=((-16, "-16"),)),  # (0: no such cache)
+        "index_dim": int_arg("index_dim", kw["index_dim"] or 1),
         "both dims 0": both_dims_zero,
         "summary_dtype": choice_arg("summary_dtype", [torch.float16, torch.int32, "bfloat16"]),
         "dtype": choice_arg("dtype", [torch.int32, torch.uint8, torch.float64, torch.float8_e4m3fn, "bfloat16"]),

@@ -138,7 +138,7 @@ def logits_cases(draw):
                            checked(element("seq_lens", [-1, capacity + 1], seq_names))),
         "key_starts": one_of(tensor_arg("key_starts", I32, start_names, like=lambda args: starts),
                              checked(element("key_starts", [-1, S + 1, S], start_names, like=lambda args: starts))),
-        "num_cols": int_arg("num_cols", 8, allow_none=True, huge=False),
+        "num_cols": int_arg("num_cols", 8, allow_none=True),
         "nan": element(("weights", "k_scale"), NAN, ()), "config": config_arg(LOGITS_SPEC)}, mutation)
     return _logits_case(mutation, args, names)
 
@@ -229,7 +229,7 @@ def select_cases(draw):
     args = {"bounds": bounds, "n_select": draw(st.integers(1, 14))}
     mutation, names = mutate(draw, args, {
         "bounds": tensor_arg("bounds", (torch.float32,)),
-        "n_select": int_arg("n_select", 3, huge=False),  # (2**31 columns: a valid, endless call)
+        "n_select": int_arg("n_select", 3),  # (2**31: past int32, a ValueError)
         "config": config_arg(SELECT_SPEC), "valid": None})  # (valid last: the least drawn)
     return Case("select_pages", mutation, args, lambda: dt.select_pages(**args), names,
                 lambda: select_pages_torch(args["bounds"], args["n_select"]),
@@ -308,8 +308,8 @@ def path_cases(draw):
     common = _common_mutations(p)
     del common["weights"]
     mutation, names = mutate(draw, args, {
-        **common, "pmax": tensor_arg("pmax", SUMMARY_DTYPES, BOUNDS), "n_select": int_arg("n_select", 2, huge=False),
-        "max_len": checked(int_arg("max_len", 8, huge=False, special=((1, "below a limit"),))),
+        **common, "pmax": tensor_arg("pmax", SUMMARY_DTYPES, BOUNDS), "n_select": int_arg("n_select", 2),
+        "max_len": checked(int_arg("max_len", 8, special=((1, "below a limit"),))),
         "config": config_arg(PATH_SPEC), "valid": None})  # (valid last: the least drawn, 3 launches)
     return _path_case(mutation, args, names)
 

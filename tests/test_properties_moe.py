@@ -91,10 +91,10 @@ def permute_cases(draw, kernel: bool):
         # (unchecked: unspecified outputs)
         "ids values": checked(element("topk_ids", [-1, E, 2**31 - 1]), "check_ids"),
         "topk_weights": tensor_arg("topk_weights", FLOATS, like=lambda args: torch.rand(T, top_k, generator=g)),
-        "num_experts": int_arg("num_experts", huge=False, names=("num_experts", "topk_ids"),
+        "num_experts": int_arg("num_experts", names=("num_experts", "topk_ids"),
                                special=((top_k - 1, "below top_k"),))}
     if kernel:
-        mutations.update(block_m=int_arg("block_m", 4, allow_none=True, huge=False), config=config_arg(PERMUTE_SPEC))
+        mutations.update(block_m=int_arg("block_m", 4, allow_none=True), config=config_arg(PERMUTE_SPEC))
     mutation, names = mutate(draw, args, mutations)
     return _permute_case(mutation, args, names, kernel)
 

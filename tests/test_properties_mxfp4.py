@@ -166,7 +166,7 @@ def workspace_cases(draw):
         return "", ("n", "k", "views")
 
     mutation, names = mutate(draw, args, {
-        "valid": None, "slots": int_arg("slots", huge=False),
+        "valid": None, "slots": int_arg("slots"),
         "shapes": choice_arg("shapes", [[], [(4, 0)], [(4.0, 32)], [(True, 32)], [(4, 32, 1)], [4, 32], None,
                                         [(-4, 32)], [(4, "32")]]),
         "device": choice_arg("device", ["nowhere", 3.5, None, "cuda:99"]),

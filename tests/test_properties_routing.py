@@ -8,7 +8,6 @@ import torch
 from hypothesis import strategies as st
 
 import dsa_triton as dt
-from dsa_triton.moe.route_topk import MAX_TOP_K
 from dsa_triton.moe.route_topk_spec import SPEC as ROUTE_SPEC
 from dsa_triton.moe.routing_reference import deepseek_topk_torch, route_torch, softmax_topk_torch
 
@@ -26,10 +25,10 @@ def selection_keys(logits, bias, mode):
     return keys.masked_fill(keys.isnan(), -math.inf)
 
 
-def routing_compare(logits, bias, mode, exact_ties: bool = False):
-    """The selected keys equal the reference's as a multiset, in descending order, no expert twice; the weights of
-    each expert equal the reference's where both chose the same experts (among equal keys either may be chosen,
-    unless ``exact_ties``: lowest expert first, as the reference)."""
+def routing_compare(logits, bias, mode):
+    """The selected keys equal the reference's as a multiset, in descending order, no expert twice, and the ids
+    equal the reference's (among equal keys the lowest expert first, in the kernel and the torch functions alike);
+    the weights of each expert equal the reference's."""
     def compare(out, ref):
         (weights, ids), (ref_weights, ref_ids) = out, ref
         if ids.shape != ref_ids.shape or weights.shape != ref_weights.shape:
@@ -48,7 +47,7 @@ def routing_compare(logits, bias, mode, exact_ties: bool = False):
             return "the chosen experts' selection keys differ from the reference's"
         if bool((got[:, 1:] > got[:, :-1]).any()):
             return "experts not in descending order of their keys"
-        if exact_ties and not torch.equal(ids, ref_ids):
+        if not torch.equal(ids, ref_ids):
             return "ids differ (ties go to the lowest expert)"
         same_rows = (ids.sort(1).values == ref_ids.sort(1).values).all(1)
         order, ref_order = ids.long().argsort(1), ref_ids.long().argsort(1)
@@ -218,9 +217,7 @@ def route_cases(draw, kernel: bool):
     op = dt.route_topk if kernel else dt.route
 
     def compare(out, ref):
-        routing = args["routing"]
-        in_kernel = kernel and routing.top_k <= MAX_TOP_K and args["logits"].shape[1] < 4096  # (else torch: any tie)
-        return routing_compare(args["logits"], args["bias"], routing.mode, exact_ties=in_kernel)(out, ref)
+        return routing_compare(args["logits"], args["bias"], args["routing"].mode)(out, ref)
 
     return Case("route_topk" if kernel else "route", mutation, args, lambda: op(**args), names,
                 lambda: route_torch(args["logits"], args["routing"], args["bias"]), compare)

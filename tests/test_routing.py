@@ -75,6 +75,21 @@ def test_route_dispatches_like_the_oracle(routing):
     torch.testing.assert_close(weights, ref_w)
 
 
+@pytest.mark.parametrize("routing", [RoutingConfig("deepseek", top_k=4, n_group=4, topk_group=2),
+                                     RoutingConfig("deepseek", top_k=5), RoutingConfig("softmax", top_k=5)])
+def test_exact_ties_take_the_lowest_expert_as_the_kernel_and_the_oracle(routing):
+    """Logits on a coarse grid (many exact ties, at the k-th key too): the torch functions (route, and route_topk's
+    fallback) choose the lowest experts among equal keys, as the kernel and the oracle do (torch.topk did not)."""
+    g = gen(17)
+    logits = torch.randint(-2, 3, (64, 24), generator=g).float()
+    bias = torch.zeros(24) if routing.mode == "deepseek" else None
+    weights, ids = dt.route(logits, routing, bias)
+    ref_w, ref_ids = route_torch(logits, routing, bias)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w)
+    assert torch.equal(dt.route_topk(logits, routing, bias)[1], ref_ids)
+
+
 def test_half_precision_logits_are_routed_in_fp32():
     logits = torch.randn(3, 8, generator=gen(5)).to(torch.bfloat16)
     weights, ids = deepseek_topk(logits, None, 2, 4, 2)

@@ -293,6 +293,32 @@ def test_nan_in_q_or_a_read_cache_row_gives_nan(num_splits):
         check(out[~nan_rows], lse[~nan_rows], ref_out[~nan_rows], ref_lse[~nan_rows])
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_an_infinite_score_gives_nan_in_the_kernel_and_the_reference(num_splits):
+    """A +inf score (here +inf in q against a positive key dim) has no softmax: the kernel's online softmax meets
+    inf - inf, and the reference (whose lse was +inf) agrees: NaN out and NaN lse for that query row, the others as
+    before. A -inf score is a probability of 0, like a skipped index (every score -inf: out 0, lse -inf)."""
+    g = torch.Generator().manual_seed(7 + num_splits)
+    B, H, L, k, P = 3, 4, 48, 32, 16
+    kv, table = paged_cache(1, L, P, g)
+    kv[..., D - 1] = kv[..., D - 1].abs() + 0.5  # a rope dim positive in every row (NaN rows stay NaN)
+    q = torch.randn(B, H, D, generator=g).half()
+    slots = slots_from_indices(pick(B, L, k, [k, 5, 9], g), table.expand(B, -1), P).to(torch.int32)
+    q[0, 1, D - 1] = float("inf")
+    q[2, 3, D - 1] = float("-inf")  # every score of row (2, 3) is -inf: as if no index were valid
+    config = {**CFG, "num_splits": num_splits}
+    keep = torch.ones(B, H, dtype=torch.bool)
+    keep[0, 1] = False
+    for op, oracle in ((dt.sparse_attention_decode, sparse_attention_decode_torch),
+                       (dt.sparse_attention_prefill, sparse_attention_prefill_torch)):
+        out, lse = op(q, kv, slots, 0.2, d_v=DV, config=config)
+        ref_out, ref_lse = oracle(q, kv, slots, 0.2, DV)
+        assert bool(ref_lse[0, 1].isnan()) and bool(ref_out[0, 1].isnan().all())
+        assert bool(lse[0, 1].isnan()) and bool(out[0, 1].isnan().all())
+        assert lse[2, 3] == ref_lse[2, 3] == float("-inf")
+        check(out[keep], lse[keep], ref_out[keep], ref_lse[keep])
+
+
 def test_out_of_range_indices_raise_before_launch(monkeypatch):
     """With check_values on (the default) an index outside the cache raises a ValueError naming ``indices``
     before any launch; off, nothing is checked on the host."""

@@ -263,6 +263,78 @@ def test_zero_signs_at_the_bound(candidate_counts):
     assert (scores.gather(1, out.long()).view(torch.int32) == 0).all()  # only +0.0 taken
 
 
+def relu_like(g, L, positives, zeros):
+    """A row of indexer-like scores: ``positives`` positive ones and ``zeros`` exact 0.0 (a ReLU's), at random
+    positions, the rest negative."""
+    row = -torch.rand(L, generator=g) - 0.5
+    at = torch.randperm(L, generator=g)
+    row[at[:zeros]] = 0.0
+    row[at[zeros:zeros + positives]] = torch.rand(positives, generator=g) + 1.0
+    return row
+
+
+def lowest_positions_rule(scores, k, lengths):
+    """The top k of each row by (score descending, position ascending), NaN as -inf, in plain Python (no zero
+    signs among the scores): ``[T, k]`` ascending, -1 last."""
+    out = torch.full((scores.shape[0], k), -1, dtype=torch.int32)
+    for t, n in enumerate(lengths.tolist()):
+        ranked = sorted((-(float("-inf") if v != v else v), p) for p, v in enumerate(scores[t, :n].tolist()))
+        chosen = sorted(p for _, p in ranked[:k])
+        out[t, :len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+    return out
+
+
+@pytest.mark.parametrize("config", [SMALL, cfg(SPLIT=2), cfg(ROUTE_MIN=2, HIST_BITS=8),
+                                    cfg(SEL_WARPS=8, SEL_TILE=1024)])
+def test_ties_go_to_the_lowest_positions(config, candidate_counts):
+    """Among scores equal to the k-th largest, the lowest positions are taken on every route: ties inside the
+    candidate buffer (pass 2 appends them in no position order) past PAIR and within it, ties over the whole row
+    (a buffer overflow, a short row), and NaN tied with -inf (NaN ranks as -inf). The reference follows the same
+    rule, and run_and_check compares the index sets exactly."""
+    g = torch.Generator().manual_seed(len(str(config)))
+    k, L = 64, 4500
+    rows = [relu_like(g, L, 20, zeros) for zeros in (150, 60, 2000, 0)]  # ties past PAIR, within it, overflow
+    short = relu_like(g, L, 10, 100)
+    short[300:] = float("nan")  # a short row (with ROUTE_MIN 64): pass 3 alone over 300 scores
+    mixed = []
+    for n in (L, 200):  # 30 finite, then NaN and -inf tie (over 200 with ROUTE_MIN 2: 100 candidates, tau -inf)
+        row = torch.full((L,), float("nan"))
+        row[torch.randperm(n, generator=g)[:70]] = float("-inf")
+        row[torch.randperm(n, generator=g)[:30]] = torch.rand(30, generator=g)
+        mixed.append(row)
+    scores = torch.stack(rows + [short] + mixed)
+    lengths = torch.tensor([L] * 4 + [300, L, 200], dtype=torch.int32)
+    out = run_and_check(scores, k, lengths, config=config)
+    counts = candidate_counts().tolist()
+    assert counts[:3] == [170, 80, 2020]  # the ties in the buffer (past PAIR = 64, then within it), an overflow
+    if config["ROUTE_MIN"] == 2:  # tau -inf: every number a candidate, NaN skipped, so pass 3 takes the row
+        assert counts[6] == int(scores[6, :200].isnan().logical_not().sum()) >= k
+    assert torch.equal(out.sort(dim=1).values, lowest_positions_rule(scores, k, lengths))
+    assert torch.equal(topk_indices_torch(scores, k, lengths).sort(dim=1).values,
+                       lowest_positions_rule(scores, k, lengths))
+
+
+def test_a_rows_selection_does_not_depend_on_its_batch():
+    """Many indexer scores are exactly 0.0 (the ReLU), so a row's top k holds ties: it is the same computed alone
+    and in batches of other rows (other lengths, another T, hence other launch configs and routes), with the
+    default configs (the greedy tokens of a prompt changed with its batch mates)."""
+    g = torch.Generator().manual_seed(31)
+    k = 64
+    target = relu_like(g, 3000, 30, 200)
+    alone = dt.topk_indices(target[None], k)
+    expected = lowest_positions_rule(target[None], k, torch.tensor([3000]))
+    assert torch.equal(alone.sort(dim=1).values, expected)
+    for T, L, lengths in ((3, 3000, [1000, 3000, 2500]), (5, 20000, [20000, 7, 3000, 12000, 400]),
+                          (40, 6000, [6000, 3000] * 20)):
+        batch = torch.stack([relu_like(g, L, 30, 500) for _ in range(T)])
+        lengths = torch.tensor(lengths, dtype=torch.int32)
+        at = lengths.tolist().index(3000)
+        batch[at] = float("nan")
+        batch[at, :3000] = target
+        out = dt.topk_indices(batch, k, lengths)
+        assert torch.equal(out[at].sort().values, expected[0]), (T, L)
+
+
 def nan_ranked_above_a_number(scores, idx, lengths):
     """Rows whose selection holds a NaN while a score it leaves out is neither NaN nor -inf."""
     bad = []
@@ -402,6 +474,8 @@ def _bad_calls():
         ("row_to_seq", lambda: dt.topk_indices(s, 4, **ok, row_to_seq=torch.tensor([0, 1, 2, 4], dtype=torch.int32))),
         ("row_to_seq", lambda: dt.topk_indices(s, 4, row_to_seq=torch.zeros(4, dtype=torch.int32))),
         ("out", lambda: dt.topk_indices(s, 4, out=torch.empty(4, 5, dtype=torch.int32))),
+        ("page_size", lambda: dt.topk_indices(s, 4, block_table=table, page_size=2**40)),  # was named block_table
+        ("num_pages", lambda: dt.topk_indices(s, 4, **ok, num_pages=2**31)),
         ("SPLIT", lambda: dt.topk_indices(s, 4, config=cfg(SPLIT=3))),
     ]
 

@@ -100,6 +100,14 @@ def test_bad_workspace_sizes_raise_naming_the_argument(slots, shapes, match):
         FP8Workspace(slots, shapes, "cpu")
 
 
+@pytest.mark.parametrize("slots, shapes, match", [(2**31, [(4, 32)], "slots"), (2, [(2**31, 32)], "shapes"),
+                                                  (2, [(4, 2**40)], "shapes")])
+def test_sizes_past_int32_raise_before_allocating(slots, shapes, match):
+    """A size past 2^31 - 1 raises naming it before the allocation (it was an allocation RuntimeError)."""
+    with pytest.raises(ValueError, match=match):
+        FP8Workspace(slots, shapes, "cpu")
+
+
 def test_views_fit_every_sized_shape_and_conversion_writes_into_them():
     ws = FP8Workspace(3, [(12, 96), (20, 32)], "cpu")
     with ws.acquire(2) as lease:

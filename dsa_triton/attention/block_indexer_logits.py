@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_out, check_positive
+from ..checks import INT32_MAX, check_int32, check_out
 from ..plans import PlanCache
 from ..hostmath import cdiv
 from .cache import PAGE_SIZES
+
 from ..registry import LaunchSpace
 from .indexer_logits import LogitsLaunch, call_cu, logits_shape, made_cu, tile_error
 from .indexer_checks import (QueryRows, check_block_table, check_pages, check_paged_keys, check_queries,
@@ -102,12 +103,17 @@ def _bound_launch(rows: QueryRows, q, weights, pmax, block_table, P: int, n_page
                         P, paged=True)
 
 
-def _selected_launch(rows: QueryRows, q, weights, k, block_table, n_select: int, config: dict) -> LogitsLaunch:
+def _selected_launch(rows: QueryRows, q, weights, k, block_table, n_select: int, config: dict,
+                     width: int | None = None) -> LogitsLaunch:
+    """The launch over the columns of ``n_select`` pages a row, into rows of ``width`` columns (default
+    ``n_select * P``; :func:`_selected` fills the columns past the launch's)."""
     P = k.shape[1]
-    strides = (q.stride(0), q.stride(1), weights.stride(0), k.stride(1), block_table.stride(0), n_select * P,
-               n_select)
-    return LogitsLaunch(SELECTED, rows.T, rows.H, rows.DK, rows.B, rows.max_q, n_select * P, strides,
-                        _selected_config(config), P, paged=True)
+    width = n_select * P if width is None else width
+    strides = (q.stride(0), q.stride(1), weights.stride(0), k.stride(1), block_table.stride(0), width, n_select)
+    launch = LogitsLaunch(SELECTED, rows.T, rows.H, rows.DK, rows.B, rows.max_q, n_select * P, strides,
+                          _selected_config(config), P, paged=True)
+    launch.width = width
+    return launch
 
 
 def _bounds(launch: LogitsLaunch, cu, q, weights, pmax, pmin, block_table, limits, out=None) -> torch.Tensor:
@@ -117,9 +123,13 @@ def _bounds(launch: LogitsLaunch, cu, q, weights, pmax, pmin, block_table, limit
 
 
 def _selected(launch: LogitsLaunch, cu, q, weights, k, k_scale, block_table, limits, pages):
-    out = torch.empty(launch.shape, dtype=torch.float32, device=q.device)
-    positions = torch.empty(launch.shape, dtype=torch.int32, device=q.device)
+    T, cols = launch.shape
+    out = torch.empty((T, launch.width), dtype=torch.float32, device=q.device)
+    positions = torch.empty((T, launch.width), dtype=torch.int32, device=q.device)
     launch(q, weights, k, k, k_scale, out, positions, limits, cu, block_table, cu, pages)
+    if launch.width > cols:  # columns of pages past those that exist: none selected
+        out[:, cols:].fill_(float("-inf"))
+        positions[:, cols:].fill_(-1)
     return out, positions
 
 
@@ -161,9 +171,10 @@ def block_scores(
     ``[T, num_cols]`` fp32 contiguous tensor to write (and return).
 
     The value checks (``check_values=True``; else the caller's promise), as in :func:`~dsa_triton.indexer_logits`:
-    ``cu_seqlens_q`` rises from 0 to ``T``, at most ``max_q`` rows a sequence, ``limits >= 0`` and at most the
-    sequence's ``seq_lens``, ``seq_lens[b]`` in ``[0, max_pages * page_size]``, every block-table entry of a used
-    page in ``[0, num_pages)``. A broken promise makes the kernel read outside the block table or the summaries.
+    no NaN byte in ``q``, ``cu_seqlens_q`` rises from 0 to ``T``, at most ``max_q`` rows a sequence, ``limits >= 0``
+    and at most the sequence's ``seq_lens``, ``seq_lens[b]`` in ``[0, max_pages * page_size]``, every block-table
+    entry of a used page in ``[0, num_pages)``. A broken promise makes the kernel read outside the block table or the
+    summaries (a NaN in ``q``: NaN bounds).
 
     On the GPU the summaries enter bf16 tensor-core dots; dequantized FP8 keys are exact in bf16, so
     the bound stays a bound up to fp32 rounding of the sums. A NaN in ``q``, a weight or a page's summaries (a page
@@ -251,16 +262,19 @@ def block_indexer_logits(
 
     Returns ``(logits [T, n_select * P] fp32, positions [T, n_select * P] int32)`` as
     :func:`selected_page_logits`, and the bounds ``[T, ceil(max_len / P)]`` third with
-    ``return_bounds``. ``max_len``: at least ``max(limits)`` (sizes the bound matrix; default read off
-    ``limits``). Everything is checked once, up front (one device-to-host transfer); with
-    ``check_values=False``, ``max_len`` and ``max_q`` given, none (CUDA-graph safe). Three launches.
+    ``return_bounds``. ``max_len``: at least ``max(limits)``, at most 2^31 - 1 (sizes the bound matrix; default
+    read off ``limits``). ``n_select``: 1 to ``(2^31 - 1) // P`` (the columns are int32); at most
+    ``ceil(max_len / P)`` pages exist to select: the launches cover those, and the columns past them are -inf / -1,
+    one fill each, so the work does not grow with ``n_select`` beyond the pages. Everything is checked once, up
+    front (one device-to-host transfer); with ``check_values=False``, ``max_len`` and ``max_q`` given, none
+    (CUDA-graph safe). Three launches.
     The value checks are those of :func:`block_scores` and ``max_len >= max(limits)``; a ``max_len`` below a
     limit (checks off) reads nothing outside, but pages past ``max_len`` are never scored. A key appended with a
     NaN or an inf is never returned: its page's bound is NaN, and NaN bounds are never selected.
     """
-    check_positive("n_select", n_select)
+    check_int32("n_select", n_select)
     if max_len is not None:
-        check_positive("max_len", max_len)
+        check_int32("max_len", max_len)
     key = plan = None
     if not check_values and max_len is not None and (cu_seqlens_q is None or max_q is not None) and (
             isinstance(k, torch.Tensor) and k.dim() == 3 and k.shape[1] > 0):  # no device value: cache the plan
@@ -284,6 +298,7 @@ def _checked_path_plan(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens
     launches and the ``cu`` it made when ``cu_seqlens_q`` is None."""
     rows = check_queries(q, weights, limits, cu_seqlens_q, max_q, check_values)
     P = check_paged_keys(rows, k, k_scale, block_table, seq_lens, limits)
+    check_int32("n_select", n_select, 1, INT32_MAX // P)  # the logits' columns are int32 (e.g. for the top-k)
     check_summaries(rows, pmax, pmin)
     if pmax.shape[0] != k.shape[0]:
         raise ValueError(f"pmax: {pmax.shape[0]} pages, but k has {k.shape[0]}")
@@ -292,6 +307,8 @@ def _checked_path_plan(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens
     rows.finish(limits, need_max_limit=max_len is None)
     n_pages = cdiv(rows.max_limit if max_len is None else max_len, P)
     config = _path_config(config, rows, block_table, P)
+    selectable = min(n_select, n_pages)  # pages that can be selected: the launches' width
     return (_bound_launch(rows, q, weights, pmax, block_table, P, n_pages, config),
-            SelectLaunch(rows.T, n_pages, n_select, n_pages, rows.device),
-            _selected_launch(rows, q, weights, k, block_table, n_select, config), made_cu(rows, cu_seqlens_q))
+            SelectLaunch(rows.T, n_pages, selectable, n_pages, rows.device),
+            _selected_launch(rows, q, weights, k, block_table, selectable, config, n_select * P),
+            made_cu(rows, cu_seqlens_q))

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from ..checks import check_device, check_positive, check_tensor
+from ..checks import INT32_MAX, check_int32, check_device, check_tensor
 from ..hostmath import cdiv
 from .append_tokens import check_cache_tensors, check_append_values, append_plan, launch_append
 from .formats import PAGE_SIZES, ROW_DTYPES, SUMMARY_DTYPES, check_fp8_latent_layout, fp8_latent_bytes
@@ -73,7 +73,7 @@ class PageAllocator:
     A call that raises changes nothing."""
 
     def __init__(self, num_pages: int):
-        check_positive("num_pages", num_pages)
+        check_int32("num_pages", num_pages)  # page ids are int32
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))
         self._is_free = bytearray([1]) * num_pages
@@ -133,7 +133,8 @@ class PagedCache:
     allocator or the caches.
 
     Construction checks every argument before allocating: a size, dtype, device or layout it cannot hold raises a
-    ValueError naming the argument.
+    ValueError naming the argument. Slots and positions are int32: ``num_pages`` and ``max_pages_per_seq`` at most
+    ``(2^31 - 1) // page_size``, ``max_seqs`` at most 2^31 - 1.
     """
 
     def __init__(
@@ -153,13 +154,15 @@ class PagedCache:
     ):
         from ..runtime import default_device
 
-        check_positive("num_pages", num_pages)
-        check_positive("max_seqs", max_seqs)
         if type(page_size) is not int or page_size not in PAGE_SIZES:  # 16.0 == 16 would reach torch.full
             raise ValueError(f"page_size: must be one of {PAGE_SIZES}, got {page_size!r}")
+        # slots (page * P + offset) and positions are int32
+        check_int32("num_pages", num_pages, 1, INT32_MAX // page_size)
+        check_int32("max_seqs", max_seqs)
         for name, dim in (("kv_dim", kv_dim), ("index_dim", index_dim)):
             if type(dim) is not int or dim < 0:
                 raise ValueError(f"{name}: must be an integer >= 0, got {dim!r}")
+            check_int32(name, dim, 0)
         if kv_dim + index_dim == 0:
             raise ValueError("kv_dim, index_dim: must not both be 0")
         if not isinstance(dtype, torch.dtype) or dtype not in ROW_DTYPES:
@@ -172,8 +175,8 @@ class PagedCache:
             if type(rope_dim) is not int or not 0 <= rope_dim < kv_dim:
                 raise ValueError(f"rope_dim: must be an integer in [0, {kv_dim}) (kv_dim), got {rope_dim!r}")
             check_fp8_latent_layout("kv_dim, rope_dim", kv_dim - rope_dim, rope_dim)
-        max_pages_per_seq = num_pages if max_pages_per_seq is None else check_positive("max_pages_per_seq",
-                                                                                      max_pages_per_seq)
+        max_pages_per_seq = num_pages if max_pages_per_seq is None else check_int32(
+            "max_pages_per_seq", max_pages_per_seq, 1, INT32_MAX // page_size)
         device = check_device("device", device) if device is not None else default_device()
         self.page_size, self.max_seqs, self.max_pages_per_seq = page_size, max_seqs, max_pages_per_seq
         self.kv_dim, self.kv_dtype, self.rope_dim = kv_dim, kv_dtype, rope_dim

@@ -34,8 +34,6 @@ ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # latent rows kept 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 LATENT_GROUP = 128  # latent values per fp32 scale in the FP8 latent cache
-
-
 def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x[..., D]`` float -> ``(x8[..., D] float8_e4m3fn, scale[...] fp32)``, one power-of-two scale per row.
 

@@ -13,8 +13,9 @@ from typing import Callable
 
 import torch
 
-from ..checks import check_kernel_device, check_tensor
+from ..checks import INT32_MAX, check_int32, check_kernel_device, check_tensor
 from .cache import PAGE_SIZES, SUMMARY_DTYPES
+
 
 
 class DeviceChecks:
@@ -84,7 +85,7 @@ class QueryRows:
 
 
 def check_queries(q, weights, limits, cu_seqlens_q, max_q: int | None = None, check_values: bool = True) -> QueryRows:
-    """q ``[T, H, DK]`` e4m3, weights ``[T, H]`` fp32, limits ``[T]`` int32 (>= 0), cu ``[B + 1]`` int32
+    """q ``[T, H, DK]`` e4m3 without NaN, weights ``[T, H]`` fp32, limits ``[T]`` int32 (>= 0), cu ``[B + 1]`` int32
     rising from 0 to T (default: one sequence holding every row); ``max_q`` the most rows of a sequence."""
     check_tensor("q", q, dtype=torch.float8_e4m3fn, ndim=3)
     device = check_kernel_device("q", q)
@@ -109,6 +110,8 @@ def check_queries(q, weights, limits, cu_seqlens_q, max_q: int | None = None, ch
     if max_q is not None:
         rows.checks.fail_if(lambda: (cu[1:] - cu[:-1]) > max_q, f"max_q: a sequence has more than {max_q} rows")
     rows.checks.fail_if(lambda: limits < 0, "limits: must be >= 0")
+    # e4m3 NaN is (byte & 0x7F) == 0x7F (the interpreter reads it as +-480: the check is the one guard there)
+    rows.checks.fail_if(lambda: (q.view(torch.uint8) & 0x7F) == 0x7F, "q: holds NaN (an e4m3 byte 0x7F or 0xFF)")
     return rows
 
 
@@ -204,9 +207,8 @@ def check_pages(rows: QueryRows, pages, seq_lens, P: int) -> None:
 
 
 def check_size(name: str, value, default: int | None = None) -> int | None:
-    """An optional size: ``default`` for ``None``, else an ``int`` >= 0 (not a bool)."""
+    """An optional size: ``default`` for ``None``, else an ``int`` in ``[0, 2^31 - 1]`` (not a bool: sizes index
+    int32 positions and columns)."""
     if value is None:
         return default
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
-    return value
+    return check_int32(name, value, 0, INT32_MAX)

@@ -148,16 +148,18 @@ def indexer_logits(
         out: optional ``[T, num_cols]`` fp32 contiguous tensor to write (and return).
 
     The value checks, which a caller with ``check_values=False`` promises instead: ``cu_seqlens_q`` rises from 0
-    to ``T``; no sequence has more than ``max_q`` rows; ``limits >= 0``. Paged: ``seq_lens[b]`` in
+    to ``T``; no sequence has more than ``max_q`` rows; ``limits >= 0``; no NaN byte in ``q``. Paged: ``seq_lens[b]`` in
     ``[0, max_pages * P]``, every row's limit at most its sequence's ``seq_lens``, and every block-table entry of a
     page below ``seq_lens[b]`` in ``[0, num_pages)``. Contiguous: ``key_starts`` in ``[0, S]`` and
     ``key_starts[b] + limits[t] <= S``. A broken promise makes the kernel read outside ``q``, ``weights``,
     ``limits``, the keys, the block table or ``key_starts``, write outside the output (``cu_seqlens_q``), or leave
     rows unwritten (a sequence longer than ``max_q``). Limits past ``num_cols`` are cut at ``num_cols``.
 
-    Non-finite values are not checked (the append op rejects non-finite keys when its checks are on). A NaN in
-    ``q``, a weight, a key or a key scale makes every logit it enters NaN, never a finite number (a key appended
-    with a NaN or an inf has a NaN scale); an infinite weight gives an infinite or NaN logit.
+    Non-finite values: the value checks reject a NaN in ``q`` (an e4m3 byte with ``byte & 0x7F == 0x7F``; the
+    Triton interpreter would read it as +-480), nothing else (the append op rejects non-finite keys when its checks
+    are on). Unchecked, a NaN in ``q``, a weight, a key or a key scale makes every logit it enters NaN, never a
+    finite number (a key appended with a NaN or an inf has a NaN scale); an infinite weight gives an infinite or
+    NaN logit.
     """
     key = plan = None
     if not check_values and num_cols is not None and (cu_seqlens_q is None or max_q is not None):  # no device value

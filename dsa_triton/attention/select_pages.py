@@ -13,11 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import check_kernel_device, check_out, check_positive, check_tensor
+from ..checks import check_int32, check_kernel_device, check_out, check_tensor
 from ..hostmath import next_pow2
 from ..launch import launch_with
 from ..plans import PlanCache
 from ..registry import LaunchSpace
+
 
 _NEG_INF_KEY = tl.constexpr(0x7FFFFF)  # key of -inf (and of NaN)
 
@@ -81,15 +82,17 @@ def _select_pages_kernel(bounds_ptr, out_ptr, n, n_select, stride_b, stride_o, T
 
 
 class SelectLaunch:
-    """One :func:`_select_pages_kernel` launch but its tensors (``pages`` is a fresh ``[T, n_select]``)."""
+    """One :func:`_select_pages_kernel` launch but its tensors (``pages`` is a fresh ``[T, n_select]``). The kernel
+    writes the first ``min(n_select, n_pages)`` slots of a row (no more pages exist); one fill the -1 after them."""
 
     def __init__(self, T: int, n_pages: int, n_select: int, bounds_stride: int, device: torch.device,
                  config: dict | None = None) -> None:
         shape = {"T": T, "pages": n_pages, "SEL": n_select}
         config = LAUNCH.launch_config("decode", shape, device) if config is None else LAUNCH.validate(config, shape)
         self.shape = (T, n_select)
-        self.grid = (T,) if T else None
-        self.args = (n_pages, n_select, bounds_stride, n_select)
+        self.written = min(n_select, n_pages)
+        self.grid = (T,) if T and self.written else None
+        self.args = (n_pages, self.written, bounds_stride, n_select)
         self.meta = dict(TILE=config["TILE"], num_warps=config["num_warps"])
 
     def __call__(self, bounds: torch.Tensor, pages: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,6 +100,8 @@ class SelectLaunch:
             pages = torch.empty(self.shape, dtype=torch.int32, device=bounds.device)
         if self.grid is not None:
             launch_with(_select_pages_kernel, self.grid, self.meta, bounds, pages, *self.args)
+        if self.written < self.shape[1]:
+            pages[:, self.written:].fill_(-1)
         return pages
 
 
@@ -111,10 +116,11 @@ def select_pages(bounds: torch.Tensor, n_select: int, *, config: dict | None = N
     kernel reads only ``bounds``.
 
     ``bounds``: ``[T, n_pages]`` fp32 (e.g. from :func:`~dsa_triton.block_scores`), last dim contiguous.
+    ``n_select``: 1 to 2^31 - 1.
     ``config``: ``{"TILE", "num_warps"}`` (default: the tuning database / the registry default).
     ``out``: optional ``[T, n_select]`` int32 contiguous tensor to write (and return).
     """
-    check_positive("n_select", n_select)
+    check_int32("n_select", n_select)
     key, launch = _PLANS.find((bounds, out), (n_select,), config)
     if launch is None:
         check_tensor("bounds", bounds, dtype=torch.float32, ndim=2)

@@ -23,6 +23,9 @@ them, ``D - d_v`` bf16 rope values; :mod:`.formats`), which the kernels dequanti
 Non-finite values (checked or not: the checks look at indices only): NaN in, NaN out. A NaN in a query row
 makes that row's out and lse NaN; a NaN in a cache row makes NaN every query row whose index set reads it
 (never -inf, which would claim an empty row). Cache rows no index names are never read and may hold anything.
+An infinite q or cache value gives infinite scores: a +inf score makes its query row's out and lse NaN (the
+softmax meets ``inf - inf``; never an lse of +inf with a NaN out), a -inf score is a probability of 0, like a
+skipped index (a row of only -inf scores gives out 0 and lse -inf).
 
 On an H200 (sm_90, outside the interpreter) a call with bf16 q and DSA dims (a bf16 cache or the FP8 latent cache)
 whose config is 64 query rows x 64-token tiles at 8 warps runs the Gluon seesaw kernel of

@@ -113,7 +113,8 @@ def _sparse_attention_fwd(
     ``[R, M, NUM_SPLITS, D_V]`` and lse ``[R, M, NUM_SPLITS]`` (with one split: the final out and lse).
     ``DOT_FP32``: upcast the dot operands to fp32 (bf16 in the interpreter, whose bf16 ``tl.dot`` is wrong);
     the probabilities are rounded to the cache dtype first either way. A NaN score makes ``l_i`` NaN, and
-    out and lse NaN with it (only ``l_i == 0`` is an empty row). ``KV_FP8``: ``kv_ptr`` holds FP8 latent cache
+    out and lse NaN with it (only ``l_i == 0`` is an empty row); so does a +inf score (``exp2(inf - inf)``); a -inf
+    score adds 0. ``KV_FP8``: ``kv_ptr`` holds FP8 latent cache
     rows of ``s_kv`` bytes (rope values at byte ``ROPE_AT``), dequantized into q's dtype (the "cache dtype"
     above)."""
     pid = tl.program_id(0)

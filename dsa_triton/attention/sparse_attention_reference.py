@@ -40,6 +40,8 @@ def sparse_attention_torch(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tenso
                            d_v: int, magnitude: bool = False) -> tuple[torch.Tensor, ...]:
     """fp32 oracle. ``q[R, M, D]``, ``kv[num_slots, D]``, ``slots[R, k]`` (-1 skipped) -> ``out[R, M, d_v]`` fp32,
     ``lse[R, M]`` fp32 natural log; a row without a valid slot gives out 0 and lse -inf. Chunked over R.
+    Non-finite scores as the kernels: a -inf score is a probability of 0 (a row of only -inf scores gives out 0 and
+    lse -inf), a +inf score makes the row's out and lse NaN (the online softmax's ``inf - inf``), as does a NaN.
     ``magnitude``: also ``sum_j p_j |v_j|`` ``[R, M, d_v]``, what rounding the probabilities to the cache dtype
     (as the kernels do before the value dot) can move an output by, times the dtype's unit roundoff."""
     R, M, D = q.shape
@@ -57,6 +59,7 @@ def sparse_attention_torch(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tenso
         scores = torch.einsum("rmd,rkd->rmk", q[r0:r0 + step].float(), rows) * sm_scale
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is valid
+        row_lse = row_lse.masked_fill(row_lse == float("inf"), float("nan"))  # a +inf score: inf - inf, as the kernels
         p = torch.exp(scores - row_lse.masked_fill(row_lse == float("-inf"), 0)[..., None])
         out[r0:r0 + step] = torch.einsum("rmk,rkv->rmv", p, rows[..., :d_v])
         lse[r0:r0 + step] = row_lse

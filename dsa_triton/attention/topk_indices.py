@@ -14,13 +14,14 @@ from contextlib import contextmanager
 
 import torch
 
-from ..checks import check_kernel_device, check_positive, check_tensor
+from ..checks import check_int32, check_kernel_device, check_positive, check_tensor
 from ..plans import PlanCache
 from ..hostmath import cdiv
 from ..launch import launch_with
 from ..registry import LaunchSpace
 from ..runtime import interpreting
 from .topk_indices_kernels import INFO_COUNT, INFO_WORDS, topk_bound_kernel, topk_collect_kernel, topk_select_kernel
+
 from .topk_indices_reference import pages_in_use
 
 MAX_K = 4096
@@ -174,9 +175,9 @@ def _check_arguments(scores, k, lengths, block_table, page_size, row_to_seq, num
                 raise ValueError(f"{name}: only meaningful with block_table, which is None")
         return
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=device)
-    check_positive("page_size", page_size)
+    check_int32("page_size", page_size)  # slots are int32
     if num_pages is not None:
-        check_positive("num_pages", num_pages)
+        check_int32("num_pages", num_pages)
     B, max_pages = block_table.shape
     if max_pages * page_size < L:
         raise ValueError(f"block_table: {max_pages} pages of page_size {page_size} cover {max_pages * page_size} "
@@ -234,10 +235,10 @@ def topk_indices(
             Scores at or beyond a row's length are never read, so they may hold anything (NaN).
         block_table: optional ``[B, max_pages]`` int32 with ``max_pages * page_size >= L``: returns
             physical slots ``block_table[seq, i // page_size] * page_size + i % page_size``.
-        page_size: page size of ``block_table`` (any positive integer; required with it).
+        page_size: page size of ``block_table`` (1 to 2^31 - 1; required with it).
         row_to_seq: optional ``[T]`` int32, the sequence (row of ``block_table``) of each row;
             default row t -> sequence t (then ``B >= T``).
-        num_pages: optional size of the paged cache: block-table entries in use must be below it.
+        num_pages: optional size of the paged cache (1 to 2^31 - 1): block-table entries in use must be below it.
         check_values: range-check ``lengths``, ``row_to_seq`` and the block-table entries in use
             (one device-to-host copy) and raise a ValueError naming the argument before launch.
             Skipped inside CUDA-graph capture; pass False in hot loops when the inputs are known good.
@@ -250,13 +251,15 @@ def topk_indices(
 
     Returns:
         ``idx[T, k]`` int32. Row t holds ``min(k, lengths[t])`` indices first, in no particular order
-        (it may differ between runs), then -1. Exact: the multiset of selected scores equals that of
-        a sorted top-k; among equal scores any may be taken.
+        (it may differ between runs), then -1. Exact: the top k by (score descending, position ascending),
+        scores ordered as fp32 sort keys (-0.0 below +0.0): among scores equal to the k-th largest the lowest
+        positions are taken, so a row's set of positions never depends on its batch, the launch config or the
+        route the kernels take.
 
     Non-finite scores (inside a row's length; not rejected, with value checks on or off): ``+inf`` is
     the highest score and ``-inf`` a valid, lowest one (taken only when fewer than k larger ones exist).
     NaN, of either sign and any payload, ranks as ``-inf``: a NaN is never taken over a score that is
-    not ``-inf`` or NaN, and among NaN and ``-inf`` any may be taken.
+    not ``-inf`` or NaN, and NaN and ``-inf`` are equal (the lowest positions first).
     """
     key, plan = _PLANS.find((scores, lengths, block_table, row_to_seq, out), (k, page_size, num_pages), config)
     if plan is None:

@@ -20,12 +20,15 @@ A row of ``n`` selectable positions takes one of three routes, decided inside th
   2. *collect* (grid ``T x SPLIT``): append every score ``>= tau`` and its position to the row's candidate
      buffer of ``CAP_K * k`` entries (one atomic per tile), and keep the largest. Correctness never
      rests on the bound: pass 3 uses the buffer only when it holds at least k and at most ``CAP_K * k``
-     scores (then it holds the top k), and otherwise goes over the row (ties, clustered values, NaN).
+     scores (then it holds the top k) and ``tau`` is above -inf (NaN, skipped here, ties with -inf), and
+     otherwise goes over the row (ties, clustered values, NaN).
   3. *select* (grid ``T``): radix select, ``SEL_BITS`` per digit, from the top bit of the candidates'
      span above ``tau`` (32 bits over a whole row). Once the scores left on the threshold's prefix fit
      the buffer they are compacted into it (those above it are written out); once at most ``PAIR``
-     are left, each one's rank among them comes from all-pairs comparisons. Without either (ties),
-     a last sweep writes the scores above the k-th largest and enough equal ones to reach k. Then the
+     are left, the k-th largest among them comes from all-pairs comparisons. Without either (ties),
+     a last sweep writes the scores above the k-th largest and enough equal ones to reach k. Among scores
+     equal to the k-th largest the lowest positions are taken: the row and its compaction keep position
+     order; pass 2's candidates do not, and their ties go through a radix select on the positions. Then the
      optional block-table translation and -1 padding.
 
 Workspace: one int32 allocation, no memset: pass-1 partial histograms ``[T, SPLIT, NB]`` (every bin
@@ -284,10 +287,10 @@ def topk_collect_kernel(scores, stride_t, L, lengths, work, info_off, cand_off, 
     """Pass 2, grid (T, SPLIT): append scores ``>= tau`` to row t's candidates; the largest one's key.
 
     NaN scores are skipped: they rank as -inf, and a row whose top k needs them overflows to pass 3's
-    route over the whole row. A tile is ``COLS = 32 * WARPS`` columns by ``TILE / COLS`` rows (score
-    ``r * COLS + c`` at ``[c, r]``), a column per thread; scalar loads (declared non-contiguous) keep
-    loads, ranks and scattered stores in one layout. Full tiles load without a mask, the next one before
-    this one's atomic returns.
+    route over the whole row (as does every row whose ``tau`` is -inf: NaN ties with -inf there). A tile is
+    ``COLS = 32 * WARPS`` columns by ``TILE / COLS`` rows (score ``r * COLS + c`` at ``[c, r]``), a column per
+    thread; scalar loads (declared non-contiguous) keep loads, ranks and scattered stores in one layout. Full tiles
+    load without a mask, the next one before this one's atomic returns.
     """
     t = tl.program_id(0)
     n = _row_length(lengths, t, L, HAS_LENGTHS)
@@ -332,6 +335,31 @@ def _load_source(row, buf, from_buf, start, n_src, base, TILE: tl.constexpr):
 
 
 @triton.jit
+def _position_hist(idx, on, n, v_thr, v_hi, shift, NB: tl.constexpr):
+    """Histogram of the digit ``[shift, v_hi)`` of ``v = n - 1 - idx`` (larger for lower positions ``idx < n``) over
+    the entries ``on`` whose ``v`` has ``v_thr``'s bits at and above ``v_hi`` (at most 31)."""
+    v = n - 1 - idx
+    on = on & ((v >> v_hi) == (v_thr >> v_hi))
+    return tl.histogram((v >> shift) & ((1 << (v_hi - shift)) - 1), NB, mask=on)
+
+
+@triton.jit
+def _lowest_positions(idx, on, count, n, SEL_BITS: tl.constexpr):
+    """The ``count``-th lowest (``count >= 1``) of the distinct positions ``idx < n`` where ``on``, a vector in
+    registers: a radix select of ``v = n - 1 - idx``, ``SEL_BITS`` a digit from the top."""
+    NB: tl.constexpr = 1 << SEL_BITS
+    v_thr = tl.full([], 0, tl.int32)
+    v_hi = _bit_length((n - 1).to(tl.int64))
+    while v_hi > 0:
+        shift = tl.maximum(v_hi - SEL_BITS, 0)
+        d, above = _select_bin(_position_hist(idx, on, n, v_thr, v_hi, shift, NB), count, NB)
+        count -= above
+        v_thr = v_thr | (d << shift)
+        v_hi = shift
+    return n - 1 - v_thr
+
+
+@triton.jit
 def _write_indices(out_row, pos, idx, mask, table_row, page_size, HAS_TABLE: tl.constexpr):
     """``out_row[pos] = idx`` where mask, translated to physical slots through the block table."""
     if HAS_TABLE:
@@ -345,19 +373,26 @@ def topk_select_kernel(scores, stride_t, L, lengths, work, info_off, cand_off, o
                         block_table, stride_bt, row_to_seq, page_size,
                         HAS_LENGTHS: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_ROW_TO_SEQ: tl.constexpr,
                         SEL_BITS: tl.constexpr, TILE: tl.constexpr, PAIR: tl.constexpr):
-    """Pass 3, grid (T,): the k largest of row t's candidates or, on the other routes, of the row.
+    """Pass 3, grid (T,): the k largest of row t's candidates or, on the other routes, of the row; among entries
+    equal to the k-th largest, those of the lowest positions.
 
     Keys are taken relative to ``base`` (``u = key - base`` as uint32: every source key is above it);
     ``thr`` collects the digits of the k-th largest ``u`` from bit ``hi`` down. After a digit, when the entries left on
     ``thr``'s prefix fit the buffer and are at most half the source (or at most ``PAIR``), one sweep
     writes out those above the prefix and moves those on it to the buffer's front (in place when the
-    source is the buffer: every entry moves to a lower slot of the tile already read).
+    source is the buffer: every entry moves to a lower slot of the tile already read). Ties by position: a sweep
+    over the row, and a compaction of it, keep position order, so the first ties in source order are the lowest;
+    pass 2's candidates are in no position order, so when more than ``PAIR`` of them tie with the k-th largest a
+    radix select over their positions (``SEL_BITS`` a digit, lowest first, one sweep a digit) finds the last one
+    taken; at most ``PAIR`` entries left find it in registers (no positions in the all-pairs comparisons).
     """
     t = tl.program_id(0)
     n = _row_length(lengths, t, L, HAS_LENGTHS)
     info = work + info_off + t * INFO_WORDS
     c = tl.load(info + INFO_COUNT)  # not written (garbage) when the row skipped passes 1-2: unused then
-    from_buf = (n >= route_min) & (c >= k) & (c <= cap)
+    # (tau = -inf: the candidates lack the NaN, which tie with -inf; pass 3 goes over the row)
+    from_buf = (n >= route_min) & (c >= k) & (c <= cap) & (tl.load(info + INFO_BASE) != _NEG_INF_KEY - 1)
+    by_position = not from_buf  # the source is in position order (the row, or the row compacted into the buffer)
     buf = (work + cand_off).to(tl.pointer_type(tl.int64)) + t.to(tl.int64) * cap
     row = scores + t.to(tl.int64) * stride_t
     n_src = tl.where(from_buf, c, n)
@@ -380,6 +415,7 @@ def topk_select_kernel(scores, stride_t, L, lengths, work, info_off, cand_off, o
     n_above = tl.full([], 0, tl.int32)
     need = tl.full([], 0, tl.int32) + k
     written = tl.full([], 0, tl.int32)
+    tied = n_src  # entries on thr's prefix (after the last digit: equal to the k-th largest)
     if n > k:
         while (hi > 0) & (n_src > PAIR):
             shift = tl.maximum(hi - SEL_BITS, 0)
@@ -390,6 +426,7 @@ def topk_select_kernel(scores, stride_t, L, lengths, work, info_off, cand_off, o
                 hist += tl.histogram(((u >> shift) & ((1 << (hi - shift)) - 1)).to(tl.int32), NB, mask=ok)
             d, above = _select_bin(hist, need, NB)
             on_prefix = tl.sum(tl.where(tl.arange(0, NB) == d, hist, 0), 0)
+            tied = on_prefix
             n_above += above
             need -= above
             thr = thr | (d.to(tl.uint32) << shift)
@@ -411,19 +448,45 @@ def topk_select_kernel(scores, stride_t, L, lengths, work, info_off, cand_off, o
                 from_buf = tl.full([], 1, tl.int1)
                 n_src = kept
     if (n > k) & (n_src <= PAIR):
-        # the entries left are those on thr's prefix: rank each among them (equal keys by slot)
+        # the entries left are those on thr's prefix: the need-th largest key among them (each one's count of keys at
+        # or above it, from all-pairs comparisons), every entry above it, and the lowest positions of those equal
         _, u, ok, idx = _load_source(row, buf, from_buf, 0, n_src, base, PAIR)
         key = tl.where(ok, (u ^ 0x80000000).to(tl.int32, bitcast=True), -(2**31))  # same order, signed
-        slot = tl.arange(0, PAIR)
-        beaten = (key[None, :] > key[:, None]) | ((key[None, :] == key[:, None]) & (slot[None, :] < slot[:, None]))
-        rank = tl.sum(beaten.to(tl.int32), axis=1)
-        _write_indices(out_row, n_above + rank, idx, ok & (rank < need), table_row, page_size, HAS_TABLE)
+        at_least = tl.sum((key[None, :] >= key[:, None]).to(tl.int32), axis=1)
+        kth = tl.max(tl.where(ok & (at_least >= need), key, -(2**31)), 0)
+        above = ok & (key > kth)
+        tie = ok & (key == kth)
+        wanted = need - tl.sum(above.to(tl.int32), 0)
+        last = tl.full([], 2**31 - 1, tl.int32)
+        if tl.sum(tie.to(tl.int32), 0) > wanted:  # more equal keys than places: the lowest positions
+            last = _lowest_positions(idx, tie, wanted, n, SEL_BITS)
+        take = above | (tie & (idx <= last))
+        _write_indices(out_row, n_above + tl.cumsum(take.to(tl.int32), 0) - 1, idx, take, table_row, page_size,
+                       HAS_TABLE)
     else:  # also rows with n <= k: every entry counts as above
+        last = tl.full([], 2**31 - 1, tl.int32)  # ties at positions up to last are taken (the first need of them)
+        if (n > k) & (not by_position) & (tied > need):
+            # more than PAIR exact ties (all of u is fixed) in pass 2's order: the need-th lowest of their positions,
+            # by a radix select of v = n - 1 - position over the source (the largest v first, as above)
+            v_thr = tl.full([], 0, tl.int32)
+            v_need = need
+            v_hi = _bit_length((n - 1).to(tl.int64))  # at most 31
+            while v_hi > 0:
+                shift = tl.maximum(v_hi - SEL_BITS, 0)
+                hist = tl.zeros([NB], tl.int32)
+                for start in range(0, n_src, TILE):
+                    _, u, ok, idx = _load_source(row, buf, from_buf, start, n_src, base, TILE)
+                    hist += _position_hist(idx, ok & (u == thr), n, v_thr, v_hi, shift, NB)
+                d, above = _select_bin(hist, v_need, NB)
+                v_need -= above
+                v_thr = v_thr | (d << shift)
+                v_hi = shift
+            last = n - 1 - v_thr
         done_ties = tl.full([], 0, tl.int32)
         for start in range(0, n_src, TILE):
             _, u, ok, idx = _load_source(row, buf, from_buf, start, n_src, base, TILE)
             above = ok & ((u > thr) | (n <= k))
-            tie = ok & (u == thr)
+            tie = ok & (u == thr) & (idx <= last)
             packed = above.to(tl.int32) + tie.to(tl.int32) * 65536  # two running ranks in one scan
             ranks = tl.cumsum(packed, 0)
             tie_rank = done_ties + (ranks >> 16) - 1

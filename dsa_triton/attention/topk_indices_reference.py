@@ -1,7 +1,8 @@
 """Pure-PyTorch top-k oracle and the agreement check for :func:`dsa_triton.topk_indices`.
 
 Ordering of scores is the order of their *sort keys*: fp32 bit patterns mapped to int32 so that integer
-order equals float order (-inf lowest, -0.0 just below +0.0); NaN is mapped to the key of -inf.
+order equals float order (-inf lowest, -0.0 just below +0.0); NaN is mapped to the key of -inf. Among equal keys
+the lower position ranks first, so a row's top k is one set of positions, whatever its batch.
 Positions at or beyond a row's length get ``INVALID_KEY``, below every real key, and are never selected.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ import torch
 
 INVALID_KEY = -(2**31)  # below the key of -inf
 NEG_INF_KEY = -0x7F800000 - 1  # sort key of -inf (and of NaN)
+REFERENCE_BYTES = 1 << 30  # int64 position keys of :func:`topk_indices_torch`, rows at a time
 
 
 def sort_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -17,6 +19,14 @@ def sort_keys(scores: torch.Tensor) -> torch.Tensor:
     bits = scores.contiguous().view(torch.int32)
     keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     return torch.where(torch.isnan(scores), torch.full_like(keys, NEG_INF_KEY), keys)
+
+
+def position_keys(keys: torch.Tensor) -> torch.Tensor:
+    """int32 sort keys ``[..., L]`` -> int64 keys of the same order in which, among equal keys, the lower position
+    ranks first: every key of a row distinct, so a top-k of them is one set of positions (``torch.topk`` breaks
+    ties its own way)."""
+    positions = torch.arange(keys.shape[-1], device=keys.device)
+    return (keys.long() << 32) | (2**31 - 1 - positions)
 
 
 def valid_lengths(scores: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
@@ -58,14 +68,17 @@ def topk_indices_torch(
 ) -> torch.Tensor:
     """Reference for :func:`dsa_triton.topk_indices`: ``idx[T, k]`` int32, descending by score, -1 padded.
 
-    Same semantics as the kernel (only ``s < lengths[t]`` is selectable, NaN ranks as -inf, optional
-    translation to physical slots); the kernel's order within a row is unspecified, this one is sorted.
+    Same semantics as the kernel (only ``s < lengths[t]`` is selectable, NaN ranks as -inf, among equal keys the
+    lower position first: :func:`position_keys`; optional translation to physical slots); the kernel's order within
+    a row is unspecified, this one is sorted. Rows are taken :data:`REFERENCE_BYTES` of int64 keys at a time.
     """
     T, L = scores.shape
     keys = masked_keys(scores, lengths)
-    top = torch.topk(keys, min(k, L), dim=1)
-    idx = torch.where(top.values > INVALID_KEY, top.indices, -1).to(torch.int32)
-    idx = torch.cat([idx, idx.new_full((T, k - idx.shape[1]), -1)], dim=1)
+    idx = torch.full((T, k), -1, dtype=torch.int32, device=scores.device)
+    step = max(1, REFERENCE_BYTES // max(1, 8 * L))
+    for r0 in range(0, T, step):
+        top = torch.topk(position_keys(keys[r0:r0 + step]), min(k, L), dim=1)
+        idx[r0:r0 + step, :min(k, L)] = torch.where((top.values >> 32) > INVALID_KEY, top.indices, -1).to(torch.int32)
     if block_table is not None:
         idx = to_physical(idx, block_table, page_size, row_to_seq)
     return idx
@@ -111,11 +124,12 @@ def check_topk(
     page_size: int | None = None,
     row_to_seq: torch.Tensor | None = None,
 ) -> str | None:
-    """None if ``idx`` selects the same multiset of scores as ``ref_idx`` (ties free), else what is wrong.
+    """None if ``idx`` selects the same positions as ``ref_idx`` (in any order within a row), else what is wrong.
 
     Checks: shape and dtype; the first ``min(k, n_t)`` entries of row t are indices and the rest -1;
     every index is a selectable position of its row (after inverting the block table) and none repeats;
-    the sorted sort keys of the selection equal those of the reference's.
+    the sorted sort keys of the selection equal those of the reference's (the scores are the top k), then the
+    positions themselves (ties went to the lowest positions).
     """
     T, L = scores.shape
     if idx.shape != (T, k) or idx.dtype != torch.int32:
@@ -124,7 +138,8 @@ def check_topk(
     filled = torch.arange(k, device=idx.device)[None, :] < n.clamp(max=k)[:, None]
     keys = sort_keys(scores)
 
-    def selected_keys(sel: torch.Tensor, who: str) -> torch.Tensor | str:
+    def selected(sel: torch.Tensor, who: str) -> tuple[torch.Tensor, torch.Tensor] | str:
+        """The selection's sort keys (descending) and logical positions (ascending), or what is wrong."""
         wrong = (sel == -1) == filled
         if bool(wrong.any()):
             t = int(wrong.any(dim=1).nonzero()[0])
@@ -141,18 +156,20 @@ def check_topk(
         if bool(repeated.any()):
             return f"{who} row {int(repeated.nonzero()[0])}: an index is selected twice"
         picked = keys.gather(1, logical.clamp(0, max(L - 1, 0))) if L else torch.zeros_like(logical, dtype=torch.int32)
-        return torch.where(filled, picked, INVALID_KEY).sort(dim=1, descending=True).values
+        return torch.where(filled, picked, INVALID_KEY).sort(dim=1, descending=True).values, ordered
 
-    want = selected_keys(ref_idx, "reference")
+    want = selected(ref_idx, "reference")
     if isinstance(want, str):
         return want
-    got = selected_keys(idx, "idx")
+    got = selected(idx, "idx")
     if isinstance(got, str):
         return got
-    if not torch.equal(got, want):
-        t = int((got != want).any(dim=1).nonzero()[0])
-        rank = int((got[t] != want[t]).nonzero()[0])
-        return f"idx row {t}: the selected scores differ from the exact top-{k} (first at rank {rank})"
+    for what, g, w in (("scores differ from the exact top-{k}", got[0], want[0]),
+                       ("positions differ from the top-{k}'s (ties: the lowest positions)", got[1], want[1])):
+        if not torch.equal(g, w):
+            t = int((g != w).any(dim=1).nonzero()[0])
+            rank = int((g[t] != w[t]).nonzero()[0])
+            return f"idx row {t}: the selected {what.format(k=k)} (first at rank {rank})"
     return None
 
 
@@ -256,6 +273,6 @@ def emulate_bound(row: torch.Tensor, k: int, config: dict, n: int | None = None,
     else:
         tau = _key_to_float(_wrap32(key_lo + ((dk - 1) << shift)))
     count = int((x >= tau).sum())
-    route = "buffer" if k <= count <= cap else "row"
+    route = "buffer" if k <= count <= cap and tau > float("-inf") else "row"  # (tau -inf: skipped NaN tie with it)
     return {**out, "lo": lo, "hi": hi, "key_lo": key_lo, "shift": shift, "step": step, "tau": tau, "count": count,
             "route": route}

@@ -23,9 +23,11 @@ run on mma.sync m16n8k16, 16 and more on wgmma where the tile allows).
   ``2^64`` at the end. Exact for scale bytes 66..192 (blocks 2^-61 .. 2^65); smaller ones (all-zero blocks often
   carry 0) flush toward zero, an error under 2^-58 per weight;
 - elsewhere (fp16 activations, the interpreter): the nibble becomes an fp16 ``code * 2^-14``, widened to fp32,
-  multiplied by ``2^(s - 113)`` and rounded to the activation dtype (scale bytes up to 240);
-- scale bytes above the path's :data:`SCALE_MAX` (and 0xFF, NaN) raise ``ValueError`` (read once per scales
-  tensor and version);
+  multiplied by ``2^(s - 113)`` and rounded to the activation dtype: exact for fp16 scale bytes 104..140 (blocks
+  2^-23 .. 2^13; the largest weight 6 * 2^13 = 49152 fits fp16, 6 * 2^14 would not), smaller ones round to fp16
+  subnormals (an error under 2^-25 per weight); bf16 (the interpreter) up to 240;
+- scale bytes above the path's bound, :func:`scale_max` (and 0xFF, NaN), raise ``ValueError`` (read once per
+  scales tensor and version): no weight is ever infinite, so no output is NaN where the true one is finite;
 - ``SPLIT_K > 1`` splits K over the grid and adds fp32 partials with atomics (fills the GPU when there are
   few row blocks and N tiles).
 
@@ -49,7 +51,9 @@ from .fused_moe_gemm_kernels import _fused_moe_kernel
 from .permute import ExpertSort
 
 GPU_SMS = 132  # H200: the default config splits K until the grid has a program per SM
-SCALE_MAX = {True: 192, False: 240}  # largest scale byte of the bf16 GPU path (FAST) and of the other path
+# largest scale byte by dequantization path (:func:`scale_path`): bf16 on the GPU (FAST: weights times 2^-64 in
+# bf16), fp16 activations (weights rounded to fp16: 6 * 2^(140 - 127) is its largest block), bf16 elsewhere
+SCALE_MAX = {"bf16 gpu": 192, "fp16": 140, "bf16": 240}
 
 
 SPACE = {
@@ -177,7 +181,7 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
       ``activation.swiglu(h, class_major=True)``): read as is, with no copy per call;
     - ``sort``: :func:`.permute.sort_by_expert` of the routing;
     - ``blocks`` uint8 ``[E, N, K/32, 16]`` (rows contiguous), ``scales`` uint8 ``[E, N, K/32]``, bytes at most
-      :data:`SCALE_MAX` (192 for bf16 on the GPU, else 240);
+      :func:`scale_max` (192 for bf16 on the GPU, 140 for fp16 activations, 240 for bf16 in the interpreter);
     - ``config``: a ``fused_moe_gemm`` launch config; None reads the tuning database for this shape (its
       ``X_COPY`` applies to ``[rows, K]`` activations only);
     - ``out_dtype``: ``x``'s dtype (None) or ``torch.float32`` (the fp32 sums unrounded, no conversion op);
@@ -187,9 +191,10 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
     Returns ``y_sorted [M, N]`` in ``out_dtype``, rows in ``sort``'s expert order. No host sync after the first
     call per scales tensor (its range check), so a warmed-up call can be captured in a CUDA graph.
 
-    Non-finite input: a scale byte above :data:`SCALE_MAX` (0xFF is NaN in E8M0) is rejected by that range check
-    (``ValueError`` naming ``scales``); ``x`` is not read on the host: a NaN or infinity in it propagates to the
-    output rows that read it (NaN in, NaN out, never a finite wrong number).
+    Non-finite input: a scale byte above :func:`scale_max` (0xFF is NaN in E8M0; past it a weight would overflow
+    the activation dtype) is rejected by that range check (``ValueError`` naming ``scales``); ``x`` is not read on
+    the host: a NaN or infinity in it propagates to the output rows that read it (NaN in, NaN out, never a finite
+    wrong number). A sum past fp16's range is inf in an fp16 ``out_dtype`` (fp32 keeps it).
     """
     # checks, config and launch once per (tensor metadata, sort sizes, gather, config); none kept for a sort that is
     # not an ExpertSort (the checks name it)
@@ -210,7 +215,7 @@ def fused_moe_gemm(x: torch.Tensor, sort: ExpertSort, blocks: torch.Tensor, scal
         raise ValueError(f"out_dtype: expected None, {x.dtype} or torch.float32, got {out_dtype}")
     if out is not None:
         check_out(out, (sort.num_rows, blocks.shape[1]), out_dtype, x.device, contiguous=False)
-    check_scale_range(scales, fast_path(x))
+    check_scale_bytes(scales, scale_max(x))
     return _launch(x, sort, blocks, scales, plan, out_dtype, out)
 
 
@@ -256,14 +261,19 @@ def check_scale_bytes(scales: torch.Tensor, bound: int, name: str = "scales") ->
     _scales_checked[id(scales)] = (weakref.ref(scales), scales._version, bound)
 
 
-def check_scale_range(scales: torch.Tensor, fast: bool, name: str = "scales") -> None:
-    """:func:`check_scale_bytes` against the path's :data:`SCALE_MAX` (``fast``: :func:`fast_path`)."""
-    check_scale_bytes(scales, SCALE_MAX[fast], name)
-
-
 def fast_path(x: torch.Tensor) -> bool:
     """bf16 activations on the GPU take the inline-PTX dequantization (scale bytes up to 192)."""
     return x.device.type == "cuda" and x.dtype == torch.bfloat16
+
+
+def scale_path(x: torch.Tensor) -> str:
+    """The dequantization path of activations ``x``, a key of :data:`SCALE_MAX`."""
+    return "bf16 gpu" if fast_path(x) else "fp16" if x.dtype == torch.float16 else "bf16"
+
+
+def scale_max(x: torch.Tensor) -> int:
+    """The largest scale byte the path of activations ``x`` takes: every weight it dequantizes is finite."""
+    return SCALE_MAX[scale_path(x)]
 
 
 def _launch(x, sort, blocks, scales, plan: FusedLaunch, out_dtype, out=None) -> torch.Tensor:

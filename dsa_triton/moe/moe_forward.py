@@ -23,7 +23,7 @@ from ..plans import PlanCache
 from ..registry import LaunchSpace
 from .activation import swiglu
 from .fp8_grouped_gemm import fp8_grouped_gemm
-from .fused_moe_gemm import SCALE_MAX, check_scale_bytes, fast_path, fused_moe_gemm, gemm_shape, launch_config
+from .fused_moe_gemm import check_scale_bytes, fused_moe_gemm, gemm_shape, launch_config, scale_max
 from .permute import check_id_range, combine_rows
 from .permute import check_routing as check_routing_ids
 from .route_topk import route_topk
@@ -131,7 +131,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: to
 
     Errors about an expert weight name it (``gate_up_blocks``, ``down_scales``, ...), on either path, before any
     launch. Non-finite input: a NaN scale byte (0xFF) is rejected on either path, and on the fused path any byte
-    above its :data:`.fused_moe_gemm.SCALE_MAX` (the range read once per scales tensor and in-place version); ``x`` and
+    above its :func:`.fused_moe_gemm.scale_max` (the range read once per scales tensor and in-place version); ``x`` and
     the router are not read on the host: a NaN or infinity propagates (a NaN router logit or bias never ranks first,
     :func:`.route_topk.route_topk` with ``check_values=False``; a token that reads a NaN gets NaN outputs), never
     a finite wrong number.
@@ -197,7 +197,7 @@ def _path_config(x, sizes, top_k, gate_up_blocks, gate_up_scales, down_blocks, d
     phase = phase or ("decode" if tokens <= DECODE_MAX_TOKENS else "prefill")
     shape = {"T": tokens, "E": experts, "top_k": top_k, "hidden": hidden, "I": inter}
     config = LAUNCH.launch_config(phase, shape, x.device) if config is None else LAUNCH.validate(config, shape)
-    bound = SCALE_MAX[fast_path(x)] if config["path"] == "fused" else NAN_SCALE - 1
+    bound = scale_max(x) if config["path"] == "fused" else NAN_SCALE - 1
     for name, blocks, scales in (("gate_up", gate_up_blocks, gate_up_scales), ("down", down_blocks, down_scales)):
         if blocks.data_ptr() % 4:  # (not in the plan's key)
             raise ValueError(f"{name}_blocks: the data must be 4-byte aligned (the kernels read 32-bit words)")

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import check_positive, check_tensor
+
+from ..checks import check_int32, check_tensor
 from ..hostmath import cdiv
 
 
@@ -97,7 +98,7 @@ def sort_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor | None, nu
 def check_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor | None, num_experts: int) -> None:
     """The metadata checks of :func:`sort_by_expert` (dtypes, shapes, devices, top_k in ``[1, E]``)."""
     check_tensor("topk_ids", topk_ids, dtype=(torch.int32, torch.int64), ndim=2, contiguous_last=False)
-    check_positive("num_experts", num_experts)
+    check_int32("num_experts", num_experts)  # ids and offsets are int32
     top_k = topk_ids.shape[1]
     if top_k == 0 or top_k > num_experts:
         raise ValueError(f"topk_ids: top_k (dimension 1) must be in [1, num_experts = {num_experts}], got {top_k}")
@@ -143,7 +144,7 @@ def align_blocks(sort: ExpertSort, block_m: int) -> BlockAlignment:
 
     Sorted row ``r`` of expert ``e`` moves to ``r + shift[e]``, ``shift`` being the padding of the experts
     before ``e``; the experts are scattered beside the rows, so a block's expert is that of its first row."""
-    check_positive("block_m", block_m)
+    check_int32("block_m", block_m)  # padded rows are int32
     device = sort.expert_offsets.device
     padding = torch.diff(sort.expert_offsets).neg_().remainder_(block_m)  # [E]: rows to add after each expert
     shift = padding.cumsum(0).sub_(padding)  # int64

@@ -1,5 +1,5 @@
-"""Router top-k in one Triton launch: :func:`route_topk`, the semantics of :func:`.routing.route` (the order
-among exact ties aside: lowest expert first here, unspecified in ``torch.topk``).
+"""Router top-k in one Triton launch: :func:`route_topk`, the semantics of :func:`.routing.route` (exact ties
+included: the lowest expert first).
 
 The torch form (:mod:`.routing`, the reference) is ~14 kernel-launching ops per call (sigmoid, bias add, group
 top-2 sums, group top-k, mask, top-k, gather, normalize, scale); at decode the host time of those launches is most

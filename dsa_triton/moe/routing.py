@@ -11,7 +11,9 @@ Two modes, both from router logits ``[T, E]`` (computed in fp32 by the caller or
   (``renormalize``, gpt-oss) or the full softmax probabilities of the chosen experts (not renormalized).
 
 Every function returns ``(topk_weights [T, top_k] fp32, topk_ids [T, top_k] int32)``, experts of a token
-in descending order of their selection score. Plain PyTorch; the loop-per-token oracle is :mod:`.routing_reference`.
+in descending order of their selection score, the lowest expert first among equal scores (as the kernel of
+:mod:`.route_topk` and the oracle: a token's experts never depend on its batch). Plain PyTorch; the loop-per-token
+oracle is :mod:`.routing_reference`.
 
 Non-finite input. ``check_values=True`` (the default) rejects a NaN or infinite logit or bias with a
 ``ValueError`` naming it (one host read). ``check_values=False`` reads nothing on the host (capturable) and
@@ -108,6 +110,12 @@ def _nan_last(keys: torch.Tensor) -> torch.Tensor:
     return keys.masked_fill(keys.isnan(), float("-inf"))
 
 
+def _top_ids(keys: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The ``top_k`` largest ``keys [T, E]`` (no NaN) in descending order, the lowest expert first among equal keys
+    (as the kernel and the oracle; ``torch.topk`` orders ties its own way): a stable sort."""
+    return keys.sort(dim=-1, descending=True, stable=True).indices[:, :top_k]
+
+
 def deepseek_topk(
     logits: torch.Tensor,
     bias: torch.Tensor | None,
@@ -121,8 +129,8 @@ def deepseek_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 routing. ``logits[T, E]``, ``bias[E]`` (the e_score_correction_bias, or None)
     -> ``(weights [T, top_k] fp32, ids [T, top_k] int32)``. ``check_values``: the module docstring. Among groups of
-    equal score the lowest are kept (as the kernel and the reference do); among experts of equal score the order is
-    ``torch.topk``'s. Bad arguments raise a ValueError naming them before anything runs."""
+    equal score the lowest are kept, among experts of equal score the lowest are chosen first (as the kernel and the
+    reference do). Bad arguments raise a ValueError naming them before anything runs."""
     num_experts = _check_logits(logits, top_k)
     group_size = check_grouping(num_experts, top_k, n_group, topk_group)
     check_bias(bias, "deepseek", num_experts, logits.device)
@@ -138,7 +146,7 @@ def deepseek_topk(
         kept = group_score.sort(dim=-1, descending=True, stable=True).indices[:, :topk_group]  # (ties: lowest group)
         dropped = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, kept, False)
         choice = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(-1, num_experts)
-    ids = choice.topk(top_k, dim=-1).indices
+    ids = _top_ids(choice, top_k)
     weights = scores.gather(1, ids)
     if bias is not None:
         weights = weights.masked_fill(unknown.gather(1, ids), float("nan"))
@@ -166,7 +174,7 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool = True, *,
     if check_values:
         check_route_values(logits, None)
     x = logits.float()
-    ids = _nan_last(x).topk(top_k, dim=-1).indices
+    ids = _top_ids(_nan_last(x), top_k)
     chosen = x.gather(1, ids)
     if renormalize:
         weights = chosen.softmax(dim=-1)

@@ -1,9 +1,9 @@
 """Routing oracle: one token at a time, written from the DeepSeek-V3 and gpt-oss model code, in float64.
 
 Same contracts as :mod:`.routing` (weights ``[T, top_k]``, ids ``[T, top_k]``, descending selection score),
-computed without batched masking tricks so the tests compare two independent formulations. Non-finite input as
-:mod:`.routing` with ``check_values=False``: a NaN selection key ranks as -inf (ties in a fixed order), a
-weight computed from a NaN is NaN.
+computed without batched masking tricks so the tests compare two independent formulations. Exact ties: the lowest
+expert (and group) first, Python's stable sort. Non-finite input as :mod:`.routing` with ``check_values=False``: a
+NaN selection key ranks as -inf (ties in a fixed order), a weight computed from a NaN is NaN.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def deepseek_topk_torch(logits, bias, top_k, n_group=1, topk_group=1, norm_topk_
         key = [-math.inf if math.isnan(c) else c for c in choice]
         groups = [key[g * group_size:(g + 1) * group_size] for g in range(n_group)]
         group_rank = sorted(range(n_group), key=lambda g: _rank(sum(sorted(groups[g], reverse=True)[:2])))
-        allowed = [e for g in group_rank[:topk_group] for e in range(g * group_size, (g + 1) * group_size)]
-        chosen = sorted(allowed, key=lambda e: -key[e])[:top_k]
+        allowed = sorted(e for g in group_rank[:topk_group] for e in range(g * group_size, (g + 1) * group_size))
+        chosen = sorted(allowed, key=lambda e: -key[e])[:top_k]  # (equal keys: the lowest expert first)
         w = [math.nan if math.isnan(choice[e]) else score[e] for e in chosen]
         total = sum(w) if norm_topk_prob else 1.0
         weights.append([(v / total if total else math.nan) * routed_scaling_factor for v in w])  # 0 / 0: NaN

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_kernel_device, check_positive
+
+from ..checks import check_int32, check_kernel_device
 from ..plans import PlanCache
 from ..hostmath import next_pow2
 from ..launch import launch_with
@@ -142,5 +143,5 @@ def _plan(topk_ids, topk_weights, num_experts, block_m, config) -> PermuteLaunch
     check_routing(topk_ids, topk_weights, num_experts)
     check_kernel_device("topk_ids", topk_ids)
     if block_m is not None:
-        check_positive("block_m", block_m)
+        check_int32("block_m", block_m)
     return PermuteLaunch(topk_ids, topk_weights, num_experts, block_m, config)

@@ -51,8 +51,8 @@ class WorkspaceLease:
 class FP8Workspace:
     """``slots`` expert slots, each big enough for every ``(N, K)`` in ``shapes``, on ``device``.
 
-    A ``slots`` or a shape that is not a positive integer, or a device this machine does not have, raises a
-    ValueError naming it before anything is allocated."""
+    A ``slots`` or a shape that is not an integer in ``[1, 2^31 - 1]``, or a device this machine does not have, raises
+    a ValueError naming it before anything is allocated."""
 
     def __init__(self, slots: int, shapes: Iterable[tuple[int, int]], device: torch.device | str):
         self.slots = _whole("slots", slots)
@@ -60,7 +60,7 @@ class FP8Workspace:
             pairs = [tuple(shape) for shape in shapes]
             self.shapes = tuple(sorted({(_whole("n", n), _whole("k", k)) for n, k in pairs}))
         except (TypeError, ValueError):
-            raise ValueError(f"shapes: expected (N, K) pairs of positive integers, got {shapes!r}") from None
+            raise ValueError(f"shapes: expected (N, K) pairs of integers in [1, 2^31 - 1], got {shapes!r}") from None
         if not self.shapes:
             raise ValueError("shapes: needs at least one (N, K) pair")
         self.device = check_device("device", device)
@@ -146,8 +146,9 @@ def _is_whole(value) -> bool:
 
 
 def _whole(name: str, value) -> int:
-    if not _is_whole(value) or value <= 0:
-        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+    """A positive integer up to 2^31 - 1 (the kernels' int32 sizes), checked before anything is allocated."""
+    if not _is_whole(value) or not 0 < value < 2**31:
+        raise ValueError(f"{name}: must be an integer in [1, {2**31 - 1}], got {value!r}")
     return int(value)
 
 
