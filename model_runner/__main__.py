@@ -2,7 +2,8 @@
 
     python -m model_runner generate --model DIR --prompts IN.jsonl --out OUT.jsonl
     python -m model_runner generate --model CONFIG.json --random-weights [--layers 4] --prompts IN.jsonl --out OUT.jsonl
-    python -m model_runner make-tiny DIR [--experts mxfp4|bf16|fp8] [--dense bf16|fp8]
+    python -m model_runner make-tiny DIR [--arch deepseek_v32|glm_moe_dsa|deepseek_v4] [--experts mxfp4|bf16|fp8]
+    python -m model_runner plan --model CONFIG.json [--context 1048576] [--memory-gib 80]
 
 ``generate`` prints what loading did, whether decode steps replay from CUDA graphs and the memory plan, shows a
 progress bar of generated tokens and closes with the throughput of prefill, decode and mixed steps (and, with
@@ -10,6 +11,9 @@ progress bar of generated tokens and closes with the throughput of prefill, deco
 error is one line on stderr, exit status 2. ``--random-weights``: no checkpoint, random weights at the config's
 widths for ``--layers`` layers drawn on the device (:mod:`.random_weights`); prompts are token ids, no EOS stops
 them. ``--stats FILE``: the model build and generation times, throughput, each step's time and the notes as JSON.
+Prompts are checked against the config before the model loads: token ids in the vocabulary, prompt + new tokens
+within ``max_position_embeddings`` (else an error naming the prompt; ``--truncate left`` keeps its last tokens).
+Ctrl-C ends the command with one line, "interrupted", exit status 130.
 
 Under ``torchrun --nproc-per-node N`` ``generate`` runs expert parallel and data parallel (:mod:`.distributed`):
 each rank loads its experts and runs its share of the prompts; rank 0 prints (its memory plan, every rank's
@@ -30,13 +34,14 @@ from dsa_triton.runtime import default_device
 
 from .build import build_engine, config_file
 from .errors import RunnerError
+from .families import read_config
 from .index_path import PATHS
-from .memory import bytes_per_token, format_plan
+from .memory import bytes_per_token, config_plan, format_plan
 from .sampling import SamplingParams
-from .batch_io import read_requests, write_results
+from .batch_io import TRUNCATE, fit_requests, read_requests, write_results
 from .cache_manager import KV_CACHE_FORMATS
 from .distributed import Solo, setup, share, shutdown
-from .tiny import DENSE_FORMATS, EXPERT_FORMATS, make_tiny
+from .tiny import ARCHS, DEFAULT_ARCH, DENSE_FORMATS, EXPERT_FORMATS, make_tiny
 from .tokenizer import eos_token_ids, load_tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -61,8 +66,9 @@ def parser() -> argparse.ArgumentParser:
                      help="Triton kernels, or their pure-PyTorch references")
     gen.add_argument("--dtype", choices=DTYPES, default=None,
                      help="activation dtype (default bfloat16 on a GPU, float16 in the interpreter)")
-    gen.add_argument("--index-precision", choices=("fp8", "activation"), default="fp8",
-                     help="indexer q/k: FP8 after a Hadamard rotation (DeepSeek), or the activation dtype (HF)")
+    gen.add_argument("--index-precision", choices=("fp8", "activation"), default=None,
+                     help="indexer q/k: FP8 after a Hadamard rotation (DeepSeek), or the activation dtype (HF); "
+                          "default: the model family's (fp8 for V3.2 and GLM-5, activation for V4)")
     gen.add_argument("--kv-cache", choices=KV_CACHE_FORMATS, default="activation",
                      help="latent cache rows in the activation dtype, or DeepSeek's FP8 layout (656 bytes a token "
                           "for 512 + 64 instead of 1152 in bf16; dequantized inside the attention kernels)")
@@ -74,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the checkpoint's EOS ids")
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--truncate", choices=TRUNCATE, default=None,
+                     help="a prompt whose tokens + new tokens exceed the model's max_position_embeddings keeps its "
+                          "last tokens (left: its first tokens go; default: such a prompt is an error)")
     gen.add_argument("--page-size", type=int, default=16)
     gen.add_argument("--max-seqs", type=int, default=16, help="sequences running at once")
     gen.add_argument("--max-seq-len", type=int, default=None, help="default: the longest prompt + its new tokens")
@@ -101,7 +110,17 @@ def parser() -> argparse.ArgumentParser:
     tiny.add_argument("--dense", choices=DENSE_FORMATS, default="bf16")
     tiny.add_argument("--shards", type=int, default=1, help="1: one model.safetensors; more: shards and an index")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.set_defaults(func=lambda args: make_tiny(args.folder, args.experts, args.dense, args.shards, args.seed))
+    tiny.add_argument("--arch", choices=ARCHS, default=DEFAULT_ARCH, help="the model family (config.json's model_type)")
+    tiny.set_defaults(func=lambda args: make_tiny(args.folder, args.experts, args.dense, args.shards, args.seed,
+                                                  args.arch))
+    plan = sub.add_parser("plan", help="a config's cache bytes per layer type, per token and per sequence, and the "
+                                       "tokens that fit in a memory (no weights loaded)")
+    plan.add_argument("--model", required=True, help="a config.json or a folder holding one")
+    plan.add_argument("--context", type=int, default=1 << 20, help="tokens of one sequence (default 1M)")
+    plan.add_argument("--memory-gib", type=float, default=80.0, help="the memory the caches may take")
+    plan.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the caches' dtype")
+    plan.set_defaults(func=lambda args: print("\n".join(config_plan(
+        config_file(args.model), args.context, int(args.memory_gib * 2**30), DTYPES[args.dtype]))))
     return ap
 
 
@@ -119,14 +138,17 @@ def generate(args) -> None:
         stop = () if args.ignore_eos else eos_token_ids(args.model)
     defaults = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, stop, args.top_k)
     requests = read_requests(args.prompts, defaults, tokenizer)
+    config = read_config(config_file(args.model))  # the prompts' limits, before the model loads
+    positions = getattr(config, "max_position_embeddings", None)  # not every family's config names one
+    truncated = fit_requests(requests, config.vocab_size, positions, args.truncate)
     parallel = setup()  # None unless launched by torchrun with more than one process
     try:
-        _generate(args, requests, tokenizer, parallel)
+        _generate(args, requests, tokenizer, parallel, truncated)
     finally:
         shutdown()
 
 
-def _generate(args, requests, tokenizer, parallel) -> None:
+def _generate(args, requests, tokenizer, parallel, truncated: int = 0) -> None:
     device = parallel.device if parallel else default_device()
     dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float16
     max_seq_len = args.max_seq_len or max(len(r.token_ids) + r.params.max_new_tokens for r in requests)
@@ -148,9 +170,12 @@ def _generate(args, requests, tokenizer, parallel) -> None:
     if lead:
         ranks = f" (rank 0 of {parallel.world_size} shown)" if parallel else ""
         print(f"model {args.model}: {args.mode} mode, {str(dtype).replace('torch.', '')} on {device}, indexer "
-              f"{args.index_precision}, kv cache {args.kv_cache}; {len(requests)} prompts{ranks}")
+              f"{engine.model.index_precision}, kv cache {args.kv_cache}; {len(requests)} prompts{ranks}")
         for note in engine.notes:
             print(f"note: {note}")
+        if truncated:
+            print(f"note: --truncate {args.truncate}: {truncated} of {len(requests)} prompts keep only their last "
+                  f"tokens (max_position_embeddings)")
         print(f"cuda graphs: {engine.graphs_note}")
         print("\n".join(format_plan(engine.memory)))
         print(f"  cache bytes per token: {bytes_per_token(engine.cache)}", flush=True)
@@ -198,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -5,6 +5,7 @@ A prompt line is a JSON list of token ids, a JSON string (text), or an object wi
 ``seed``, ``stop_token_ids`` (default: the command line's, and the checkpoint's EOS ids). Text needs the checkpoint's
 tokenizer. A result line: ``index``, ``prompt_tokens``, ``generated_tokens``, ``finish_reason`` ("stop" or
 "length"), ``token_ids`` (generated) and, with a tokenizer, ``text`` (generated, special tokens left out).
+:func:`fit_requests` checks the prompts against the model's config before the model loads.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from .sampling import SamplingParams
 from .sequence import Sequence
 
 SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids")
+TRUNCATE = ("left",)  # what --truncate drops from a prompt too long for the model: its first tokens
 
 
 @dataclasses.dataclass
@@ -74,6 +76,36 @@ def _request(name: str, line: str, defaults: SamplingParams, tokenizer) -> Reque
     except RunnerError as exc:
         raise RunnerError(f"{name}: {exc}") from None
     return Request(name, ids, params)
+
+
+def fit_requests(requests: list[Request], vocab_size: int, max_positions: int | None,
+                 truncate: str | None = None) -> int:
+    """Check each request against the model's ``vocab_size`` and ``max_positions`` (max_position_embeddings; None:
+    no limit): every token id in the vocabulary, the prompt and its new tokens within the positions, else an error
+    naming the request. ``truncate="left"``: a prompt too long keeps its last tokens instead (the request changes in
+    place); returns how many prompts were truncated."""
+    if truncate not in (None, *TRUNCATE):
+        raise RunnerError(f"truncate: must be one of {TRUNCATE} or none, got {truncate!r}")
+    truncated = 0
+    for r in requests:
+        if not r.token_ids:
+            raise RunnerError(f"{r.name}: must hold at least one token id")
+        for i, t in enumerate(r.token_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                raise RunnerError(f"{r.name}: token {i} is {t!r}, not an id in [0, {vocab_size}) (the vocabulary)")
+        new = r.params.max_new_tokens
+        if max_positions is None or len(r.token_ids) + new <= max_positions:
+            continue
+        room = max_positions - new
+        if room < 1:
+            raise RunnerError(f"{r.name}: {new} new tokens leave no room for the prompt within "
+                              f"max_position_embeddings {max_positions} of the model")
+        if truncate is None:
+            raise RunnerError(f"{r.name}: {len(r.token_ids)} tokens + {new} new tokens exceed max_position_embeddings "
+                              f"{max_positions} of the model (--truncate left keeps the last {room})")
+        r.token_ids = r.token_ids[-room:]
+        truncated += 1
+    return truncated
 
 
 def write_results(path: str | Path, seqs: list[Sequence], tokenizer) -> None:

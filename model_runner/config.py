@@ -1,4 +1,6 @@
-"""The model's sizes and options, read from a DeepSeek-V3.2 ``config.json`` (Hugging Face field names).
+"""The config of the MLA + DSA families (DeepSeek-V3.2; GLM-5 extends it: :mod:`.families.glm_moe_dsa`), read from
+a ``config.json`` (Hugging Face field names), and what every family's config reading shares (:class:`RopeConfig`,
+:func:`check_keys`, :func:`parse_quantization`).
 
 Read (required unless a default is shown in :class:`ModelConfig`):
 
@@ -17,7 +19,7 @@ Read (required unless a default is shown in :class:`ModelConfig`):
 - ``num_nextn_predict_layers``: multi-token-prediction layers after the last layer (their tensors are skipped).
 
 Every other key is an error naming it, unless :data:`NO_EFFECT` lists it (metadata, training-only settings) or
-:data:`CHECKED` accepts its value (the one the runner implements).
+:data:`CHECKED` accepts its value (the one the runner implements); ``model_type`` must be the class's.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from .errors import RunnerError
 
@@ -37,7 +40,6 @@ NO_EFFECT = {  # keys that do not change inference
     "head_dim",  # Hugging Face sets it to qk_rope_head_dim whatever the file says
 }
 CHECKED = {  # key -> (test of its value, what the runner implements)
-    "model_type": (lambda v, c: v == "deepseek_v32", "'deepseek_v32'"),
     "hidden_act": (lambda v, c: v == "silu", "'silu' (SwiGLU experts and MLPs)"),
     "scoring_func": (lambda v, c: v == "sigmoid", "'sigmoid'"),
     "topk_method": (lambda v, c: v == "noaux_tc", "'noaux_tc'"),
@@ -137,6 +139,10 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    model_type: ClassVar[str] = "deepseek_v32"
+    architecture: ClassVar[str] = "DeepseekV32ForCausalLM"
+    index_rope_interleaved: ClassVar[bool] = False  # the indexer's RoPE: NeoX halves (V3.2) or interleaved pairs
+
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -212,24 +218,17 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.mlp_layer_types[layer] == "sparse"
 
+    def runs_indexer(self, layer: int) -> bool:
+        """Whether ``layer`` scores its own top-k (every layer here; GLM-5's "shared" layers reuse the previous)."""
+        return True
+
     @classmethod
     def from_dict(cls, values: dict) -> "ModelConfig":
         """Parse a ``config.json`` dict: every key is read, checked or listed as without effect (else an error)."""
         names = {f.name for f in dataclasses.fields(cls)} - {"rope", "quantization"}
-        missing = sorted(f.name for f in dataclasses.fields(cls)
-                         if f.default is dataclasses.MISSING and f.name not in values)
-        if missing:
-            raise RunnerError(f"config: missing field {missing[0]}" + (f" (and {len(missing) - 1} more)"
-                                                                        if len(missing) > 1 else ""))
-        for key, value in values.items():
-            if key in CHECKED:
-                test, implemented = CHECKED[key]
-                if not test(value, values):
-                    raise RunnerError(f"config: {key} = {json.dumps(value)} is not implemented (the runner "
-                                      f"supports {implemented})")
-            elif key not in names | NO_EFFECT | {"rope_theta", "rope_scaling", "rope_parameters",
-                                                 "quantization_config"}:
-                raise RunnerError(f"config: key {key!r} is not implemented by the runner")
+        missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in values]
+        check_keys(values, cls.model_type, missing, CHECKED,
+                   names | NO_EFFECT | {"rope_theta", "rope_scaling", "rope_parameters", "quantization_config"})
         fields = {k: v for k, v in values.items() if k in names}
         if "mlp_layer_types" in fields:
             fields["mlp_layer_types"] = tuple(fields["mlp_layer_types"] or ())
@@ -249,7 +248,7 @@ class ModelConfig:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                   if f.name not in ("rope", "quantization")}
         values.update(mlp_layer_types=list(self.mlp_layer_types), rope_parameters=self.rope.to_parameters(),
-                      model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"], hidden_act="silu",
+                      model_type=self.model_type, architectures=[self.architecture], hidden_act="silu",
                       num_key_value_heads=self.num_attention_heads)
         if self.quantization == "fp8":
             values["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -262,14 +261,34 @@ class ModelConfig:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
-def parse_quantization(q: dict | None) -> str | None:
-    """``quantization_config`` -> its method; an unknown method, key or value is an error naming it."""
+def check_keys(values: dict, model_type: str, missing: list[str], checked: dict, known: set[str]) -> None:
+    """A config.json dict against a family's keys: its ``model_type``, no ``missing`` required field, every key
+    either ``checked`` (key -> (test(value, values), what is implemented)) or ``known``; else a one-line
+    :class:`.errors.RunnerError` naming the first offender."""
+    if values.get("model_type", model_type) != model_type:
+        raise RunnerError(f"config: model_type {values['model_type']!r} is not {model_type!r}")
+    if missing:
+        raise RunnerError(f"config: missing field {missing[0]}" + (f" (and {len(missing) - 1} more)"
+                                                                    if len(missing) > 1 else ""))
+    for key, value in values.items():
+        if key in checked:
+            test, implemented = checked[key]
+            if not test(value, values):
+                raise RunnerError(f"config: {key} = {json.dumps(value)} is not implemented (the runner supports "
+                                  f"{implemented})")
+        elif key not in known | {"model_type"}:
+            raise RunnerError(f"config: key {key!r} is not implemented by the runner")
+
+
+def parse_quantization(q: dict | None, extra_keys: set[str] = frozenset()) -> str | None:
+    """``quantization_config`` -> its method; an unknown method, key (but ``extra_keys``, which the caller reads) or
+    value is an error naming it."""
     if q is None:
         return None
     method = q.get("quant_method")
     if method not in QUANTIZATION_KEYS:
         raise RunnerError(f"config: quantization_config.quant_method {method!r} is not implemented (fp8, mxfp4)")
-    unknown = sorted(set(q) - QUANTIZATION_KEYS[method])
+    unknown = sorted(set(q) - QUANTIZATION_KEYS[method] - extra_keys)
     if unknown:
         raise RunnerError(f"config: quantization_config.{unknown[0]} is not implemented")
     if method == "fp8":

@@ -38,6 +38,8 @@ def unavailable_reason(model: Model, device: torch.device) -> str | None:
     """Why decode steps cannot be captured here (None: they can)."""
     if device.type != "cuda":
         return "no CUDA device: decode steps run eagerly"
+    if not model.decode_graphs:
+        return f"not implemented for {model.config.model_type}: decode steps run eagerly"
     if getattr(model.ops, "name", None) != "kernel" or getattr(model.ops, "check_values", True):
         return "needs kernel mode with value checks off (--skip-checks): decode steps run eagerly"
     if model.index_precision != "fp8":

@@ -77,8 +77,7 @@ class Engine:
         if len(prompt) + params.max_new_tokens > context:
             raise RunnerError(f"{name}: {len(prompt)} tokens + {params.max_new_tokens} new tokens exceed the "
                               f"{context}-token context (raise --max-seq-len)")
-        whole = (self.cache.num_free_pages + sum(len(self.cache.pages(s.seq_id)) for s in self.running)
-                 ) * self.cache.page_size
+        whole = self.cache.capacity([s.seq_id for s in self.running])
         if len(prompt) + params.max_new_tokens > whole:
             raise RunnerError(f"{name}: {len(prompt)} tokens + {params.max_new_tokens} new tokens exceed the "
                               f"{whole} tokens of the whole cache (raise --num-pages)")

@@ -1,22 +1,21 @@
-"""The memory plan printed before a run: weights by format, the paged caches, and the workspace a step needs."""
+"""The memory plan printed before a run (weights by format, the paged caches, the workspace a step needs), and the
+long-context plan: what a model's caches cost per layer type, per token and per sequence, and how many tokens fit in
+a given memory (:func:`context_plan`)."""
 from __future__ import annotations
 
 import torch
 
-from dsa_triton import registry
+from pathlib import Path
 
 from .cache_manager import CacheManager
-from .config import ModelConfig
+from .families import family_of, read_config
 from .ops import FP8Weight
+from .paging import LayerCost
 
 
-def memory_plan(weights: dict, cache: CacheManager, config: ModelConfig, tokens_per_step: int) -> dict[str, int]:
-    """Bytes by line: weights (each tensor once: a tied lm_head is the embedding), caches, per-step workspace.
-
-    Workspace: the indexer logits of a step (``tokens_per_step x max_seq_len`` fp32, the largest transient) and
-    the MoE prefill path's shared FP8 workspace at its largest (two stages of the most experts a stage can hold,
-    each ``[2I, D]`` e4m3 with fp32 scales per 128 columns; allocated on the first prefill that takes it).
-    """
+def memory_plan(weights: dict, cache: CacheManager, model, tokens_per_step: int) -> dict[str, int]:
+    """Bytes by line: weights (each tensor once: a tied lm_head is the embedding), caches (the layout's lines), the
+    per-step workspace (the layout's: indexer logits; the model's: e.g. the MoE FP8 workspace)."""
     plan: dict[str, int] = {}
     seen = set()
     for name, value in weights.items():
@@ -32,18 +31,14 @@ def memory_plan(weights: dict, cache: CacheManager, config: ModelConfig, tokens_
                 kind = f"weights: {str(t.dtype).replace('torch.', '')}"
             plan[kind] = plan.get(kind, 0) + t.numel() * t.element_size()
     plan.update(cache.nbytes())
-    max_seq_len = cache.max_pages * cache.page_size
-    plan["workspace: indexer logits of a step"] = tokens_per_step * max_seq_len * 4
-    if any(config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
-        n, k = 2 * config.moe_intermediate_size, config.hidden_size
-        slots = 2 * max(registry.get("fp8_grouped_gemm").space["EXPERTS_PER_STAGE"])
-        plan["workspace: MoE FP8 (at most)"] = slots * (n * k + 4 * n * -(-k // 128))
+    plan.update(cache.layout.workspace(tokens_per_step, cache.max_pages * cache.page_size))
+    plan.update(model.workspace(tokens_per_step))
     return plan
 
 
 def bytes_per_token(cache: CacheManager) -> int:
-    """Cache bytes one token takes in all layers (latent rows and indexer caches: whatever format they are in)."""
-    return sum(cache.nbytes().values()) // (cache.allocator.num_pages * cache.page_size)
+    """Cache bytes one more token of a sequence takes in all layers (a window's fixed cost not counted)."""
+    return round(sum(c.layers * c.per_token for c in cache.layout.costs(cache.dtype, cache.page_size)))
 
 
 def format_plan(plan: dict[str, int]) -> list[str]:
@@ -51,3 +46,34 @@ def format_plan(plan: dict[str, int]) -> list[str]:
     width = max(len(k) for k in plan)
     lines = [f"  {k:<{width}}  {v / 2**20:10.2f} MiB" for k, v in plan.items()]
     return ["memory plan:", *lines, f"  {'total':<{width}}  {sum(plan.values()) / 2**20:10.2f} MiB"]
+
+
+def config_plan(config_path: str | Path, context: int, memory: int, dtype: torch.dtype = torch.bfloat16,
+                page_size: int = 64) -> list[str]:
+    """:func:`context_plan` of a config.json's caches as its family lays them out by default (indexer precision its
+    default, rows in ``dtype``), no weights loaded."""
+    config = read_config(config_path)
+    family = family_of(config)
+    layout = family.cache_layout(config, index_precision=family.index_precisions[0], kv_cache="activation",
+                                 step_tokens=page_size)
+    return [f"{config.model_type}, {config.num_hidden_layers} layers, caches in {str(dtype).replace('torch.', '')}:",
+            *context_plan(layout.costs(dtype, page_size), context, memory)]
+
+
+def context_plan(costs: list[LayerCost], context: int, memory: int) -> list[str]:
+    """What a cache of the layer ``costs`` (a layout's ``costs(dtype, page_size)``) takes: per layer type the
+    bytes a sequence and a token, the totals per token and for one sequence of ``context`` tokens, and the tokens
+    that fit in ``memory`` bytes (one sequence; sequences of ``context`` tokens)."""
+    lines = []
+    for c in costs:
+        lines.append(f"  {c.kind} x {c.layers}: {c.per_sequence / 2**10:.1f} KiB a sequence + {c.per_token:.2f} B a "
+                     f"token, a layer ({c.what})")
+    per_token = sum(c.layers * c.per_token for c in costs)
+    per_sequence = sum(c.layers * c.per_sequence for c in costs)
+    one = per_sequence + per_token * context
+    fit = int((memory - per_sequence) // per_token) if per_token and memory > per_sequence else 0
+    return ["cache plan:", *lines,
+            f"  all layers: {per_token:.1f} B a token + {per_sequence / 2**20:.2f} MiB a sequence",
+            f"  one sequence of {context} tokens: {one / 2**30:.3f} GiB",
+            f"  in {memory / 2**30:.1f} GiB: {fit} tokens in one sequence, {int(memory // one)} sequences of "
+            f"{context} tokens"]

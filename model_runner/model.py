@@ -1,11 +1,14 @@
-"""A DeepSeek-V3.2 decoder on the dsa_triton ops (or their references: :mod:`.ops`), following Hugging Face's
-``DeepseekV32ForCausalLM`` and DeepSeek's inference code.
+"""The layer blocks of the MLA + DSA families (:mod:`.families`): a DeepSeek-V3.2 decoder on the dsa_triton ops (or
+their references: :mod:`.ops`), following Hugging Face's ``DeepseekV32ForCausalLM`` and DeepSeek's inference code,
+and GLM-5 (``GlmMoeDsaForCausalLM``): the indexer's RoPE on interleaved pairs, and "shared" layers
+(``config.runs_indexer``) that attend over the top-k of the last layer that ran its indexer.
 
 One layer, for the ``T`` new tokens of a step (:class:`.cache_manager.PagedBatch`):
 
     x -> RMSNorm -> MLA: q_lora latent -> q = [q_nope | q_pe] per head; one latent row [RMSNorm(c_kv) | RoPE(k_pe)]
          per token into the paged latent cache (MQA form)
-      -> indexer: q from the q_lora latent, k = LayerNorm(wk(x)), NeoX RoPE on the first rope dims; scores
+      -> indexer: q from the q_lora latent, k = LayerNorm(wk(x)), RoPE on the first rope dims (NeoX halves in V3.2,
+         interleaved pairs in GLM-5: ``config.index_rope_interleaved``); scores
          sum_h w[t, h] relu(q[t, h] . k[s]) / sqrt(index_head_dim) over each token's causal prefix, in one of two
          precisions (``index_precision``):
          "fp8": DeepSeek's inference code: q and k rotated by the normalized Hadamard matrix, then e4m3 with one
@@ -32,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import dsa_triton as dt
+from dsa_triton import registry
 
 from .cache_manager import CacheManager, PagedBatch
 from .config import ModelConfig
@@ -104,10 +108,11 @@ class Indexer:
         """-> ``q [T, IH, ID]``, ``k [T, ID]`` (activation dtype, RoPE applied), ``w [T, IH]`` fp32 (times IH^-0.5)."""
         c, T, r = self.c, x.shape[0], self.c.qk_rope_head_dim
         q = ops.linear(q_latent, self.wq_b).view(T, c.index_n_heads, c.index_head_dim)
-        q = torch.cat([Rotary.apply(q[..., :r], tables, False), q[..., r:]], dim=-1)
+        interleaved = c.index_rope_interleaved
+        q = torch.cat([Rotary.apply(q[..., :r], tables, interleaved), q[..., r:]], dim=-1)
         k = F.layer_norm(ops.linear(x, self.wk).float(), (c.index_head_dim,), *(t.float() for t in self.k_norm),
                          eps=1e-6).to(x.dtype)
-        k = torch.cat([Rotary.apply(k[:, :r], tables, False), k[:, r:]], dim=-1)
+        k = torch.cat([Rotary.apply(k[:, :r], tables, interleaved), k[:, r:]], dim=-1)
         return q, k, F.linear(x.float(), self.weights_proj) * c.index_n_heads ** -0.5
 
     def select(self, x, q_latent, tables, rows, batch: PagedBatch, cache: dt.PagedCache, index_keys, ops):
@@ -131,9 +136,11 @@ class Indexer:
 
 
 class Attention:
-    """MLA in the absorbed MQA form over the paged latent cache, with DSA top-k selection."""
+    """MLA in the absorbed MQA form over the paged latent cache, with DSA top-k selection (``indexer`` None: the
+    layer attends over the slots of the last layer that ran one)."""
 
-    def __init__(self, c: ModelConfig, w: dict, prefix: str, index_precision: str, index_path: PathChoice):
+    def __init__(self, c: ModelConfig, w: dict, prefix: str, index_precision: str, index_path: PathChoice,
+                 indexer: bool = True):
         self.c = c
         take = lambda name: w[prefix + name + ".weight"]  # noqa: E731
         bias = lambda name: w.get(prefix + name + ".bias")  # noqa: E731
@@ -142,9 +149,11 @@ class Attention:
         self.q_a_bias, self.kv_a_bias, self.o_bias = bias("q_a_proj"), bias("kv_a_proj_with_mqa"), bias("o_proj")
         kv_b = take("kv_b_proj").view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         self.w_uk, self.w_uv = kv_b[:, : c.qk_nope_head_dim], kv_b[:, c.qk_nope_head_dim:]  # [H, nope | v, kv_lora]
-        self.indexer = Indexer(c, w, prefix + "indexer.", index_precision, index_path)
+        self.indexer = Indexer(c, w, prefix + "indexer.", index_precision, index_path) if indexer else None
 
-    def __call__(self, x, tables, batch: PagedBatch, cache: dt.PagedCache, index_keys, ops) -> torch.Tensor:
+    def __call__(self, x, tables, batch: PagedBatch, cache: dt.PagedCache, index_keys, slots,
+                 ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> the layer's output ``[T, D]`` and the top-k slots it attended over (``slots``: the last layer's)."""
         c, T = self.c, x.shape[0]
         q_latent = rms_norm(ops.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
         q = ops.linear(q_latent, self.q_b).view(T, c.num_attention_heads, c.qk_head_dim)
@@ -152,11 +161,14 @@ class Attention:
         kv = ops.linear(x, self.kv_a, self.kv_a_bias)
         latent = rms_norm(kv[:, : c.kv_lora_rank], self.kv_a_norm, LATENT_NORM_EPS)
         rows = torch.cat([latent, Rotary.apply(kv[:, c.kv_lora_rank:], tables, True)], dim=-1)
-        slots = self.indexer.select(x, q_latent, tables, rows, batch, cache, index_keys, ops)
+        if self.indexer is None:
+            ops.append(cache, rows, None, batch)
+        else:
+            slots = self.indexer.select(x, q_latent, tables, rows, batch, cache, index_keys, ops)
         q_abs = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)
         q_mqa = torch.cat([q_abs, Rotary.apply(q_pe, tables, True)], dim=-1)  # [T, H, kv_lora + rope]
         out = ops.attention(q_mqa, cache.kv, slots, c.softmax_scale, c.kv_lora_rank, batch.decode)
-        return ops.linear(torch.einsum("thc,hvc->thv", out, self.w_uv).flatten(1), self.o_proj, self.o_bias)
+        return ops.linear(torch.einsum("thc,hvc->thv", out, self.w_uv).flatten(1), self.o_proj, self.o_bias), slots
 
 
 class DenseMLP:
@@ -198,16 +210,20 @@ class MoE:
 
 
 class Model:
-    """Weights from :func:`.loader.load_checkpoint`; ``ops`` a backend of :mod:`.ops`; ``index_precision`` one of
-    :data:`INDEX_PRECISIONS` (the module docstring); ``indexer_path`` ``{"decode": path, "prefill": path}``
+    """Weights from :func:`.families.mla_dsa.load_weights`; ``ops`` a backend of :mod:`.ops`; ``index_precision``
+    one of :data:`INDEX_PRECISIONS` (the module docstring); ``indexer_path`` ``{"decode": path, "prefill": path}``
     (:mod:`.index_path`; default token level in both); ``parallel``: the expert-parallel group whose rank's experts
     ``weights`` hold (:mod:`.distributed`), or None (one process, every expert)."""
+    decode_graphs = True  # decode steps can replay from CUDA graphs (:mod:`.cuda_graphs`)
 
     def __init__(self, config: ModelConfig, weights: dict, ops, index_precision: str = "fp8",
                  indexer_path: dict[str, str] | None = None, parallel=None):
         self.config, self.ops, self.index_precision, self.parallel = config, ops, index_precision, parallel
         if index_precision != "fp8" and indexer_path and "block" in indexer_path.values():
             raise ValueError("indexer_path: the block path needs the FP8 indexer (index_precision='fp8')")
+        if index_precision == "fp8" and config.index_head_dim & (config.index_head_dim - 1):
+            raise ValueError(f"index_precision: fp8 rotates by a Hadamard matrix, which needs a power-of-two "
+                             f"index_head_dim, got {config.index_head_dim}")
         self.index_path = PathChoice(indexer_path if index_precision == "fp8" else None)
         self.embed, self.norm, self.lm_head = (weights[n] for n in ("model.embed_tokens.weight", "model.norm.weight",
                                                                      "lm_head.weight"))
@@ -219,7 +235,8 @@ class Model:
             mlp = (MoE(config, weights, p + "mlp.", parallel) if config.is_moe_layer(i)
                    else DenseMLP(weights, p + "mlp."))
             self.layers.append((weights[p + "input_layernorm.weight"],
-                                Attention(config, weights, p + "self_attn.", index_precision, self.index_path),
+                                Attention(config, weights, p + "self_attn.", index_precision, self.index_path,
+                                          config.runs_indexer(i)),
                                 weights[p + "post_attention_layernorm.weight"], mlp))
 
     @property
@@ -231,11 +248,22 @@ class Model:
         """``input_ids[T]`` (packed as ``batch``) -> fp32 logits ``[B, vocab]`` of each sequence's last token."""
         eps = self.config.rms_norm_eps
         tables = self.rotary.tables(batch.positions)
-        x = self.embed[input_ids]
+        x, slots = self.embed[input_ids], None
         for (attn_norm, attn, mlp_norm, mlp), layer, keys in zip(self.layers, cache.layers, cache.index_keys):
-            x = x + attn(rms_norm(x, attn_norm, eps), tables, batch, layer, keys, self.ops)
+            out, slots = attn(rms_norm(x, attn_norm, eps), tables, batch, layer, keys, slots, self.ops)
+            x = x + out
             x = x + mlp(rms_norm(x, mlp_norm, eps), self.ops)
         return logits(rms_norm(x[batch.last_rows], self.norm, eps), self.lm_head, self.fp32_logits)
+
+    def workspace(self, tokens_per_step: int) -> dict[str, int]:
+        """The MoE prefill path's shared FP8 workspace at its largest (two stages of the most experts a stage can
+        hold, each ``[2I, D]`` e4m3 with fp32 scales per 128 columns; allocated on the first prefill that takes it)."""
+        c = self.config
+        if not any(c.is_moe_layer(i) for i in range(c.num_hidden_layers)):
+            return {}
+        n, k = 2 * c.moe_intermediate_size, c.hidden_size
+        slots = 2 * max(registry.get("fp8_grouped_gemm").space["EXPERTS_PER_STAGE"])
+        return {"workspace: MoE FP8 (at most)": slots * (n * k + 4 * n * -(-k // 128))}
 
     @torch.inference_mode()
     def idle(self) -> None:

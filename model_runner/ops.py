@@ -12,6 +12,10 @@ rows themselves);
 ``linear(x[T, K], w)``: ``w`` a ``[N, K]`` tensor in ``x``'s dtype or an :class:`FP8Weight`.
 Expert parallel (:mod:`.distributed`): ``route(logits[T, E] fp32, routing, bias)`` -> ``(weights [T, top_k] fp32,
 ids [T, top_k])``; ``experts(rows[N, H], ids[N] local expert of each row, *experts)`` -> ``[N, H]`` fp32, unweighted.
+``routed_experts(x[T, H], ids[T, k], weights[T, k] fp32, experts, swiglu_limit)`` -> ``[T, H]`` fp32: the MXFP4
+experts after a routing of the caller's, their gate clipped to ``<= limit`` and up to ``[-limit, limit]`` before the
+SwiGLU (DeepSeek-V4); the kernel backend composes the fused MXFP4 GEMMs with the clip between them (dt.moe_experts
+has no clip).
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ from dsa_triton.linear.fp8_blockwise_linear_reference import fp8_blockwise_linea
 from dsa_triton.moe.activation_reference import swiglu_torch
 from dsa_triton.moe.moe_forward import moe_experts
 from dsa_triton.moe.moe_forward_reference import moe_experts_torch, moe_forward_torch
+from dsa_triton.moe.mxfp4_reference import mxfp4_dequantize_torch
+from dsa_triton.moe.permute import combine_rows
 from dsa_triton.moe.routing_reference import route_torch
 
 from .cache_manager import PagedBatch
@@ -46,6 +52,12 @@ class FP8Weight(NamedTuple):
 
 def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias
+
+
+def clip_gate_up(h: torch.Tensor, limit: float) -> torch.Tensor:
+    """``h[M, 2I]`` (gate | up) with gate clipped to ``<= limit`` and up to ``[-limit, limit]``."""
+    gate, up = h.chunk(2, dim=-1)
+    return torch.cat([gate.clamp(max=limit), up.clamp(-limit, limit)], dim=-1)
 
 
 class KernelOps:
@@ -102,6 +114,14 @@ class KernelOps:
         return moe_experts(rows, ids.view(-1, 1), None, *experts, out_dtype=torch.float32,
                            check_ids=self.check_values)
 
+    def routed_experts(self, x, ids, weights, experts, swiglu_limit: float) -> torch.Tensor:
+        gate_up_blocks, gate_up_scales, down_blocks, down_scales = experts
+        sort = dt.sort_by_expert(ids, weights, gate_up_blocks.shape[0], check_ids=self.check_values)
+        h = dt.fused_moe_gemm(x, sort, gate_up_blocks, gate_up_scales, gather_tokens=True, out_dtype=torch.float32)
+        y = dt.fused_moe_gemm(dt.swiglu(clip_gate_up(h, swiglu_limit), x.dtype), sort, down_blocks, down_scales,
+                              gather_tokens=False, out_dtype=torch.float32)
+        return combine_rows(y, sort)
+
 
 class ReferenceOps:
     name = "reference"
@@ -157,4 +177,17 @@ class ReferenceOps:
     @staticmethod
     def experts(rows, ids, *experts) -> torch.Tensor:
         return moe_experts_torch(rows, ids.view(-1, 1), None, *experts)
+
+    @staticmethod
+    def routed_experts(x, ids, weights, experts, swiglu_limit: float) -> torch.Tensor:
+        """One expert at a time in ascending order (as transformers adds them), weights dequantized, fp32."""
+        gate_up_blocks, gate_up_scales, down_blocks, down_scales = experts
+        xf, out = x.float(), torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in ids.unique().tolist():
+            token, choice = (ids == e).nonzero(as_tuple=True)
+            h = F.linear(xf[token], mxfp4_dequantize_torch(gate_up_blocks[e], gate_up_scales[e]))
+            y = F.linear(swiglu_torch(clip_gate_up(h, swiglu_limit)),
+                         mxfp4_dequantize_torch(down_blocks[e], down_scales[e]))
+            out.index_add_(0, token, y * weights[token, choice, None])
+        return out
 

@@ -102,9 +102,8 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and not step.preempted:  # 3. admissions, first come first served
             seq = self.waiting[0]
-            P = self.cache.page_size
-            reserve = sum((self.cached(s) + scheduled.get(s, 0)) % P == 0 for s in self.running)
-            n = min(self.pending(seq), budget, self.cache.room(reserve_pages=reserve))
+            growing = [(s.seq_id, self.cached(s) + scheduled.get(s, 0)) for s in self.running]
+            n = min(self.pending(seq), budget, self.cache.room(reserve=growing))
             if n <= 0:
                 break
             self.waiting.popleft()

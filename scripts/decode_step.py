@@ -55,7 +55,7 @@ from dsa_triton.bench.results import dict_table, write_results  # noqa: E402
 from dsa_triton.hostmath import cdiv  # noqa: E402
 from dsa_triton.runtime import default_device  # noqa: E402
 from model_runner import ModelConfig, tiny_config  # noqa: E402
-from model_runner.random_weights import random_experts  # noqa: E402
+from model_runner.families.mla_dsa import random_experts  # noqa: E402
 from runner_bench import v32_config  # noqa: E402  (scripts/ is on the path of a script)
 from serving_backend import DSAAttentionBackend, MXFP4MoEMethod, capture, new_inputs  # noqa: E402
 

@@ -7,8 +7,8 @@
 
 ``scripts/ep_bench.sh`` runs the four in one device call. ``write``: the V3.2 config (tuner/models/deepseek-v3.2.json)
 with ``--layers`` layers (the first dense, the rest MoE with 256 MXFP4 experts, ~6 GB each) and a smaller vocabulary,
-bf16 dense weights by :func:`model_runner.tiny.random_tensor`'s rule, random MXFP4 experts by
-:func:`model_runner.random_weights.random_experts`; one shard per layer. ``run``: the model runner in kernel mode
+bf16 dense weights by :func:`model_runner.random_draws.random_tensor`'s rule, random MXFP4 experts by
+:func:`model_runner.families.mla_dsa.random_experts`; one shard per layer. ``run``: the model runner in kernel mode
 (bf16, value checks off), the same prompts on every world size (data parallel over the ranks), three passes: a
 warm-up (compiles), a measured pass, and a pass with the device synchronized around every collective (their time).
 Writes the tokens, each rank's prefill and decode throughput, collectives and memory plan. ``compare``: tokens equal
@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 from dsa_triton.runtime import default_device  # noqa: E402
 from model_runner import ModelConfig, SamplingParams, build_engine, distributed, tiny_config  # noqa: E402
-from model_runner.loader import INDEX_FILE, dense_shapes  # noqa: E402
-from model_runner.random_weights import random_experts  # noqa: E402
-from model_runner.tiny import random_tensor  # noqa: E402
+from model_runner.families.mla_dsa import dense_shapes, random_experts  # noqa: E402
+from model_runner.loader import INDEX_FILE  # noqa: E402
+from model_runner.random_draws import random_tensor  # noqa: E402
 
 V32 = ROOT / "tuner" / "models" / "deepseek-v3.2.json"
 

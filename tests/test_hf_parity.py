@@ -16,8 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from dsa_triton.moe.mxfp4_reference import mxfp4_dequantize_torch, mxfp4_quantize_torch  # noqa: E402
 from model_runner import SamplingParams, build_engine  # noqa: E402
+from tests.hf_oracle import hf_greedy, runner_scale  # noqa: E402
 
 PROMPTS = [[3, 17, 9, 44, 2, 91, 23, 5, 60, 7, 71, 12, 33, 8], [100, 4, 4, 18, 77, 1, 36], [55] * 3 + [9, 120]]
 NEW_TOKENS = 8
@@ -44,33 +44,12 @@ def hf_checkpoint(folder, seed: int, shard, **overrides):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            t = torch.randn(p.shape, generator=g)
-            if name.endswith("norm.weight"):
-                t = 1 + 0.1 * t
-            elif name.endswith("bias"):
-                t = 0.1 * t
-            elif "embed_tokens" not in name:
-                t = t * p.shape[-1] ** -0.5
-            if ".experts." in name:
-                t = mxfp4_dequantize_torch(*mxfp4_quantize_torch(t))
-            p.copy_(t)
+            p.copy_(runner_scale(name, p.shape, g))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
     model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
     return model
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """n greedy tokens, decoding with transformers' cache."""
-    out, ids, cache = [], torch.tensor([prompt]), None
-    with torch.no_grad():
-        for _ in range(n):
-            result = model(input_ids=ids, cache=cache, use_cache=True)
-            cache = result.cache
-            out.append(int(result.logits[0, -1].argmax()))
-            ids = torch.tensor([[out[-1]]])
-    return out
 
 
 @pytest.mark.parametrize("case", list(CASES))

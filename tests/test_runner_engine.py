@@ -1,9 +1,9 @@
 """The runner's serving machinery on a tiny model: the scheduler (token budget, decode mixed with prefill chunks,
 pages taken as sequences grow, preemption by free-and-recompute), batched sampling, padded decode steps (the CUDA
-graph path's batches, run eagerly on the CPU), the block-level indexer path and the profile mode.
+graph path's batches, run eagerly on the CPU), batch invariance, the block-level indexer path and the profile mode.
 
 Whole generations run in the reference mode (fp32: fast, and a recomputed prefix gives the same greedy tokens);
-the kernel-mode checks are single steps (the Triton interpreter is slow).
+the kernel-mode checks are single steps or short generations (the Triton interpreter is slow).
 """
 import json
 import shutil
@@ -169,6 +169,22 @@ def test_sampling_is_seeded_per_request():
     assert len(set(streams[0])) > 20  # not stuck on a few tokens
 
 
+def test_request_seed_sets_its_tokens(checkpoint):
+    """A request's own seed (``SamplingParams.seed``) fixes its draws: the same tokens whatever the engine's seed
+    and whatever shares its batch, other tokens with another seed."""
+    prompt = list(range(3, 15))
+    a, b = (SamplingParams(max_new_tokens=10, temperature=3.0, seed=s) for s in (11, 12))
+    alone = engine(checkpoint, seed=0).generate([prompt], a, progress=False)[0]
+    assert engine(checkpoint, seed=1).generate([prompt], a, progress=False)[0] == alone
+    other = engine(checkpoint, seed=0).generate([prompt], b, progress=False)[0]
+    assert sum(x != y for x, y in zip(alone, other)) >= 5  # near-uniform draws from 128 tokens
+    prompts, _ = random_requests(2, seed=5)
+    hot = SamplingParams(max_new_tokens=10, temperature=3.0)
+    batch = engine(checkpoint, seed=2).generate([prompts[0], prompt, prompts[1], prompt], [hot, a, b, a],
+                                                progress=False)
+    assert batch[1] == batch[3] == alone
+
+
 def test_exponential_noise():
     noise = exponential_noise(torch.tensor([0, 2 ** 40 + 3]), torch.tensor([5, 5]), 20000)
     assert noise.shape == (2, 20000) and (noise > 0).all() and noise.isfinite().all()
@@ -183,6 +199,56 @@ def test_sampling_params_are_checked():
     for bad in ({"top_k": -1}, {"seed": -3}, {"seed": 1.5}, {"top_p": 0}):
         with pytest.raises(Exception, match="sampling: need"):
             SamplingParams(**bad)
+
+
+# -- batch invariance ------------------------------------------------------------------------------------------------
+
+TIED = tiny_config(index_n_heads=1)  # one indexer head: about half of the scores are exactly 0.0 after the ReLU
+
+
+@pytest.fixture(scope="module")
+def tied_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tied_ckpt")
+    save_random_checkpoint(TIED, folder, experts="mxfp4", seed=4)
+    return folder
+
+
+def count_boundary_ties(eng) -> list[int]:
+    """Wrap the engine's top-k op; the list counts the rows whose k-th score ties with a score left out."""
+    ties, topk = [0], eng.model.ops.topk
+
+    def counted(scores, k, page_size, batch):
+        n = batch.limits.long()
+        s = scores.float().masked_fill(torch.arange(scores.shape[1]) >= n[:, None], float("-inf"))
+        kth = s.topk(min(k, s.shape[1]), dim=1).values[:, -1:]
+        ties[0] += int((((s >= kth).sum(1) > k) & (n > k)).sum())
+        return topk(scores, k, page_size, batch)
+
+    eng.model.ops.topk = counted
+    return ties
+
+
+def assert_batch_invariant(folder, mode, lengths, new_tokens, **kwargs):
+    """Greedy: each prompt alone gives the tokens it gives in a batch with the others, in either order, though
+    indexer scores tie at the top-k boundary (the top-k breaks ties by position, whatever the row's width)."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, TIED.vocab_size, (m,), generator=g).tolist() for m in lengths]
+    params = SamplingParams(max_new_tokens=new_tokens)
+    eng = engine(folder, mode, max_seqs=len(prompts), **kwargs)
+    ties = count_boundary_ties(eng)
+    batch = eng.generate(prompts, params, progress=False)
+    assert ties[0] > 0  # the top-k had ties to break
+    assert eng.generate(prompts[::-1], params, progress=False)[::-1] == batch
+    assert [eng.generate([p], params, progress=False)[0] for p in prompts] == batch
+
+
+def test_batch_invariance_greedy_reference_mode(tied_checkpoint):
+    assert_batch_invariant(tied_checkpoint, "reference", (3, 9, 14, 22, 30, 37), 10)
+
+
+def test_batch_invariance_greedy_kernel_mode(tied_checkpoint):
+    """The Triton kernels (interpreted: short prompts, few tokens)."""
+    assert_batch_invariant(tied_checkpoint, "kernel", (2, 7, 12), 4, max_num_batched_tokens=64, check_values=False)
 
 
 # -- padded decode steps (the CUDA-graph path) ------------------------------------------------------------------
