@@ -12,7 +12,8 @@ from .registry import ConfigError
 from .attention.append_tokens import append_tokens
 from .attention.block_indexer_logits import block_indexer_logits, block_scores, indexer_path, selected_page_logits
 from .attention.cache import PageAllocator, PagedCache
-from .attention.formats import fp8_latent_bytes, fp8_latent_dequantize, fp8_latent_quantize, fp8_quantize_rows
+from .attention.formats import (fp8_latent_bytes, fp8_latent_dequantize, fp8_latent_quantize, fp8_quantize_rows,
+                                model1_bytes, model1_cache, model1_dequantize, model1_quantize)
 from .attention.indexer_logits import indexer_logits
 from .attention.select_pages import select_pages
 from .attention.sparse_attention import sparse_attention_decode, sparse_attention_prefill
@@ -39,7 +40,8 @@ __all__ = [
     "registry", "ConfigError",
     # attention
     "PageAllocator", "PagedCache", "append_tokens", "fp8_latent_bytes", "fp8_latent_dequantize",
-    "fp8_latent_quantize", "fp8_quantize_rows", "indexer_logits", "block_scores", "select_pages",
+    "fp8_latent_quantize", "fp8_quantize_rows", "model1_bytes", "model1_cache", "model1_dequantize",
+    "model1_quantize", "indexer_logits", "block_scores", "select_pages",
     "selected_page_logits", "block_indexer_logits", "indexer_path", "sparse_attention_decode",
     "sparse_attention_prefill", "topk_indices",
     # linear

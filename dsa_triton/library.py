@@ -121,19 +121,20 @@ def routing_kwargs(routing: RoutingConfig, mode_name: str = "mode") -> dict:
 @_op("append_tokens", mutates_args=("kv_cache", "ik", "ik_scale", "summaries"))
 def append_tokens_op(kv_cache: Optional[Tensor], ik: Optional[Tensor], ik_scale: Optional[Tensor],
                      summaries: Optional[Tensor], kv: Optional[Tensor], index_k: Optional[Tensor], items: Tensor,
-                     check_values: bool = True, config: Optional[str] = None) -> None:
-    """:func:`dt.append_tokens`: new tokens ``kv[N, D]`` / ``index_k[N, DK]`` into the paged caches, in place.
+                     check_values: bool = True, config: Optional[str] = None, rope_dim: int = 64) -> None:
+    """:func:`dt.append_tokens`: new tokens ``kv[N, D]`` / ``index_k[N, DK]`` into the paged caches, in place
+    (``rope_dim``: the rope values of rows into an FP8 cache).
 
     ``items[n, 4]`` int32 = (first source row, token count, physical page, first slot in the page), one per touched
     page, pages distinct. A decode step of ``B`` sequences at logical positions ``pos[B]`` is
     ``items = stack([arange(B), ones(B), block_table[b, pos // P], pos % P], 1)``: device ops, capturable. The block
     table and the lengths are the caller's (the op does not update them)."""
     append_tokens(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config=_config(config),
-                  check_values=check_values)
+                  check_values=check_values, rope_dim=rope_dim)
 
 
 @append_tokens_op.register_fake
-def _(kv_cache, ik, ik_scale, summaries, kv, index_k, items, check_values=True, config=None):
+def _(kv_cache, ik, ik_scale, summaries, kv, index_k, items, check_values=True, config=None, rope_dim=64):
     return None
 
 
@@ -282,12 +283,18 @@ def _(scores, k, out, *args, **kwargs):
 
 
 def _attention_op(name: str, fn, doc: str):
-    """The custom op of a sparse-attention function (decode and prefill take the same arguments)."""
+    """The custom op of a sparse-attention function (decode and prefill take the same arguments; DeepSeek-V4's
+    last, keyword-only in ``dt``: a custom op takes no keyword-only tensor)."""
     def op(q: Tensor, kv_cache: Tensor, indices: Tensor, sm_scale: float, d_v: int = 512,
-           block_table: Optional[Tensor] = None, check_values: bool = True,
-           config: Optional[str] = None) -> tuple[Tensor, Tensor]:
+           block_table: Optional[Tensor] = None, check_values: bool = True, config: Optional[str] = None,
+           attn_sink: Optional[Tensor] = None, topk_length: Optional[Tensor] = None,
+           extra_kv_cache: Optional[Tensor] = None, extra_indices: Optional[Tensor] = None,
+           extra_topk_length: Optional[Tensor] = None,
+           extra_block_table: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         return fn(q, kv_cache, indices, sm_scale, d_v, block_table, config=_config(config),
-                  check_values=check_values)
+                  check_values=check_values, attn_sink=attn_sink, topk_length=topk_length,
+                  extra_kv_cache=extra_kv_cache, extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+                  extra_block_table=extra_block_table)
 
     op.__doc__ = doc
     registered = _op(name)(op)
@@ -301,9 +308,11 @@ def _attention_op(name: str, fn, doc: str):
 
 
 sparse_attention_decode_op = _attention_op("sparse_attention_decode", sparse_attention_decode, """\
-:func:`dt.sparse_attention_decode`: ``(out [B, (S,) Hq, d_v] q's dtype, lse [B, (S,) Hq] fp32)``.""")
+:func:`dt.sparse_attention_decode`: ``(out [B, (S,) Hq, d_v] q's dtype, lse [B, (S,) Hq] fp32)``; with DeepSeek-V4's
+sinks, lengths and second index set as keywords.""")
 sparse_attention_prefill_op = _attention_op("sparse_attention_prefill", sparse_attention_prefill, """\
-:func:`dt.sparse_attention_prefill`: ``(out [T, Hq, d_v] q's dtype, lse [T, Hq] fp32)``.""")
+:func:`dt.sparse_attention_prefill`: ``(out [T, Hq, d_v] q's dtype, lse [T, Hq] fp32)``; with DeepSeek-V4's sinks,
+lengths and second index set as keywords.""")
 
 
 # -- MXFP4 --------------------------------------------------------------------------------------------------------

@@ -12,6 +12,10 @@ from typing import Any
 
 DEFAULT_PAGE = 64  # tokens a page when the config names no page size (it is a serving choice, not a model dim)
 SCORING = {"sigmoid": 0, "softmax": 1}  # the routing kernels' ``softmax`` dim
+# DeepSeek-V4's attention layer types, their compression rates (transformers' defaults) and legacy rate values
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+V4_RATES = {CSA: 4, HCA: 128}
+V4_RATIO_TYPES = {0: SLIDING, 4: CSA, 128: HCA}
 
 
 class Missing:
@@ -48,18 +52,63 @@ class ModelDims:
         return self.field("num_attention_heads")
 
     @property
+    def v4(self) -> bool:
+        """A DeepSeek-V4 config (``model_type`` ``deepseek_v4``): one K=V head of ``head_dim`` values, rope last."""
+        return self.config.get("model_type") == "deepseek_v4"
+
+    @property
     def latent(self):
-        """The MQA latent (values) width: ``kv_lora_rank``."""
-        return self.field("kv_lora_rank")
+        """The MQA latent (values) width: ``kv_lora_rank``; DeepSeek-V4: ``head_dim`` (the values are the whole
+        row)."""
+        return self.field("head_dim") if self.v4 else self.field("kv_lora_rank")
 
     @property
     def rope(self):
+        """Rope dims: ``qk_rope_head_dim``; DeepSeek-V4: ``head_dim * partial_rotary_factor`` (default 64 / 512),
+        or the legacy ``qk_rope_head_dim``."""
+        if self.v4 and self.config.get("qk_rope_head_dim") is None:
+            return int(self.latent * (self.config.get("partial_rotary_factor") or 0.125))
         return self.field("qk_rope_head_dim")
 
     @property
     def qk(self):
-        """The width of a latent cache row, which every query head scores: latent plus rope."""
-        return self.latent + self.rope
+        """The width of a latent cache row, which every query head scores: latent plus rope (DeepSeek-V4:
+        ``head_dim``, its last ``rope`` dims rotated)."""
+        return self.latent if self.v4 else self.latent + self.rope
+
+    @property
+    def kv_fp8(self) -> int:
+        """The FP8 cache layout the model's attention reads (the kernels' ``fp8``): 1 DeepSeek's FP8 latent cache,
+        2 (DeepSeek-V4) FlashMLA's MODEL1 layout."""
+        return 2 if self.v4 else 1
+
+    @property
+    def sliding_window(self):
+        return self.field("sliding_window")
+
+    def compress_rate(self, layer_type: str):
+        """Tokens per compressed entry of a DeepSeek-V4 layer type: ``compress_rates``, the legacy
+        ``compress_rate_csa`` / ``compress_rate_hca``, else 4 (CSA) and 128 (HCA)."""
+        rates = self.config.get("compress_rates") or {}
+        legacy = self.config.get("compress_rate_" + ("csa" if layer_type == CSA else "hca"))
+        return rates.get(layer_type) or legacy or V4_RATES[layer_type]
+
+    def attention_types(self) -> list[str]:
+        """DeepSeek-V4's attention layer types in the model (``layer_types``, the legacy ``compress_ratios``, else
+        transformers' default: HCA and CSA), in the order sliding, CSA, HCA."""
+        types = self.config.get("layer_types")
+        if types is None and self.config.get("compress_ratios") is not None:
+            types = [V4_RATIO_TYPES.get(r, str(r)) for r in self.config["compress_ratios"]]
+        types = set(types or (CSA, HCA))
+        return [t for t in (SLIDING, CSA, HCA) if t in types]
+
+    def attention_index_sets(self) -> list[tuple[int, int]]:
+        """DeepSeek-V4: ``(window, compressed)`` index-set widths of each attention layer type: the sliding window
+        and none (sliding), ``index_topk`` entries (CSA), every entry at ``max_position_embeddings`` (HCA: the
+        widest row, shorter rows cut by their length)."""
+        widths = {SLIDING: 0, CSA: self.index_topk,
+                  HCA: self.field("max_position_embeddings") // self.compress_rate(HCA)}
+        return [(self.sliding_window, widths[t]) for t in self.attention_types()]
 
     @property
     def index_heads(self):

@@ -219,6 +219,56 @@ case_fp8_blockwise_linear_out = with_out(case_fp8_blockwise_linear, 3, (3, 40), 
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 OUT_OPS = sorted(name[:-len("_out")] for name in CASES if name.endswith("_out") and name != "mxfp4_to_fp8_out")
 
+
+# -- DeepSeek-V4's arguments: more cases of the same ops ----------------------------------------------------------
+
+V4_D, V4_ROPE = 96, 32  # rows of 64 quantized (MODEL1) + 32 rope values; the values are all 96
+
+
+def model1_pages(num_pages, g):
+    """MODEL1 pages of random tokens (FlashMLA's page stride: not contiguous), the first page's bytes 0xFF (NaN)."""
+    pages = dt.model1_cache(num_pages, P, V4_D - V4_ROPE, V4_ROPE, fill=0xFF)
+    pages[1:] = dt.model1_quantize(torch.randn(num_pages - 1, P, V4_D, generator=g), V4_ROPE)
+    return pages
+
+
+def v4_case_sparse_attention_decode():
+    """Two tokens per sequence with their own index sets: a window over MODEL1 pages (physical slots) and compressed
+    entries over others, sinks, a length per sequence and per token."""
+    g = rng(12)
+    kv, kv2 = model1_pages(4, g), model1_pages(3, g)
+    q = torch.randn(2, 2, 4, V4_D, generator=g).half()
+    idx = (P + torch.randperm(3 * P, generator=g)[:24]).view(2, 2, 6).int()
+    idx2 = (P + torch.randperm(2 * P, generator=g)[:20]).view(2, 2, 5).int()
+    sink = torch.tensor([float("inf"), float("-inf"), 0.5, -1.0])
+    return (q, kv, idx, V4_D ** -0.5, V4_D), dict(
+        attn_sink=sink, topk_length=torch.tensor([6, 2], dtype=torch.int32), extra_kv_cache=kv2, extra_indices=idx2,
+        extra_topk_length=torch.tensor([[5, 0], [3, 5]], dtype=torch.int32))
+
+
+def v4_case_sparse_attention_prefill():
+    """Three tokens over fp16 rows: logical positions through a block table per set."""
+    g, cache, _, _, _ = attention_inputs(seed=4)
+    q = torch.randn(3, 4, D, generator=g).half()
+    idx = torch.randint(0, 40, (3, 10), generator=g, dtype=torch.int32)
+    extra = torch.randint(0, 23, (3, 7), generator=g, dtype=torch.int32)
+    return (q, cache.kv, idx, D ** -0.5, D, cache.block_table[:1]), dict(
+        attn_sink=torch.randn(4, generator=g), topk_length=torch.tensor([10, 4, 0], dtype=torch.int32),
+        extra_kv_cache=cache.kv, extra_indices=extra, extra_block_table=cache.block_table[1:2])
+
+
+def v4_case_append_tokens():
+    """Five rows into MODEL1 pages (no index keys)."""
+    g = rng(13)
+    items = torch.tensor([[0, 3, 1, 13], [3, 2, 2, 0]], dtype=torch.int32)
+    return (model1_pages(3, g), None, None, None, torch.randn(5, V4_D, generator=g), None, items), dict(
+        rope_dim=V4_ROPE)
+
+
+V4_CASES = {name[len("v4_case_"):]: fn for name, fn in globals().items() if name.startswith("v4_case_")}
+# (op, case) per opcheck: every op's case, and the DeepSeek-V4 ones
+OPCHECKS = {**{name: (name, fn) for name, fn in CASES.items()}, **{f"{n}[v4]": (n, fn) for n, fn in V4_CASES.items()}}
+
 # opcheck sub-tests that cannot pass for a structural reason, by op: {op: {sub-test: reason}}
 SKIPS: dict[str, dict[str, str]] = {}
 
@@ -250,13 +300,14 @@ def float8_comparable():
 HOST_PATH = {"fp8_grouped_gemm", "fp8_grouped_gemm_out"}
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_opcheck(name):
+@pytest.mark.parametrize("case", sorted(OPCHECKS))
+def test_opcheck(case):
     """Every sub-test with the checks off (the path a compiled graph or a CUDA graph takes); the schema (declared
     mutations, no aliasing) with them on too, which runs the ``dt`` function with its value checks. Then, checks off
     and the shape warm (plan, launch config and scale ranges kept in memory), a call reads no device value on the
     host and touches no file: capturable in a CUDA graph."""
-    args, kwargs = CASES[name]()
+    name, make = OPCHECKS[case]
+    args, kwargs = make()
     tests = [t for t in ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
              if t not in SKIPS.get(name, {})]
     with float8_comparable():

@@ -1,5 +1,6 @@
 """Property tests of ``dt.sparse_attention_decode`` and ``dt.sparse_attention_prefill`` (:mod:`tests.property_harness`:
-every generated call raises a clear error or equals the reference, :mod:`.sparse_attention_reference`)."""
+every generated call raises a clear error or equals the reference, :mod:`.sparse_attention_reference`), DeepSeek-V4's
+arguments included (sinks, lengths, a second index set over a second cache, MODEL1 FP8 pages)."""
 import math
 
 import pytest
@@ -7,15 +8,17 @@ import torch
 from hypothesis import strategies as st
 
 import dsa_triton as dt
+from dsa_triton.attention.formats import model1_cache, model1_dequantize, model1_quantize
 from dsa_triton.attention.sparse_attention_reference import (sparse_attention_decode_torch,
                                                              sparse_attention_prefill_torch)
-from dsa_triton.attention.sparse_attention_spec import DECODE_SPEC, PREFILL_SPEC
+from dsa_triton.attention.sparse_attention_spec import DECODE_SPEC, PREFILL_SPEC, V4_ARGS
 
 from .property_harness import (Case, check, checked, config_arg, element, generator, int_arg, mutate, nan_split,
                                real_arg, run_property, tensor_arg)
 
 DTYPES = (torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+MODEL1_ROPE = 16  # MODEL1 rows here: 64 quantized + 16 rope values
 
 
 def _cache(draw, g, rows_needed: int, D: int, dtype):
@@ -26,6 +29,26 @@ def _cache(draw, g, rows_needed: int, D: int, dtype):
     if draw(st.booleans()) and P > 1:
         return kv, pages * P, P
     return kv.view(pages * P, D) if draw(st.booleans()) else kv, pages * P, P
+
+
+def _model1_cache(draw, g, rows_needed: int):
+    """``(kv_cache, num_slots, P)``: MODEL1 pages of 80 values (64 quantized + 16 rope), FlashMLA's page stride."""
+    P = draw(st.sampled_from([1, 4, 16]))
+    pages = max(1, -(-rows_needed // P)) + draw(st.integers(0, 2))
+    kv = model1_cache(pages, P, 64, MODEL1_ROPE)
+    kv.copy_(model1_quantize(torch.randn(pages, P, 80, generator=g) * 4, MODEL1_ROPE))
+    return kv, pages * P, P
+
+
+def _table(g, kv: torch.Tensor, width: int, rows: int) -> torch.Tensor:
+    """``[rows, width]`` pages of ``kv`` (distinct where there are enough)."""
+    return torch.stack([torch.randperm(kv.shape[0], generator=g)[:width] if width <= kv.shape[0] else
+                        torch.randint(0, kv.shape[0], (width,), generator=g) for _ in range(rows)])
+
+
+def _values(cache: torch.Tensor, d_v: int) -> torch.Tensor:
+    """A cache's values as fp32 (MODEL1 pages dequantized)."""
+    return model1_dequantize(cache, MODEL1_ROPE) if cache.dtype == torch.uint8 else cache[..., :d_v].float()
 
 
 def _indices(g, rows: int, k: int, limit: int, dtype):
@@ -41,7 +64,8 @@ def _indices(g, rows: int, k: int, limit: int, dtype):
 def attention_cases(draw, phase: str):
     g = generator(draw)
     dtype = draw(st.sampled_from(DTYPES))
-    D, d_v = draw(st.sampled_from([(16, 16), (48, 32), (80, 64), (40, 8)]))
+    D, d_v = draw(st.sampled_from([(16, 16), (48, 32), (80, 64), (40, 8), (80, 80)]))
+    model1 = D == d_v == 80 and draw(st.booleans())
     H, k = draw(st.integers(1, 4)), draw(st.integers(1, 20))
     if phase == "decode":
         B, S = draw(st.integers(1, 3)), draw(st.integers(1, 2))
@@ -54,25 +78,41 @@ def attention_cases(draw, phase: str):
         B = T = draw(st.integers(0, 3))
         q = torch.randn(T, H, D, generator=g).to(dtype)
         rows, per_token, S = T, False, 1
-    logical = draw(st.booleans())
-    kv, num_slots, P = _cache(draw, g, 24, D, dtype)
+    new_cache = (lambda: _model1_cache(draw, g, 24)) if model1 else (lambda: _cache(draw, g, 24, D, dtype))
     index_dtype = draw(st.sampled_from(INDEX_DTYPES))
-    args = {"q": q, "kv_cache": kv, "sm_scale": draw(st.sampled_from([D ** -0.5, 0.3, -0.2, 0.0])), "d_v": d_v}
-    if logical and kv.dim() == 3:
-        width = draw(st.integers(1, 3))
-        table_rows = B if phase == "decode" else draw(st.sampled_from([1, T] if T else [1]))
-        table = torch.stack([torch.randperm(kv.shape[0], generator=g)[:width] if width <= kv.shape[0] else
-                             torch.randint(0, kv.shape[0], (width,), generator=g) for _ in range(table_rows)])
-        args["block_table"] = table.to(draw(st.sampled_from(INDEX_DTYPES)))
-        idx = _indices(g, rows, k, width * P, index_dtype)
-    else:
-        idx = _indices(g, rows, k, num_slots, index_dtype)
-    args["indices"] = idx.view(B, S, k) if per_token else idx
+    table_rows = B if phase == "decode" else draw(st.sampled_from([1, T] if T else [1]))
+    lead = (B, S) if per_token else (rows,)
+
+    def index_set(k):  # (cache, indices, block table or None, the indices' limit, P)
+        kv, num_slots, P = new_cache()
+        if draw(st.booleans()) and kv.dim() == 3:
+            table = _table(g, kv, draw(st.integers(1, 3)), table_rows).to(draw(st.sampled_from(INDEX_DTYPES)))
+            return kv, _indices(g, rows, k, table.shape[1] * P, index_dtype).view(*lead, k), table, \
+                table.shape[1] * P, P
+        return kv, _indices(g, rows, k, num_slots, index_dtype).view(*lead, k), None, num_slots, P
+
+    kv, idx, table, limit, P = index_set(k)
+    args = {"q": q, "kv_cache": kv, "indices": idx, "sm_scale": draw(st.sampled_from([D ** -0.5, 0.3, -0.2, 0.0])),
+            "d_v": d_v, **({"block_table": table} if table is not None else {})}
     args["check_values"] = draw(st.booleans())
-    limit = num_slots if "block_table" not in args else args["block_table"].shape[1] * P
+    limit2 = 0
+    if model1 or draw(st.booleans()):  # DeepSeek-V4's arguments, each or not
+        if draw(st.booleans()):
+            sink = torch.randn(H, generator=g)
+            sink[torch.rand(H, generator=g) < 0.3] = draw(st.sampled_from([math.inf, -math.inf]))
+            args["attn_sink"] = sink
+        length_shape = (B,) if per_token and draw(st.booleans()) else lead  # decode [B, S, k]: also one a sequence
+        if draw(st.booleans()):
+            args["topk_length"] = torch.randint(0, k + 1, length_shape, generator=g, dtype=torch.int32)
+        if draw(st.booleans()):
+            k2 = draw(st.integers(1, 20))
+            args["extra_kv_cache"], args["extra_indices"], table2, limit2, _ = index_set(k2)
+            args.update({"extra_block_table": table2} if table2 is not None else {})
+            if draw(st.booleans()):
+                args["extra_topk_length"] = torch.randint(0, k2 + 1, length_shape, generator=g, dtype=torch.int32)
 
     def kv_pages(draw, args):  # pages further apart than P rows
-        if kv.dim() != 3 or kv.shape[0] <= 1:
+        if kv.dim() != 3 or kv.shape[0] <= 1 or model1:
             return None
         wide = torch.randn(kv.shape[0], kv.shape[1] + 1, D, generator=g).to(dtype)
         wide[:, : kv.shape[1]] = kv
@@ -90,21 +130,36 @@ def attention_cases(draw, phase: str):
             return None
         r, c = valid[0].tolist()
         table = table.clone()
-        table[r if table.shape[0] > 1 else 0, int(used[r, c]) // P] = draw(st.sampled_from([-1, num_slots // P]))
+        table[r if table.shape[0] > 1 else 0, int(used[r, c]) // P] = draw(st.sampled_from([-1, kv.shape[0]]))
         args["block_table"] = table
         return "", ("block_table",)
 
     mutation, names = mutate(draw, args, {
-        "valid": None, "q": tensor_arg("q", DTYPES, ("q", "kv_cache", "indices", "block_table", "d_v")),
-        "kv_cache": tensor_arg("kv_cache", (dtype,), ("kv_cache", "block_table", "indices")),
+        "valid": None, "q": tensor_arg("q", DTYPES, ("q", "kv_cache", "indices", "block_table", "d_v", "attn_sink",
+                                                    "extra_kv_cache")),
+        "kv_cache": tensor_arg("kv_cache", (kv.dtype,), ("kv_cache", "block_table", "indices", "extra_kv_cache")),
         "kv pages": kv_pages,
-        "indices": tensor_arg("indices", INDEX_DTYPES, ("indices", "indices.shape[-1] (k)", "indices.shape[1] (k)")),
+        "indices": tensor_arg("indices", INDEX_DTYPES, ("indices", "indices.shape[-1] (k)", "indices.shape[1] (k)",
+                                                        "extra_indices", "topk_length", "extra_topk_length")),
         "index values": checked(element("indices", [-2, limit, 2**31 - 1])),  # (unchecked: skipped, not compared)
         "block_table": tensor_arg("block_table", INDEX_DTYPES, ("block_table", "kv_cache")),
         "table entries": checked(table_entries),
         "sm_scale": real_arg("sm_scale"),
-        "d_v": int_arg("d_v", huge=False, special=((D + 1, "D + 1"),)),
-        "nan": element(("q", "kv_cache"), [math.nan], ()),  # NaN in q or in a cache row an index names: NaN in, NaN out
+        "d_v": int_arg("d_v", huge=False, special=((D + 1, "D + 1"),), names=("d_v", "kv_cache")),
+        # NaN in q or in a cache row an index names (a MODEL1 byte 0xFF: a NaN value or scale): NaN in, NaN out
+        "nan": element(("q",) if model1 else ("q", "kv_cache"), [math.nan], ()),
+        "nan byte": element("kv_cache", [0xFF], ()) if model1 else None,
+        "attn_sink": tensor_arg("attn_sink", (torch.float32,), none=(None, "None")),
+        "topk_length": tensor_arg("topk_length", INDEX_DTYPES, none=(None, "None")),
+        "extra_topk_length": tensor_arg("extra_topk_length", INDEX_DTYPES, none=(None, "None")),
+        "length values": checked(element(("topk_length", "extra_topk_length"), [-1, 2**20])),
+        "extra_kv_cache": tensor_arg("extra_kv_cache", (kv.dtype,), ("extra_kv_cache", "extra_block_table",
+                                                                    "extra_indices")),
+        "extra_indices": tensor_arg("extra_indices", INDEX_DTYPES, ("extra_indices", "extra_indices.shape[-1] (k2)",
+                                                                    "extra_kv_cache", "extra_topk_length",
+                                                                    "extra_block_table")),
+        "extra index values": checked(element("extra_indices", [-2, limit2, 2**31 - 1])),
+        "extra_block_table": tensor_arg("extra_block_table", INDEX_DTYPES, ("extra_block_table", "extra_kv_cache")),
         "config": config_arg(DECODE_SPEC if phase == "decode" else PREFILL_SPEC)})
     return _case(phase, mutation, args, names)
 
@@ -116,7 +171,7 @@ def _case(phase, mutation, args, names):
 
     def reference():
         return oracle(args["q"], args["kv_cache"], args["indices"], args["sm_scale"], args["d_v"],
-                      args.get("block_table"))
+                      args.get("block_table"), **{k: args[k] for k in V4_ARGS if k in args})
 
     def compare(out, ref):
         """The spec's comparison, with a bf16 term: the kernel's probabilities enter the value dot in bf16 (as on the
@@ -129,8 +184,8 @@ def _case(phase, mutation, args, names):
         if problem:
             return problem
         if o.dtype == torch.bfloat16:
-            values = args["kv_cache"][..., : args["d_v"]].float()
-            largest = values.where(values.isfinite(), 0.0).abs().max().item() if values.numel() else 0.0
+            values = [_values(args[c], args["d_v"]) for c in ("kv_cache", "extra_kv_cache") if args.get(c) is not None]
+            largest = max((v.where(v.isfinite(), 0.0).abs().max().item() for v in values if v.numel()), default=0.0)
             bad = ~((o.float() - ro).abs() <= 1e-3 + 1e-2 * ro.abs() + 2.0 ** -8 * largest)
             if bool(bad.any()):
                 return f"out: {int(bad.sum())} elements off (max abs error {(o.float() - ro).abs().max().item():.3g})"

@@ -206,7 +206,7 @@ def test_bf16_against_the_reference(decode):
 
 class _Recorded:
     """A launchable stand-in for a Gluon kernel: notes each launch and its keywords, then runs the Triton kernel on
-    them."""
+    them (and the values of the arguments it takes beyond the Gluon kernel's in a DeepSeek-V3.2 call)."""
 
     def __init__(self):
         self.launches, self.meta = 0, None
@@ -215,7 +215,8 @@ class _Recorded:
         def run(*args, **meta):
             self.launches += 1
             self.meta = meta
-            return sparse_attention_kernels._sparse_attention_fwd[grid](*args, **meta)
+            return sparse_attention_kernels._sparse_attention_fwd[grid](
+                *args, *sparse_attention_kernels.NO_EXTRA_ARGS, **meta)
         return run
 
 

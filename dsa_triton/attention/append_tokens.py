@@ -6,8 +6,8 @@ never crosses a page and each page is written by one program. Launch configs com
 through the registry (:data:`LAUNCH`: ``BLOCK_T`` tokens per step of a program's loop, at most the page; ``BLOCK_D``
 latent columns per copy program, unused by the FP8 append, which takes one program per 128-value group;
 ``num_warps``) unless ``config`` is given. Shapes: ``P`` page size, ``D`` latent row width (0: no latent cache),
-``DK`` indexer key width (0: no indexer cache), ``fp8`` 1 into an FP8 latent cache (whose ``D`` is the width of the
-new rows and ``Dr`` their rope values), ``N`` new tokens, ``B`` work items.
+``DK`` indexer key width (0: no indexer cache), ``fp8`` 1 into an FP8 latent cache, 2 into MODEL1 FP8 pages (whose
+``D`` is the width of the new rows and ``Dr`` their rope values), ``N`` new tokens, ``B`` work items.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from ..launch import launch_with
 from ..plans import PlanCache
 from ..registry import LaunchSpace
 from .append_tokens_kernels import append_kernel
-from .formats import LATENT_GROUP, PAGE_SIZES, ROW_DTYPES, SUMMARY_DTYPES, check_fp8_latent_layout, fp8_latent_bytes
+from .formats import (LATENT_GROUP, MODEL1_AMAX_FLOOR, MODEL1_TILE, PAGE_SIZES, ROW_DTYPES, SUMMARY_DTYPES,
+                      check_fp8_latent_layout, fp8_latent_bytes, is_model1_width)
 
 
 def _default(phase: str, shape) -> dict:
@@ -85,7 +86,12 @@ def _plan(P: int, n: int, num_pages: int, n_items: int, config: dict, kv_cache, 
     DK = ik.shape[-1] if has_index else 0
     meta = dict(P=P, HAS_KV=has_kv, HAS_INDEX=int(has_index), BLOCK_T=config["BLOCK_T"], BLOCK_D=config["BLOCK_D"],
                 DKP=next_pow2(max(DK, 16)), num_warps=config["num_warps"])
-    if has_kv and kv_cache.dtype == torch.uint8:  # one part per 128-value latent group, one for the rope values
+    if has_kv and is_model1(kv_cache, kv, rope_dim):  # one part per 64-value tile, one for the rope and pad bytes
+        D = kv.shape[-1] - rope_dim
+        meta.update(KV_MODEL1=True, PAGE_BYTES=kv_cache.stride(0), DR=rope_dim, BLOCK_R=next_pow2(max(rope_dim, 16)),
+                    FLOOR=MODEL1_AMAX_FLOOR)
+        kv_parts = D // MODEL1_TILE + 1
+    elif has_kv and kv_cache.dtype == torch.uint8:  # one part per 128-value latent group, one for the rope values
         D = kv.shape[-1] - rope_dim
         meta.update(KV_FP8=True, ROW_BYTES=kv_cache.shape[-1], ROPE_AT=D + 4 * cdiv(D, LATENT_GROUP), DR=rope_dim,
                     GROUP=min(LATENT_GROUP, next_pow2(D)), BLOCK_R=next_pow2(max(rope_dim, 16)))
@@ -97,6 +103,11 @@ def _plan(P: int, n: int, num_pages: int, n_items: int, config: dict, kv_cache, 
     return AppendPlan(P, n, num_pages, config, grid, meta, D, DK)
 
 
+def is_model1(kv_cache: torch.Tensor, kv: torch.Tensor, rope_dim: int) -> bool:
+    """Whether a uint8 ``kv_cache`` holds MODEL1 FP8 pages of ``kv``'s rows (by its width)."""
+    return kv_cache.dtype == torch.uint8 and is_model1_width(kv_cache.shape[-1], kv.shape[1], rope_dim)
+
+
 def check_cache_tensors(kv_cache, ik, ik_scale, summaries, kv, index_k,
                          rope_dim: int = 64) -> tuple[int, int, torch.device]:
     """Validate cache and new-token tensors; returns (page size, token count, device)."""
@@ -106,17 +117,23 @@ def check_cache_tensors(kv_cache, ik, ik_scale, summaries, kv, index_k,
     if kv is not None:
         check_tensor("kv_cache", kv_cache, ndim=3)
         device = check_kernel_device("kv_cache", kv_cache)
-        if not kv_cache.is_contiguous():
-            raise ValueError(f"kv_cache: must be contiguous, got strides {kv_cache.stride()}")
         P, D = kv_cache.shape[1], kv_cache.shape[2]
         if kv_cache.dtype == torch.uint8:  # FP8 latent cache: rows of D bytes hold kv's rows quantized
             check_tensor("kv", kv, dtype=ROW_DTYPES, ndim=2, device=device)
             if type(rope_dim) is not int or not 0 <= rope_dim < kv.shape[1]:
                 raise ValueError(f"rope_dim: must be an integer in [0, {kv.shape[1]}) (kv's width), got {rope_dim!r}")
+        if kv_cache.dtype == torch.uint8 and is_model1(kv_cache, kv, rope_dim):  # MODEL1 pages: the stride is free
+            if kv_cache.stride()[1:] != (D, 1) or kv_cache.stride(0) < P * D or kv_cache.stride(0) % 2:
+                raise ValueError(f"kv_cache: MODEL1 pages need token stride {D} and an even page stride >= {P * D} "
+                                 f"bytes, got strides {kv_cache.stride()}")
+        elif not kv_cache.is_contiguous():
+            raise ValueError(f"kv_cache: must be contiguous, got strides {kv_cache.stride()}")
+        elif kv_cache.dtype == torch.uint8:
             check_fp8_latent_layout("rope_dim", kv.shape[1] - rope_dim, rope_dim)
             if fp8_latent_bytes(kv.shape[1] - rope_dim, rope_dim) != D:
                 raise ValueError(f"kv_cache: FP8 rows of {kv.shape[1] - rope_dim} latent + {rope_dim} rope values "
-                                 f"take {fp8_latent_bytes(kv.shape[1] - rope_dim, rope_dim)} bytes, got {D}")
+                                 f"take {fp8_latent_bytes(kv.shape[1] - rope_dim, rope_dim)} bytes (MODEL1 pages: "
+                                 f"a multiple of {MODEL1_TILE} quantized values, model1_bytes), got {D}")
         else:
             check_tensor("kv", kv, dtype=kv_cache.dtype, shape=(None, D), device=device)
         n = kv.shape[0]
@@ -161,7 +178,9 @@ def append_tokens(
     kv_cache ``[num_pages, P, D]``, kv ``[N, D]`` same dtype; or an FP8 latent cache ``kv_cache[num_pages, P,
     bytes]`` uint8 (layout: :mod:`.formats`) and kv ``[N, D]`` fp32 / bf16 / fp16, whose last ``rope_dim``
     values are the rope part (kept as bf16) and the others the latent part (quantized, one power-of-two scale
-    per 128 values; ``bytes = fp8_latent_bytes(D - rope_dim, rope_dim)``, 656 for 512 + 64); ik
+    per 128 values; ``bytes = fp8_latent_bytes(D - rope_dim, rope_dim)``, 656 for 512 + 64); or MODEL1 FP8 pages
+    ``[num_pages, P, model1_bytes(D - rope_dim, rope_dim)]`` (584 for DeepSeek-V4's 448 + 64: one ue8m0 scale per
+    64 values; the page stride free, as FlashMLA allocates them: :func:`.formats.model1_cache`); ik
     ``[num_pages, P, DK]`` e4m3, ik_scale ``[num_pages, P]`` fp32, summaries ``[num_pages, 2, DK]`` bf16 or fp32,
     index_k ``[N, DK]`` float.
     ``items[n, 4]`` int32: (first row of kv/index_k, token count, physical page, first slot in the page).
@@ -232,10 +251,10 @@ def check_append_values(kv, index_k, items: torch.Tensor | None, n: int, num_pag
 
 
 def append_shape(kv_cache, ik, kv, rope_dim: int, n_tokens: int, n_items: int) -> dict[str, int]:
-    """The registry shape of an append (:data:`LAUNCH`); into an FP8 latent cache ``D`` is the new rows' width (the
-    cache's is in bytes) and ``Dr`` their rope values."""
+    """The registry shape of an append (:data:`LAUNCH`); into an FP8 cache ``D`` is the new rows' width (the cache's
+    is in bytes) and ``Dr`` their rope values; ``fp8`` 1 the FP8 latent layout, 2 MODEL1."""
     cache = kv_cache if kv_cache is not None else ik
     fp8 = kv is not None and kv_cache.dtype == torch.uint8
     return {"P": cache.shape[1], "D": kv.shape[1] if fp8 else kv_cache.shape[-1] if kv_cache is not None else 0,
-            "Dr": rope_dim if fp8 else 0, "DK": ik.shape[-1] if ik is not None else 0, "fp8": int(fp8),
-            "N": n_tokens, "B": n_items}
+            "Dr": rope_dim if fp8 else 0, "DK": ik.shape[-1] if ik is not None else 0,
+            "fp8": 2 if fp8 and is_model1(kv_cache, kv, rope_dim) else int(fp8), "N": n_tokens, "B": n_items}

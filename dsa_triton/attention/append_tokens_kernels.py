@@ -1,4 +1,5 @@
-"""Triton kernel of the paged-cache append (:func:`~.cache.append_tokens`).
+"""Triton kernel of the paged-cache append (:func:`~.cache.append_tokens`): rows as they are, or quantized into the
+FP8 latent cache or into MODEL1 FP8 pages (:mod:`.formats`).
 
 The kernel takes *work items*, one per (sequence, touched page): ``items[n, 4]`` int32 =
 (first source row, token count, physical page, first slot in the page). Each page is written by one
@@ -23,14 +24,14 @@ def round_to_bf16(x):
 
 
 @triton.jit
-def quantize_rows(x, mask):
+def quantize_rows(x, mask, FLOOR: tl.constexpr = 1e-4):
     """fp32 ``x[rows, cols]`` (0 where ``mask`` is off) -> (e4m3 bytes as uint8, fp32 scale per row, bad per row),
-    one power-of-two scale per row (``2^ceil(log2(max(amax, 1e-4) / 448))``, the reference's rule).
+    one power-of-two scale per row (``2^ceil(log2(max(amax, FLOOR) / 448))``, the reference's rule).
 
     A row with a NaN or an inf gets scale NaN and bytes 0x7F (e4m3 NaN); counted in integers, because a float max
     or min on the GPU returns the other operand of a NaN."""
     bad = tl.sum((mask & ~(tl.abs(x) < float("inf"))).to(tl.int32), axis=1) > 0
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR)
     # scale = 2^ceil(log2(amax / 448)) from the bits: 448 = 1.75 * 2^8, so the exponent is
     # exponent(amax) - 8, plus one when amax's mantissa exceeds 1.75 (exact, no division)
     bits = amax.to(tl.int32, bitcast=True)
@@ -72,6 +73,40 @@ def _append_fp8_latent(kv_src_ptr, kv_ptr, stride_kv_src, src, count, page, firs
 
 
 @triton.jit
+def _append_model1(kv_src_ptr, kv_ptr, stride_kv_src, src, count, page, first, part, DL,
+                   P: tl.constexpr, PAGE_BYTES: tl.constexpr, DR: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_R: tl.constexpr, FLOOR: tl.constexpr):
+    """One part of the new tokens of a MODEL1 cache (pages of ``PAGE_BYTES``; layout: :mod:`.formats`): part ``g``
+    < ``DL / 64`` quantizes columns ``[64 g, 64 g + 64)`` and writes their bytes and ue8m0 scale byte; the last part
+    copies the rope values to bf16 and writes the pad byte (0)."""
+    offs_t = tl.arange(0, BLOCK_T)
+    data = 2 * DR + DL  # e4m3 and bf16 bytes of a token; then P scale blocks of DL / 64 + 1 bytes
+    base = kv_ptr + page * PAGE_BYTES
+    scales = base + P * data + (DL // 64 + 1) * first
+    if part * 64 < DL:
+        cols = part * 64 + tl.arange(0, 64)
+        for t0 in range(0, count, BLOCK_T):
+            rows = t0 + offs_t
+            tmask = rows < count
+            mask = tmask[:, None] & (cols < DL)[None, :]
+            x = tl.load(kv_src_ptr + (src + rows)[:, None] * stride_kv_src + cols[None, :], mask=mask, other=0.0)
+            x8, scale, _ = quantize_rows(x.to(tl.float32), mask, FLOOR)
+            tl.store(base + (first + rows)[:, None] * data + cols[None, :], x8, mask=mask)
+            exponent = (scale.to(tl.int32, bitcast=True) >> 23).to(tl.uint8)  # 2^e -> e + 127; NaN -> 0xFF
+            tl.store(scales + rows * (DL // 64 + 1) + part, exponent, mask=tmask)
+    else:
+        offs_r = tl.arange(0, BLOCK_R)
+        for t0 in range(0, count, BLOCK_T):
+            rows = t0 + offs_t
+            tmask = rows < count
+            mask = tmask[:, None] & (offs_r < DR)[None, :]
+            x = tl.load(kv_src_ptr + (src + rows)[:, None] * stride_kv_src + DL + offs_r[None, :], mask=mask)
+            rope_ptr = (base + (first + rows) * data + DL).to(tl.pointer_type(tl.bfloat16))
+            tl.store(rope_ptr[:, None] + offs_r[None, :], round_to_bf16(x.to(tl.float32)), mask=mask)
+            tl.store(scales + rows * (DL // 64 + 1) + DL // 64, tl.zeros([BLOCK_T], tl.uint8), mask=tmask)
+
+
+@triton.jit
 def append_kernel(
     items_ptr,
     kv_src_ptr, kv_ptr, stride_kv_src,
@@ -81,12 +116,14 @@ def append_kernel(
     HAS_KV: tl.constexpr, HAS_INDEX: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DKP: tl.constexpr,
     KV_FP8: tl.constexpr = False, ROW_BYTES: tl.constexpr = 0, ROPE_AT: tl.constexpr = 0, DR: tl.constexpr = 0,
-    GROUP: tl.constexpr = 128, BLOCK_R: tl.constexpr = 16,
+    GROUP: tl.constexpr = 128, BLOCK_R: tl.constexpr = 16, KV_MODEL1: tl.constexpr = False,
+    PAGE_BYTES: tl.constexpr = 0, FLOOR: tl.constexpr = 1e-4,
 ):
     """Program (item, part): part 0 quantizes the index keys and merges the page summaries (when
     HAS_INDEX); the other parts copy BLOCK_D latent columns each, or, into an FP8 latent cache (``KV_FP8``: rows
     of ``ROW_BYTES`` bytes, ``D`` = the latent width, ``DR`` rope values at byte ``ROPE_AT``), quantize one
-    128-value group each, then copy the rope values."""
+    128-value group each, then copy the rope values; into a MODEL1 cache (``KV_MODEL1``: pages of ``PAGE_BYTES``,
+    ``D`` quantized values a token, amax floor ``FLOOR``) one 64-value tile each, then the rope values."""
     item = tl.program_id(0)
     part = tl.program_id(1) - HAS_INDEX
     src = tl.load(items_ptr + item * 4).to(tl.int64)
@@ -95,7 +132,11 @@ def append_kernel(
     first = tl.load(items_ptr + item * 4 + 3)
     offs_t = tl.arange(0, BLOCK_T)
     if HAS_KV:
-        if KV_FP8:
+        if KV_MODEL1:
+            if part >= 0:
+                _append_model1(kv_src_ptr, kv_ptr, stride_kv_src, src, count, page, first, part, D, P=P,
+                               PAGE_BYTES=PAGE_BYTES, DR=DR, BLOCK_T=BLOCK_T, BLOCK_R=BLOCK_R, FLOOR=FLOOR)
+        elif KV_FP8:
             if part >= 0:
                 _append_fp8_latent(kv_src_ptr, kv_ptr, stride_kv_src, src, count, page, first, part, D, P=P,
                                    ROW_BYTES=ROW_BYTES, ROPE_AT=ROPE_AT, DR=DR, BLOCK_T=BLOCK_T, GROUP=GROUP,

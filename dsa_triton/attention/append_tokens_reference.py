@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .formats import dequantize_rows, fp8_latent_quantize, fp8_quantize_rows, fp8_rows
+from .formats import (dequantize_rows, fp8_latent_quantize, fp8_quantize_rows, fp8_rows, is_model1_width,
+                      model1_write)
 
 
 def append_torch(
@@ -23,10 +24,13 @@ def append_torch(
     summaries (max, min) of each touched page ``pages[i]`` from its first ``fill[i]`` slots.
 
     Shapes as in :class:`~dsa_triton.attention.cache.PagedCache`; ``slots[N]``, ``pages[n]``, ``fill[n]`` int64.
-    A uint8 ``kv_cache`` is an FP8 latent cache: ``kv[N, D]`` rows are quantized with the last ``rope_dim`` of
-    their ``D`` values kept as bf16.
+    A uint8 ``kv_cache`` is an FP8 latent cache or MODEL1 pages (by its width): ``kv[N, D]`` rows are quantized
+    with the last ``rope_dim`` of their ``D`` values kept as bf16.
     """
-    if kv is not None:
+    if kv is not None and kv_cache.dtype == torch.uint8 and is_model1_width(kv_cache.shape[-1], kv.shape[-1],
+                                                                            rope_dim):
+        model1_write(kv_cache, slots, kv, rope_dim)
+    elif kv is not None:
         rows = fp8_latent_quantize(kv, kv.shape[-1] - rope_dim) if kv_cache.dtype == torch.uint8 else kv
         kv_cache.view(-1, kv_cache.shape[-1])[slots] = rows.to(kv_cache.dtype)
     if index_k is None:
