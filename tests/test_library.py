@@ -14,7 +14,7 @@ import torch
 
 import dsa_triton as dt
 from dsa_triton.bench.reports.moe_decode import AtenOpCounter
-from dsa_triton.library import OPS, config_json, routing_kwargs
+from dsa_triton.library import HOST_READS, OPS, config_json, routing_kwargs
 from dsa_triton.linear.formats import quantize_fp8_blockwise
 
 from .poison import poison_
@@ -114,11 +114,6 @@ def case_topk_indices():
     return (torch.randn(2, 40, generator=g), 16), dict(lengths=torch.tensor([40, 5], dtype=torch.int32))
 
 
-def case_topk_indices_out():
-    args, kwargs = case_topk_indices()
-    return (*args, torch.full((2, 16), -7, dtype=torch.int32)), kwargs
-
-
 def case_sparse_attention_decode():
     g, cache, _, _, _ = attention_inputs()
     q = torch.randn(2, 4, D, generator=g).half()
@@ -188,36 +183,59 @@ def case_fp8_blockwise_linear():
     return (torch.randn(3, 150, generator=g).half(), weight, scale), {}
 
 
-# -- the out variants: the plain op's arguments with a poisoned ``out`` at its place ------------------------------
+# -- the out variants: the plain op's case with a poisoned ``out`` where the schema has it ------------------------
 
-def with_out(plain, at: int, shape, dtype):
-    """An ``<op>_out`` case from the plain op's case: ``out`` (poisoned) inserted at argument position ``at``."""
+def schema_names(name: str) -> list[str]:
+    """The argument names of ``torch.ops.dsa.<name>``'s registered schema."""
+    return [a.name for a in OPS[name].default._schema.arguments]
+
+
+def out_at(name: str) -> int:
+    """Where ``out`` is among ``<name>_out``'s arguments."""
+    return schema_names(f"{name}_out").index("out")
+
+
+RENAMED = {"mode": "routing_mode"}  # plain arguments an out variant names otherwise (moe_forward_out's docstring)
+
+
+def with_out(name: str, shape, dtype):
+    """``<name>_out``'s case from ``<name>``'s: the arguments ``out`` gives (those the out variant lacks) dropped, a
+    poisoned ``out`` of ``shape`` and ``dtype`` inserted at its place in the schema."""
     def case():
-        args, kwargs = plain()
-        out = poison_(torch.empty(shape, dtype=dtype))
-        return (*args[:at], out, *args[at:]), kwargs
+        args, kwargs = CASES[name]()
+        kept = set(schema_names(f"{name}_out"))
+        args = [a for arg, a in zip(schema_names(name), args) if arg in kept]
+        kwargs = {RENAMED.get(k, k): v for k, v in kwargs.items() if RENAMED.get(k, k) in kept}
+        at = out_at(name)
+        return (*args[:at], poison_(torch.empty(shape, dtype=dtype)), *args[at:]), kwargs
     return case
 
 
-def without(kwargs, *names):
-    return {k: v for k, v in kwargs.items() if k not in names}
+def plain_call(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The plain op's ``(args, kwargs)`` of an ``<name>_out`` call (:func:`with_out` undone): ``out`` taken out and
+    what it gives put back, as the custom ops' contract says: a size is its width, a dtype its dtype."""
+    at, back = out_at(name), {v: k for k, v in RENAMED.items()}
+    out, kwargs = args[at], {back.get(k, k): v for k, v in kwargs.items()}
+    given = set(schema_names(f"{name}_out"))
+    for arg in schema_names(name):
+        if arg not in given and arg not in kwargs:
+            kwargs[arg] = out.dtype if arg.endswith("dtype") else out.shape[-1]
+    return args[:at] + args[at + 1:], kwargs
 
 
-case_indexer_logits_out = with_out(lambda: (case_indexer_logits()[0][:5], case_indexer_logits()[1]), 5, (2, 48),
-                                   torch.float32)
-case_block_scores_out = with_out(lambda: (case_block_scores()[0][:8], {}), 8, (2, 3), torch.float32)
-case_select_pages_out = with_out(case_select_pages, 2, (2, 3), torch.int32)
-case_mxfp4_dequantize_out = with_out(lambda: (case_mxfp4_dequantize()[0][:2], {}), 2, (2, 5, 64), torch.float16)
-case_fp8_grouped_gemm_out = with_out(case_fp8_grouped_gemm, 4, (10, 24), torch.float16)
-case_fused_moe_gemm_out = with_out(case_fused_moe_gemm, 7, (6, 48), torch.float16)
-case_swiglu_out = with_out(lambda: (case_swiglu()[0], without(case_swiglu()[1], "dtype")), 1, (3, 4, 2),
-                           torch.float32)
-case_moe_forward_out = with_out(lambda: (case_moe_forward()[0], routing_kwargs(DEEPSEEK, "routing_mode")), 6, (3, 64),
-                                torch.float16)
-case_fp8_blockwise_linear_out = with_out(case_fp8_blockwise_linear, 3, (3, 40), torch.float16)
+case_indexer_logits_out = with_out("indexer_logits", (2, 48), torch.float32)
+case_block_scores_out = with_out("block_scores", (2, 3), torch.float32)
+case_select_pages_out = with_out("select_pages", (2, 3), torch.int32)
+case_topk_indices_out = with_out("topk_indices", (2, 16), torch.int32)
+case_mxfp4_dequantize_out = with_out("mxfp4_dequantize", (2, 5, 64), torch.float16)
+case_fp8_grouped_gemm_out = with_out("fp8_grouped_gemm", (10, 24), torch.float16)
+case_fused_moe_gemm_out = with_out("fused_moe_gemm", (6, 48), torch.float16)
+case_swiglu_out = with_out("swiglu", (3, 4, 2), torch.float32)
+case_moe_forward_out = with_out("moe_forward", (3, 64), torch.float16)
+case_fp8_blockwise_linear_out = with_out("fp8_blockwise_linear", (3, 40), torch.float16)
 
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
-OUT_OPS = sorted(name[:-len("_out")] for name in CASES if name.endswith("_out") and name != "mxfp4_to_fp8_out")
+OUT_OPS = sorted(name for name in OPS if f"{name}_out" in OPS and "out" in schema_names(f"{name}_out"))
 
 
 # -- DeepSeek-V4's arguments: more cases of the same ops ----------------------------------------------------------
@@ -269,9 +287,6 @@ V4_CASES = {name[len("v4_case_"):]: fn for name, fn in globals().items() if name
 # (op, case) per opcheck: every op's case, and the DeepSeek-V4 ones
 OPCHECKS = {**{name: (name, fn) for name, fn in CASES.items()}, **{f"{n}[v4]": (n, fn) for n, fn in V4_CASES.items()}}
 
-# opcheck sub-tests that cannot pass for a structural reason, by op: {op: {sub-test: reason}}
-SKIPS: dict[str, dict[str, str]] = {}
-
 
 def test_every_op_has_a_case():
     assert sorted(CASES) == sorted(OPS)
@@ -295,11 +310,6 @@ def float8_comparable():
         torch.allclose = allclose
 
 
-# the documented exception to a warm call's reading nothing on the host: the grouped GEMM reads the expert offsets
-# there unless it takes the registers route with every expert fitting it (these weights and config need not)
-HOST_PATH = {"fp8_grouped_gemm", "fp8_grouped_gemm_out"}
-
-
 @pytest.mark.parametrize("case", sorted(OPCHECKS))
 def test_opcheck(case):
     """Every sub-test with the checks off (the path a compiled graph or a CUDA graph takes); the schema (declared
@@ -308,12 +318,11 @@ def test_opcheck(case):
     host and touches no file: capturable in a CUDA graph."""
     name, make = OPCHECKS[case]
     args, kwargs = make()
-    tests = [t for t in ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-             if t not in SKIPS.get(name, {})]
+    tests = ["test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
     with float8_comparable():
         torch.library.opcheck(OPS[name], args, dict(kwargs, check_values=False), test_utils=tests)
         torch.library.opcheck(OPS[name], args, dict(kwargs, check_values=True), test_utils=["test_schema"])
-    if name in HOST_PATH:
+    if name in HOST_READS:  # the op's declared exception (these inputs and config need not avoid it)
         return
     OPS[name](*args, check_values=False, **kwargs)
     with host_access() as (counter, reads):
@@ -321,21 +330,12 @@ def test_opcheck(case):
     assert not counter.syncing() and not reads, (counter.syncing(), reads)
 
 
-OUT_AT = {"indexer_logits": 5, "block_scores": 8, "select_pages": 2, "topk_indices": 2, "mxfp4_dequantize": 2,
-          "fp8_grouped_gemm": 4, "fused_moe_gemm": 7, "swiglu": 1, "moe_forward": 6, "fp8_blockwise_linear": 3}
-PLAIN_EXTRA = {"indexer_logits": {"num_cols": 48}, "block_scores": {"num_cols": 3},  # (out's shape gives them)
-               "mxfp4_dequantize": {"dtype": torch.float16}, "swiglu": {"dtype": torch.float32}}
-
-
 @pytest.mark.parametrize("name", OUT_OPS)
 def test_an_out_variant_writes_what_the_op_returns(name):
     """``<op>_out`` fills every element of a poisoned ``out`` with the plain op's result (in place)."""
     args, kwargs = CASES[f"{name}_out"]()
-    out = args[OUT_AT[name]]
-    plain_args = args[:OUT_AT[name]] + args[OUT_AT[name] + 1:]
-    plain_kwargs = dict(without(kwargs, "routing_mode"), **PLAIN_EXTRA.get(name, {}))
-    if "routing_mode" in kwargs:
-        plain_kwargs["mode"] = kwargs["routing_mode"]
+    out = args[out_at(name)]
+    plain_args, plain_kwargs = plain_call(name, args, kwargs)
     expected = OPS[name](*plain_args, check_values=False, **plain_kwargs)
     address = out.data_ptr()
     assert OPS[f"{name}_out"](*args, check_values=False, **kwargs) is None
@@ -360,7 +360,8 @@ def test_an_out_variant_checks_out(name, bad, check_values):
     """A wrong dtype or size is a ValueError naming ``out``, before any launch; a row stride is one where the kernels
     take it (and the result is right), else a ValueError too. (mxfp4_dequantize_out checks on its two paths.)"""
     args, kwargs = shared_out_case(name)
-    at, out = OUT_AT[name], args[OUT_AT[name]]
+    at = out_at(name)
+    out = args[at]
     if bad == "dtype":
         wrong = out.to(torch.float64)
     elif bad == "rows":

@@ -18,6 +18,7 @@ import torch
 from ..checks import check_kernel_device, check_tensor
 from ..hostmath import cdiv, next_pow2
 from ..launch import launch_with
+from ..library import dsa_op, op_config
 from ..plans import PlanCache
 from ..registry import LaunchSpace
 from .append_tokens_kernels import append_kernel
@@ -258,3 +259,26 @@ def append_shape(kv_cache, ik, kv, rope_dim: int, n_tokens: int, n_items: int) -
     return {"P": cache.shape[1], "D": kv.shape[1] if fp8 else kv_cache.shape[-1] if kv_cache is not None else 0,
             "Dr": rope_dim if fp8 else 0, "DK": ik.shape[-1] if ik is not None else 0,
             "fp8": 2 if fp8 and is_model1(kv_cache, kv, rope_dim) else int(fp8), "N": n_tokens, "B": n_items}
+
+
+# -- as custom ops under torch.ops.dsa (dsa_triton.library) ------------------------------------------------------------
+
+@dsa_op("append_tokens", mutates_args=("kv_cache", "ik", "ik_scale", "summaries"))
+def append_tokens_op(kv_cache: torch.Tensor | None, ik: torch.Tensor | None, ik_scale: torch.Tensor | None,
+                     summaries: torch.Tensor | None, kv: torch.Tensor | None, index_k: torch.Tensor | None,
+                     items: torch.Tensor, check_values: bool = True, config: str | None = None,
+                     rope_dim: int = 64) -> None:
+    """:func:`dt.append_tokens`: new tokens ``kv[N, D]`` / ``index_k[N, DK]`` into the paged caches, in place
+    (``rope_dim``: the rope values of rows into an FP8 cache).
+
+    ``items[n, 4]`` int32 = (first source row, token count, physical page, first slot in the page), one per touched
+    page, pages distinct. A decode step of ``B`` sequences at logical positions ``pos[B]`` is
+    ``items = stack([arange(B), ones(B), block_table[b, pos // P], pos % P], 1)``: device ops, capturable. The block
+    table and the lengths are the caller's (the op does not update them)."""
+    append_tokens(kv_cache, ik, ik_scale, summaries, kv, index_k, items, config=op_config(config),
+                  check_values=check_values, rope_dim=rope_dim)
+
+
+@append_tokens_op.register_fake
+def _(kv_cache, ik, ik_scale, summaries, kv, index_k, items, check_values=True, config=None, rope_dim=64):
+    return None

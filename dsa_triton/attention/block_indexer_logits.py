@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import INT32_MAX, check_int32, check_out
+from ..library import dsa_op, op_config, out_cols
 from ..plans import PlanCache
 from ..hostmath import cdiv
 from .cache import PAGE_SIZES
@@ -312,3 +313,57 @@ def _checked_path_plan(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens
             SelectLaunch(rows.T, n_pages, selectable, n_pages, rows.device),
             _selected_launch(rows, q, weights, k, block_table, selectable, config, n_select * P),
             made_cu(rows, cu_seqlens_q))
+
+
+# -- as custom ops under torch.ops.dsa (dsa_triton.library) ------------------------------------------------------------
+
+@dsa_op("block_scores")
+def block_scores_op(q: torch.Tensor, weights: torch.Tensor, pmax: torch.Tensor, pmin: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, limits: torch.Tensor, page_size: int,
+                    num_cols: int, cu_seqlens_q: torch.Tensor | None = None, max_q: int | None = None,
+                    check_values: bool = True, config: str | None = None) -> torch.Tensor:
+    """:func:`dt.block_scores`: page upper bounds ``[T, num_cols]`` fp32; ``num_cols`` (pages) is required."""
+    return block_scores(q, weights, pmax, pmin, block_table, seq_lens, limits, page_size, cu_seqlens_q=cu_seqlens_q,
+                        num_cols=num_cols, max_q=max_q, check_values=check_values, config=op_config(config))
+
+
+@block_scores_op.register_fake
+def _(q, weights, pmax, pmin, block_table, seq_lens, limits, page_size, num_cols, *args, **kwargs):
+    return q.new_empty((q.shape[0], num_cols), dtype=torch.float32)
+
+
+@dsa_op("block_scores_out", mutates_args=("out",))
+def block_scores_out(q: torch.Tensor, weights: torch.Tensor, pmax: torch.Tensor, pmin: torch.Tensor,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, limits: torch.Tensor, page_size: int,
+                     out: torch.Tensor, cu_seqlens_q: torch.Tensor | None = None, max_q: int | None = None,
+                     check_values: bool = True, config: str | None = None) -> None:
+    """:func:`dt.block_scores` into ``out[T, num_cols]`` fp32 (contiguous; ``num_cols`` pages is its width)."""
+    block_scores(q, weights, pmax, pmin, block_table, seq_lens, limits, page_size, cu_seqlens_q=cu_seqlens_q,
+                 num_cols=out_cols(out), max_q=max_q, check_values=check_values, config=op_config(config), out=out)
+
+
+@block_scores_out.register_fake
+def _(q, weights, pmax, pmin, block_table, seq_lens, limits, page_size, out, *args, **kwargs):
+    return None
+
+
+@dsa_op("block_indexer_logits")
+def block_indexer_logits_op(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
+                            pmax: torch.Tensor, pmin: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                            limits: torch.Tensor, n_select: int, max_len: int, cu_seqlens_q: torch.Tensor | None = None,
+                            max_q: int | None = None, check_values: bool = True,
+                            config: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`dt.block_indexer_logits` with its bounds: ``(logits [T, n_select * P] fp32, positions
+    [T, n_select * P] int32, bounds [T, ceil(max_len / P)] fp32)``; ``max_len`` (at least ``max(limits)``) is
+    required."""
+    return block_indexer_logits(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens, limits, n_select,
+                                cu_seqlens_q=cu_seqlens_q, max_len=max_len, max_q=max_q, check_values=check_values,
+                                config=op_config(config), return_bounds=True)
+
+
+@block_indexer_logits_op.register_fake
+def _(q, weights, k, k_scale, pmax, pmin, block_table, seq_lens, limits, n_select, max_len, *args, **kwargs):
+    T, P = q.shape[0], k.shape[1]
+    logits = q.new_empty((T, n_select * P), dtype=torch.float32)
+    return logits, q.new_empty((T, n_select * P), dtype=torch.int32), q.new_empty((T, cdiv(max_len, P)),
+                                                                                  dtype=torch.float32)

@@ -14,6 +14,7 @@ import torch
 import triton.language as tl
 
 from ..checks import check_out
+from ..library import dsa_op, op_config, out_cols
 from ..plans import PlanCache
 from ..hostmath import cdiv, next_pow2
 from ..launch import launch_with
@@ -221,3 +222,40 @@ def made_cu(rows: QueryRows, cu_seqlens_q) -> torch.Tensor | None:
 def call_cu(made: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None) -> torch.Tensor:
     """The ``cu`` a call launches with: the plan's, or the caller's ``cu_seqlens_q``."""
     return made if cu_seqlens_q is None else cu_seqlens_q.contiguous()
+
+
+# -- as custom ops under torch.ops.dsa (dsa_triton.library) ------------------------------------------------------------
+
+@dsa_op("indexer_logits")
+def indexer_logits_op(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
+                      limits: torch.Tensor, num_cols: int, cu_seqlens_q: torch.Tensor | None = None,
+                      block_table: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+                      key_starts: torch.Tensor | None = None, max_q: int | None = None, check_values: bool = True,
+                      config: str | None = None) -> torch.Tensor:
+    """:func:`dt.indexer_logits`: ``[T, num_cols]`` fp32. ``num_cols`` is required (``dt``'s default reads
+    ``max(limits)``); with ``check_values=False`` give ``max_q`` too when ``cu_seqlens_q`` is given."""
+    return indexer_logits(q, weights, k, k_scale, limits, cu_seqlens_q=cu_seqlens_q, block_table=block_table,
+                          seq_lens=seq_lens, key_starts=key_starts, num_cols=num_cols, max_q=max_q,
+                          check_values=check_values, config=op_config(config))
+
+
+@indexer_logits_op.register_fake
+def _(q, weights, k, k_scale, limits, num_cols, *args, **kwargs):
+    return q.new_empty((q.shape[0], num_cols), dtype=torch.float32)
+
+
+@dsa_op("indexer_logits_out", mutates_args=("out",))
+def indexer_logits_out(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
+                       limits: torch.Tensor, out: torch.Tensor, cu_seqlens_q: torch.Tensor | None = None,
+                       block_table: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+                       key_starts: torch.Tensor | None = None, max_q: int | None = None, check_values: bool = True,
+                       config: str | None = None) -> None:
+    """:func:`dt.indexer_logits` into ``out[T, num_cols]`` fp32 (contiguous; ``num_cols`` is its width)."""
+    indexer_logits(q, weights, k, k_scale, limits, cu_seqlens_q=cu_seqlens_q, block_table=block_table,
+                   seq_lens=seq_lens, key_starts=key_starts, num_cols=out_cols(out), max_q=max_q,
+                   check_values=check_values, config=op_config(config), out=out)
+
+
+@indexer_logits_out.register_fake
+def _(q, weights, k, k_scale, limits, out, *args, **kwargs):
+    return None

@@ -16,6 +16,7 @@ import triton.language as tl
 from ..checks import check_int32, check_kernel_device, check_out, check_tensor
 from ..hostmath import next_pow2
 from ..launch import launch_with
+from ..library import dsa_op, op_config
 from ..plans import PlanCache
 from ..registry import LaunchSpace
 
@@ -130,3 +131,29 @@ def select_pages(bounds: torch.Tensor, n_select: int, *, config: dict | None = N
             check_out(out, launch.shape, torch.int32, device)
         launch = _PLANS.put(key, launch)
     return launch(bounds, out)
+
+
+# -- as custom ops under torch.ops.dsa (dsa_triton.library) ------------------------------------------------------------
+
+@dsa_op("select_pages")
+def select_pages_op(bounds: torch.Tensor, n_select: int, check_values: bool = True,
+                    config: str | None = None) -> torch.Tensor:
+    """:func:`dt.select_pages`: ``[T, n_select]`` int32 logical pages, ascending, -1 padded."""
+    return select_pages(bounds, n_select, config=op_config(config))
+
+
+@select_pages_op.register_fake
+def _(bounds, n_select, check_values=True, config=None):
+    return bounds.new_empty((bounds.shape[0], n_select), dtype=torch.int32)
+
+
+@dsa_op("select_pages_out", mutates_args=("out",))
+def select_pages_out(bounds: torch.Tensor, n_select: int, out: torch.Tensor, check_values: bool = True,
+                     config: str | None = None) -> None:
+    """:func:`dt.select_pages` into ``out[T, n_select]`` int32 (contiguous)."""
+    select_pages(bounds, n_select, config=op_config(config), out=out)
+
+
+@select_pages_out.register_fake
+def _(bounds, n_select, out, check_values=True, config=None):
+    return None

@@ -63,6 +63,7 @@ from typing import NamedTuple
 import torch
 
 from ..checks import check_kernel_device, check_positive, check_tensor
+from ..library import dsa_op, op_config
 from ..plans import PlanCache
 from ..hostmath import cdiv, next_pow2
 from ..registry import LaunchSpace
@@ -521,3 +522,38 @@ sparse_attention_decode.__doc__ = sparse_attention_decode.__doc__.replace("{extr
     "per sequence, as FlashMLA's)"))
 sparse_attention_prefill.__doc__ = sparse_attention_prefill.__doc__.replace("{extra}", EXTRA_ARGS_DOC.replace(
     "{lengths}", "``[T]``, one per token"))
+
+
+# -- as custom ops under torch.ops.dsa (dsa_triton.library) ------------------------------------------------------------
+
+def _attention_op(name: str, fn, doc: str):
+    """The custom op of a sparse-attention function (decode and prefill take the same arguments; DeepSeek-V4's
+    last, keyword-only in ``dt``: a custom op takes no keyword-only tensor)."""
+    def op(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512,
+           block_table: torch.Tensor | None = None, check_values: bool = True, config: str | None = None,
+           attn_sink: torch.Tensor | None = None, topk_length: torch.Tensor | None = None,
+           extra_kv_cache: torch.Tensor | None = None, extra_indices: torch.Tensor | None = None,
+           extra_topk_length: torch.Tensor | None = None,
+           extra_block_table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return fn(q, kv_cache, indices, sm_scale, d_v, block_table, config=op_config(config),
+                  check_values=check_values, attn_sink=attn_sink, topk_length=topk_length,
+                  extra_kv_cache=extra_kv_cache, extra_indices=extra_indices, extra_topk_length=extra_topk_length,
+                  extra_block_table=extra_block_table)
+
+    op.__doc__ = doc
+    registered = dsa_op(name)(op)
+
+    @registered.register_fake
+    def _(q, kv_cache, indices, sm_scale, d_v=512, *args, **kwargs):
+        rows = q.shape[:-1]  # [B, Hq], [B, S, Hq] (one index set per sequence or per token) or [T, Hq]
+        return q.new_empty((*rows, d_v)), q.new_empty(rows, dtype=torch.float32)
+
+    return registered
+
+
+sparse_attention_decode_op = _attention_op("sparse_attention_decode", sparse_attention_decode, """\
+:func:`dt.sparse_attention_decode`: ``(out [B, (S,) Hq, d_v] q's dtype, lse [B, (S,) Hq] fp32)``; with DeepSeek-V4's
+sinks, lengths and second index set as keywords.""")
+sparse_attention_prefill_op = _attention_op("sparse_attention_prefill", sparse_attention_prefill, """\
+:func:`dt.sparse_attention_prefill`: ``(out [T, Hq, d_v] q's dtype, lse [T, Hq] fp32)``; with DeepSeek-V4's sinks,
+lengths and second index set as keywords.""")

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from ..checks import check_int32, check_kernel_device, check_positive, check_tensor
+from ..library import dsa_op, op_config
 from ..plans import PlanCache
 from ..hostmath import cdiv
 from ..launch import launch_with
@@ -285,3 +286,38 @@ def _checked_plan(scores, k, lengths, block_table, page_size, row_to_seq, num_pa
     else:
         LAUNCH.validate(config, shape)
     return _Plan(T, L, k, lengths is not None, block_table is not None, row_to_seq is not None, config)
+
+
+# -- as custom ops under torch.ops.dsa (dsa_triton.library) ------------------------------------------------------------
+
+def _topk(scores, k, lengths, block_table, page_size, row_to_seq, num_pages, check_values, config, out):
+    return topk_indices(scores, k, lengths, block_table=block_table, page_size=page_size, row_to_seq=row_to_seq,
+                        num_pages=num_pages, check_values=check_values, config=op_config(config), out=out)
+
+
+@dsa_op("topk_indices")
+def topk_indices_op(scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None,
+                    block_table: torch.Tensor | None = None, page_size: int | None = None,
+                    row_to_seq: torch.Tensor | None = None, num_pages: int | None = None, check_values: bool = True,
+                    config: str | None = None) -> torch.Tensor:
+    """:func:`dt.topk_indices`: ``[T, k]`` int32 positions (physical slots with ``block_table``), -1 padded."""
+    return _topk(scores, k, lengths, block_table, page_size, row_to_seq, num_pages, check_values, config, None)
+
+
+@topk_indices_op.register_fake
+def _(scores, k, *args, **kwargs):
+    return scores.new_empty((scores.shape[0], k), dtype=torch.int32)
+
+
+@dsa_op("topk_indices_out", mutates_args=("out",))
+def topk_indices_out(scores: torch.Tensor, k: int, out: torch.Tensor, lengths: torch.Tensor | None = None,
+                     block_table: torch.Tensor | None = None, page_size: int | None = None,
+                     row_to_seq: torch.Tensor | None = None, num_pages: int | None = None, check_values: bool = True,
+                     config: str | None = None) -> None:
+    """:func:`dt.topk_indices` into ``out[T, k]`` int32 (contiguous)."""
+    _topk(scores, k, lengths, block_table, page_size, row_to_seq, num_pages, check_values, config, out)
+
+
+@topk_indices_out.register_fake
+def _(scores, k, out, *args, **kwargs):
+    return None

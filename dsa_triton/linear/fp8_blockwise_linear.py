@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_kernel_device, check_out, check_tensor
+from ..library import dsa_op, op_config
 from ..plans import PlanCache
 from ..hostmath import cdiv, next_pow2
 from ..launch import launch_with
@@ -146,3 +147,30 @@ def fp8_blockwise_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
     if check_values:
         _check_values(x, weight, weight_scale_inv)
     return launch(x, weight, weight_scale_inv, out)
+
+
+# -- as custom ops under torch.ops.dsa (dsa_triton.library) ------------------------------------------------------------
+
+@dsa_op("fp8_blockwise_linear")
+def fp8_blockwise_linear_op(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                            check_values: bool = True, config: str | None = None) -> torch.Tensor:
+    """:func:`dt.fp8_blockwise_linear`: ``y[M, N]`` in ``x``'s dtype from e4m3 ``weight[N, K]`` and its fp32
+    ``weight_scale_inv`` per 128 x 128 block."""
+    return fp8_blockwise_linear(x, weight, weight_scale_inv, config=op_config(config), check_values=check_values)
+
+
+@fp8_blockwise_linear_op.register_fake
+def _(x, weight, weight_scale_inv, check_values=True, config=None):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@dsa_op("fp8_blockwise_linear_out", mutates_args=("out",))
+def fp8_blockwise_linear_out(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, out: torch.Tensor,
+                             check_values: bool = True, config: str | None = None) -> None:
+    """:func:`dt.fp8_blockwise_linear` into ``out[M, N]`` in ``x``'s dtype (contiguous)."""
+    fp8_blockwise_linear(x, weight, weight_scale_inv, config=op_config(config), check_values=check_values, out=out)
+
+
+@fp8_blockwise_linear_out.register_fake
+def _(x, weight, weight_scale_inv, out, check_values=True, config=None):
+    return None

@@ -16,6 +16,7 @@ import triton.language as tl
 from ..checks import check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
 from ..launch import launch_with
+from ..library import dsa_op
 from ..plans import cached
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -69,3 +70,34 @@ def swiglu(h: torch.Tensor, dtype: torch.dtype | None = None, class_major: bool 
         launch_with(_swiglu_kernel, (rows, cdiv(inter, 4 * BLOCK_Q)), _swiglu_meta(class_major, BLOCK_Q),
                     h, y, inter, h.stride(0), inter)
     return y
+
+
+# -- as custom ops under torch.ops.dsa (dsa_triton.library) ------------------------------------------------------------
+
+@dsa_op("swiglu")
+def swiglu_op(h: torch.Tensor, dtype: torch.dtype | None = None, class_major: bool = False, check_values: bool = True,
+              config: str | None = None) -> torch.Tensor:
+    """:func:`dt.swiglu`: ``h[M, 2I]`` -> ``[M, I]`` (or ``[M, 4, I/4]`` class-major) in ``dtype`` (None: h's).
+    A fixed-tile elementwise op: ``config`` is accepted and unused."""
+    return swiglu(h, dtype, class_major)
+
+
+@swiglu_op.register_fake
+def _(h, dtype=None, class_major=False, check_values=True, config=None):
+    inter = h.shape[1] // 2
+    shape = (h.shape[0], 4, inter // 4) if class_major else (h.shape[0], inter)
+    return h.new_empty(shape, dtype=dtype or h.dtype)
+
+
+@dsa_op("swiglu_out", mutates_args=("out",))
+def swiglu_out(h: torch.Tensor, out: torch.Tensor, class_major: bool = False, check_values: bool = True,
+               config: str | None = None) -> None:
+    """:func:`dt.swiglu` into ``out`` (``[M, I]``, or ``[M, 4, I/4]`` class-major; contiguous; its dtype is the
+    output's)."""
+    check_tensor("out", out, dtype=(torch.float32, torch.float16, torch.bfloat16), contiguous_last=False)
+    swiglu(h, out.dtype, class_major, out=out)
+
+
+@swiglu_out.register_fake
+def _(h, out, class_major=False, check_values=True, config=None):
+    return None

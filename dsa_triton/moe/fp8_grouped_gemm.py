@@ -55,6 +55,7 @@ import triton
 from ..checks import check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
 from ..launch import launch_with
+from ..library import dsa_op, op_config
 from ..plans import cached
 from ..registry import LaunchSpace, bucket
 from ..runtime import interpreting
@@ -510,3 +511,37 @@ def prefill_call(x_sorted, offsets: list[int] | torch.Tensor, blocks, scales, y,
 
         run.leased_slots = slots if staged else 0
         yield run
+
+
+# -- as custom ops under torch.ops.dsa (dsa_triton.library) ------------------------------------------------------------
+
+_HOST_READS = "the expert offsets, for the tile plan, unless the registers route takes every expert"
+
+
+@dsa_op("fp8_grouped_gemm", mutates_args=("unfit_counter",), host_reads=_HOST_READS)
+def fp8_grouped_gemm_op(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, blocks: torch.Tensor,
+                        scales: torch.Tensor, unfit_counter: torch.Tensor | None = None, check_values: bool = True,
+                        config: str | None = None) -> torch.Tensor:
+    """:func:`dt.fp8_grouped_gemm` on the shared workspace: ``y_sorted [M, N]`` in ``x_sorted``'s dtype;
+    ``unfit_counter`` (int32 ``[1]``) is added to in place."""
+    return fp8_grouped_gemm(x_sorted, expert_offsets, blocks, scales, config=op_config(config),
+                            unfit_counter=unfit_counter, check_values=check_values)
+
+
+@fp8_grouped_gemm_op.register_fake
+def _(x_sorted, expert_offsets, blocks, scales, *args, **kwargs):
+    return x_sorted.new_empty((x_sorted.shape[0], blocks.shape[1]))
+
+
+@dsa_op("fp8_grouped_gemm_out", mutates_args=("out", "unfit_counter"), host_reads=_HOST_READS)
+def fp8_grouped_gemm_out(x_sorted: torch.Tensor, expert_offsets: torch.Tensor, blocks: torch.Tensor,
+                         scales: torch.Tensor, out: torch.Tensor, unfit_counter: torch.Tensor | None = None,
+                         check_values: bool = True, config: str | None = None) -> None:
+    """:func:`dt.fp8_grouped_gemm` into ``out[M, N]`` in ``x_sorted``'s dtype (last dim contiguous)."""
+    fp8_grouped_gemm(x_sorted, expert_offsets, blocks, scales, config=op_config(config), unfit_counter=unfit_counter,
+                     check_values=check_values, out=out)
+
+
+@fp8_grouped_gemm_out.register_fake
+def _(x_sorted, expert_offsets, blocks, scales, out, *args, **kwargs):
+    return None

@@ -42,6 +42,7 @@ import weakref
 import torch
 
 from ..checks import check_kernel_device, check_out, check_tensor
+from ..library import dsa_op, op_config
 from ..plans import PlanCache
 from ..hostmath import cdiv
 from ..launch import launch_with
@@ -304,3 +305,71 @@ def _launch(x, sort, blocks, scales, plan: FusedLaunch, out_dtype, out=None) -> 
     if y is not out:
         out.copy_(y)
     return out
+
+
+# -- as custom ops under torch.ops.dsa (dsa_triton.library) ------------------------------------------------------------
+
+def _check_sort(x, expert_offsets, sorted_token, sorted_expert, blocks, top_k, gather_tokens, check_values) -> None:
+    """The sort's tensors: metadata always; with ``check_values``, their values (one transfer)."""
+    experts = blocks.shape[0]
+    check_tensor("expert_offsets", expert_offsets, dtype=torch.int32, shape=(experts + 1,), device=x.device)
+    rows = sorted_expert.shape[0] if sorted_expert.dim() == 1 else -1
+    check_tensor("sorted_expert", sorted_expert, dtype=torch.int32, ndim=1, device=x.device)
+    check_tensor("sorted_token", sorted_token, dtype=torch.int32, shape=(rows,), device=x.device)
+    if type(top_k) is not int or top_k <= 0 or rows % top_k:
+        raise ValueError(f"top_k: must be a positive integer dividing the {rows} sorted rows, got {top_k!r}")
+    if check_values and rows:
+        tokens = x.shape[0] if gather_tokens else rows // top_k
+        offsets = expert_offsets.long()
+        bad = torch.stack([(offsets[0] != 0) | (offsets[-1] != rows) | (offsets[1:] < offsets[:-1]).any(),
+                           ((sorted_token < 0) | (sorted_token >= tokens)).any(),
+                           ((sorted_expert < 0) | (sorted_expert >= experts)).any()]).tolist()
+        for failed, message in zip(bad, (f"expert_offsets: must rise from 0 to the {rows} sorted rows",
+                                          f"sorted_token: tokens must lie in [0, {tokens})",
+                                          f"sorted_expert: experts must lie in [0, {experts})")):
+            if failed:
+                raise ValueError(message)
+
+
+@dsa_op("fused_moe_gemm")
+def fused_moe_gemm_op(x: torch.Tensor, expert_offsets: torch.Tensor, sorted_token: torch.Tensor,
+                      sorted_expert: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, top_k: int,
+                      gather_tokens: bool = True, out_dtype: torch.dtype | None = None, check_values: bool = True,
+                      config: str | None = None) -> torch.Tensor:
+    """:func:`dt.fused_moe_gemm`: ``y_sorted [M, N]`` in ``out_dtype`` (None: ``x``'s). The sort is given by the
+    tensors the GEMM reads: ``expert_offsets [E + 1]``, ``sorted_token [M]``, ``sorted_expert [M]`` (int32, fields
+    of ``ExpertSort``), and ``top_k`` (``M = T * top_k``)."""
+    return _fused_moe(x, expert_offsets, sorted_token, sorted_expert, blocks, scales, top_k, gather_tokens, out_dtype,
+                      check_values, config, None)
+
+
+def _fused_moe(x, expert_offsets, sorted_token, sorted_expert, blocks, scales, top_k, gather_tokens, out_dtype,
+               check_values, config, out):
+    _check_sort(x, expert_offsets, sorted_token, sorted_expert, blocks, top_k, gather_tokens, check_values)
+    unread = sorted_expert  # sorted_slot / slot_row / slot_weight: the GEMM reads only the row count of them
+    sort = ExpertSort(blocks.shape[0], top_k, expert_offsets, unread, sorted_token, sorted_expert, unread, unread)
+    return fused_moe_gemm(x, sort, blocks, scales, gather_tokens=gather_tokens, config=op_config(config),
+                          out_dtype=out_dtype, out=out)
+
+
+@fused_moe_gemm_op.register_fake
+def _(x, expert_offsets, sorted_token, sorted_expert, blocks, scales, top_k, gather_tokens=True, out_dtype=None,
+      *args, **kwargs):
+    return x.new_empty((sorted_expert.shape[0], blocks.shape[1]), dtype=out_dtype or x.dtype)
+
+
+@dsa_op("fused_moe_gemm_out", mutates_args=("out",))
+def fused_moe_gemm_out(x: torch.Tensor, expert_offsets: torch.Tensor, sorted_token: torch.Tensor,
+                       sorted_expert: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, top_k: int,
+                       out: torch.Tensor, gather_tokens: bool = True, check_values: bool = True,
+                       config: str | None = None) -> None:
+    """:func:`dt.fused_moe_gemm` into ``out[M, N]`` (last dim contiguous) in ``x``'s dtype or fp32 (the
+    ``out_dtype``)."""
+    check_tensor("out", out, dtype=(x.dtype, torch.float32), contiguous_last=False)
+    _fused_moe(x, expert_offsets, sorted_token, sorted_expert, blocks, scales, top_k, gather_tokens, out.dtype,
+               check_values, config, out)
+
+
+@fused_moe_gemm_out.register_fake
+def _(x, expert_offsets, sorted_token, sorted_expert, blocks, scales, top_k, out, *args, **kwargs):
+    return None

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import check_kernel_device, check_out, check_tensor
+from ..library import dsa_op, op_config
 from ..plans import PlanCache
 from ..registry import LaunchSpace
 from .activation import swiglu
@@ -228,3 +229,48 @@ def _grouped(x, ids, weights, sizes, config, gate_up_blocks, gate_up_scales, dow
 
 _PLANS = PlanCache(1024)  # _check's (E, H, I) and the gate_up BLOCK_M by tensor metadata and routing fields
 _EXPERT_PLANS = PlanCache(1024)  # moe_experts' checked (E, H, I) and gate_up BLOCK_M by tensor metadata
+
+
+# -- as custom ops under torch.ops.dsa (dsa_triton.library) ------------------------------------------------------------
+
+@dsa_op("moe_forward")
+def moe_forward_op(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: torch.Tensor,
+                   gate_up_scales: torch.Tensor, down_blocks: torch.Tensor, down_scales: torch.Tensor,
+                   router_bias: torch.Tensor | None = None, shared_gate_up: torch.Tensor | None = None,
+                   shared_down: torch.Tensor | None = None, mode: str = "deepseek", top_k: int = 8, n_group: int = 1,
+                   topk_group: int = 1, norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+                   phase: str | None = None, check_values: bool = True, config: str | None = None) -> torch.Tensor:
+    """:func:`dt.moe_forward`: ``y[T, H]`` in ``x``'s dtype; the routing fields as in
+    :class:`~dsa_triton.RoutingConfig` (:func:`~dsa_triton.library.routing_kwargs`), ``config`` a ``moe_forward``
+    config such as ``'{"path": "fused"}'``."""
+    routing = RoutingConfig(mode, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+    return moe_forward(x, router_weight, gate_up_blocks, gate_up_scales, down_blocks, down_scales, routing=routing,
+                       router_bias=router_bias, shared_gate_up=shared_gate_up, shared_down=shared_down, phase=phase,
+                       config=op_config(config))
+
+
+@moe_forward_op.register_fake
+def _(x, *args, **kwargs):
+    return x.new_empty(x.shape)
+
+
+@dsa_op("moe_forward_out", mutates_args=("out",))
+def moe_forward_out(x: torch.Tensor, router_weight: torch.Tensor, gate_up_blocks: torch.Tensor,
+                    gate_up_scales: torch.Tensor, down_blocks: torch.Tensor, down_scales: torch.Tensor,
+                    out: torch.Tensor, router_bias: torch.Tensor | None = None,
+                    shared_gate_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
+                    routing_mode: str = "deepseek", top_k: int = 8, n_group: int = 1, topk_group: int = 1,
+                    norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, phase: str | None = None,
+                    check_values: bool = True, config: str | None = None) -> None:
+    """:func:`dt.moe_forward` into ``out[T, H]`` in ``x``'s dtype (last dim contiguous). The routing mode is
+    ``routing_mode`` here (``routing_kwargs(routing, "routing_mode")``): torch's functionalization of an op that
+    mutates passes the arguments by name to a handler whose own first parameter is ``mode``."""
+    routing = RoutingConfig(routing_mode, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+    moe_forward(x, router_weight, gate_up_blocks, gate_up_scales, down_blocks, down_scales, routing=routing,
+                router_bias=router_bias, shared_gate_up=shared_gate_up, shared_down=shared_down, phase=phase,
+                config=op_config(config), out=out)
+
+
+@moe_forward_out.register_fake
+def _(x, *args, **kwargs):
+    return None

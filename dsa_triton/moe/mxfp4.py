@@ -13,6 +13,7 @@ import torch
 from ..checks import check_kernel_device, check_out, check_tensor
 from ..hostmath import cdiv
 from ..launch import launch_with
+from ..library import dsa_op, op_config
 from ..plans import cached
 from ..registry import LaunchSpace
 from .mxfp4_kernels import _dequantize_kernel, _quantize_kernel
@@ -110,3 +111,59 @@ def dequantize_launch(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.d
         launch_with(_dequantize_kernel, grid, _block_meta(config["BLOCK_B"], config["num_warps"]), blocks, scales,
                     out, n_blocks)
     return out
+
+
+# -- as custom ops under torch.ops.dsa (dsa_triton.library) ------------------------------------------------------------
+
+def _dequantize_config(blocks: torch.Tensor, config: str | None) -> dict:
+    """The launch config of an unchecked dequantization: the given one, else the database's for its flat shape."""
+    shape = _flat_shape((*blocks.shape[:-2], blocks.shape[-2] * BLOCK))
+    return op_config(config) or DEQUANTIZE.launch_config("load", shape, blocks.device)
+
+
+@dsa_op("mxfp4_quantize")
+def mxfp4_quantize_op(w: torch.Tensor, check_values: bool = True,
+                      config: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dt.mxfp4_quantize`: ``w[..., N, K]`` -> ``(blocks uint8 [..., N, K/32, 16], scales uint8
+    [..., N, K/32])``. ``check_values=False`` skips the argument checks and the finiteness scan."""
+    if check_values:
+        return mxfp4_quantize(w, config=op_config(config))
+    return quantize_launch(w, op_config(config) or QUANTIZE.launch_config("load", _flat_shape(w.shape), w.device))
+
+
+@mxfp4_quantize_op.register_fake
+def _(w, check_values=True, config=None):
+    blocks = w.new_empty((*w.shape[:-1], w.shape[-1] // 32, 16), dtype=torch.uint8)
+    return blocks, w.new_empty((*w.shape[:-1], w.shape[-1] // 32), dtype=torch.uint8)
+
+
+@dsa_op("mxfp4_dequantize")
+def mxfp4_dequantize_op(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
+                        check_values: bool = True, config: str | None = None) -> torch.Tensor:
+    """:func:`dt.mxfp4_dequantize`: ``w[..., N, K]`` in ``dtype``. ``check_values=False`` skips the argument checks
+    and the 0xFF (NaN) scale scan."""
+    if check_values:
+        return mxfp4_dequantize(blocks, scales, dtype, config=op_config(config))
+    return dequantize_launch(blocks, scales, dtype, _dequantize_config(blocks, config))
+
+
+@mxfp4_dequantize_op.register_fake
+def _(blocks, scales, dtype=torch.float32, check_values=True, config=None):
+    return blocks.new_empty((*blocks.shape[:-2], blocks.shape[-2] * 32), dtype=dtype)
+
+
+@dsa_op("mxfp4_dequantize_out", mutates_args=("out",))
+def mxfp4_dequantize_out(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, check_values: bool = True,
+                         config: str | None = None) -> None:
+    """:func:`dt.mxfp4_dequantize` into ``out[..., N, K]`` (contiguous; its dtype, fp32/bf16/fp16, is the output's).
+    ``check_values=False`` skips the argument checks (``out``'s are kept) and the 0xFF (NaN) scale scan."""
+    check_tensor("out", out, dtype=(torch.float32, torch.bfloat16, torch.float16), contiguous_last=False)
+    if check_values:
+        mxfp4_dequantize(blocks, scales, out.dtype, config=op_config(config), out=out)
+        return
+    dequantize_launch(blocks, scales, out.dtype, _dequantize_config(blocks, config), out)
+
+
+@mxfp4_dequantize_out.register_fake
+def _(blocks, scales, out, check_values=True, config=None):
+    return None

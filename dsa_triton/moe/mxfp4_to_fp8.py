@@ -16,6 +16,7 @@ import torch
 from ..checks import check_kernel_device, check_tensor
 from ..hostmath import cdiv
 from ..launch import launch_with
+from ..library import dsa_op, op_config
 from ..plans import cached
 from ..registry import LaunchSpace
 from .formats import BLOCK, BLOCKS_PER_GROUP, GROUP, SCALE_NAN, check_no_nan_scale, n_groups, validate_mxfp4
@@ -173,3 +174,54 @@ def conversion_config(experts: int, n: int, k: int, device: torch.device) -> dic
     """The conversion's launch config for ``experts`` matrices of ``[n, k]`` (the tuning database's, else the
     default): what :func:`convert_experts` is given by the callers that pipeline it."""
     return LAUNCH.launch_config("prefill", {"G": experts, "N": n, "K": k}, device)
+
+
+# -- as custom ops under torch.ops.dsa (dsa_triton.library) ------------------------------------------------------------
+
+def _fp8_shapes(blocks: torch.Tensor) -> tuple[tuple, tuple]:
+    """The ``(w, scale)`` shapes of :func:`dt.mxfp4_to_fp8`: ``[..., N, K]`` and ``[..., N, ceil(K / 128)]``."""
+    k = blocks.shape[-2] * BLOCK
+    return (*blocks.shape[:-2], k), (*blocks.shape[:-2], n_groups(k))
+
+
+def _to_fp8(blocks, scales, w, s, check_values, config) -> torch.Tensor:
+    """Convert into ``w`` / ``s``; the unfit count as an int32 ``[1]`` tensor (read on the host only when checking)."""
+    if check_values:
+        return torch.tensor([mxfp4_to_fp8(blocks, scales, (w, s), config=op_config(config))[2]], dtype=torch.int32,
+                            device=w.device)
+    experts, n, kb = math.prod(blocks.shape[:-3]), blocks.shape[-3], blocks.shape[-2]
+    if w.numel() == 0:
+        return torch.zeros(1, dtype=torch.int32, device=w.device)
+    config = op_config(config) or conversion_config(experts, n, kb * BLOCK, blocks.device)
+    return convert_all(blocks.reshape(experts, n, kb, 16), scales.reshape(experts, n, kb),
+                       w.view(experts, n, kb * BLOCK), s.view(experts, n, -1), config)
+
+
+@dsa_op("mxfp4_to_fp8")
+def mxfp4_to_fp8_op(blocks: torch.Tensor, scales: torch.Tensor, check_values: bool = True,
+                    config: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`dt.mxfp4_to_fp8`: ``(w float8_e4m3fn [..., N, K], scale fp32 [..., N, ceil(K/128)], n_unfit int32
+    [1])``. ``check_values=False`` skips the checks and the 0xFF scan and leaves the count on the device."""
+    w_shape, s_shape = _fp8_shapes(blocks)
+    w = torch.empty(w_shape, dtype=torch.float8_e4m3fn, device=blocks.device)
+    s = torch.empty(s_shape, dtype=torch.float32, device=blocks.device)
+    return w, s, _to_fp8(blocks, scales, w, s, check_values, config)
+
+
+@mxfp4_to_fp8_op.register_fake
+def _(blocks, scales, check_values=True, config=None):
+    w_shape, s_shape = _fp8_shapes(blocks)
+    return (blocks.new_empty(w_shape, dtype=torch.float8_e4m3fn), blocks.new_empty(s_shape, dtype=torch.float32),
+            blocks.new_empty((1,), dtype=torch.int32))
+
+
+@dsa_op("mxfp4_to_fp8_out", mutates_args=("w_out", "s_out"))
+def mxfp4_to_fp8_out(blocks: torch.Tensor, scales: torch.Tensor, w_out: torch.Tensor, s_out: torch.Tensor,
+                     check_values: bool = True, config: str | None = None) -> torch.Tensor:
+    """:func:`dt.mxfp4_to_fp8` into given tensors (e.g. a workspace slot): returns the unfit count, int32 ``[1]``."""
+    return _to_fp8(blocks, scales, w_out, s_out, check_values, config)
+
+
+@mxfp4_to_fp8_out.register_fake
+def _(blocks, scales, w_out, s_out, check_values=True, config=None):
+    return blocks.new_empty((1,), dtype=torch.int32)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_kernel_device
+from ..library import dsa_op, op_config
 from ..plans import PlanCache
 from ..hostmath import cdiv, next_pow2
 from ..launch import launch_with
@@ -123,3 +124,22 @@ def _plan(logits, routing, bias, config) -> RouteLaunch:
     check_route(logits, routing, bias)
     check_kernel_device("logits", logits)
     return RouteLaunch(logits, routing, bias is not None, config)
+
+
+# -- as custom ops under torch.ops.dsa (dsa_triton.library) ------------------------------------------------------------
+
+@dsa_op("route_topk")
+def route_topk_op(logits: torch.Tensor, bias: torch.Tensor | None = None, mode: str = "deepseek", top_k: int = 8,
+                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
+                  routed_scaling_factor: float = 1.0, check_values: bool = True,
+                  config: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dt.route_topk`: ``(weights [T, top_k] fp32, ids [T, top_k] int32)``; the routing fields as in
+    :class:`~dsa_triton.RoutingConfig` (:func:`~dsa_triton.library.routing_kwargs`)."""
+    routing = RoutingConfig(mode, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+    return route_topk(logits, routing, bias, config=op_config(config))
+
+
+@route_topk_op.register_fake
+def _(logits, bias=None, mode="deepseek", top_k=8, *args, **kwargs):
+    shape = (logits.shape[0], top_k)
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int32)
