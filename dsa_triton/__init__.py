@@ -8,16 +8,18 @@ from . import runtime  # noqa: F401  (first: sets TRITON_INTERPRET=1 when there 
 from . import registry
 from .registry import ConfigError
 
-# attention: paged caches, indexer scoring (token and block level), top-k, sparse attention
+# attention: paged caches, indexer scoring (token and block level), top-k, sparse attention, V4's compressors
 from .attention.append_tokens import append_tokens
 from .attention.block_indexer_logits import block_indexer_logits, block_scores, indexer_path, selected_page_logits
 from .attention.cache import PageAllocator, PagedCache
+from .attention.compress_entries import compress_entries
 from .attention.formats import (fp8_latent_bytes, fp8_latent_dequantize, fp8_latent_quantize, fp8_quantize_rows,
                                 model1_bytes, model1_cache, model1_dequantize, model1_quantize)
 from .attention.indexer_logits import indexer_logits
 from .attention.select_pages import select_pages
 from .attention.sparse_attention import sparse_attention_decode, sparse_attention_prefill
 from .attention.topk_indices import topk_indices
+from .attention.v4_indexer_logits import v4_indexer_logits
 # linear: dense layers on blockwise-FP8 weights
 from .linear.fp8_blockwise_linear import fp8_blockwise_linear
 # moe: MXFP4 format and conversion, workspace, routing, grouped GEMMs, the layer
@@ -32,7 +34,8 @@ from .moe.route_topk import route_topk
 from .moe.routing import RoutingConfig, deepseek_topk, route, softmax_topk
 from .moe.sort_and_align import sort_and_align
 from .moe.workspace import FP8Workspace, shared_workspace
-# the registry entries (the *_spec modules, imported by each subpackage) and the custom ops under torch.ops.dsa
+# the registry entries (the *_spec modules, imported by each subpackage); the op modules above registered their
+# custom ops under torch.ops.dsa (dt.library: OPS and what the custom ops share)
 from . import attention, linear, moe  # noqa: E402,F401
 from . import library  # noqa: E402,F401
 
@@ -43,7 +46,7 @@ __all__ = [
     "fp8_latent_quantize", "fp8_quantize_rows", "model1_bytes", "model1_cache", "model1_dequantize",
     "model1_quantize", "indexer_logits", "block_scores", "select_pages",
     "selected_page_logits", "block_indexer_logits", "indexer_path", "sparse_attention_decode",
-    "sparse_attention_prefill", "topk_indices",
+    "sparse_attention_prefill", "topk_indices", "compress_entries", "v4_indexer_logits",
     # linear
     "fp8_blockwise_linear",
     # moe

@@ -16,6 +16,16 @@ ids [T, top_k])``; ``experts(rows[N, H], ids[N] local expert of each row, *exper
 experts after a routing of the caller's, their gate clipped to ``<= limit`` and up to ``[-limit, limit]`` before the
 SwiGLU (DeepSeek-V4); the kernel backend composes the fused MXFP4 GEMMs with the clip between them (dt.moe_experts
 has no clip).
+
+DeepSeek-V4 (caches in the activation dtype; the compressors and the indexer read pages ``[pages, P, width]`` through
+each stream's block table): ``compress_entries`` writes the entries of the windows closing in the step (``dt.compress_entries``'s
+arguments, the sequences' from ``batch``); ``v4_indexer_logits(q[T, IH, ID], w[T, IH] fp32, keys, limits[T],
+table, counts[B], scale, num_cols, batch)`` -> ``[T, num_cols]`` fp32; ``topk_entries(logits, k, limits, batch)`` ->
+``[T, k]`` logical entries (-1: none; among equal scores the lower entry, in both backends: transformers'
+``torch.topk`` may take another one of exactly equal scores, such as the zeros of entries every head's relu cuts);
+``v4_attention(q[T, H, hd], sets, sinks[H] fp32, sm_scale, batch)`` -> ``[T, H, hd]`` over the union of the index
+sets ``[(cache rows [slots, hd], physical slots [T, k] (-1: none))]`` (the window, then the compressed entries) with
+a sink per head.
 """
 from __future__ import annotations
 
@@ -27,11 +37,13 @@ import torch.nn.functional as F
 import dsa_triton as dt
 from dsa_triton.attention.append_tokens_reference import append_torch
 from dsa_triton.attention.block_indexer_logits_reference import gather_selected_torch, page_bounds_torch
+from dsa_triton.attention.compress_entries_reference import compress_entries_torch
 from dsa_triton.attention.indexer_logits_reference import indexer_logits_torch
 from dsa_triton.attention.select_pages_reference import select_pages_torch
 from dsa_triton.attention.sparse_attention_reference import (sparse_attention_decode_torch,
                                                              sparse_attention_prefill_torch)
 from dsa_triton.attention.topk_indices_reference import topk_indices_torch
+from dsa_triton.attention.v4_indexer_logits_reference import v4_indexer_logits_torch
 from dsa_triton.linear.fp8_blockwise_linear_reference import fp8_blockwise_linear_torch
 from dsa_triton.moe.activation_reference import swiglu_torch
 from dsa_triton.moe.moe_forward import moe_experts
@@ -52,6 +64,11 @@ class FP8Weight(NamedTuple):
 
 def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias
+
+
+def union_args(sets: list) -> dict:
+    """The sparse-attention keywords of a second index set ``(cache rows, slots)`` (none for one set)."""
+    return {"extra_kv_cache": sets[1][0], "extra_indices": sets[1][1]} if len(sets) > 1 else {}
 
 
 def clip_gate_up(h: torch.Tensor, limit: float) -> torch.Tensor:
@@ -101,6 +118,24 @@ class KernelOps:
     def attention(self, q, kv_cache, slots, sm_scale: float, d_v: int, decode: bool) -> torch.Tensor:
         op = dt.sparse_attention_decode if decode else dt.sparse_attention_prefill
         return op(q, kv_cache, slots, sm_scale, d_v, check_values=self.check_values)[0]
+
+    def compress_entries(self, kv, gate, kv_window, gate_window, window_table, entries, entry_table,
+                         batch: PagedBatch, *args, **kwargs) -> None:
+        dt.compress_entries(kv, gate, kv_window, gate_window, window_table, entries, entry_table, batch.cu_seqlens,
+                            batch.seq_lens, *args, **kwargs, max_q=batch.max_q, check_values=self.check_values)
+
+    def v4_indexer_logits(self, q, w, keys, limits, table, counts, scale: float, num_cols: int,
+                          batch: PagedBatch) -> torch.Tensor:
+        return dt.v4_indexer_logits(q, w, keys, limits, table, counts, scale, cu_seqlens_q=batch.cu_seqlens,
+                                    num_cols=num_cols, max_q=batch.max_q, check_values=self.check_values)
+
+    def topk_entries(self, logits, k: int, limits, batch: PagedBatch) -> torch.Tensor:
+        return dt.topk_indices(logits, k, limits, check_values=self.check_values)
+
+    def v4_attention(self, q, sets: list, sinks, sm_scale: float, batch: PagedBatch) -> torch.Tensor:
+        op = dt.sparse_attention_decode if batch.decode else dt.sparse_attention_prefill
+        return op(q, *sets[0], sm_scale, q.shape[-1], check_values=self.check_values, attn_sink=sinks,
+                  **union_args(sets))[0]
 
     @staticmethod
     def moe(x, *args, **kwargs) -> torch.Tensor:
@@ -165,6 +200,26 @@ class ReferenceOps:
     def attention(q, kv_cache, slots, sm_scale: float, d_v: int, decode: bool) -> torch.Tensor:
         op = sparse_attention_decode_torch if decode else sparse_attention_prefill_torch
         return op(q, kv_cache, slots, sm_scale, d_v)[0].to(q.dtype)
+
+    @staticmethod
+    def compress_entries(kv, gate, kv_window, gate_window, window_table, entries, entry_table, batch: PagedBatch,
+                         *args, **kwargs) -> None:
+        compress_entries_torch(kv, gate, kv_window, gate_window, window_table, entries, entry_table,
+                               batch.cu_seqlens, batch.seq_lens, *args, **kwargs)
+
+    @staticmethod
+    def v4_indexer_logits(q, w, keys, limits, table, counts, scale: float, num_cols: int,
+                          batch: PagedBatch) -> torch.Tensor:
+        return v4_indexer_logits_torch(q, w, keys, limits, table, scale, num_cols, cu_seqlens_q=batch.cu_seqlens)
+
+    @staticmethod
+    def topk_entries(logits, k: int, limits, batch: PagedBatch) -> torch.Tensor:
+        return topk_indices_torch(logits, k, limits)
+
+    @staticmethod
+    def v4_attention(q, sets: list, sinks, sm_scale: float, batch: PagedBatch) -> torch.Tensor:
+        return sparse_attention_prefill_torch(q, *sets[0], sm_scale, q.shape[-1], attn_sink=sinks,
+                                              **union_args(sets))[0].to(q.dtype)
 
     @staticmethod
     def moe(x, *args, **kwargs) -> torch.Tensor:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
+import dsa_triton as dt  # noqa: E402
 from dsa_triton.linear.formats import dequantize_fp8_blockwise  # noqa: E402
 from dsa_triton.moe.mxfp4_reference import mxfp4_dequantize_torch  # noqa: E402
 from model_runner import RunnerError, SamplingParams, build_engine, read_config  # noqa: E402
@@ -175,12 +176,21 @@ def test_config_forms_and_errors(hf):
         assert "\n" not in str(error.value)
 
 
-def test_kernel_mode_matches_reference_mode(tmp_path):
-    """Kernel mode (fp16: FP8 projections on dt.fp8_blockwise_linear, the grouped wo_a per group; FP4 experts on
-    dt.fused_moe_gemm with the SwiGLU clip between the two GEMMs; dt.swiglu) against reference mode (fp16, their
-    PyTorch references): the same tokens (or a near-tie where they part), logits within fp16 rounding."""
+def test_kernel_mode_matches_reference_mode(tmp_path, monkeypatch):
+    """Kernel mode (fp16: FP8 projections on dt.fp8_blockwise_linear, the grouped wo_a per group; the compressors on
+    dt.compress_entries, the indexer on dt.v4_indexer_logits and dt.topk_indices, the attention over the window and
+    the compressed entries on dt.sparse_attention_prefill / _decode; FP4 experts on dt.fused_moe_gemm with the SwiGLU
+    clip between the two GEMMs; dt.swiglu) against reference mode (fp16, their PyTorch references): the same tokens
+    (or a near-tie where they part), logits within fp16 rounding."""
     save_random_checkpoint(tiny_config(hidden_size=128, o_lora_rank=128, swiglu_limit=0.5), tmp_path,
                            experts="mxfp4", dense="fp8", seed=2)
+    calls = dict.fromkeys(("compress_entries", "v4_indexer_logits", "topk_indices", "sparse_attention_prefill",
+                           "sparse_attention_decode"), 0)
+    for name in calls:
+        def counted(*args, op=getattr(dt, name), name=name, **kwargs):
+            calls[name] += 1
+            return op(*args, **kwargs)
+        monkeypatch.setattr(dt, name, counted)
     runs = {}
     for mode in ("reference", "kernel"):
         engine = runner(tmp_path, mode=mode, dtype=torch.float16)
@@ -189,6 +199,9 @@ def test_kernel_mode_matches_reference_mode(tmp_path):
         runs[mode] = engine.generate(PROMPTS, PARAMS, progress=False), logs
     attention = engine.model.layers[1][2]
     assert isinstance(attention.wq_a, FP8Weight) and isinstance(attention.wo_a[0], FP8Weight)
+    # every step: 3 compressors (CSA's two, HCA's), the CSA indexer from the first entry on, 4 attention layers
+    assert calls == {"compress_entries": 5 * NEW_TOKENS, "v4_indexer_logits": 2 * NEW_TOKENS,
+                     "topk_indices": 2 * NEW_TOKENS, "sparse_attention_prefill": 4, "sparse_attention_decode": 28}
     (want, ref_logs), (got, kernel_logs) = runs["reference"], runs["kernel"]
     assert len(ref_logs) == NEW_TOKENS  # one prefill step, then decode steps: step i gives every sequence's token i
     for step, (ref, kernel) in enumerate(zip(ref_logs, kernel_logs)):

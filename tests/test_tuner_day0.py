@@ -31,6 +31,7 @@ LINEAR = {(1024, 6144), (64 * 192, 1024), (384 + 64, 6144), (64 * 256, 384), (61
 # dims no config has (decode queries per sequence, selected pages, alignment, experts per conversion, cached
 # tokens before an append, index form, a context outside the shape key)
 NOT_MODEL = {"Q", "S", "SEL", "block_m", "G", "ctx", "logical", "L"}
+V4_ONLY = {"compress_entries", "v4_indexer_logits"}  # DeepSeek-V4's own ops: no job for another model
 
 
 def jobs_for(config, tmp_path, *extra):
@@ -45,7 +46,8 @@ def jobs_for(config, tmp_path, *extra):
 def test_every_job_carries_the_configs_dims(tmp_path, capsys):
     jobs = jobs_for(OTHER, tmp_path)
     notes = capsys.readouterr().err
-    assert {j.spec.name for j in jobs} == {s.name for s in registry.kernels() if not s.name.startswith("toy_")}
+    real = {s.name for s in registry.kernels() if not s.name.startswith("toy_")}
+    assert {j.spec.name for j in jobs} == real - V4_ONLY
     counts = {"B": set(BATCHES) | {1}, "T": set(BATCHES) | set(CHUNKS), "N": set(BATCHES) | set(CHUNKS),
               "L": set(CONTEXTS), "pages": {c // 64 for c in CONTEXTS},
               "M": {6 * c for c in CHUNKS}, "Q": set(CHUNKS)}

@@ -23,15 +23,20 @@ def module():
     return flash_mla
 
 
-def decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, sm_scale: float, d_v: int = 512):
-    """A sparse decode call on the FP8 latent cache: ``q[B, S, H, D]`` bf16, ``kv_cache[pages, P, bytes]`` uint8,
-    ``slots[B, S, k]`` int32 physical slots (-1 skipped) -> a function of no arguments returning ``(out[B, S, H,
-    d_v] bf16, lse[B, H, S] fp32)``. The scheduling metadata is made on the first call and reused by later ones
-    (same shapes: what a CUDA graph captures)."""
+def decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, sm_scale: float, d_v: int = 512, *,
+           attn_sink: torch.Tensor | None = None, extra_kv_cache: torch.Tensor | None = None,
+           extra_slots: torch.Tensor | None = None):
+    """A sparse decode call on an FP8 cache (the latent one, or with ``d_v == D`` DeepSeek-V4's MODEL1 pages):
+    ``q[B, S, H, D]`` bf16, ``kv_cache[pages, P, bytes]`` uint8, ``slots[B, S, k]`` int32 physical slots (-1
+    skipped); DeepSeek-V4's ``attn_sink[H]`` fp32 and a second cache ``extra_kv_cache`` with its ``extra_slots[B, S,
+    k2]`` -> a function of no arguments returning ``(out[B, S, H, d_v] bf16, lse[B, H, S] fp32)``. The scheduling
+    metadata is made on the first call and reused by later ones (same shapes: what a CUDA graph captures)."""
     fm = module()
     sched, _ = fm.get_mla_metadata()
-    cache = kv_cache.view(torch.float8_e4m3fn).unsqueeze(2)  # [pages, P, 1 head, bytes]
-    return lambda: fm.flash_mla_with_kvcache(q, cache, None, None, d_v, sched, None, sm_scale, False, True, slots)
+    as_heads = lambda c: None if c is None else c.view(torch.float8_e4m3fn).unsqueeze(2)  # noqa: E731  [pages, P, 1, bytes]
+    cache, extra = as_heads(kv_cache), as_heads(extra_kv_cache)
+    return lambda: fm.flash_mla_with_kvcache(q, cache, None, None, d_v, sched, None, sm_scale, False, True, slots,
+                                             attn_sink, extra, extra_slots)
 
 
 def prefill(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sm_scale: float, d_v: int = 512):

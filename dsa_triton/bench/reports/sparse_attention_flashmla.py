@@ -3,7 +3,9 @@
 Decode over the FP8 latent cache at DeepSeek-V3.2 dims (128 heads, D 576, Dv 512, top-2048 of a 32K-token
 sequence), ``B`` in 1, 8, 64, 128 and ``s_q`` 1 and 2 query tokens a sequence, each with its own index set (the
 speculative-decoding form FlashMLA takes); 64 heads (a two-way tensor-parallel shard of V3.2, V4-Flash's head count)
-at B 64; prefill over a bf16 cache, T 4096 over 32K and 128K tokens. Each row: both medians, ``ours_over_flashmla``
+at B 64; prefill over a bf16 cache, T 4096 over 32K and 128K tokens. DeepSeek-V4 decode over MODEL1 FP8 pages (D =
+Dv = 512, 584 bytes a token) with a sink per head: a window of 128 tokens (pages of 256) beside the top-k2 of 8192
+compressed entries (pages of 64), V4-Flash's 64 heads with k2 512 and V4-Pro's 128 with k2 1024. Each row: both medians, ``ours_over_flashmla``
 (time ratio: below 1 ours is faster), both as fractions of the bf16 matmul rate measured in the same run, and the
 largest difference of the two outputs (both bf16; a row whose outputs disagree beyond bf16 rounding is an error).
 Without FlashMLA (not built, or no GPU) the report is one row that says so.
@@ -13,30 +15,51 @@ from __future__ import annotations
 import torch
 
 from dsa_triton.attention.sparse_attention import sparse_attention_decode, sparse_attention_prefill
-from dsa_triton.attention.sparse_attention_spec import random_fp8_paged_cache, random_paged_cache
+from dsa_triton.attention.sparse_attention_spec import (random_fp8_paged_cache, random_model1_paged_cache,
+                                                        random_paged_cache)
 from dsa_triton.bench import flashmla
 from dsa_triton.bench.harness import Ceilings, graph_time_us, rotation
 
 D, DV, K, P = 576, 512, 2048, 64
 DECODE = [(b, s, 128) for b in (1, 8, 64, 128) for s in (1, 2)] + [(64, s, 64) for s in (1, 2)]
 PREFILL = [(4096, 32768, 128), (4096, 131072, 128)]
+V4_D, V4_WINDOW, V4_ENTRIES = 512, 128, 8192  # MODEL1 width; window tokens; compressed entries a sequence
+V4_DECODE = [(b, s, h, k2) for h, k2 in ((64, 512), (128, 1024)) for b in (1, 64, 128) for s in (1, 2)]
 ATOL, RTOL = 2e-3, 2e-2  # two bf16 outputs of the same function: a few units of bf16 rounding apart
+
+
+def _slots(table: torch.Tensor, logical: torch.Tensor, P: int) -> torch.Tensor:
+    """Logical positions ``[B, S, k]`` -> physical slots through the block table ``[B, pages]``."""
+    rows = torch.arange(table.shape[0], device=table.device)[:, None, None]
+    return (table.long()[rows, logical // P] * P + logical % P).int()
 
 
 def _decode_set(B: int, S: int, H: int, L: int, seed: int, device) -> dict:
     g = torch.Generator(device=device).manual_seed(seed)
     kv, table = random_fp8_paged_cache(B, L, P, D, DV, g)
     logical = torch.rand(B * S, L, generator=g, device=device).topk(K, dim=1).indices.view(B, S, K)
-    slots = (table.long()[torch.arange(B, device=device)[:, None, None], logical // P] * P + logical % P).int()
+    slots = _slots(table, logical, P)
     q = torch.randn(B, S, H, D, generator=g, device=device).to(torch.bfloat16)
     return {"q": q, "kv": kv, "slots": slots}
+
+
+def _v4_decode_set(B: int, S: int, H: int, k2: int, seed: int, device) -> dict:
+    """Window: the last 128 of 1024 tokens a sequence (pages of 256); entries: top-``k2`` of 8192 (pages of 64)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    kv, table = random_model1_paged_cache(B, 1024, 256, V4_D, g)
+    window = torch.arange(1024 - V4_WINDOW, 1024, device=device).expand(B, S, V4_WINDOW)
+    entries, entry_table = random_model1_paged_cache(B, V4_ENTRIES, 64, V4_D, g)
+    picked = torch.rand(B * S, V4_ENTRIES, generator=g, device=device).topk(k2, dim=1).indices.view(B, S, k2)
+    return {"q": torch.randn(B, S, H, V4_D, generator=g, device=device).to(torch.bfloat16), "kv": kv,
+            "slots": _slots(table, window, 256), "entries": entries, "entry_slots": _slots(entry_table, picked, 64),
+            "sink": torch.randn(H, generator=g, device=device)}
 
 
 def _prefill_set(T: int, L: int, H: int, seed: int, device) -> dict:
     g = torch.Generator(device=device).manual_seed(seed)
     kv, table = random_paged_cache(1, L, P, D, torch.bfloat16, g)
     logical = torch.rand(T, L, generator=g, device=device).topk(K, dim=1).indices
-    slots = (table.long()[0, logical // P] * P + logical % P).int()
+    slots = _slots(table, logical[None], P)[0]
     q = torch.randn(T, H, D, generator=g, device=device).to(torch.bfloat16)
     return {"q": q, "kv": kv.flatten(0, 1), "slots": slots}
 
@@ -73,6 +96,20 @@ def flashmla_report(device, ceilings: Ceilings | None) -> list[dict]:
         theirs = [flashmla.decode(s["q"], s["kv"], s["slots"], scale, DV) for s in sets]
         rows.append(_row(f"decode fp8 B={B} s_q={S} Hq={H}", 2.0 * B * S * H * K * (D + DV),
                          lambda s: sparse_attention_decode(s["q"], s["kv"], s["slots"], scale, DV, check_values=False),
+                         theirs, sets, device, ceilings))
+        del sets, theirs
+        torch.cuda.empty_cache()
+    for B, S, H, k2 in V4_DECODE:
+        sets = rotation(lambda i: _v4_decode_set(B, S, H, k2, i, device), B * S * (V4_WINDOW + k2) * 584, device,
+                        max_sets=4)
+        scale = V4_D ** -0.5
+        theirs = [flashmla.decode(s["q"], s["kv"], s["slots"], scale, V4_D, attn_sink=s["sink"],
+                                  extra_kv_cache=s["entries"], extra_slots=s["entry_slots"]) for s in sets]
+        rows.append(_row(f"decode V4 MODEL1 B={B} s_q={S} Hq={H} k={V4_WINDOW}+{k2}",
+                         2.0 * B * S * H * (V4_WINDOW + k2) * 2 * V4_D,
+                         lambda s: sparse_attention_decode(s["q"], s["kv"], s["slots"], scale, V4_D, check_values=False,
+                                                           attn_sink=s["sink"], extra_kv_cache=s["entries"],
+                                                           extra_indices=s["entry_slots"]),
                          theirs, sets, device, ceilings))
         del sets, theirs
         torch.cuda.empty_cache()

@@ -1,5 +1,9 @@
-"""DeepSeek-V4's attention, following transformers' ``DeepseekV4Attention`` (pure PyTorch until V4 attention kernels
-exist; the projections run through ``ops.linear``, so FP8 weights take the blockwise-FP8 GEMM in kernel mode).
+"""DeepSeek-V4's attention, following transformers' ``DeepseekV4Attention``, on the ops of the backend (``ops``):
+the projections through ``ops.linear`` (FP8 weights take the blockwise-FP8 GEMM in kernel mode), the compressors
+through ``ops.compress_entries``, the indexer through ``ops.v4_indexer_logits`` and ``ops.topk_entries``, the attention
+through ``ops.v4_attention`` (kernel mode: dt.compress_entries, dt.v4_indexer_logits, dt.topk_indices,
+dt.sparse_attention_decode / _prefill; reference mode: their PyTorch oracles). The indexer's top-k takes the lower
+entry among equal scores in both modes (transformers' ``torch.topk`` may take another of exactly equal scores).
 
 One layer, for the ``T`` new tokens of a step (packed by sequence; caches: :mod:`.cache`):
 
@@ -15,8 +19,9 @@ One layer, for the ``T`` new tokens of a step (packed by sequence; caches: :mod:
 A compressor (:class:`Compressor`) closes window ``w`` (tokens ``[w m, (w + 1) m)``) once its last token is cached:
 ``entry_w = norm(sum_s softmax_s(gate_s + ape_s) kv_s)`` over the window's ``m`` tokens (HCA), or over ``2m``
 slots with CSA's overlap: the previous window's first halves (``Ca``) and this window's second halves (``Cb``);
-window 0 has no previous one. The entry is rotated at position ``w m`` (compress RoPE). The CSA indexer runs its
-own compressor at ``index_head_dim`` (keys), queries ``wq_b(q_latent)`` rotated at the token's position, and scores
+window 0 has no previous one. The entry is rotated at position ``w m`` (compress RoPE; the math:
+:mod:`dsa_triton.attention.compress_entries_reference`). The CSA indexer runs its own compressor at
+``index_head_dim`` (keys), queries ``wq_b(q_latent)`` rotated at the token's position, and scores
 ``sum_h w[t, h] relu(q[t, h] . k[j]) index_head_dim^-0.5`` with ``w = weights_proj(x) index_n_heads^-0.5``.
 """
 from __future__ import annotations
@@ -24,22 +29,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsa_triton.attention.compress_entries_reference import rotate
+
 from ...cache_manager import PagedBatch
 from ...ops import FP8Weight
-from .cache import slots
 from .config import CSA, SLIDING, DeepseekV4Config
 from .norms import rms_norm, unweighted_rms_norm
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the last ``2 x cos.shape[-1]`` dims of ``x[T, ..., d]`` as interleaved pairs, in fp32 (layout kept);
-    ``cos``, ``sin`` ``[T, r / 2]`` in ``x``'s dtype."""
-    r = 2 * cos.shape[-1]
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (r,)
-    c, s = (t.repeat_interleave(2, dim=-1).view(shape).float() for t in (cos, sin))
-    rope = x[..., -r:].float()
-    half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    return torch.cat([x[..., :-r], (rope * c + half * s).to(x.dtype)], dim=-1)
+def paged(rows: torch.Tensor, page_size: int) -> torch.Tensor:
+    """A layer's storage array ``[pages x P, width]`` as pages ``[pages, P, width]`` (a view)."""
+    return rows.view(-1, page_size, rows.shape[-1])
 
 
 class Compressor:
@@ -55,43 +55,16 @@ class Compressor:
         """The inputs of ``x[T, D]``'s tokens: ``kv``, ``gate`` ``[T, c dim]`` (kept in the window stream)."""
         return ops.linear(x, self.wkv), ops.linear(x, self.wgate)
 
-    def compress(self, kv: torch.Tensor, gate: torch.Tensor, first: int) -> torch.Tensor:
-        """Entries ``[n, dim]`` of windows ``first .. first + n - 1`` from their tokens' inputs ``kv``, ``gate``
-        ``[n', m, c dim]``: the ``n`` windows, led with the overlap (when ``first`` > 0) by the window before them;
-        window 0 has none, its first half keeps weight 0. Not rotated yet."""
-        m, d = self.rate, self.dim
-        gate = gate.float() + self.ape
-        if self.overlap:
-            lead = 1 if first > 0 else 0
-            n = kv.shape[0] - lead
-            slots_kv = kv.new_zeros(n, 2 * m, d)
-            slots_gate = gate.new_full((n, 2 * m, d), float("-inf"))
-            slots_kv[:, m:], slots_gate[:, m:] = kv[lead:, :, d:], gate[lead:, :, d:]  # each window's Cb
-            slots_kv[1 - lead:, :m], slots_gate[1 - lead:, :m] = kv[:-1, :, :d], gate[:-1, :, :d]  # the Ca before
-            kv, gate = slots_kv, slots_gate
-        pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
-        return rms_norm(pooled, self.norm, self.eps)
-
     def append(self, inputs: tuple[torch.Tensor, torch.Tensor], names: tuple[str, str, str], storage: dict,
-               batch: PagedBatch, rope, page_size: int, stream: str) -> None:
-        """Write this step's ``inputs`` (``kv``, ``gate`` ``[T, c dim]``) to the window stream, then the entries of
-        every window that closed in this step to ``stream`` (``names``: the storage's kv, gate and entry arrays;
-        ``rope``: positions -> the compress RoPE's tables)."""
+               batch: PagedBatch, rope, page_size: int, stream: str, ops) -> None:
+        """Write this step's ``inputs`` (``kv``, ``gate`` ``[T, c dim]``) to the window stream, and the entries of every
+        window that closes in this step to ``stream`` (``names``: the storage's kv, gate and entry arrays; ``rope``:
+        ratio -> the entries' rope tables, row ``w`` at position ``w x ratio``)."""
         kv_rows, gate_rows, entries = (storage[n] for n in names)
         kv_rows[batch.slots], gate_rows[batch.slots] = inputs
-        m = self.rate
-        for b, start in enumerate(batch.starts):
-            end = start + int(batch.cu_seqlens[b + 1] - batch.cu_seqlens[b])
-            first, last = start // m, end // m  # windows first .. last - 1 close in this step
-            if first == last:
-                continue
-            lead = 1 if self.overlap and first > 0 else 0
-            rows = slots(batch.tables["window"][b], torch.arange((first - lead) * m, last * m, device=kv_rows.device),
-                         page_size)
-            shape = (-1, m, kv_rows.shape[1])
-            out = self.compress(kv_rows[rows].view(shape), gate_rows[rows].view(shape), first)
-            windows = torch.arange(first, last, device=out.device)
-            entries[slots(batch.tables[stream][b], windows, page_size)] = rotate(out, *rope(windows * m, out.dtype))
+        ops.compress_entries(*inputs, paged(kv_rows, page_size), paged(gate_rows, page_size), batch.tables["window"],
+                             paged(entries, page_size), batch.tables[stream], batch, self.ape, self.norm,
+                             *rope(self.rate), ratio=self.rate, overlap=self.overlap, eps=self.eps)
 
 
 class Indexer:
@@ -103,32 +76,24 @@ class Indexer:
         self.compressor = Compressor(w, prefix + "compressor.", c.index_head_dim, c.csa_rate, True, c.rms_norm_eps)
         self.wq_b, self.weights_proj = w[prefix + "wq_b.weight"], w[prefix + "weights_proj.weight"]
 
-    def select(self, x, q_latent, tables, batch: PagedBatch, storage: dict, rope, page_size: int,
-               ops) -> list[torch.Tensor]:
-        """Append this step's keys; -> per sequence the picked entries ``[T_b, k]`` int64 (-1: none), ``k`` =
-        min(index_topk, entries cached)."""
-        c = self.c
+    def select(self, x, q_latent, tables: dict, batch: PagedBatch, storage: dict, page_size: int,
+               ops) -> torch.Tensor | None:
+        """Append this step's keys; -> the picked entries ``[T, k]`` (logical; -1: none), ``k`` = min(index_topk,
+        the entries of the longest sequence), or None while no sequence has an entry."""
+        c, m = self.c, self.c.csa_rate
         self.compressor.append(self.compressor.project(x, ops), ("idx_kv", "idx_gate", "index_keys"), storage, batch,
-                               rope, page_size, "csa")
+                               tables["entries"], page_size, "csa", ops)
+        entries = batch.num_cols // m
+        if entries == 0:
+            return None
         T = x.shape[0]
-        q = rotate(ops.linear(q_latent, self.wq_b).view(T, c.index_n_heads, c.index_head_dim), *tables)
+        q = rotate(ops.linear(q_latent, self.wq_b).view(T, c.index_n_heads, c.index_head_dim), *tables["compress"])
         weights = F.linear(x, self.weights_proj).float() * c.index_n_heads ** -0.5
-        picks = []
-        for b, start in enumerate(batch.starts):
-            lo, hi = int(batch.cu_seqlens[b]), int(batch.cu_seqlens[b + 1])
-            count = (start + hi - lo) // c.csa_rate
-            if count == 0:
-                picks.append(torch.full((hi - lo, 0), -1, dtype=torch.long, device=x.device))
-                continue
-            keys = storage["index_keys"][slots(batch.tables["csa"][b], torch.arange(count, device=x.device),
-                                               page_size)]
-            scores = F.relu(torch.einsum("thd,jd->thj", q[lo:hi].float(), keys.float())) * c.index_head_dim ** -0.5
-            scores = (scores * weights[lo:hi, :, None]).sum(dim=1)  # [T_b, entries]
-            visible = (batch.positions[lo:hi, None] + 1) // c.csa_rate
-            scores = scores.masked_fill(torch.arange(count, device=x.device) >= visible, float("-inf"))
-            top = scores.topk(min(c.index_topk, count), dim=-1).indices
-            picks.append(top.where(top < visible, -1))
-        return picks
+        limits = ((batch.positions + 1) // m).int()  # the entries whose window closed at or before the token
+        logits = ops.v4_indexer_logits(q, weights, paged(storage["index_keys"], page_size), limits,
+                                       batch.tables["csa"], batch.seq_lens // m, c.index_head_dim ** -0.5, entries,
+                                       batch)
+        return ops.topk_entries(logits, min(c.index_topk, entries), limits, batch)
 
 
 class Attention:
@@ -155,7 +120,7 @@ class Attention:
 
     def __call__(self, x, tables: dict, batch: PagedBatch, storage: dict, page_size: int, ops) -> torch.Tensor:
         """``x[T, D]`` (normed) -> ``[T, D]``; ``tables``: ``{"main" | "compress": (cos, sin)}`` of the tokens'
-        positions and ``"compress_at"``: positions -> the compress RoPE's tables (compressed entries)."""
+        positions and ``"entries"``: ratio -> the compress RoPE's tables of the compressed entries."""
         c, T = self.c, x.shape[0]
         cos, sin = tables["main" if self.kind == SLIDING else "compress"]
         q_latent = rms_norm(ops.linear(x, self.wq_a), self.q_norm, c.rms_norm_eps)
@@ -165,44 +130,39 @@ class Attention:
         storage["kv"][batch.slots] = rotate(rms_norm(ops.linear(x, self.wkv), self.kv_norm, c.rms_norm_eps), cos, sin)
         picks = None
         if self.compressor is not None:
-            stream = "csa" if self.kind == CSA else "hca"
             self.compressor.append(self.compressor.project(x, ops), ("comp_kv", "comp_gate", "entries"), storage,
-                                   batch, tables["compress_at"], page_size, stream)
+                                   batch, tables["entries"], page_size, self.stream, ops)
         if self.indexer is not None:
-            picks = self.indexer.select(x, q_latent, tables["compress"], batch, storage, tables["compress_at"],
-                                        page_size, ops)
-        out = torch.cat([self.attend(q, b, batch, storage, page_size, picks) for b in range(len(batch.starts))])
+            picks = self.indexer.select(x, q_latent, tables, batch, storage, page_size, ops)
+        out = ops.v4_attention(q, self.index_sets(batch, storage, page_size, picks), self.sinks, c.head_dim ** -0.5,
+                               batch)
         out = rotate(out, cos, -sin)  # undo the rotation the values carried
         grouped = out.view(T, c.o_groups, -1)
         mixed = torch.cat([ops.linear(grouped[:, g], w) for g, w in enumerate(self.wo_a)], dim=-1)
         return ops.linear(mixed, self.wo_b)
 
-    def attend(self, q, b: int, batch: PagedBatch, storage: dict, page_size: int, picks) -> torch.Tensor:
-        """Sequence ``b``'s attention output ``[T_b, H, hd]`` over its window and compressed entries."""
-        c = self.c
-        lo, hi = int(batch.cu_seqlens[b]), int(batch.cu_seqlens[b + 1])
-        start, device = batch.starts[b], q.device
-        end = start + hi - lo
-        t = batch.positions[lo:hi, None]
-        window = torch.arange(max(start - c.sliding_window + 1, 0), end, device=device)
-        keys = storage["kv"][slots(batch.tables["window"][b], window, page_size)]
-        masks = [(window <= t) & (window > t - c.sliding_window)]
+    @property
+    def stream(self) -> str:
+        """The cache stream of the layer's compressed entries."""
+        return "csa" if self.kind == CSA else "hca"
+
+    def index_sets(self, batch: PagedBatch, storage: dict, page_size: int,
+                   picks: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(cache rows [slots, hd], physical slots [T, k] (-1: none))`` of the sliding window (positions
+        ``(t - sliding_window, t]``) and, in CSA / HCA layers, of the compressed entries: the indexer's ``picks``
+        (CSA), else every entry whose window closed at or before the token."""
+        t, rows = batch.positions[:, None], batch.row_to_seq.long()[:, None]
+
+        def slots(stream: str, logical: torch.Tensor) -> torch.Tensor:  # through the token's block-table row
+            pages = batch.tables[stream][rows, logical.clamp_min(0) // page_size].long()
+            return (pages * page_size + logical % page_size).where(logical >= 0, -1)
+
+        window = t - torch.arange(self.c.sliding_window - 1, -1, -1, device=t.device)
+        sets = [(storage["kv"], slots("window", window))]
         if self.compressor is not None:
             rate = self.compressor.rate
-            entries = torch.arange(end // rate, device=device)
-            stream = "csa" if self.kind == CSA else "hca"
-            keys = torch.cat([keys, storage["entries"][slots(batch.tables[stream][b], entries, page_size)]])
-            visible = entries < (t + 1) // rate
-            if picks is not None:  # CSA: the indexer's picks only
-                chosen = torch.zeros(hi - lo, entries.numel() + 1, dtype=torch.bool, device=device)
-                chosen.scatter_(1, picks[b].where(picks[b] >= 0, entries.numel()), True)
-                visible = chosen[:, :-1]
-            masks.append(visible)
-        mask = torch.cat(masks, dim=1)  # [T_b, keys]
-        logits = torch.einsum("thd,jd->thj", q[lo:hi], keys) * c.head_dim ** -0.5
-        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-        sinks = self.sinks.to(logits.dtype).view(1, -1, 1).expand(hi - lo, -1, 1)
-        combined = torch.cat([logits, sinks], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = combined.softmax(dim=-1)[..., :-1]
-        return torch.einsum("thj,jd->thd", probs.to(keys.dtype), keys)
+            if picks is None:
+                picks = torch.arange(max(batch.num_cols // rate, 1), device=t.device).expand(t.shape[0], -1)
+                picks = picks.where(picks < (t + 1) // rate, -1)
+            sets.append((storage["entries"], slots(self.stream, picks)))
+        return sets

@@ -12,8 +12,8 @@ all paged, freed and recomputed together on preemption:
 - stream "hca" (an entry per HCA rate tokens, all kept): HCA layers' compressed entries (``entries [hd]``).
 
 Each layer's storage is a dict of those names to ``[pages x P, width]`` tensors in the activation dtype (row =
-physical slot ``page x P + offset``). A sequence's entry ``j`` of a stream is at
-``block_table[j // P] * P + j % P`` (:func:`slots`).
+physical slot ``page x P + offset``; viewed as pages ``[pages, P, width]`` by the ops). A sequence's entry ``j`` of a
+stream is at ``block_table[j // P] * P + j % P``.
 """
 from __future__ import annotations
 
@@ -24,11 +24,6 @@ from dsa_triton.hostmath import cdiv
 from ...errors import RunnerError
 from ...paging import LayerCost, Stream
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
-
-
-def slots(table: torch.Tensor, entries: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Physical rows ``[n]`` int64 of a sequence's ``entries [n]`` (logical indices) through its block-table row."""
-    return table[entries // page_size].long() * page_size + entries % page_size
 
 
 def layout(config: DeepseekV4Config, *, index_precision: str, kv_cache: str, step_tokens: int) -> "DeepseekV4Layout":

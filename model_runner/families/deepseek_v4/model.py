@@ -1,5 +1,6 @@
 """The DeepSeek-V4 model (reference mode exact against transformers' ``DeepseekV4ForCausalLM``; kernel mode: the
-projections, experts and SwiGLU on dsa_triton's ops, attention in PyTorch):
+projections, compressors, indexer, attention, experts and SwiGLU on dsa_triton's ops; the mHC mixes and norms in
+PyTorch):
 
     x = embed(ids), copied into hc_mult residual streams [T, hc, D]
     per layer: x = attn_hc(x, attention(attn_norm(.)));  x = ffn_hc(x, moe(ffn_norm(.), ids))    (:mod:`.hyper`)
@@ -30,7 +31,7 @@ INDEX_PRECISIONS = ("activation",)  # the indexer scores in the activation dtype
 class Model:
     """Weights from :func:`.weights.load_weights`; ``ops`` a backend of :mod:`model_runner.ops`.
     ``index_precision`` "activation" only; no indexer path choice, no expert parallel (``parallel`` None)."""
-    decode_graphs = False  # decode steps run eagerly (the attention loops over sequences on the host)
+    decode_graphs = False  # decode steps run eagerly (reference mode loops over sequences on the host)
 
     def __init__(self, config: DeepseekV4Config, weights: dict, ops, index_precision: str = "activation",
                  indexer_path: dict[str, str] | None = None, parallel=None):
@@ -48,6 +49,7 @@ class Model:
         self.rotary = {"main": Rotary(c.rope, c.qk_rope_head_dim, device),
                        "compress": Rotary(c.compress_rope, c.qk_rope_head_dim, device)}
         self.fp32_logits = fp32_output_gemm(self.lm_head)
+        self._entry_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.head_mix = HyperHead(weights, "model.hc_head.", c.hc_eps, c.rms_norm_eps)
         self.layers = []
         for i in range(c.num_hidden_layers):
@@ -65,12 +67,21 @@ class Model:
         """cos, sin ``[n, rope / 2]`` of ``positions`` for the ``kind`` RoPE ("main" or "compress"), in ``dtype``."""
         return tuple(t.to(dtype) for t in self.rotary[kind].tables(positions))
 
+    def entry_tables(self, max_len: int, dtype: torch.dtype, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[max_len // ratio + 1, rope / 2]`` in ``dtype``: row ``w`` the compress RoPE at position
+        ``w x ratio``, where entry ``w``'s window starts (made once per ratio, length and dtype)."""
+        key = (max_len, dtype, ratio)
+        if key not in self._entry_tables:
+            positions = torch.arange(max_len // ratio + 1, device=self.embed.device) * ratio
+            self._entry_tables[key] = self.rope_tables("compress", positions, dtype)
+        return self._entry_tables[key]
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: PagedBatch, cache: CacheManager) -> torch.Tensor:
         """``input_ids[T]`` (packed as ``batch``) -> fp32 logits ``[B, vocab]`` of each sequence's last token."""
         c, dtype, P = self.config, self.dtype, cache.page_size
         tables = {kind: self.rope_tables(kind, batch.positions, dtype) for kind in self.rotary}
-        tables["compress_at"] = partial(self.rope_tables, "compress")  # (positions, dtype) -> compressed entries
+        tables["entries"] = partial(self.entry_tables, cache.max_pages * P, dtype)  # ratio -> compressed entries'
         x = self.embed[input_ids].unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         for (attn_hc, attn_norm, attn, ffn_hc, ffn_norm, moe), storage in zip(self.layers, cache.layers):
             x = attn_hc(x, lambda h: attn(rms_norm(h, attn_norm, c.rms_norm_eps), tables, batch, storage, P,

@@ -1,13 +1,10 @@
-"""DeepSeek-V4's RMS norms as transformers computes them: in fp32, the fp32 weight applied before the cast back."""
+"""DeepSeek-V4's RMS norms as transformers computes them: in fp32, the fp32 weight applied before the cast back
+(:func:`rms_norm`: the one of the compressors' oracle, :mod:`dsa_triton.attention.compress_entries_reference`)."""
 from __future__ import annotations
 
 import torch
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * x / rms(x)`` over the last dim, in fp32, cast to ``x``'s dtype."""
-    xf = x.float()
-    return (weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+from dsa_triton.attention.compress_entries_reference import rms_norm  # noqa: F401  (re-exported: one definition)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
