@@ -23,7 +23,9 @@ def v4_indexer_logits_torch(q: torch.Tensor, weights: torch.Tensor, k: torch.Ten
         if n <= 0:
             continue
         keys = keys_flat[paged_slots(block_table[b], torch.arange(n, device=q.device), P)]
-        scores = torch.relu(torch.einsum("thd,jd->thj", q[r0:r1].float(), keys.float())) * softmax_scale
-        scores = (scores * weights[r0:r1, :, None]).sum(dim=1)
+        scores = torch.zeros(r1 - r0, n, dtype=torch.float32, device=q.device)
+        for h in range(q.shape[1]):  # one head at a time: [rows, n] live, not [rows, heads, n]
+            head = torch.relu(q[r0:r1, h].float() @ keys.float().T) * softmax_scale
+            scores += head * weights[r0:r1, h, None]
         out[r0:r1, :n] = scores.masked_fill(torch.arange(n, device=q.device) >= limits[r0:r1, None], float("-inf"))
     return out

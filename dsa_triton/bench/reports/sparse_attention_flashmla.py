@@ -13,6 +13,7 @@ Without FlashMLA (not built, or no GPU) the report is one row that says so.
 from __future__ import annotations
 
 import torch
+import triton
 
 from dsa_triton.attention.sparse_attention import sparse_attention_decode, sparse_attention_prefill
 from dsa_triton.attention.sparse_attention_spec import (random_fp8_paged_cache, random_model1_paged_cache,
@@ -72,7 +73,15 @@ def _disagreement(ours: torch.Tensor, theirs: torch.Tensor) -> tuple[float, int]
 
 
 def _row(name: str, flops: float, ours, theirs, sets, device, ceilings: Ceilings) -> dict:
-    """Check on the first set, then time both calls (graph replay over the rotated sets)."""
+    """Check on the first set, then time both calls (graph replay over the rotated sets); a call that raises fails
+    its row (named, with the error), not the report."""
+    try:
+        return _measured_row(name, flops, ours, theirs, sets, device, ceilings)
+    except (RuntimeError, ValueError, triton.runtime.errors.OutOfResources) as exc:
+        return {"case": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def _measured_row(name: str, flops: float, ours, theirs, sets, device, ceilings: Ceilings) -> dict:
     ours_out, theirs_out = ours(sets[0])[0], theirs[0]()[0]
     largest, bad = _disagreement(ours_out.reshape(theirs_out.shape), theirs_out)
     ours_us = graph_time_us(ours, sets, device)
