@@ -80,6 +80,19 @@ def stack_bytes(device: torch.device | str | None = None) -> int | None:
     return int(value.value)
 
 
+def release_cached_memory(device: torch.device | str | None = None) -> None:
+    """Return the caching allocator's free blocks to the device, with the cuBLAS workspaces torch keeps per stream
+    (allocated from the caching allocator wherever a free block was, each pins its segment against ``empty_cache``);
+    nothing off CUDA."""
+    if not torch.cuda.is_available() or torch.device(device or "cuda").type != "cuda":
+        return
+    torch.cuda.synchronize(device)
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # (torch keeps no public name for it)
+    if clear_workspaces is not None:
+        clear_workspaces()
+    torch.cuda.empty_cache()
+
+
 def release_stack(device: torch.device | str | None = None, size: int = DEFAULT_STACK_BYTES) -> bool:
     """Shrink the context's per-thread stack back to ``size`` bytes, which frees the local memory that spilling
     kernels made the driver reserve (the next such launch grows it again); False off CUDA or when the driver

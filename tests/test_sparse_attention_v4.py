@@ -499,3 +499,20 @@ def test_model1_append_compiles_for_sm90():
     records = [r for r in launches if r["values"].get("KV_MODEL1")]
     assert len(records) == 2
     assert [r["error"] for r in aot.compile_in_subprocess(records)] == [None, None]
+
+
+def test_shared_memory_count_matches_the_h100_at_model1_widths():
+    """The constraint refuses the config an H100 refused (262,400 bytes of shared memory: MODEL1 pages at D 512,
+    BLOCK_H 32 / BLOCK_N 64) and keeps the ones that launched there, MODEL1 and FP8 latent alike."""
+    constraint = sparse_attention._constraint("decode")
+    v4 = {"B": 1, "S": 2, "H": 128, "D": 512, "Dv": 512, "k": 1152, "fp8": 2}
+    v32 = {"B": 1, "S": 2, "H": 128, "D": 576, "Dv": 512, "k": 2048, "fp8": 1}
+
+    def config(bh, bn, warps):
+        return {"BLOCK_H": bh, "BLOCK_N": bn, "num_splits": 1, "num_warps": warps, "num_stages": 2}
+
+    assert "shared memory" in constraint(config(32, 64, 8), v4)
+    for bh, bn, warps in ((16, 32, 4), (64, 64, 8)):
+        assert constraint(config(bh, bn, warps), v4) is None
+    assert constraint(config(32, 64, 8), v32) is None
+    assert constraint(sparse_attention.DECODE.default("decode", v4), v4) is None

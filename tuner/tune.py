@@ -39,7 +39,6 @@ for the most demanding kernel launched so far: a config that spills can leave gi
 from __future__ import annotations
 
 import datetime as dt
-import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dsa_triton.registry import KernelSpec
+from dsa_triton.bench.harness import release_memory
 from dsa_triton.runtime import device_name, release_stack
 from tuning_db import Database, Record
 from tuning_db.database import triton_version
@@ -331,9 +331,8 @@ class _Run:
         try:
             result = self.attempt(i, known=known, timeout=timeout, skip=skip)
         finally:
-            if self.device.type == "cuda" and not self.lost:
-                gc.collect()  # a failed job's tensors can sit in reference cycles through its traceback's frames
-                torch.cuda.empty_cache()
+            if not self.lost:
+                release_memory(self.device)
         result.outside_before_mib = before
         result.outside_after_mib = None if self.lost else outside_allocator_mib(self.device)
         if not self.lost:

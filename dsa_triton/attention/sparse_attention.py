@@ -90,6 +90,8 @@ WGMMA_ROWS = 64  # below this many rows per tile Triton uses mma.sync, with q he
 # FP8 cache: registers a thread may spend on the dequantized tile beyond REG_BUDGET: about what ptxas keeps without
 # spilling in sm_90 compiles of the DSA decode shape (bench.aot reports the spills).
 FP8_TILE_REGS = 80
+# MODEL1 pages (fp8 2) below 64 head rows (mma.sync) keep the dequantized tile in shared memory twice and buffer one
+# more stage of bytes (fitted to what Hopper launched and refused: results/journal/attention.md, MODEL1 shared memory).
 
 
 def _rows(phase: str, shape) -> tuple[int, int]:
@@ -119,9 +121,12 @@ def _constraint(phase: str):
         if fp8 and regs + tile > REG_BUDGET + FP8_TILE_REGS:
             return (f"accumulator and dequantized tile need ~{regs + tile:.0f} registers per thread "
                     f"(> {REG_BUDGET + FP8_TILE_REGS}): a shorter token tile")
-        smem = 2 * (bh + min(config["num_stages"], 2) * bn) * (bdv + bdr)
+        stages = min(config["num_stages"], 2)
+        smem = 2 * (bh + stages * bn) * (bdv + bdr)
         if fp8:
-            smem = 2 * (bh + bn) * (bdv + bdr) + min(config["num_stages"], 2) * bn * (bdv + bdr)
+            mma_model1 = shape["fp8"] == 2 and bh < WGMMA_ROWS  # MODEL1 under mma.sync (above)
+            smem = (2 * (bh + (2 if mma_model1 else 1) * bn) * (bdv + bdr)
+                    + (stages + mma_model1) * bn * (bdv + bdr))
         if smem > SMEM_BYTES:
             return f"q tile + KV buffers need ~{smem} bytes of shared memory (> {SMEM_BYTES})"
         return None

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import math
@@ -21,8 +22,9 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
+from ..moe.workspace import release_shared_workspaces
 from ..registry import Cost
-from ..runtime import device_memory, release_stack, stack_bytes
+from ..runtime import device_memory, release_cached_memory, release_stack, stack_bytes
 
 T = TypeVar("T")
 
@@ -85,7 +87,7 @@ def graph_time_us(call: Callable[[T], Any], sets: Sequence[T], device: torch.dev
     (``kw``: the ``time_us`` budget).
 
     Each set is run once on a side stream first (compiles kernels, fills host caches) so the capture records
-    only launches. ``calls_per_graph`` > 1: each graph holds that many calls on consecutive sets and the time is
+    only launches; the graphs share one memory pool and are released after timing. ``calls_per_graph`` > 1: each graph holds that many calls on consecutive sets and the time is
     per call (the graph's own launch shared by them, as in a decode step's graph).
     NaN off the GPU. A capture failure (an op that syncs) raises ``RuntimeError``.
     """
@@ -94,20 +96,32 @@ def graph_time_us(call: Callable[[T], Any], sets: Sequence[T], device: torch.dev
     device = torch.device(device)
     if device.type != "cuda":
         return float("nan")
+    side = side_stream(device)
     for s in sets:
-        side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             call(s)
         torch.cuda.current_stream(device).wait_stream(side)
-    graphs = []
-    for i in range(len(sets)):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for j in range(calls_per_graph):
-                call(sets[(i + j) % len(sets)])
-        graphs.append(graph)
-    return time_rotating(lambda g: g.replay(), graphs, device, **kw) / calls_per_graph
+    graphs, pool = [], torch.cuda.graph_pool_handle()  # one pool: the graphs replay one at a time, in capture order
+    try:
+        for i in range(len(sets)):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                for j in range(calls_per_graph):
+                    call(sets[(i + j) % len(sets)])
+            graphs.append(graph)
+        return time_rotating(lambda g: g.replay(), graphs, device, **kw) / calls_per_graph
+    finally:
+        for graph in graphs:
+            graph.reset()
+
+
+@functools.cache
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream of ``device`` that warm-up calls run on: each stream a matmul runs on gets its own cuBLAS
+    workspace, kept for the process (a new stream per call would leave one behind each time, up to the 32 of
+    PyTorch's stream pool, wherever a free block was: pinning the segments :func:`settle` would return)."""
+    return torch.cuda.Stream(device)
 
 
 def timed_us(call: Callable[[T], Any], sets: Sequence[T], device: torch.device | str, mode: str = "auto",
@@ -234,14 +248,25 @@ def measure_ceilings(device: torch.device | str = "cuda") -> Ceilings:
     return Ceilings(copy_tbps, flops / (bf16_us * 1e-6) / 1e12, flops / (fp8_us * 1e-6) / 1e12)
 
 
+def release_memory(device: torch.device | str) -> None:
+    """Between bench rows or tuning jobs (CUDA; nothing elsewhere): collect the garbage (a failed call's tensors can
+    sit in reference cycles through its traceback's frames), drop the process-wide MoE workspaces, and return the
+    cuBLAS workspaces and the caching allocator's free blocks (:func:`~dsa_triton.runtime.release_cached_memory`)."""
+    if torch.device(device).type != "cuda":
+        return
+    gc.collect()
+    release_shared_workspaces()
+    release_cached_memory(device)
+
+
 def settle(device: torch.device | str) -> dict[str, float]:
-    """After a bench row or a tuning job: return the caching allocator's free blocks, note the device memory outside
+    """After a bench row: :func:`release_memory`, note the device memory outside
     the allocator and the per-thread stack the work left, then release the stack (the driver keeps local memory for
     the most demanding kernel launched so far, ``stack x resident threads``, until told otherwise). On the GPU:
     ``{"outside_mib", "stack_bytes", "outside_released_mib"}``; off it: ``{}``."""
     if torch.device(device).type != "cuda":
         return {}
-    torch.cuda.empty_cache()
+    release_memory(device)
     outside, stack = device_memory(device)["outside"], stack_bytes(device) or 0
     release_stack(device)
     return {"outside_mib": outside / 2**20, "stack_bytes": stack,

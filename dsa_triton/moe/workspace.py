@@ -173,3 +173,10 @@ def shared_workspace(device: torch.device | str, slots: int, n: int, k: int) -> 
             ws = FP8Workspace(max(slots, old_slots), (*old_shapes, (n, k)), device)
             _shared[str(device)] = ws
         return ws
+
+
+def release_shared_workspaces() -> None:
+    """Drop the process-wide workspaces (:func:`shared_workspace`): leases in flight keep theirs until they end, the
+    next request allocates anew (a bench or tuner between jobs: the largest request so far no longer holds memory)."""
+    with _shared_lock:
+        _shared.clear()
