@@ -23,6 +23,11 @@
 #   profile ARGS  Nsight Compute (full set) of one launch of PROFILE_KERNEL (a regex; default the registers route's
 #             _fused_gemm_kernel) in python PROFILE_SCRIPT ARGS (default scripts/moe_gemm_profile.py; the sparse
 #             attention kernels: scripts/attention_profile.py): report, details page, SASS source page
+#   flashmla-build  start building FlashMLA (scripts/flashmla_build.sh; needs .flashmla carried) in the background:
+#             about 7 minutes on 16 cores; the parts between it and `flashmla` share the CPU with the compiler
+#   flashmla  wait for that build (or build now), then the FlashMLA report: our sparse attention beside FlashMLA's,
+#             V3.2 and V4 (MODEL1) rows (python -m dsa_triton.bench --kernels sparse_attention_flashmla)
+#   memtrace  device memory after every graph capture of the MoE reports (scripts/memory_trace.py)
 #   tune ARGS dsa-tune tune ARGS (needs .whl with the optuna wheels carried: optuna is not on the GPU image)
 #   day0 ARGS dsa-tune day0 --flat ARGS: tune a config's shapes within --budget, then first tokens from its
 #             checkpoint or random weights, each stage timed, one results file (--out $OUT; needs .whl as tune)
@@ -91,6 +96,20 @@ while [ $# -gt 0 ]; do
       timeout 590 python scripts/topk_route.py --kernel --json "$OUT/topk-route.json" "$@" 2>&1 \
         | tee "$OUT/topk-route.log" | grep summary || status=1
       shift $# ;;
+    flashmla-build)
+      (MAX_JOBS=12 setsid nohup bash scripts/flashmla_build.sh .flashmla /tmp/flashmla > /tmp/flashmla-build.log 2>&1 \
+        < /dev/null &) ;;
+    flashmla)
+      [ -d /tmp/flashmla/flash_mla ] || pgrep -f flashmla_build.sh > /dev/null \
+        || bash scripts/flashmla_build.sh .flashmla /tmp/flashmla > /tmp/flashmla-build.log 2>&1
+      while pgrep -f flashmla_build.sh > /dev/null; do sleep 3; done
+      tail -1 /tmp/flashmla-build.log; cp /tmp/flashmla-build.log "$OUT/"
+      PYTHONPATH=$PYTHONPATH:/tmp/flashmla timeout 300 python -m dsa_triton.bench --out "$OUT" \
+        --kernels sparse_attention_flashmla 2>&1 | tee "$OUT/flashmla-bench.log" | grep "^| decode\|^| prefill\|checks ok" \
+        | cut -c1-200 || status=1 ;;
+    memtrace)
+      timeout 200 python scripts/memory_trace.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/memory-trace.log" \
+        | tail -4 || status=1 ;;
     tune)
       wheels
       timeout 540 python -m tuner.cli tune --no-progress "$@" 2>&1 | tee "$OUT/tune.log" | grep "^\[" | cut -c1-220 \

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsa_triton.bench import harness
-from dsa_triton.bench.harness import Ceilings, floor_us, measurement, rotation
+from dsa_triton.bench.harness import Ceilings, error_text, floor_us, measurement, rotation
 from dsa_triton.registry import Cost
 
 CEIL = Ceilings(copy_tbps=4.0, bf16_tflops=500.0, fp8_tflops=1000.0)
@@ -154,3 +154,12 @@ def test_timed_us_graph_when_it_captures_else_eager(monkeypatch):
     assert harness.timed_us(None, [0], "cpu") == (9.0, "eager") and len(captures) == 2
     with pytest.raises(ValueError, match="mode"):
         harness.timed_us(None, [0], "cpu", "graph")
+
+
+def test_error_text_keeps_an_out_of_memory_message_whole():
+    summary = "Of the allocated memory 30.21 GiB is allocated by PyTorch, and 48.00 GiB is reserved but unallocated."
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. " + "x" * 400 + summary)
+    assert error_text(oom, "baseline failed: ").endswith(summary)
+    assert error_text(oom).startswith("OutOfMemoryError: CUDA out of memory")
+    other = error_text(ValueError("y" * 1000), "error: ")
+    assert other.startswith("error: ValueError: yyy") and len(other) == 300

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from dsa_triton import registry
+from dsa_triton.bench.harness import error_text
 from dsa_triton.runtime import device_name
 from tuning_db import Database, Record
 
@@ -47,7 +48,7 @@ def bench(db: Database, device: torch.device, kernels: list[str] | None = None, 
             rows.append(bench_record(record, device, db))
         except Exception as exc:  # one broken record must not hide the others
             rows.append({"kernel": record.kernel, "phase": record.phase, "shape": record.shape,
-                         "check": f"error: {type(exc).__name__}: {exc}"[:300]})
+                         "check": error_text(exc, "error: ")})
         log(f"[{i + 1}/{len(records)}] {record.kernel} {record.phase} {record.shape}: {rows[-1]['check']}")
         if device.type == "cuda":
             torch.cuda.empty_cache()

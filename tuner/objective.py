@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dsa_triton.bench.harness import graph_time_or_nan, rotation, timed_us
+from dsa_triton.bench.harness import error_text, graph_time_or_nan, rotation, timed_us
 from dsa_triton.registry import ConfigError, KernelSpec
 
 PENALTY_US = 1e12  # the objective value of an invalid, failing or wrong config (minimised)
@@ -178,7 +178,7 @@ class Evaluator:
 
     def _failure(self, exc: Exception) -> Outcome:
         fatal = self.device.type == "cuda" and any(m in str(exc) for m in FATAL_CUDA_ERRORS)
-        return Outcome("fatal" if fatal else "error", detail=f"{type(exc).__name__}: {exc}"[:300],
+        return Outcome("fatal" if fatal else "error", detail=error_text(exc),
                        cause=failure_cause(exc))
 
     def time(self, config: dict[str, Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dsa_triton.registry import KernelSpec
-from dsa_triton.bench.harness import release_memory
+from dsa_triton.bench.harness import error_text, release_memory
 from dsa_triton.runtime import device_name, release_stack
 from tuning_db import Database, Record
 from tuning_db.database import triton_version
@@ -368,7 +368,7 @@ class _Run:
             return self.kept(i, str(exc), exc.causes)
         except Exception as exc:  # a kernel that cannot even build its inputs must not stop the others
             cause = "out of memory: " if failure_cause(exc) == OOM else ""
-            return JobResult(job, "failed", detail=f"{cause}{type(exc).__name__}: {exc}"[:300])
+            return JobResult(job, "failed", detail=error_text(exc, cause))
         return JobResult(job, record.status, record)
 
     def kept(self, i: int, why: str, causes: dict[str, int] | None = None) -> JobResult:

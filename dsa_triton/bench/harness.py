@@ -273,6 +273,13 @@ def settle(device: torch.device | str) -> dict[str, float]:
             "outside_released_mib": device_memory(device)["outside"] / 2**20}
 
 
+def error_text(exc: BaseException, prefix: str = "") -> str:
+    """``prefix``, the exception's type and message, cut at 300 characters; an out-of-memory message whole (its
+    last part, the caching allocator's summary of what it holds, is the part that explains it)."""
+    text = f"{prefix}{type(exc).__name__}: {exc}"
+    return text if does_not_fit(exc) else text[:300]
+
+
 def does_not_fit(exc: BaseException) -> bool:
     """An out-of-memory error (PyTorch's, or the driver's as a RuntimeError)."""
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()

@@ -18,8 +18,8 @@ import torch
 from .. import registry
 from ..registry import shape_text
 from ..runtime import default_device
-from .harness import (Ceilings, Measurement, does_not_fit, graph_time_or_nan, measure_ceilings, measurement, rotation,
-                      settle, time_rotating)
+from .harness import (Ceilings, Measurement, does_not_fit, error_text, graph_time_or_nan, measure_ceilings,
+                      measurement, rotation, settle, time_rotating)
 from .results import fmt, write_results
 
 
@@ -42,7 +42,7 @@ def bench_kernel(spec: registry.KernelSpec, phase: str, shape: dict[str, int], d
             base_us = time_rotating(spec.baseline, sets, device)
             graph_base_us = graph_time_or_nan(spec.baseline, sets, device)
         except Exception as exc:  # a baseline that fails fails its row, with the error
-            base_error = f"baseline error: {exc!r}"[:300]
+            base_error = error_text(exc, "baseline error: ")
     return measurement(kernel=spec.name, phase=phase, shape=shape_text(shape), config=json.dumps(config),
                        median_us=median, cost=cost, ceilings=ceilings, baseline=spec.baseline_name,
                        baseline_us=base_us, check=error or base_error or "ok", graph_us=graph,
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             row = bench_kernel(spec, phase, shape, device, ceilings)
         except Exception as exc:  # one broken kernel must not hide the others' numbers
-            check = f"{SKIPPED}does not fit ({free_gib(device)})" if does_not_fit(exc) else f"error: {exc!r}"[:300]
+            check = f"{SKIPPED}does not fit ({free_gib(device)})" if does_not_fit(exc) else error_text(exc, "error: ")
             row = Measurement(spec.name, phase, shape_text(shape), "", float("nan"), check=check)
         settled = settle(device)
         row.outside_mib, row.stack_bytes = settled.get("outside_mib", float("nan")), settled.get("stack_bytes", 0)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             report_rows[name] = fn(device, ceilings)
         except Exception as exc:
             report_rows[name] = ([{"skipped": f"does not fit ({free_gib(device)})"}] if does_not_fit(exc)
-                                 else [{"error": repr(exc)[:300]}])
+                                 else [{"error": error_text(exc)}])
         report_memory[name] = settle(device)
 
     interpreter = device.type != "cuda"

@@ -25,7 +25,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsa_triton.bench.harness import floor_us, graph_time_us, rotation, time_rotating
+from dsa_triton.bench.harness import error_text, floor_us, graph_time_us, rotation, time_rotating
 from dsa_triton.registry import Cost
 from dsa_triton.moe.fused_moe_gemm_spec import SPEC
 from dsa_triton.moe.moe_forward_spec import SPEC as LAYER
@@ -78,7 +78,7 @@ def moe_decode_report(device, ceilings) -> list[dict]:
                 bf16_graph_us = graph_time_us(SPEC.baseline, sets, device)
                 steady_us = graph_time_us(lambda s: SPEC.run(s, config), sets, device, calls_per_graph=STEADY_CALLS)
             except RuntimeError as exc:  # a capture failure must not hide the eager figures
-                row["graph_error"] = repr(exc)[:200]
+                row["graph_error"] = error_text(exc)
             else:
                 fraction_graph = copy_fraction(mxfp4_bytes, fused_graph_us, ceilings)
                 row.update(fused_graph_us=fused_graph_us, bf16_graph_us=bf16_graph_us,
@@ -181,7 +181,7 @@ def moe_layer_decode_report(device, ceilings) -> list[dict]:
             try:
                 row["graph_us"] = graph_time_us(call, sets, device)
             except RuntimeError as exc:  # a capture failure must not hide the eager figures
-                row["graph_error"] = repr(exc)[:200]
+                row["graph_error"] = error_text(exc)
         rows.append(row)
         del sets
     return rows

@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from dsa_triton.bench.harness import floor_us, graph_time_or_nan, time_us
+from dsa_triton.bench.harness import error_text, floor_us, graph_time_or_nan, time_us
 from dsa_triton.moe.fp8_grouped_gemm import fp8_grouped_gemm, interleaves, prefill_call, quantize_activations_fp8
 from dsa_triton.moe.fp8_grouped_gemm_baselines import (active_spans, grouped_mm, mm_loop, offline_fp8_experts,
                                                        expert_scales, padded_rows, scaled_grouped_mm, scaled_mm_loop,
@@ -87,7 +87,7 @@ def _baseline(name: str, fn, expected: torch.Tensor, device, errors: list[str], 
             return math.nan
         return _timed(fn, device)
     except Exception as exc:  # the row fails with the baseline's error: never a silent NaN
-        errors.append(f"baseline {name} failed: {exc!r}"[:300])
+        errors.append(error_text(exc, f"baseline {name} failed: "))
         return math.nan
 
 

@@ -3,11 +3,12 @@
 Decode over the FP8 latent cache at DeepSeek-V3.2 dims (128 heads, D 576, Dv 512, top-2048 of a 32K-token
 sequence), ``B`` in 1, 8, 64, 128 and ``s_q`` 1 and 2 query tokens a sequence, each with its own index set (the
 speculative-decoding form FlashMLA takes); 64 heads (a two-way tensor-parallel shard of V3.2, V4-Flash's head count)
-at B 64; prefill over a bf16 cache, T 4096 over 32K and 128K tokens. DeepSeek-V4 decode over MODEL1 FP8 pages (D =
-Dv = 512, 584 bytes a token) with a sink per head: a window of 128 tokens (pages of 256) beside the top-k2 of 8192
-compressed entries (pages of 64), V4-Flash's 64 heads with k2 512 and V4-Pro's 128 with k2 1024. Each row: both medians, ``ours_over_flashmla``
-(time ratio: below 1 ours is faster), both as fractions of the bf16 matmul rate measured in the same run, and the
-largest difference of the two outputs (both bf16; a row whose outputs disagree beyond bf16 rounding is an error).
+at B 64; prefill over a bf16 cache, T 4096 over 32K and 128K tokens. DeepSeek-V4 decode over MODEL1 FP8 pages
+(D = Dv = 512, 584 bytes a token) with a sink per head: a window of 128 tokens (pages of 256) beside the top-k2 of
+8192 compressed entries (pages of 64), V4-Flash's 64 heads with k2 512 and V4-Pro's 128 with k2 1024. Each row: both
+medians, ``ours_over_flashmla`` (time ratio: below 1 ours is faster), both as fractions of the bf16 matmul rate
+measured in the same run, and the largest difference of the two outputs (both bf16; a row whose outputs disagree
+beyond bf16 rounding is an error; a row whose call raises is an error naming it, the others still measured).
 Without FlashMLA (not built, or no GPU) the report is one row that says so.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dsa_triton.attention.sparse_attention import sparse_attention_decode, spars
 from dsa_triton.attention.sparse_attention_spec import (random_fp8_paged_cache, random_model1_paged_cache,
                                                         random_paged_cache)
 from dsa_triton.bench import flashmla
-from dsa_triton.bench.harness import Ceilings, graph_time_us, rotation
+from dsa_triton.bench.harness import Ceilings, error_text, graph_time_us, rotation
 
 D, DV, K, P = 576, 512, 2048, 64
 DECODE = [(b, s, 128) for b in (1, 8, 64, 128) for s in (1, 2)] + [(64, s, 64) for s in (1, 2)]
@@ -78,7 +79,7 @@ def _row(name: str, flops: float, ours, theirs, sets, device, ceilings: Ceilings
     try:
         return _measured_row(name, flops, ours, theirs, sets, device, ceilings)
     except (RuntimeError, ValueError, triton.runtime.errors.OutOfResources) as exc:
-        return {"case": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        return {"case": name, "error": error_text(exc)}
 
 
 def _measured_row(name: str, flops: float, ours, theirs, sets, device, ceilings: Ceilings) -> dict:
