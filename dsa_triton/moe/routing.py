@@ -110,10 +110,14 @@ def _nan_last(keys: torch.Tensor) -> torch.Tensor:
     return keys.masked_fill(keys.isnan(), float("-inf"))
 
 
-def _top_ids(keys: torch.Tensor, top_k: int) -> torch.Tensor:
+def _top_ids(keys: torch.Tensor, top_k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """The ``top_k`` largest ``keys [T, E]`` (no NaN) in descending order, the lowest expert first among equal keys
-    (as the kernel and the oracle; ``torch.topk`` orders ties its own way): a stable sort."""
-    return keys.sort(dim=-1, descending=True, stable=True).indices[:, :top_k]
+    (as the kernel and the oracle; ``torch.topk`` orders ties its own way): a stable sort. ``allowed [T, E]`` bool:
+    only those experts (every one of them ranks before any other, a -inf key too: the experts of the kept groups)."""
+    ids = keys.sort(dim=-1, descending=True, stable=True).indices
+    if allowed is not None:
+        ids = ids.gather(1, (~allowed.gather(1, ids)).to(torch.uint8).sort(dim=-1, stable=True).indices)
+    return ids[:, :top_k]
 
 
 def deepseek_topk(
@@ -140,13 +144,14 @@ def deepseek_topk(
     choice = scores if bias is None else scores + bias.float()
     unknown = choice.isnan()  # (with a bias: a chosen expert's weight is NaN where its key is)
     choice = choice.masked_fill(unknown, float("-inf"))
+    allowed = None  # (the experts of the kept groups; a NaN or -inf key among them still ranks before the others)
     if topk_group < n_group:
         grouped = choice.view(-1, n_group, group_size)
         group_score = _nan_last(grouped.topk(min(2, group_size), dim=-1).values.sum(dim=-1))  # [T, n_group]
         kept = group_score.sort(dim=-1, descending=True, stable=True).indices[:, :topk_group]  # (ties: lowest group)
-        dropped = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, kept, False)
-        choice = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(-1, num_experts)
-    ids = _top_ids(choice, top_k)
+        allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
+        allowed = allowed.repeat_interleave(group_size, dim=1)
+    ids = _top_ids(choice, top_k, allowed)
     weights = scores.gather(1, ids)
     if bias is not None:
         weights = weights.masked_fill(unknown.gather(1, ids), float("nan"))
