@@ -35,3 +35,18 @@ def poisoned_allocations():
         yield
     finally:
         torch.empty, torch.empty_like = empty, empty_like
+
+
+def check_registry_entry(name: str, phase: str, seed: int, scale: float = 1.01) -> None:
+    """The registered kernel ``name`` at each of its CPU bench shapes of ``phase``: its default config on poisoned
+    allocations equals the reference by the spec's own comparison, which fails for the output times ``scale``."""
+    from dsa_triton import registry
+
+    spec = registry.get(name)
+    for shape in spec.bench_shapes(phase, False):
+        inputs = spec.make_inputs(phase, shape, torch.device("cpu"), seed)
+        with poisoned_allocations():
+            out = spec.run(inputs, spec.default(phase, shape))
+        ref = spec.reference(inputs)
+        assert spec.compare(out, ref) is None
+        assert spec.compare(out * scale, ref) is not None

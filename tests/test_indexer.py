@@ -3,12 +3,11 @@ import pytest
 import torch
 
 import dsa_triton as dt
-from dsa_triton import registry
 from dsa_triton.attention.formats import fp8_quantize_rows
 from dsa_triton.attention.indexer_logits_spec import compare_logits, random_queries
 from dsa_triton.attention.indexer_logits_reference import indexer_logits_torch
 
-from .poison import poisoned_allocations
+from .poison import check_registry_entry, poisoned_allocations
 
 
 def paged_cache(lens, P, DK, seed=0, spare_pages=3):
@@ -94,14 +93,7 @@ def test_prefill_paged_many_rows():
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_registry_entry(phase):
-    spec = registry.get("indexer_logits")
-    for shape in spec.bench_shapes(phase, False):
-        inputs = spec.make_inputs(phase, shape, torch.device("cpu"), 7)
-        with poisoned_allocations():
-            out = spec.run(inputs, spec.default(phase, shape))
-        ref = spec.reference(inputs)
-        assert spec.compare(out, ref) is None
-        assert spec.compare(out * 1.01, ref) is not None
+    check_registry_entry("indexer_logits", phase, 7)
 
 
 def test_bad_inputs():

@@ -7,14 +7,13 @@ import pytest
 import torch
 
 import dsa_triton as dt
-from dsa_triton import registry
 from dsa_triton.attention.compress_entries_reference import paged_slots
 from dsa_triton.attention.indexer_logits_spec import compare_logits
 from dsa_triton.attention.sparse_attention_spec import random_paged_cache
 from dsa_triton.attention.topk_indices_reference import topk_indices_torch
 from dsa_triton.attention.v4_indexer_logits_reference import v4_indexer_logits_torch
 
-from .poison import poisoned_allocations
+from .poison import check_registry_entry, poisoned_allocations
 
 
 def problem(lens, rows, P, H=5, DK=24, M=4, seed=0):
@@ -58,14 +57,7 @@ def test_matches_the_reference_and_topk_picks_its_entries(lens, rows, P):
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_registry_entry(phase):
-    spec = registry.get("v4_indexer_logits")
-    for shape in spec.bench_shapes(phase, False):
-        inputs = spec.make_inputs(phase, shape, torch.device("cpu"), 7)
-        with poisoned_allocations():
-            out = spec.run(inputs, spec.default(phase, shape))
-        ref = spec.reference(inputs)
-        assert spec.compare(out, ref) is None
-        assert spec.compare(out * 1.01, ref) is not None
+    check_registry_entry("v4_indexer_logits", phase, 7)
 
 
 def test_bad_arguments():
