@@ -1,22 +1,19 @@
 """The custom ops under torch.ops.dsa (interpreter): opcheck of every op, a compiled graph equal to eager, the
 check_values switch, the serving example."""
-import builtins
 import contextlib
 import functools
 import importlib.util
-import io
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 import dsa_triton as dt
-from dsa_triton.bench.reports.moe_decode import AtenOpCounter
 from dsa_triton.library import HOST_READS, OPS, config_json, routing_kwargs
 from dsa_triton.linear.formats import quantize_fp8_blockwise
 
+from .host_reads import host_access
 from .poison import poison_
 
 D, DV, DK, H_IDX, P = 48, 32, 32, 4, 16  # latent row, value width, indexer dims and heads, page size
@@ -381,50 +378,6 @@ def test_an_out_variant_checks_out(name, bad, check_values):
     with pytest.raises(ValueError, match="^out"):
         call(wrong)
     torch.testing.assert_close(wrong, before, rtol=0, atol=0, equal_nan=True)  # not written
-
-
-@contextlib.contextmanager
-def host_access():
-    """Yields ``(counter, reads)``: the aten ops the code inside runs (an :class:`AtenOpCounter`; its ``syncing()``
-    are host reads of device values) and the other host reads: the files it opens or looks at, and
-    ``Tensor.tolist`` / ``numpy`` (no aten op on the CPU, a device-to-host copy on the GPU). Kernels run unwatched:
-    the interpreter's own torch ops and reads are not the op's."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    reads = []
-    real = {(m, n): getattr(m, n) for m, n in ((builtins, "open"), (io, "open"), (os, "open"), (os, "stat"),
-                                                (os, "listdir"), (os, "scandir"), (torch.Tensor, "tolist"),
-                                                (torch.Tensor, "numpy"))}
-    run = InterpretedFunction.run
-
-    def watched(m, n):
-        def call(what, *args, **kwargs):
-            reads.append(f"{n} {what if isinstance(what, (str, os.PathLike)) else type(what).__name__}")
-            return real[(m, n)](what, *args, **kwargs)
-        return call
-
-    def watch(on: bool):
-        for (m, n), f in real.items():
-            setattr(m, n, watched(m, n) if on else f)
-
-    def kernel_run(self, *args, **kwargs):
-        watch(False)
-        try:
-            with _disable_current_modes():
-                return run(self, *args, **kwargs)
-        finally:
-            watch(True)
-
-    counter = AtenOpCounter()
-    InterpretedFunction.run = kernel_run
-    watch(True)
-    try:
-        with counter:
-            yield counter, reads
-    finally:
-        watch(False)
-        InterpretedFunction.run = run
 
 
 class DecodeStep(torch.nn.Module):
