@@ -1,21 +1,23 @@
 """Decode steps replayed from CUDA graphs, one graph per batch-size bucket; a step is padded to its bucket.
 
 Buckets: 1, 2, 4, 8, 16, then every 16 up to ``max_batch``. A step's inputs go to the device in one copy, as rows
-of a static ``[5, max_batch]`` int32 tensor: token ids, positions, sequence ids (rows of the cache's block table),
-the physical page of each new token and a count (1; 0 for a padding row). The rest of the
+of a static ``[5, max_batch]`` int32 tensor: token ids, positions, sequence ids (rows of the cache's block tables),
+the physical page of each new token in the primary stream and a count (1; 0 for a padding row). The rest of the
 :class:`.cache_manager.PagedBatch` is derived on the device inside the graph: ``limits = seq_lens =
-(position + 1) * count``, append items ``(row, count, page, position % P)``, the block-table rows gathered from the
-cache's table (whose pages the host writes as sequences grow), and fixed ``cu_seqlens`` / ``row_to_seq`` /
-``last_rows``. The indexer's width is the cache's capacity (``max_pages * P``), not the longest sequence, so that
-no size depends on the step.
+(position + 1) * count``, append items ``(row, count, page, position % P)``, every stream's block-table rows gathered
+from the cache's tables (whose pages the host writes as sequences grow), and fixed ``cu_seqlens`` / ``row_to_seq`` /
+``last_rows``. The width a model sizes by the longest sequence (``num_cols``: V3.2's indexer, V4's compressed
+entries) is the cache's capacity (``max_pages * P``), so that no size depends on the step.
 
-Padding rows: token 0 at position 0 with count 0 and sequence length 0: their append item writes no row (the page
-summary the append kernel rewrites is that of a scratch page reserved for them, which no sequence reads), their
-indexer row is all ``-inf``, their top-k all -1 and their attention output 0; their logits are dropped.
+Padding rows: token 0 at position 0 with count 0 and sequence length 0, each stream's block-table row all that
+stream's scratch page (one a stream, reserved for them, which no sequence reads): whatever a padding row writes (the
+page summary V3.2's append kernel rewrites, V4's window rows of its token) lands there. Their indexer rows are all
+``-inf``, their top-k all -1, their attention finite (V3.2: 0; V4: its own window row) and their logits dropped.
 
-Every op must then run on its graph-safe path: kernel mode with ``check_values=False`` and the FP8 indexer (the
-activation-precision scores read sizes on the host). Without a CUDA device the same padded batches run eagerly
-(``capture=False``), which is what the CPU tests check against unpadded steps.
+Every op must then run on its graph-safe path: kernel mode with ``check_values=False``, and whatever else the model
+needs (its ``graph_obstacle()``: V3.2 the FP8 indexer, whose activation-precision scores read sizes on the host).
+Without a CUDA device the same padded batches run eagerly (``capture=False``), which is what the CPU tests check
+against unpadded steps.
 """
 from __future__ import annotations
 
@@ -42,8 +44,9 @@ def unavailable_reason(model: Model, device: torch.device) -> str | None:
         return f"not implemented for {model.config.model_type}: decode steps run eagerly"
     if getattr(model.ops, "name", None) != "kernel" or getattr(model.ops, "check_values", True):
         return "needs kernel mode with value checks off (--skip-checks): decode steps run eagerly"
-    if model.index_precision != "fp8":
-        return "needs the FP8 indexer (activation-precision scores read sizes on the host): decode steps run eagerly"
+    obstacle = model.graph_obstacle()
+    if obstacle is not None:
+        return f"{obstacle}: decode steps run eagerly"
     if model.parallel is not None and model.parallel.world_size > 1:
         return "expert parallel: the MoE exchange reads row counts on the host: decode steps run eagerly"
     return None
@@ -59,7 +62,8 @@ class DecodeGraphs:
         self.model, self.cache, self.capture = model, cache, capture
         self.buckets = sorted(set(sizes)) if sizes else buckets(max_batch)
         self.max_batch = self.buckets[-1]
-        self.scratch_page = cache.allocator.allocate(1)[0]  # written by padding rows only
+        self.scratch = {name: s.allocator.allocate(1)[0] for name, s in cache.streams.items()}  # padding rows only
+        self.scratch_page = next(iter(self.scratch.values()))  # the primary stream's
         device = cache.device
         self.meta = torch.zeros(len(FIELDS), self.max_batch, dtype=torch.int32, device=device)
         self.host = torch.zeros(len(FIELDS), self.max_batch, dtype=torch.int32,
@@ -87,11 +91,19 @@ class DecodeGraphs:
         P = self.cache.page_size
         lens = (positions + 1) * counts
         items = torch.stack([self.rows[:b], counts, pages, positions % P], dim=1)
+        tables = self.tables(seq_ids, counts)
         return PagedBatch(
             seq_ids=[], positions=positions, limits=lens, cu_seqlens=self.rows[:b + 1], row_to_seq=self.rows[:b],
-            block_table=self.cache.block_table.index_select(0, seq_ids), seq_lens=lens, last_rows=self.rows[:b],
+            block_table=next(iter(tables.values())), seq_lens=lens, last_rows=self.rows[:b],
             items=items, slots=(pages * P + positions % P).long(), pages=pages.long(),
-            fill=(positions % P + counts).long(), num_cols=self.cache.max_pages * P, max_q=1)
+            fill=(positions % P + counts).long(), num_cols=self.cache.max_pages * P, max_q=1, tables=tables)
+
+    def tables(self, seq_ids: torch.Tensor, counts: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every stream's block-table rows ``[b, max_pages]`` int32 of ``seq_ids[b]`` (int32), a padding row's
+        (``counts`` 0) all the stream's scratch page (graph-safe)."""
+        real = counts[:, None] > 0
+        return {name: torch.where(real, s.block_table.index_select(0, seq_ids), self.scratch[name])
+                for name, s in self.cache.streams.items()}
 
     def _run(self, b: int) -> torch.Tensor:
         return self.model.forward(self.meta[0, :b], self.batch(b), self.cache)

@@ -243,6 +243,12 @@ class Model:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
+    def graph_obstacle(self) -> str | None:
+        """What keeps this model's kernel-mode decode steps (value checks off) out of a CUDA graph (None: nothing)."""
+        if self.index_precision != "fp8":
+            return "needs the FP8 indexer (activation-precision scores read sizes on the host)"
+        return None
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: PagedBatch, cache: CacheManager) -> torch.Tensor:
         """``input_ids[T]`` (packed as ``batch``) -> fp32 logits ``[B, vocab]`` of each sequence's last token."""

@@ -18,7 +18,8 @@ class Family:
     - ``random_weights(config, dtype, device, seed, experts)``: what ``load_weights`` returns, drawn at random;
     - ``reduced(config, layers)``: ``config`` with ``layers`` layers at every width, every layer type kept;
     - ``build_model(config, weights, ops, *, index_precision, indexer_path, parallel)``: the model (``forward``,
-      ``idle``, ``config``, ``ops``, ``parallel``, ``index_precision``);
+      ``idle``, ``config``, ``ops``, ``parallel``, ``index_precision``; ``decode_graphs``, whether its decode steps
+      can replay from CUDA graphs at all, and ``graph_obstacle()``, what keeps them out as built: :mod:`..cuda_graphs`);
     - ``cache_layout(config, *, index_precision, kv_cache, step_tokens)``: the caches its layers declare, a
       :class:`..cache_manager.CacheManager` layout (``step_tokens``: the most tokens a step runs);
     - ``index_precisions``: the indexer precisions it implements, the first its default.

@@ -79,7 +79,8 @@ class Indexer:
     def select(self, x, q_latent, tables: dict, batch: PagedBatch, storage: dict, page_size: int,
                ops) -> torch.Tensor | None:
         """Append this step's keys; -> the picked entries ``[T, k]`` (logical; -1: none), ``k`` = min(index_topk,
-        the entries of the longest sequence), or None while no sequence has an entry."""
+        the entries of ``batch.num_cols`` tokens: the longest sequence, the cache's capacity in a padded decode
+        step), or None while no sequence can have an entry."""
         c, m = self.c, self.c.csa_rate
         self.compressor.append(self.compressor.project(x, ops), ("idx_kv", "idx_gate", "index_keys"), storage, batch,
                                tables["entries"], page_size, "csa", ops)
@@ -150,7 +151,7 @@ class Attention:
                    picks: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(cache rows [slots, hd], physical slots [T, k] (-1: none))`` of the sliding window (positions
         ``(t - sliding_window, t]``) and, in CSA / HCA layers, of the compressed entries: the indexer's ``picks``
-        (CSA), else every entry whose window closed at or before the token."""
+        (CSA), else every entry whose window closed at or before the token (``batch.num_cols // rate`` wide)."""
         t, rows = batch.positions[:, None], batch.row_to_seq.long()[:, None]
 
         def slots(stream: str, logical: torch.Tensor) -> torch.Tensor:  # through the token's block-table row

@@ -8,6 +8,11 @@ PyTorch):
 
 Attention :mod:`.attention` (sliding window, CSA, HCA), MoE :mod:`.moe`, caches :mod:`.cache`. Multi-token
 prediction layers are not run (their tensors are skipped at load).
+
+Kernel-mode decode steps with value checks off read nothing on the host: every size comes from the batch's host
+ints (``num_cols``, ``max_q``) and the shapes, so they replay from CUDA graphs (:mod:`model_runner.cuda_graphs`,
+whose padded batches fix ``num_cols`` at the cache's capacity: the indexer's and the HCA entries' width). Reference
+mode loops over experts on the host and stays eager.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ INDEX_PRECISIONS = ("activation",)  # the indexer scores in the activation dtype
 class Model:
     """Weights from :func:`.weights.load_weights`; ``ops`` a backend of :mod:`model_runner.ops`.
     ``index_precision`` "activation" only; no indexer path choice, no expert parallel (``parallel`` None)."""
-    decode_graphs = False  # decode steps run eagerly (reference mode loops over sequences on the host)
+    decode_graphs = True  # decode steps can replay from CUDA graphs (:mod:`model_runner.cuda_graphs`)
 
     def __init__(self, config: DeepseekV4Config, weights: dict, ops, index_precision: str = "activation",
                  indexer_path: dict[str, str] | None = None, parallel=None):
@@ -62,6 +67,11 @@ class Model:
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    @staticmethod
+    def graph_obstacle() -> None:
+        """Nothing keeps kernel-mode decode steps (value checks off) out of a CUDA graph."""
+        return None
 
     def rope_tables(self, kind: str, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin ``[n, rope / 2]`` of ``positions`` for the ``kind`` RoPE ("main" or "compress"), in ``dtype``."""
