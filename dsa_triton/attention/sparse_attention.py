@@ -354,6 +354,8 @@ def _attend(plan: "_Plan", q4: torch.Tensor, kv_cache: torch.Tensor, idx: torch.
         if bt2 is not None:
             idx2 = logical_to_slots(idx2, bt2, plan.bt_div, x.extra_kv_cache.shape[:-1].numel()
                                     // plan.launch.extras.page_size2, plan.launch, second=True)
+        if idx2 is not None and idx2.dtype != idx.dtype:  # (the kernel walks both sets through one index pointer)
+            idx2 = idx2.to(idx.dtype)
         extra = ExtraInputs(kv2, idx2, x.topk_length, x.extra_topk_length, x.attn_sink, plan.len_div, plan.len2_div)
     gluon = plan.launch.gluon_kernel if plan.gluon and gluon_aligned(q4, kv) else None
     out, lse = sparse_attention_fwd(q4, kv, idx, float(sm_scale), plan.launch, gluon, extra)

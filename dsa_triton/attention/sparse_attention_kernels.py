@@ -18,7 +18,8 @@ DeepSeek-V4 (``D_R`` = 0: the values are all ``D_V`` = D dims, rope last): MODEL
 the quantized values a row; :mod:`.formats`): a token's e4m3 and bf16 bytes at its page's base plus ``t * 576``, its
 ue8m0 scales after the page's data, read as one ``[BLOCK_N, D_V / 64, 64]`` tile. A second index set over a second
 cache (``HAS_EXTRA``) continues the same online softmax: the tiles of the first set's ``k`` (padded to ``BLOCK_N``),
-then those of the second set's ``k2``, one token space that the splits divide. ``HAS_LEN`` (``HAS_LEN2``): only the
+then those of the second set's ``k2``, one token space that the splits divide, walked by one loop (a loop a set
+needs more registers than sm_90 has at 64 x 64 tiles). ``HAS_LEN`` (``HAS_LEN2``): only the
 first ``topk_length[r // len_div]`` (``extra_topk_length[r // len2_div]``) indices of row ``r`` count, and the loops
 stop there. ``HAS_SINK``: the output (not the lse) is multiplied by ``1 / (1 + exp(sink[h] - lse))`` where the
 softmax ends (the single split's program, or the combine).
@@ -103,26 +104,37 @@ def _fp8_latent_tile(rows, ok, D_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D
 
 
 @triton.jit
-def _model1_tile(page, off, ok, NOPE: tl.constexpr, D_V: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+def _model1_tile(page, off, ok, NOPE: tl.constexpr, D_V: tl.constexpr, PAGE, BLOCK_N: tl.constexpr,
                  BLOCK_DV: tl.constexpr):
     """``[BLOCK_N, BLOCK_DV]`` fp32 values of MODEL1 tokens ``off`` of pages ``page`` (byte pointers; 0 where ``ok``
     is off or past ``D_V``): the ``NOPE`` e4m3 values times their 64-value tile's ue8m0 scale, then the bf16 rope
-    values, loaded as ``[BLOCK_N, BLOCK_DV // 64, 64]``."""
+    values, loaded as ``[BLOCK_N, BLOCK_DV // 64, 64]``. With exactly one 64-value rope group at the end (V4: 448 +
+    64) the rope is loaded as ``[BLOCK_N, 64]`` and broadcast into the last group, the e4m3 bytes as one unmasked
+    row of ``BLOCK_DV`` bytes (the last group's bytes, rope bytes, are read and dropped)."""
     DATA: tl.constexpr = 2 * D_V - NOPE  # e4m3 and bf16 bytes of a token
     TILES: tl.constexpr = NOPE // 64
     NG: tl.constexpr = BLOCK_DV // 64
+    ONE_ROPE: tl.constexpr = (NOPE + 64 == D_V) and (D_V == BLOCK_DV)
     offs_g = tl.arange(0, NG)
     cols = (offs_g[:, None] * 64 + tl.arange(0, 64)[None, :])[None, :, :]
     data = page + off * DATA
-    x8 = tl.load(data[:, None, None] + cols, mask=ok[:, None, None] & (cols < NOPE), other=0)
+    if ONE_ROPE:
+        x8 = tl.load(data[:, None, None] + cols, mask=ok[:, None, None], other=0)
+    else:
+        x8 = tl.load(data[:, None, None] + cols, mask=ok[:, None, None] & (cols < NOPE), other=0)
     e = tl.load(page[:, None] + PAGE * DATA + off[:, None] * (TILES + 1) + offs_g[None, :],
                 mask=ok[:, None] & (offs_g < TILES)[None, :], other=127).to(tl.int32)
     scale = tl.where(e == 0, 0x400000, e << 23).to(tl.float32, bitcast=True)  # 2^(e - 127), subnormal at 0
     scale = tl.where(e == 255, float("nan"), scale)
     x = x8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
     rope = (data + NOPE).to(tl.pointer_type(tl.bfloat16))
-    r = tl.load(rope[:, None, None] + (cols - NOPE), mask=ok[:, None, None] & (cols >= NOPE) & (cols < D_V), other=0.0)
-    return tl.reshape(tl.where(cols < NOPE, x, r.to(tl.float32)), (BLOCK_N, BLOCK_DV))
+    if ONE_ROPE:
+        r = tl.load(rope[:, None] + tl.arange(0, 64)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        return tl.reshape(tl.where((offs_g < TILES)[None, :, None], x, r[:, None, :]), (BLOCK_N, BLOCK_DV))
+    else:
+        r = tl.load(rope[:, None, None] + (cols - NOPE), mask=ok[:, None, None] & (cols >= NOPE) & (cols < D_V),
+                    other=0.0)
+        return tl.reshape(tl.where(cols < NOPE, x, r.to(tl.float32)), (BLOCK_N, BLOCK_DV))
 
 
 @triton.jit
@@ -145,7 +157,8 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
 def _attend_tile(acc, m_i, l_i, q_nope, q_rope, idx_row, offs_n, limit, kv_ptr, num_slots, s_kv, s_page, qk_scale,
                  D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
                  BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr, GROUP: tl.constexpr,
-                 ROPE_AT: tl.constexpr, MODEL1_NOPE: tl.constexpr, PAGE: tl.constexpr):
+                 ROPE_AT: tl.constexpr, MODEL1_NOPE: tl.constexpr, PAGE: tl.constexpr, second=False,
+                 PAGE2: tl.constexpr = 1, TWO: tl.constexpr = False):
     """One tile of ``BLOCK_N`` index columns ``offs_n`` (those ``>= limit`` skipped) of one index row into the online
     softmax ``(acc, m_i, l_i)``: gather the rows (slots negative or ``>= num_slots`` skipped) of a cache in q's
     dtype, the FP8 latent cache or (``MODEL1_NOPE``) the MODEL1 cache of pages ``s_page`` bytes apart, score them
@@ -154,7 +167,11 @@ def _attend_tile(acc, m_i, l_i, q_nope, q_rope, idx_row, offs_n, limit, kv_ptr, 
     ok = (slot >= 0) & (slot < num_slots)
     safe = tl.where(ok, slot, 0).to(tl.int64)
     offs_dv = tl.arange(0, BLOCK_DV)
-    if MODEL1_NOPE:  # (0: another cache)
+    if MODEL1_NOPE and TWO:  # a tile of either set (``second``): the page sizes are constexprs
+        k_nope = _model1_tile(kv_ptr + tl.where(second, safe // PAGE2, safe // PAGE) * s_page,
+                              tl.where(second, safe % PAGE2, safe % PAGE), ok, MODEL1_NOPE, D_V,
+                              tl.where(second, PAGE2, PAGE), BLOCK_N, BLOCK_DV).to(q_nope.dtype)
+    elif MODEL1_NOPE:  # (0: another cache)
         k_nope = _model1_tile(kv_ptr + (safe // PAGE) * s_page, safe % PAGE, ok, MODEL1_NOPE, D_V, PAGE, BLOCK_N,
                               BLOCK_DV).to(q_nope.dtype)
     elif KV_FP8:
@@ -240,17 +257,27 @@ def _sparse_attention_fwd(
     lo = split * tokens_per_split
     hi = lo + tokens_per_split
     end = tl.minimum(hi, _row_length(len_ptr, r, len_div, k_len, HAS_LEN))
-    for start in range(lo, end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q_nope, q_rope, idx_ptr + r * s_ir, start + tl.arange(0, BLOCK_N),
-                                     end, kv_ptr, num_slots, s_kv, s_page, qk_scale, D_V, D_R, BLOCK_DV, BLOCK_DR,
-                                     BLOCK_N, DOT_FP32, KV_FP8, GROUP, ROPE_AT, MODEL1_NOPE, PAGE)
-    if HAS_EXTRA:
+    if HAS_EXTRA:  # one loop over the tiles of both sets (two loops spill on sm_90 at 64 x 64 tiles)
+        lo2 = tl.maximum(lo - k_pad, 0)
         end2 = tl.minimum(hi - k_pad, _row_length(len2_ptr, r, len2_div, k2_len, HAS_LEN2))
-        for start in range(tl.maximum(lo - k_pad, 0), end2, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q_nope, q_rope, idx2_ptr + r * s_ir2,
-                                         start + tl.arange(0, BLOCK_N), end2, kv2_ptr, num_slots2, s_kv2, s_page2,
-                                         qk_scale, D_V, D_R, BLOCK_DV, BLOCK_DR, BLOCK_N, DOT_FP32, KV_FP8, GROUP,
-                                         ROPE_AT, MODEL1_NOPE, PAGE2)
+        n1 = tl.cdiv(tl.maximum(end - lo, 0), BLOCK_N)
+        n2 = tl.cdiv(tl.maximum(end2 - lo2, 0), BLOCK_N)
+        for t in range(0, n1 + n2):
+            second = t >= n1
+            start = tl.where(second, lo2 + (t - n1) * BLOCK_N, lo + t * BLOCK_N)
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q_nope, q_rope,
+                                         tl.where(second, idx2_ptr + r * s_ir2, idx_ptr + r * s_ir),
+                                         start + tl.arange(0, BLOCK_N), tl.where(second, end2, end),
+                                         tl.where(second, kv2_ptr, kv_ptr), tl.where(second, num_slots2, num_slots),
+                                         tl.where(second, s_kv2, s_kv), tl.where(second, s_page2, s_page), qk_scale,
+                                         D_V, D_R, BLOCK_DV, BLOCK_DR, BLOCK_N, DOT_FP32, KV_FP8, GROUP, ROPE_AT,
+                                         MODEL1_NOPE, PAGE, second, PAGE2, True)
+    else:
+        for start in range(lo, end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q_nope, q_rope, idx_ptr + r * s_ir,
+                                         start + tl.arange(0, BLOCK_N), end, kv_ptr, num_slots, s_kv, s_page, qk_scale,
+                                         D_V, D_R, BLOCK_DV, BLOCK_DR, BLOCK_N, DOT_FP32, KV_FP8, GROUP, ROPE_AT,
+                                         MODEL1_NOPE, PAGE)
 
     empty = l_i == 0  # not NaN: a NaN score propagates to out and lse
     l_ref = tl.where(empty, 1.0, l_i)
