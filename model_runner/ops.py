@@ -67,8 +67,13 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def union_args(sets: list) -> dict:
-    """The sparse-attention keywords of a second index set ``(cache rows, slots)`` (none for one set)."""
-    return {"extra_kv_cache": sets[1][0], "extra_indices": sets[1][1]} if len(sets) > 1 else {}
+    """The sparse-attention keywords of a second index set ``(cache rows, slots[, lengths])`` (none for one set):
+    ``lengths [T]`` int32, where given, counts each row's leading slots that can be valid (the rest are -1 and are not
+    walked)."""
+    if len(sets) < 2:
+        return {}
+    rows, slots, *lengths = sets[1]
+    return {"extra_kv_cache": rows, "extra_indices": slots, **({"extra_topk_length": lengths[0]} if lengths else {})}
 
 
 def clip_gate_up(h: torch.Tensor, limit: float) -> torch.Tensor:
