@@ -186,7 +186,7 @@ def test_kernel_mode_matches_reference_mode(tmp_path, monkeypatch):
                            experts="mxfp4", dense="fp8", seed=2)
     calls = dict.fromkeys(("compress_entries", "v4_indexer_logits", "topk_indices", "sparse_attention_prefill",
                            "sparse_attention_decode"), 0)
-    lengths = []  # HCA's count of closed entries a token: the kernel walks those, not the step's full width
+    lengths = []  # the count of valid entries a token (CSA, HCA): the kernel walks those, not the full width
     for name in calls:
         def counted(*args, op=getattr(dt, name), name=name, **kwargs):
             calls[name] += 1
@@ -206,7 +206,7 @@ def test_kernel_mode_matches_reference_mode(tmp_path, monkeypatch):
     # every step: 3 compressors (CSA's two, HCA's), the CSA indexer from the first entry on, 4 attention layers
     assert calls == {"compress_entries": 5 * NEW_TOKENS, "v4_indexer_logits": 2 * NEW_TOKENS,
                      "topk_indices": 2 * NEW_TOKENS, "sparse_attention_prefill": 4, "sparse_attention_decode": 28}
-    assert len(lengths) == 8 and all(lengths)  # the HCA layer's prefill and decode calls: every valid entry counted
+    assert len(lengths) == 24 and all(lengths)  # 3 compressed layers x (1 prefill + 7 decode): counts exact
     (want, ref_logs), (got, kernel_logs) = runs["reference"], runs["kernel"]
     assert len(ref_logs) == NEW_TOKENS  # one prefill step, then decode steps: step i gives every sequence's token i
     for step, (ref, kernel) in enumerate(zip(ref_logs, kernel_logs)):

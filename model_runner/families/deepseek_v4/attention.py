@@ -150,9 +150,9 @@ class Attention:
     def index_sets(self, batch: PagedBatch, storage: dict, page_size: int, picks: torch.Tensor | None) -> list[tuple]:
         """``(cache rows [slots, hd], physical slots [T, k] (-1: none))`` of the sliding window (positions
         ``(t - sliding_window, t]``) and, in CSA / HCA layers, of the compressed entries: the indexer's ``picks``
-        (CSA), else every entry whose window closed at or before the token (``batch.num_cols // rate`` wide, with the
-        count of those entries a token, ``[T]`` int32: a graph step's width is the cache's capacity, the count is what
-        the kernel walks)."""
+        (CSA), else every entry whose window closed at or before the token (``batch.num_cols // rate`` wide); with the
+        count of a token's leading valid entries, ``[T]`` int32 (a graph step's width follows the cache's capacity,
+        the count is what the kernel walks)."""
         t, rows = batch.positions[:, None], batch.row_to_seq.long()[:, None]
 
         def slots(stream: str, logical: torch.Tensor) -> torch.Tensor:  # through the token's block-table row
@@ -163,12 +163,10 @@ class Attention:
         sets = [(storage["kv"], slots("window", window))]
         if self.compressor is not None:
             rate = self.compressor.rate
+            closed = (t + 1) // rate  # [T, 1]: the entries closed at or before each token
             if picks is None:
-                closed = (t + 1) // rate  # [T, 1]: the entries closed at or before each token
                 picks = torch.arange(max(batch.num_cols // rate, 1), device=t.device).expand(t.shape[0], -1)
                 picks = picks.where(picks < closed, -1)
-                sets.append((storage["entries"], slots(self.stream, picks),
-                             closed[:, 0].clamp(max=picks.shape[1]).int()))
-            else:
-                sets.append((storage["entries"], slots(self.stream, picks)))
+            # (the indexer's top-k holds min(k, closed) picks first, then -1, as HCA's leading entries)
+            sets.append((storage["entries"], slots(self.stream, picks), closed[:, 0].clamp(max=picks.shape[1]).int()))
         return sets
