@@ -377,3 +377,23 @@ def test_a_job_whose_inputs_cannot_fit_is_skipped_before_it_runs(tmp_path, monke
 def test_job_result_defaults():
     result = JobResult(Job(toy_spec(), "decode", SHAPE), "failed")
     assert result.causes == {} and result.config == "" and result.outside_after_mib is None
+
+
+def test_memory_is_released_after_every_job_and_bench_row(tmp_path, monkeypatch):
+    """The tuner releases the device memory a job left (workspaces, cuBLAS workspaces, free blocks) after each job,
+    and the bench harness's release does all three on CUDA (nothing elsewhere)."""
+    from dsa_triton.bench import harness
+
+    released = []
+    monkeypatch.setattr(tune_module, "release_memory", lambda device: released.append(str(device)))
+    with registered(toy_spec(), toy_spec("toy_two")) as specs, database(tmp_path / "db") as db:
+        tune([Job(spec, "decode", SHAPE) for spec in specs], db, DEVICE, trials=2, storage_dir=None,
+             log=lambda s: None, **QUIET)
+    assert released == [str(DEVICE)] * 2
+    calls = []
+    monkeypatch.setattr(harness, "release_shared_workspaces", lambda: calls.append("workspaces"))
+    monkeypatch.setattr(harness, "release_cached_memory", lambda device: calls.append(("cached", str(device))))
+    harness.release_memory("cpu")
+    assert calls == []
+    harness.release_memory(torch.device("cuda", 0))
+    assert calls == ["workspaces", ("cached", "cuda:0")]

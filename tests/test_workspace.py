@@ -132,6 +132,14 @@ def test_shared_workspace_is_reused_and_grows_to_the_peak(monkeypatch):
     assert shared_workspace("cpu", 4, 16, 64) is b
 
 
+def test_released_shared_workspaces_are_allocated_anew(monkeypatch):
+    monkeypatch.setattr(workspace, "_shared", {})
+    a = shared_workspace("cpu", 2, 16, 64)
+    workspace.release_shared_workspaces()
+    b = shared_workspace("cpu", 1, 8, 64)
+    assert b is not a and b.holds(1, 8, 64) and not b.holds(2, 16, 64)  # sized for the requests since the release
+
+
 def test_report_compares_with_offline_copies():
     ws = FP8Workspace(4, [(64, 256)], "cpu")
     r = ws.report(experts=8, shapes=[(64, 256), (256, 32)], layers=3)
