@@ -259,6 +259,14 @@ class MXFP4Stack:
         return torch.stack(self.blocks), torch.stack(self.scales)
 
 
+def tally_conversion(converted: dict[str, list[int]], fmt: str, lossy: int, blocks: int) -> None:
+    """Count one layer's experts quantized at load from ``fmt`` (nothing for experts stored as MXFP4) into
+    ``converted``, ``{source format: [layers, lossy 32-blocks, 32-blocks]}``."""
+    if fmt != "mxfp4":
+        counts = converted.setdefault(fmt, [0, 0, 0])
+        counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + lossy, counts[2] + blocks
+
+
 def conversion_notes(converted: dict[str, list[int]]) -> list[str]:
     """``{source format: [layers, lossy 32-blocks, 32-blocks]}`` of experts quantized at load -> one note each."""
     return [f"experts: {fmt} -> MXFP4 at load in {layers} layers; {lossy} of {blocks} 32-element blocks lossy "

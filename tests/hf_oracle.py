@@ -20,6 +20,17 @@ def runner_scale(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch
     return t
 
 
+def randomize(model, g: torch.Generator, draw=runner_scale) -> None:
+    """Redraw a transformers model's parameters (``draw(name, shape, g)``) and its routers' correction biases
+    (N(0, 0.01)) in place."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(draw(name, p.shape, g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     """n greedy tokens, decoding with transformers' cache."""
     out, ids, cache = [], torch.tensor([prompt]), None

@@ -20,7 +20,7 @@ from model_runner import RunnerError, SamplingParams, build_engine, read_config 
 from model_runner.families.deepseek_v4.config import DeepseekV4Config, tiny_config  # noqa: E402
 from model_runner.ops import FP8Weight  # noqa: E402
 from model_runner.tiny import save_random_checkpoint  # noqa: E402
-from tests.hf_oracle import hf_greedy, runner_scale  # noqa: E402
+from tests.hf_oracle import hf_greedy, randomize, runner_scale  # noqa: E402
 from tests.threads import one_thread  # noqa: E402,F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -45,6 +45,16 @@ def runner(folder, mode="reference", **kwargs):
     return build_engine(folder, mode=mode, device="cpu", **kwargs)
 
 
+def v4_scale(name: str, shape, g: torch.Generator) -> torch.Tensor:
+    """:func:`runner_scale`, with the hyper-connections' scales near 1 and their bases, position biases and sinks
+    N(0, 0.25)."""
+    if name.endswith(("hc.scale", "hc_scale")):
+        return 1 + 0.1 * torch.randn(shape, generator=g)
+    if name.endswith(("hc.base", "hc_base", "position_bias", "sinks")):
+        return 0.5 * torch.randn(shape, generator=g)
+    return runner_scale(name, shape, g)
+
+
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
     """transformers' model (fp32, runner-scale weights, MXFP4-representable experts), saved in one file and in
@@ -52,19 +62,10 @@ def hf(tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**SIZES)).float().eval()
     g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("hc.scale", "hc_scale")):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith(("hc.base", "hc_base", "position_bias", "sinks")):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(runner_scale(name, p.shape, g))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
-            elif name.endswith("tid2eid"):
-                b.copy_(torch.rand(b.shape[0], SIZES["n_routed_experts"], generator=g).argsort(1)[:, :b.shape[1]])
+    randomize(model, g, v4_scale)
+    for name, b in model.named_buffers():  # hash routing: distinct experts a token
+        if name.endswith("tid2eid"):
+            b.copy_(torch.rand(b.shape[0], SIZES["n_routed_experts"], generator=g).argsort(1)[:, :b.shape[1]])
     single, shards = tmp_path_factory.mktemp("v4"), tmp_path_factory.mktemp("v4_shards")
     model.save_pretrained(single)
     model.save_pretrained(shards, max_shard_size="100KB")

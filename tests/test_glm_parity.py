@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from model_runner import SamplingParams, build_engine  # noqa: E402
-from tests.hf_oracle import hf_greedy, runner_scale  # noqa: E402
+from tests.hf_oracle import hf_greedy, randomize  # noqa: E402
 
 PROMPTS = [[3, 17, 9, 44, 2, 91, 23, 5, 60, 7, 71, 12, 33, 8], [100, 4, 4, 18, 77, 1, 36], [55] * 3 + [9, 120, 6]]
 NEW_TOKENS = 8
@@ -23,13 +23,7 @@ def test_greedy_tokens_equal_transformers(tmp_path):
     config = transformers.GlmMoeDsaConfig(**SIZES)
     torch.manual_seed(0)
     model = transformers.GlmMoeDsaForCausalLM(config).float().eval()
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(runner_scale(name, p.shape, g))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    randomize(model, torch.Generator().manual_seed(5))
     model.save_pretrained(tmp_path)
     assert "model.layers.1.self_attn.indexer.wk.weight" not in model.state_dict()  # a shared layer: no indexer
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]

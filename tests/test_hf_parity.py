@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from model_runner import SamplingParams, build_engine  # noqa: E402
-from tests.hf_oracle import hf_greedy, runner_scale  # noqa: E402
+from tests.hf_oracle import hf_greedy, randomize  # noqa: E402
 
 PROMPTS = [[3, 17, 9, 44, 2, 91, 23, 5, 60, 7, 71, 12, 33, 8], [100, 4, 4, 18, 77, 1, 36], [55] * 3 + [9, 120]]
 NEW_TOKENS = 8
@@ -41,13 +41,7 @@ def hf_checkpoint(folder, seed: int, shard, **overrides):
     config = transformers.DeepseekV32Config(**{**SIZES, **overrides})
     torch.manual_seed(seed)
     model = transformers.DeepseekV32ForCausalLM(config).float().eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(runner_scale(name, p.shape, g))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    randomize(model, torch.Generator().manual_seed(seed))
     model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
     return model
 

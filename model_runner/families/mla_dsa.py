@@ -46,7 +46,7 @@ from dsa_triton.moe.mxfp4_reference import mxfp4_quantize_torch
 from ..config import ModelConfig
 from ..errors import RunnerError
 from ..loader import (Checkpoint, MXFP4Stack, Reader, TensorFiles, conversion_notes, finish, load_dense, scale_name,
-                      take_mxfp4)
+                      take_mxfp4, tally_conversion)
 from ..ops import FP8Weight
 from ..random_draws import random_mxfp4, random_tensor
 
@@ -128,10 +128,7 @@ def load_weights(folder: str | Path, config: ModelConfig, dtype: torch.dtype, de
     converted: dict[str, list[int]] = {}  # source format -> [layers, lossy 32-blocks, 32-blocks]
     for i in range(config.num_hidden_layers):
         if config.is_moe_layer(i):
-            fmt, lossy, blocks = _experts(config, i, reader, device, out.weights, experts)
-            if fmt != "mxfp4":
-                counts = converted.setdefault(fmt, [0, 0, 0])
-                counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + lossy, counts[2] + blocks
+            tally_conversion(converted, *_experts(config, i, reader, device, out.weights, experts))
     out.notes += conversion_notes(converted)
     first_mtp = config.num_hidden_layers
     finish(reader, range(first_mtp, first_mtp + config.num_nextn_predict_layers), out.notes)

@@ -39,8 +39,8 @@ from dsa_triton.linear.formats import dequantize_fp8_blockwise, quantize_fp8_blo
 from dsa_triton.moe.mxfp4_reference import mxfp4_quantize_torch
 
 from ...errors import RunnerError
-from ...loader import (Checkpoint, MXFP4Stack, Reader, TensorFiles, conversion_notes, finish, load_dense,
-                       mxfp4_view, scale_name)
+from ...loader import (Checkpoint, MXFP4Stack, Reader, TensorFiles, conversion_notes, finish, load_dense, mxfp4_view,
+                       scale_name, tally_conversion)
 from ...ops import FP8Weight
 from ...random_draws import random_mxfp4, random_tensor
 from .config import CSA, HASH_MOE, LAYER_TYPES, MOE, SLIDING, DeepseekV4Config
@@ -158,10 +158,7 @@ def load_weights(folder: str | Path, config: DeepseekV4Config, dtype: torch.dtyp
                 raise RunnerError(f"checkpoint: tensor {f}gate.tid2eid must hold expert ids in "
                                   f"[0, {config.n_routed_experts})")
             out.weights[f + "gate.tid2eid"] = ids.to(device, torch.int64)
-        fmt, lossy, blocks = _experts(config, i, reader, device, out.weights, experts)
-        if fmt != "mxfp4":
-            counts = converted.setdefault(fmt, [0, 0, 0])
-            counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + lossy, counts[2] + blocks
+        tally_conversion(converted, *_experts(config, i, reader, device, out.weights, experts))
     out.notes += conversion_notes(converted)
     finish(reader, range(config.num_nextn_predict_layers), out.notes, layer_pattern=MTP)
     return out
