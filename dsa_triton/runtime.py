@@ -82,8 +82,8 @@ def stack_bytes(device: torch.device | str | None = None) -> int | None:
 
 def release_cached_memory(device: torch.device | str | None = None) -> None:
     """Return the caching allocator's free blocks to the device, with the cuBLAS workspaces torch keeps per stream
-    (allocated from the caching allocator wherever a free block was, each pins its segment against ``empty_cache``);
-    nothing off CUDA."""
+    (allocated from the caching allocator wherever a free block was, each can pin its segment against
+    ``empty_cache``); nothing off CUDA."""
     if not torch.cuda.is_available() or torch.device(device or "cuda").type != "cuda":
         return
     torch.cuda.synchronize(device)

@@ -120,7 +120,7 @@ def graph_time_us(call: Callable[[T], Any], sets: Sequence[T], device: torch.dev
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The one side stream of ``device`` that warm-up calls run on: each stream a matmul runs on gets its own cuBLAS
     workspace, kept for the process (a new stream per call would leave one behind each time, up to the 32 of
-    PyTorch's stream pool, wherever a free block was: pinning the segments :func:`settle` would return)."""
+    PyTorch's stream pool, wherever a free block was: each can pin a segment :func:`settle` would return)."""
     return torch.cuda.Stream(device)
 
 
