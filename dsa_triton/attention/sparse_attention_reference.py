@@ -27,16 +27,17 @@ ORACLE_GATHER_BYTES = 1 << 29
 
 
 def slots_from_indices(indices: torch.Tensor, block_table: torch.Tensor | None, page_size: int) -> torch.Tensor:
-    """Physical slots ``[R, k]`` int64: ``block_table[r, i // P] * P + i % P`` for ``i >= 0``, else -1.
+    """Physical slots ``[R, ..., k]`` int64: ``block_table[r, i // P] * P + i % P`` for ``i >= 0``, else -1.
 
-    ``indices``: ``[R, k]``; ``block_table``: ``[R, max_pages]`` or ``None`` (indices are slots already).
+    ``indices``: ``[R, k]`` (or ``[R, S, k]``: S index sets a row); ``block_table``: ``[R, max_pages]`` or ``None``
+    (indices are slots already).
     """
     idx = indices.long()
     if block_table is None:
         return torch.where(idx >= 0, idx, -1)
     valid = idx >= 0
     page = torch.where(valid, idx // page_size, 0)
-    phys = block_table.long().gather(1, page)
+    phys = block_table.long().gather(1, page.flatten(1)).view_as(page)
     return torch.where(valid, phys * page_size + idx % page_size, -1)
 
 

@@ -17,6 +17,7 @@ import torch
 import triton
 
 from dsa_triton.attention.sparse_attention import sparse_attention_decode, sparse_attention_prefill
+from dsa_triton.attention.sparse_attention_reference import slots_from_indices
 from dsa_triton.attention.sparse_attention_spec import (random_fp8_paged_cache, random_model1_paged_cache,
                                                         random_paged_cache)
 from dsa_triton.bench import flashmla
@@ -30,17 +31,11 @@ V4_DECODE = [(b, s, h, k2) for h, k2 in ((64, 512), (128, 1024)) for b in (1, 64
 ATOL, RTOL = 2e-3, 2e-2  # two bf16 outputs of the same function: a few units of bf16 rounding apart
 
 
-def _slots(table: torch.Tensor, logical: torch.Tensor, P: int) -> torch.Tensor:
-    """Logical positions ``[B, S, k]`` -> physical slots through the block table ``[B, pages]``."""
-    rows = torch.arange(table.shape[0], device=table.device)[:, None, None]
-    return (table.long()[rows, logical // P] * P + logical % P).int()
-
-
 def _decode_set(B: int, S: int, H: int, L: int, seed: int, device) -> dict:
     g = torch.Generator(device=device).manual_seed(seed)
     kv, table = random_fp8_paged_cache(B, L, P, D, DV, g)
     logical = torch.rand(B * S, L, generator=g, device=device).topk(K, dim=1).indices.view(B, S, K)
-    slots = _slots(table, logical, P)
+    slots = slots_from_indices(logical, table, P).int()
     q = torch.randn(B, S, H, D, generator=g, device=device).to(torch.bfloat16)
     return {"q": q, "kv": kv, "slots": slots}
 
@@ -53,7 +48,8 @@ def _v4_decode_set(B: int, S: int, H: int, k2: int, seed: int, device) -> dict:
     entries, entry_table = random_model1_paged_cache(B, V4_ENTRIES, 64, V4_D, g)
     picked = torch.rand(B * S, V4_ENTRIES, generator=g, device=device).topk(k2, dim=1).indices.view(B, S, k2)
     return {"q": torch.randn(B, S, H, V4_D, generator=g, device=device).to(torch.bfloat16), "kv": kv,
-            "slots": _slots(table, window, 256), "entries": entries, "entry_slots": _slots(entry_table, picked, 64),
+            "slots": slots_from_indices(window, table, 256).int(), "entries": entries,
+            "entry_slots": slots_from_indices(picked, entry_table, 64).int(),
             "sink": torch.randn(H, generator=g, device=device)}
 
 
@@ -61,7 +57,7 @@ def _prefill_set(T: int, L: int, H: int, seed: int, device) -> dict:
     g = torch.Generator(device=device).manual_seed(seed)
     kv, table = random_paged_cache(1, L, P, D, torch.bfloat16, g)
     logical = torch.rand(T, L, generator=g, device=device).topk(K, dim=1).indices
-    slots = _slots(table, logical[None], P)[0]
+    slots = slots_from_indices(logical, table.expand(T, -1), P).int()
     q = torch.randn(T, H, D, generator=g, device=device).to(torch.bfloat16)
     return {"q": q, "kv": kv.flatten(0, 1), "slots": slots}
 
