@@ -3,9 +3,9 @@
 :func:`profile_call` runs a callable under the profiler and returns a :class:`Profile`: on a GPU, each kernel's GPU
 time (kernels replayed from a CUDA graph included), the union of kernel intervals ("busy") and the GPU idle
 fraction of the step's wall time (host call to synchronize); on a CPU, the CPU time of each op the step called
-directly (no idle fraction). :func:`op_group` folds kernel names into the runner's ops (append, indexer, top-k,
-attention, MoE, ...). :class:`StepProfiler` profiles the first decode step and the first step with a prefill chunk
-of an engine run.
+directly (no idle fraction). :func:`op_group` folds kernel names into the runner's ops (append, compress, indexer,
+top-k, attention, MoE, ...). :class:`StepProfiler` profiles the first decode step and the first step with a prefill
+chunk of an engine run.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ STEP_RANGE = "model_runner.step"
 # `_fused_gemm_kernel` before torch's "gemm"; torch's GEMM libraries by theirs)
 OP_GROUPS = (
     ("append", ("append_kernel",)),
+    ("compress", ("compress_kernel",)),  # DeepSeek-V4's compressors
     ("indexer", ("logits_kernel", "_select_pages_kernel")),
     ("top-k", ("topk_",)),
     ("attention", ("_sparse_attention_fwd", "_combine_splits")),

@@ -1,9 +1,16 @@
-"""End-to-end speed of the model runner at DeepSeek-V3.2 layer widths (random weights), written as a results file.
+"""End-to-end speed of the model runner at DeepSeek-V3.2 layer widths (random weights), written as a results file;
+``--model CONFIG.json`` measures another family's config instead (DeepSeek-V4-Flash; every part but preemption).
 
 Model: hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope 64, indexer 64 x 128 with top-k 2048, 256 MXFP4
 experts top-8 in 8 groups (4 chosen) + 1 shared, 1 dense + 3 MoE layers, vocabulary 129280, bf16, 64-token pages,
 kernel mode with value checks off. Weights are drawn on the device (:mod:`model_runner.random_weights`, no
 checkpoint file); caches are filled with the append op (random latent rows and indexer keys), not by a prefill.
+With ``--model``: the config's widths with ``--layers`` layers (default 3; the family's ``reduced`` picks them: for
+V4 one sliding-window, one CSA and one HCA layer, the first hash-routed, the others top-k routed), built through the
+family as ``python -m model_runner generate --random-weights`` builds it; its caches (V4: the window's last tokens
+with the compressors' inputs, every CSA / HCA entry and indexer key) are filled with random rows at the slots the
+cache manager gives them, the sequences grown and placed through it (:func:`fill_streams`); the per-op split has no
+floors (they are the V3.2 ops' costs). Results: ``runner_bench-<config name>-<part>-...``.
 
 Parts (``--part``, several allowed; each writes ``runner_bench-<part>-<device>-<date>.json|md`` under ``--out``):
 
@@ -35,8 +42,12 @@ Run on the GPU machine (each call well under 10 minutes; ``--budget-s`` stops a 
     python scripts/runner_bench.py --part decode --contexts 131072 --out $OUT
     python scripts/runner_bench.py --part decode-1m prefill --out $OUT
     python scripts/runner_bench.py --part preemption --out $OUT
+    python scripts/runner_bench.py --model model_runner/configs/deepseek-v4-flash.json --part decode \\
+        --contexts 32768 1048576 --batches 1 64 --out $OUT
 
-``--tiny`` runs every part on a tiny model at tiny sizes (the CPU check of this script; no numbers to keep).
+A (context, batch) whose caches the memory plan (:func:`model_runner.memory.memory_plan`, plus ``HEADROOM``) puts
+over the GPU's free memory is skipped with a note. ``--tiny`` runs every part on a tiny model at tiny sizes (with
+``--model``: its family's tiny config; the CPU check of this script; no numbers to keep).
 """
 from __future__ import annotations
 
@@ -61,17 +72,21 @@ from dsa_triton.hostmath import cdiv  # noqa: E402
 from dsa_triton.moe.fused_moe_gemm_spec import expected_active_experts  # noqa: E402
 from dsa_triton.registry import Cost  # noqa: E402
 from model_runner import RopeConfig, tiny_config  # noqa: E402
+from model_runner.build import config_file  # noqa: E402
 from model_runner.cache_manager import CacheManager  # noqa: E402
 from model_runner.cuda_graphs import DecodeGraphs  # noqa: E402
 from model_runner.engine import Engine  # noqa: E402
-from model_runner.model import Model  # noqa: E402
+from model_runner.families import family_of, read_config  # noqa: E402
+from model_runner.memory import memory_plan  # noqa: E402
 from model_runner.ops import KernelOps, ReferenceOps  # noqa: E402
 from model_runner.profiling import StepProfiler, profile_call  # noqa: E402
-from model_runner.random_weights import random_weights  # noqa: E402
+from model_runner.random_weights import random_weights, reduced  # noqa: E402
 from model_runner.sampling import SamplingParams, sample  # noqa: E402
 import model_runner.engine as engine_module  # noqa: E402
 
 PAGE = 64
+FILL_CHUNK = 1 << 16  # tokens a fill grows a sequence by at a time (a window's pages: sized for it)
+HEADROOM = 3 << 30  # bytes beyond the memory plan a shape needs: activations, graph pools, the allocator's slack
 YARN = RopeConfig(theta=10000.0, type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
                   beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
 
@@ -94,8 +109,29 @@ def small_config():
                        index_n_heads=8, index_head_dim=64, index_topk=64)
 
 
-def build_model(c, dtype, device, ops, indexer_path=None, seed=0) -> Model:
-    return Model(c, random_weights(c, dtype, device, seed), ops, "fp8", indexer_path)
+def model_config(args):
+    """The config measured: ``--model``'s with ``--layers`` layers (default 3) at every width, else
+    :func:`v32_config` (default 4 layers); ``--tiny``: that family's tiny config."""
+    if args.model is None:
+        return tiny_config() if args.tiny else v32_config(args.layers or 4)
+    config = read_config(config_file(args.model))
+    return family_of(config).tiny_config() if args.tiny else reduced(config, args.layers or 3)
+
+
+def build_model(c, dtype, device, ops, seed=0):
+    """``c``'s model of its family with random weights (its default indexer precision)."""
+    family = family_of(c)
+    return family.build_model(c, random_weights(c, dtype, device, seed), ops,
+                              index_precision=family.index_precisions[0])
+
+
+def build_cache(c, seqs: int, tokens: int, dtype, device) -> CacheManager:
+    """Caches (``c``'s family's layout) for ``seqs`` sequences of up to ``tokens`` tokens, pages of ``PAGE``;
+    ``device`` "meta": their sizes only (the memory plan), nothing allocated."""
+    family = family_of(c)
+    layout = family.cache_layout(c, index_precision=family.index_precisions[0], kv_cache="activation",
+                                 step_tokens=FILL_CHUNK)
+    return CacheManager(c, seqs * cdiv(tokens, PAGE) + 2, PAGE, seqs, tokens, dtype, device, layout=layout)
 
 
 def fill(cache: CacheManager, seqs: list[int], length: int, margin: int, seed: int = 1, chunk_pages: int = 1024):
@@ -121,12 +157,37 @@ def fill(cache: CacheManager, seqs: list[int], length: int, margin: int, seed: i
         cache.place([(s, length)])
 
 
+def fill_streams(cache: CacheManager, seqs: list[int], length: int, seed: int = 1):
+    """:func:`fill` for a layout of streams (DeepSeek-V4's: ``layout.widths(layer)`` ``{array: (stream, width)}``):
+    sequences ``seqs`` are grown and placed ``FILL_CHUNK`` tokens at a time (a window gives its pages back as they
+    go), then every entry a step at ``length`` reads gets random rows: each stream's from its first read on (the
+    window: the last ``keep`` tokens' rows and compressor inputs; the compressed streams: every entry and indexer
+    key), at the slots of the stream's block table; the window's pages no step reads are given back, and a page
+    added (decode steps grow the sequences as they go: the window keeps a few pages a sequence, not a margin)."""
+    g = torch.Generator(cache.device).manual_seed(seed)
+    P = cache.page_size
+    for s in seqs:
+        for start in range(0, length, FILL_CHUNK):
+            n = min(FILL_CHUNK, length - start)
+            cache.grow(s, start + n)
+            cache.place([(s, n)])
+        for name, pages in cache.streams.items():
+            j = torch.arange(pages.stream.first_read(length), pages.stream.entries(length), device=cache.device)
+            slots = pages.block_table[s, j // P].long() * P + j % P
+            for layer, storage in enumerate(cache.layers):
+                for array, (stream, width) in cache.layout.widths(layer).items():
+                    if stream == name:
+                        storage[array][slots] = torch.randn(len(j), width, generator=g, device=cache.device,
+                                                            dtype=storage[array].dtype)
+        cache.grow(s, length + cache.page_size)
+
+
 def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
 
-def decode_step(graphs: DecodeGraphs | None, model: Model, cache: CacheManager, ids: list[int], rows: list[int]):
+def decode_step(graphs: DecodeGraphs | None, model, cache: CacheManager, ids: list[int], rows: list[int]):
     """One engine decode step of ``rows`` (greedy): grow, forward (graph or eager), sample; returns the tokens."""
     for r in rows:
         cache.grow(r, cache.length(r) + 1)
@@ -229,7 +290,8 @@ def moe_cost(c, tokens: int, phase: str, active_experts: float | None) -> Cost:
 
 class ExpertCounter:
     """The step's ops, unchanged, plus the count of distinct experts each MoE layer routes its tokens to (what its
-    expert bytes scale with): the router logits and ``dt.route_topk`` once more, beside the layer's own op."""
+    expert bytes scale with): V3.2's router logits and ``dt.route_topk`` once more, beside the layer's own op; V4's
+    expert ids as its layer passes them."""
 
     def __init__(self, ops):
         self.ops, self.counts = ops, []
@@ -241,6 +303,10 @@ class ExpertCounter:
         _, ids = dt.route_topk(x.float() @ router.float().t(), routing, router_bias, check_values=False)
         self.counts.append(int(torch.unique(ids).numel()))
         return self.ops.moe(x, router, *experts, routing=routing, router_bias=router_bias)
+
+    def routed_experts(self, x, ids, *args):
+        self.counts.append(int(torch.unique(ids).numel()))
+        return self.ops.routed_experts(x, ids, *args)
 
 
 def op_rows(label: dict, groups: dict[str, float], floors: dict[str, Cost], ceilings) -> list[dict]:
@@ -287,7 +353,8 @@ class Bench:
         self.args, self.device = args, torch.device(args.device)
         self.cuda = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if self.cuda else torch.float16
-        self.config = tiny_config() if args.tiny else v32_config()
+        self.config = model_config(args)
+        self.v32 = self.config.model_type == "deepseek_v32"  # the V3.2 fill (append op) and floors
         self.started = time.perf_counter()
         self.ceilings = measure_ceilings(self.device) if self.cuda else None
         self.model = None
@@ -295,10 +362,34 @@ class Bench:
     def over_budget(self) -> bool:
         return time.perf_counter() - self.started > self.args.budget_s
 
-    def kernel_model(self) -> Model:
+    def kernel_model(self):
         if self.model is None:
             self.model = build_model(self.config, self.dtype, self.device, KernelOps(check_values=False))
         return self.model
+
+    def fitting(self, tokens: int, batches: list[int]) -> tuple[list[int], dict[int, str]]:
+        """Those of ``batches`` whose caches for sequences of ``tokens`` tokens fit the free memory (the memory plan
+        of the caches and a step's workspaces, plus ``HEADROOM``), and why each of the others is skipped."""
+        free, fit, skipped = self.free_memory(), [], {}
+        for B in batches:
+            plan = memory_plan({}, build_cache(self.config, B, tokens, self.dtype, "meta"), self.kernel_model(), B)
+            need = sum(plan.values()) + HEADROOM
+            show("memory plan", {"tokens": tokens, "batch": B, "need_gib": need / 2**30,
+                                 "free_gib": None if free is None else free / 2**30})
+            if free is None or need <= free:
+                fit.append(B)
+            else:
+                skipped[B] = (f"skipped: needs {need / 2**30:.1f} GiB (memory plan of the caches and workspaces + "
+                              f"{HEADROOM / 2**30:.0f} GiB), {free / 2**30:.1f} GiB free")
+        return fit, skipped
+
+    def free_memory(self) -> int | None:
+        """Free GPU bytes once the allocator's cache is given back (None on a CPU)."""
+        if not self.cuda:
+            return None
+        gc.collect()
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(self.device)[0]
 
     def decode(self, contexts: list[int], batches: list[int]) -> dict[str, list[dict]]:
         rows, ops_rows, notes = [], [], []
@@ -308,20 +399,25 @@ class Bench:
             if self.over_budget():
                 notes.append({"context": L, "note": "skipped: over --budget-s"})
                 continue
-            max_b = max(batches)
-            cache = CacheManager(c, max_b * cdiv(L + margin, PAGE) + 2, PAGE, max_b, L + margin, self.dtype,
-                                 self.device)
-            graphs = None
+            fit, skipped = self.fitting(L + margin, batches)
+            notes += [{"context": L, "batch": B, "note": why} for B, why in skipped.items()]
+            if not fit:
+                continue
+            cache = graphs = None
             try:
-                seq_rows = [cache.allocate(0) for _ in range(max_b)]
+                cache = build_cache(c, max(fit), L + margin, self.dtype, self.device)
+                seq_rows = [cache.allocate(0) for _ in range(max(fit))]
                 t0 = time.perf_counter()
-                fill(cache, seq_rows, L, margin)
+                if self.v32:
+                    fill(cache, seq_rows, L, margin)
+                else:
+                    fill_streams(cache, seq_rows, L)
                 sync(self.device)
                 fill_s = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                graphs = DecodeGraphs(model, cache, max_b, capture=self.cuda, sizes=batches)
+                graphs = DecodeGraphs(model, cache, max(fit), capture=self.cuda, sizes=fit)
                 capture_s = time.perf_counter() - t0
-                for B in batches:
+                for B in fit:
                     if self.over_budget():
                         notes.append({"context": L, "batch": B, "note": "skipped: over --budget-s"})
                         continue
@@ -330,13 +426,16 @@ class Bench:
                         row.update(fill_s=fill_s, capture_s=capture_s)
                         rows.append(row)
                         show("decode", row)
-                        floors = step_floors(c, B, B, L, "decode", row["active_experts"])
+                        floors = step_floors(c, B, B, L, "decode", row["active_experts"]) if self.v32 else {}
                         ops_rows += op_rows({"context": L, "batch": B}, groups, floors, self.ceilings)
                         for r in ops_rows[-len(groups):]:
                             show("decode ops", r)
                     except Exception as exc:  # one failing shape must not cost the others
                         notes.append({"context": L, "batch": B, "note": f"error: {exc!r}"[:400]})
                         traceback.print_exc()
+            except Exception as exc:  # nor a context whose caches cannot be set up
+                notes.append({"context": L, "note": f"error: {exc!r}"[:400]})
+                traceback.print_exc()
             finally:
                 del graphs, cache
                 gc.collect()
@@ -410,7 +509,7 @@ class Bench:
                 if mode == "reference" and n > self.args.reference_max_prompt:
                     continue
                 chunk = self.args.chunk if mode == "kernel" else min(self.args.chunk, 512)
-                cache = CacheManager(c, cdiv(n + 1, PAGE) + 1, PAGE, 1, n + PAGE, self.dtype, self.device)
+                cache = build_cache(c, 1, n + PAGE, self.dtype, self.device)
                 ops, model.ops = model.ops, (model.ops if mode == "kernel" else ReferenceOps())
                 try:
                     prompt = torch.randint(0, c.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
@@ -429,7 +528,7 @@ class Bench:
                     if profiled is not None:
                         tokens, prof = profiled.profiler.profiles["prefill"]
                         rows[-1]["first_chunk_gpu_idle"] = prof.idle_fraction
-                        floors = step_floors(c, 1, tokens, tokens, "prefill")
+                        floors = step_floors(c, 1, tokens, tokens, "prefill") if self.v32 else {}
                         ops_rows += op_rows({"prompt": n, "chunk_tokens": tokens}, prof.groups(), floors,
                                             self.ceilings)
                         for r in ops_rows[-len(prof.groups()):]:
@@ -508,9 +607,25 @@ class Bench:
         return {"preemption": rows}
 
 
+def model_note(args, c) -> str:
+    """What a results file's note says of the model ``c``."""
+    if args.tiny:
+        return "a tiny model" if args.model is None else f"a tiny {c.model_type} model"
+    moe = sum(map(c.is_moe_layer, range(c.num_hidden_layers)))
+    if args.model is None:
+        return f"DeepSeek-V3.2 layer widths, {c.num_hidden_layers - moe} dense + {moe} MoE layers, random weights"
+    layers = (" / ".join(f"{a} + {m}" for a, m in zip(c.layer_types, c.mlp_layer_types)) if hasattr(c, "layer_types")
+              else f"{c.num_hidden_layers - moe} dense + {moe} MoE")
+    return f"{args.model} ({c.model_type}) widths, {c.num_hidden_layers} layers ({layers}), random weights"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", nargs="+", required=True, choices=("decode", "decode-1m", "prefill", "preemption"))
+    ap.add_argument("--model", default=None, help="a config.json (or a folder holding one) to measure instead of "
+                    "the V3.2 widths, e.g. model_runner/configs/deepseek-v4-flash.json")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="layers of the model (default 4 for V3.2, 3 with --model: its family's reduced config)")
     ap.add_argument("--out", default="results")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
@@ -525,6 +640,8 @@ def main(argv=None) -> int:
                     help="no new shape starts after this many seconds (a device call ends at 600)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model at tiny sizes (checks this script on a CPU)")
     args = ap.parse_args(argv)
+    if args.model is not None and "preemption" in args.part:
+        ap.error("--part preemption: the V3.2 small model only (no --model)")
     if args.tiny:
         args.contexts, args.batches, args.prompts = [40], [3], [40]
         args.chunk, args.steps = 16, 2
@@ -538,12 +655,12 @@ def main(argv=None) -> int:
             sections = bench.prefill(args.prompts)
         else:
             sections = bench.preemption()
-        model = "a tiny model" if args.tiny else "DeepSeek-V3.2 layer widths, 1 dense + 3 MoE layers, random weights"
-        note = (f"runner_bench {part}: {model}, {str(bench.dtype).replace('torch.', '')}, pages of {PAGE}; "
-                f"ceilings {bench.ceilings}")
+        note = (f"runner_bench {part}: {model_note(args, bench.config)}, {str(bench.dtype).replace('torch.', '')}, "
+                f"pages of {PAGE}; ceilings {bench.ceilings}")
         for note_row in next((rows for name, rows in sections.items() if name.endswith("notes")), []):
             show("note", note_row)
-        print(f"wrote {write_results(args.out, f'runner_bench-{part}', sections, note=note)}", flush=True)
+        name = f"runner_bench-{part}" if args.model is None else f"runner_bench-{Path(args.model).stem}-{part}"
+        print(f"wrote {write_results(args.out, name, sections, note=note)}", flush=True)
     return 0
 
 

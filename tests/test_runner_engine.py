@@ -374,6 +374,7 @@ def test_profile_mode(checkpoint, tmp_path, capsys):
     assert op_group("sm90_xmma_gemm_bf16") == "gemm (torch)" and op_group("aten::add") == "torch other"
     # the MoE prefill GEMM's name holds "gemm": still the MoE's
     assert op_group("_fused_gemm_kernel") == "moe" and op_group("_quantize_rows_kernel") == "moe"
+    assert op_group("compress_kernel") == "compress"  # V4's compressors
     eng = engine(checkpoint, profile=True)
     assert isinstance(eng.profiler, StepProfiler)
     eng.generate([[1, 2, 3], list(range(30))], SamplingParams(max_new_tokens=3), progress=False)
