@@ -14,7 +14,8 @@
 #   step      one decode step of one layer at DeepSeek-V3.2 widths, batch 1 and 64, contexts 4096 and 32768: eager,
 #             torch.compile (inductor) and a CUDA graph replayed, checked against eager and timed; and the test
 #             module of tests/test_library.py compiled by inductor (scripts/decode_step.py; STEP_ARGS in the environment: more arguments)
-#   runner ARGS  python scripts/runner_bench.py ARGS (the model runner end to end at V3.2 layer widths)
+#   runner ARGS  python scripts/runner_bench.py ARGS (the model runner end to end at V3.2 layer widths, or with
+#             --model CONFIG.json at that model's, e.g. model_runner/configs/deepseek-v4-flash.json)
 #   topk-route ARGS  python scripts/topk_route.py --kernel ARGS (top-k candidate counts, routes and times on
 #             indexer-like rows, against their emulation; issue 17)
 #   quantize  the MoE prefill's activation quantization: bit for bit against its oracle, timed against copy
