@@ -55,16 +55,20 @@ def test_the_flashmla_report_says_when_flashmla_is_not_here():
 
 def test_the_flashmla_reports_sets_name_live_rows_and_run_through_our_op():
     """The FlashMLA report's input sets (built on the CPU here): every slot names a written cache row (unused rows
-    hold NaN, so one wrong slot makes the output NaN), and our op runs them: V3.2 decode, V4 decode, prefill."""
+    hold NaN, so one wrong slot makes the output NaN), and our op runs them: V3.2 decode, V4 decode, V3.2 and V4 prefill."""
     from dsa_triton.attention.sparse_attention import sparse_attention_decode, sparse_attention_prefill
     from dsa_triton.bench.reports import sparse_attention_flashmla as fm
 
     v32, v4, pre = fm._decode_set(1, 2, 2, 4096, 0, "cpu"), fm._v4_decode_set(1, 2, 2, 64, 0, "cpu"), \
         fm._prefill_set(2, 4096, 2, 0, "cpu")
-    assert not pre["kv"][pre["slots"].long()].isnan().any()
+    pre4 = fm._prefill_set(8, 4096, 2, 0, "cpu", fm.V4_D, 64, v4=True)
+    assert not pre["kv"][pre["slots"].long()].isnan().any() and not pre4["kv"][pre4["slots"].long()].isnan().any()
+    assert ((pre4["lengths"] >= 32) & (pre4["lengths"] <= 64)).all() and pre4["sink"].shape == (2,)
     outs = [sparse_attention_decode(v32["q"], v32["kv"], v32["slots"], fm.D ** -0.5, fm.DV),
             sparse_attention_decode(v4["q"], v4["kv"], v4["slots"], fm.V4_D ** -0.5, fm.V4_D, attn_sink=v4["sink"],
                                     extra_kv_cache=v4["entries"], extra_indices=v4["entry_slots"]),
-            sparse_attention_prefill(pre["q"], pre["kv"], pre["slots"], fm.D ** -0.5, fm.DV)]
+            sparse_attention_prefill(pre["q"], pre["kv"], pre["slots"], fm.D ** -0.5, fm.DV),
+            sparse_attention_prefill(pre4["q"], pre4["kv"], pre4["slots"], fm.V4_D ** -0.5, fm.DV,
+                                     attn_sink=pre4["sink"], topk_length=pre4["lengths"])]
     assert all(out.isfinite().all() for out, _ in outs)
     assert v4["slots"].shape == (1, 2, fm.V4_WINDOW) and v4["entry_slots"].shape == (1, 2, 64)

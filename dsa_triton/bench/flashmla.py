@@ -39,9 +39,11 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, sm_scal
                                              attn_sink, extra, extra_slots)
 
 
-def prefill(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sm_scale: float, d_v: int = 512):
+def prefill(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, sm_scale: float, d_v: int = 512, *,
+            attn_sink: torch.Tensor | None = None, topk_length: torch.Tensor | None = None):
     """A sparse prefill call over a bf16 cache: ``q[T, H, D]``, ``kv[num_slots, D]`` bf16, ``slots[T, k]`` int32
-    (-1 skipped) -> a function of no arguments returning ``(out[T, H, d_v] bf16, max_logits, lse[T, H])``."""
+    (-1 skipped); DeepSeek-V4's ``attn_sink[H]`` fp32 and ``topk_length[T]`` int32 (D 512) -> a function of no
+    arguments returning ``(out[T, H, d_v] bf16, max_logits, lse[T, H])``."""
     fm = module()
     cache, index = kv.unsqueeze(1), slots.unsqueeze(1)  # one KV head
-    return lambda: fm.flash_mla_sparse_fwd(q, cache, index, sm_scale, d_v)
+    return lambda: fm.flash_mla_sparse_fwd(q, cache, index, sm_scale, d_v, attn_sink, topk_length)

@@ -5,7 +5,10 @@ sequence), ``B`` in 1, 8, 64, 128 and ``s_q`` 1 and 2 query tokens a sequence, e
 speculative-decoding form FlashMLA takes); 64 heads (a two-way tensor-parallel shard of V3.2, V4-Flash's head count)
 at B 64; prefill over a bf16 cache, T 4096 over 32K and 128K tokens. DeepSeek-V4 decode over MODEL1 FP8 pages
 (D = Dv = 512, 584 bytes a token) with a sink per head: a window of 128 tokens (pages of 256) beside the top-k2 of
-8192 compressed entries (pages of 64), V4-Flash's 64 heads with k2 512 and V4-Pro's 128 with k2 1024. Each row: both
+8192 compressed entries (pages of 64), V4-Flash's 64 heads with k2 512 and V4-Pro's 128 with k2 1024; DeepSeek-V4
+prefill at d_qk 512 over a bf16 cache (FlashMLA's form: one index set over one buffer of window and compressed rows),
+T 4096, 64 heads with top-512 and 128 with top-1024 of 8K and 64K rows, with sinks and per-token lengths (a quarter
+of the tokens keep between half and all of their k). Each row: both
 medians, ``ours_over_flashmla`` (time ratio: below 1 ours is faster), both as fractions of the bf16 matmul rate
 measured in the same run, and the largest difference of the two outputs (both bf16; a row whose outputs disagree
 beyond bf16 rounding is an error; a row whose call raises is an error naming it, the others still measured).
@@ -25,8 +28,9 @@ from dsa_triton.bench.harness import Ceilings, error_text, graph_time_us, rotati
 
 D, DV, K, P = 576, 512, 2048, 64
 DECODE = [(b, s, 128) for b in (1, 8, 64, 128) for s in (1, 2)] + [(64, s, 64) for s in (1, 2)]
-PREFILL = [(4096, 32768, 128), (4096, 131072, 128)]
 V4_D, V4_WINDOW, V4_ENTRIES = 512, 128, 8192  # MODEL1 width; window tokens; compressed entries a sequence
+PREFILL = ([(4096, L, 128, D, K, False) for L in (32768, 131072)]  # (T, L, H, d_qk, k, V4's sinks and lengths)
+           + [(4096, L, h, V4_D, k, True) for h, k in ((64, 512), (128, 1024)) for L in (8192, 65536)])
 V4_DECODE = [(b, s, h, k2) for h, k2 in ((64, 512), (128, 1024)) for b in (1, 64, 128) for s in (1, 2)]
 ATOL, RTOL = 2e-3, 2e-2  # two bf16 outputs of the same function: a few units of bf16 rounding apart
 
@@ -53,13 +57,20 @@ def _v4_decode_set(B: int, S: int, H: int, k2: int, seed: int, device) -> dict:
             "sink": torch.randn(H, generator=g, device=device)}
 
 
-def _prefill_set(T: int, L: int, H: int, seed: int, device) -> dict:
+def _prefill_set(T: int, L: int, H: int, seed: int, device, d: int = D, k: int = K, v4: bool = False) -> dict:
+    """``T`` tokens of ``H`` heads, each over the top-``k`` of ``L`` bf16 rows ``d`` wide; ``v4``: with a sink per
+    head and per-token lengths."""
     g = torch.Generator(device=device).manual_seed(seed)
-    kv, table = random_paged_cache(1, L, P, D, torch.bfloat16, g)
-    logical = torch.rand(T, L, generator=g, device=device).topk(K, dim=1).indices
+    kv, table = random_paged_cache(1, L, P, d, torch.bfloat16, g)
+    logical = torch.rand(T, L, generator=g, device=device).topk(k, dim=1).indices
     slots = slots_from_indices(logical, table.expand(T, -1), P).int()
-    q = torch.randn(T, H, D, generator=g, device=device).to(torch.bfloat16)
-    return {"q": q, "kv": kv.flatten(0, 1), "slots": slots}
+    q = torch.randn(T, H, d, generator=g, device=device).to(torch.bfloat16)
+    extra = {}
+    if v4:
+        short = torch.rand(T, generator=g, device=device) < 0.25
+        lengths = torch.where(short, torch.randint(k // 2, k + 1, (T,), generator=g, device=device), k)
+        extra = {"sink": torch.randn(H, generator=g, device=device), "lengths": lengths.int()}
+    return {"q": q, "kv": kv.flatten(0, 1), "slots": slots, **extra}
 
 
 def _disagreement(ours: torch.Tensor, theirs: torch.Tensor) -> tuple[float, int]:
@@ -119,13 +130,15 @@ def flashmla_report(device, ceilings: Ceilings | None) -> list[dict]:
                          theirs, sets, device, ceilings))
         del sets, theirs
         torch.cuda.empty_cache()
-    for T, L, H in PREFILL:
-        sets = rotation(lambda i: _prefill_set(T, L, H, i, device), L * D * 2, device, max_sets=2)
-        scale = D ** -0.5
-        theirs = [flashmla.prefill(s["q"], s["kv"], s["slots"], scale, DV) for s in sets]
-        rows.append(_row(f"prefill bf16 T={T} L={L} Hq={H}", 2.0 * T * H * K * (D + DV),
+    for T, L, H, d, k, v4 in PREFILL:
+        sets = rotation(lambda i: _prefill_set(T, L, H, i, device, d, k, v4), L * d * 2, device, max_sets=2)
+        scale = d ** -0.5
+        v4_args = lambda s: {"attn_sink": s["sink"], "topk_length": s["lengths"]} if v4 else {}  # noqa: E731
+        theirs = [flashmla.prefill(s["q"], s["kv"], s["slots"], scale, DV, **v4_args(s)) for s in sets]
+        rows.append(_row(f"prefill {'V4 ' if v4 else ''}bf16 T={T} L={L} Hq={H}" + (f" k={k}" if v4 else ""),
+                         2.0 * T * H * k * (d + DV),
                          lambda s: sparse_attention_prefill(s["q"], s["kv"], s["slots"], scale, DV,
-                                                            check_values=False),
+                                                            check_values=False, **v4_args(s)),
                          theirs, sets, device, ceilings))
         del sets, theirs
         torch.cuda.empty_cache()
