@@ -399,3 +399,17 @@ def test_registry_entries(name):
     assert spec.constraint(wide, dsa) is not None
     assert spec.constraint({**spec.default(phase, dsa), "BLOCK_N": 128, "num_stages": 2}, dsa) is not None  # smem
     assert all(spec.is_valid(spec.default(phase, s), s) for s in spec.bench_shapes(phase, True))
+
+
+@pytest.mark.parametrize("B", [1, 2, 8])
+@pytest.mark.parametrize("H", [64, 128])
+def test_default_decode_programs_fit_one_wave(monkeypatch, B, H):
+    """Small batches split k until the programs fill one wave of 132 SMs, never more: two programs an SM only
+    below 64 rows at 4 warps (at 8 warps one program's registers fill an SM)."""
+    from dsa_triton.attention import sparse_attention as sa
+    monkeypatch.setattr(sa, "_sm_count", lambda: 132)
+    shape = {"B": B, "S": 1, "H": H, "D": 576, "Dv": 512, "k": 2048, "fp8": 1}
+    config = sa.DECODE.default("decode", shape)
+    programs = B * -(-H // config["BLOCK_H"]) * config["num_splits"]
+    resident = 2 if config["BLOCK_H"] < 64 and config["num_warps"] == 4 else 1
+    assert 132 * resident // 2 < programs <= 132 * resident, config

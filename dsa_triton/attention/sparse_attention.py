@@ -140,7 +140,9 @@ def _sm_count() -> int:
 def _default(phase: str):
     """The widest head tile (64 rows: wgmma) whose tiles still fill one wave, else the narrowest (wider tiles that
     leave SMs idle are slower); the longest token tile that fits; then splits over k up to one wave of programs
-    (two per SM below 64 rows, where a program needs half the registers)."""
+    (two per SM below 64 rows at 4 warps, where a program needs at most half the registers; at 8 warps one
+    program's registers fill an SM (our reading of the H100's B=1, s_q=2 FP8 decode at 1.7x FlashMLA's time: 256
+    programs of 32 rows at 8 warps, two waves))."""
     constraint = _constraint(phase)
 
     def default(_phase, shape) -> dict:
@@ -154,7 +156,7 @@ def _default(phase: str):
             fitting += [c for c in candidates if bh <= top and constraint(c, shape) is None][:1]
         config = next((c for c in fitting if R * cdiv(M, c["BLOCK_H"]) * cdiv(k, c["BLOCK_N"]) >= sms), fitting[-1])
         programs = R * cdiv(M, config["BLOCK_H"])
-        wave = sms * (1 if config["BLOCK_H"] >= WGMMA_ROWS else 2)
+        wave = sms * (2 if config["BLOCK_H"] < WGMMA_ROWS and config["num_warps"] == 4 else 1)
         while (config["num_splits"] * 2 <= min(SPACE["num_splits"][-1], cdiv(k, config["BLOCK_N"]))
                and programs * config["num_splits"] * 2 <= wave):
             config["num_splits"] *= 2
