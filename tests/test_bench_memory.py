@@ -1,5 +1,7 @@
 """The bench's memory accounting: rows that do not fit the device are skipped with the reason, not failed; the device
 memory outside PyTorch's allocator is measured after each row (GPU) and the context's stack released."""
+import os
+
 import torch
 
 from dsa_triton import runtime
@@ -72,3 +74,21 @@ def test_the_flashmla_reports_sets_name_live_rows_and_run_through_our_op():
                                      attn_sink=pre4["sink"], topk_length=pre4["lengths"])]
     assert all(out.isfinite().all() for out, _ in outs)
     assert v4["slots"].shape == (1, 2, fm.V4_WINDOW) and v4["entry_slots"].shape == (1, 2, 64)
+
+
+def test_the_tuner_prefers_expandable_segments_unless_the_user_chose(monkeypatch):
+    """The tuner's process (and the day0 child it starts) gets expandable segments before CUDA starts; a user's own
+    PYTORCH_CUDA_ALLOC_CONF stays as it is."""
+    from dsa_triton import runtime
+    from tuner import cli
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(runtime.torch.cuda, "is_initialized", lambda: False)
+    assert cli.main(["show", "--kernels", "no_such_kernel"]) == 2  # (any command: set before its arguments are read)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == runtime.ALLOCATOR_SETTINGS
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert not runtime.prefer_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(runtime.torch.cuda, "is_initialized", lambda: True)  # too late: the allocator has read it
+    assert not runtime.prefer_expandable_segments() and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ

@@ -18,6 +18,8 @@ import argparse
 import math
 import sys
 
+from dsa_triton.runtime import prefer_expandable_segments
+
 from .day0 import INTERRUPT_GRACE_S, cmd_day0
 from .jobs import Terminated, any_failed, build_jobs, names, run_tune, setup, sigterm_interrupts
 
@@ -310,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     import time
 
     started = time.time()  # a --budget counts from here
+    prefer_expandable_segments()
     args = build_parser().parse_args(argv)
     args.argv, args.started = [str(a) for a in (sys.argv[1:] if argv is None else argv)], started
     try:
