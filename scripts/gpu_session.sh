@@ -20,6 +20,7 @@
 #             indexer-like rows, against their emulation; issue 17)
 #   quantize  the MoE prefill's activation quantization: bit for bit against its oracle, timed against copy
 #             (scripts/quantize_bench.py)
+#   gluon ARGS  python scripts/gluon_attention.py ARGS (the seesaw kernel's checks and timings, e.g. --only v4)
 #   sweep ARGS  python scripts/config_sweep.py ARGS (given configs against the launch config, checked and timed)
 #   profile ARGS  Nsight Compute (full set) of one launch of PROFILE_KERNEL (a regex; default the registers route's
 #             _fused_gemm_kernel) in python PROFILE_SCRIPT ARGS (default scripts/moe_gemm_profile.py; the sparse
@@ -32,7 +33,7 @@
 #   tune ARGS dsa-tune tune ARGS (needs .whl with the optuna wheels carried: optuna is not on the GPU image)
 #   day0 ARGS dsa-tune day0 --flat ARGS: tune a config's shapes within --budget, then first tokens from its
 #             checkpoint or random weights, each stage timed, one results file (--out $OUT; needs .whl as tune)
-# runner, topk-route, sweep, profile, tune and day0 take the rest of the command line. Everything lands in $OUT/session.tgz (the device tool returns at
+# runner, topk-route, gluon, sweep, profile, tune and day0 take the rest of the command line. Everything lands in $OUT/session.tgz (the device tool returns at
 # most 8 files): logs, results files, and the tuning database after a tune or day0 (merge it back with
 # `dsa-tune merge db/*.csv` from the unpacked archive).
 set -u -o pipefail
@@ -77,6 +78,10 @@ while [ $# -gt 0 ]; do
     quantize)
       timeout 200 python scripts/quantize_bench.py --out "$OUT" 2>&1 | tee "$OUT/quantize-bench.log" | tail -40 \
         || status=1 ;;
+    gluon)
+      timeout 590 python scripts/gluon_attention.py --out "$OUT/gluon" "$@" > "$OUT/gluon-attention.log" 2>&1 || status=1
+      grep -c "^PASS" "$OUT/gluon-attention.log"; grep -v "^PASS" "$OUT/gluon-attention.log" | tail -30
+      shift $# ;;
     sweep)
       timeout 590 python scripts/config_sweep.py --out "$OUT" "$@" 2>&1 | tee "$OUT/config-sweep.log" | tail -60 \
         || status=1
