@@ -86,9 +86,9 @@ ALLOCATOR_SETTINGS = "expandable_segments:True"
 def prefer_expandable_segments() -> bool:
     """Set ``PYTORCH_CUDA_ALLOC_CONF`` to :data:`ALLOCATOR_SETTINGS` for this process and its children unless the user
     set it, before CUDA starts (no effect after: the allocator reads it once). For processes that allocate many
-    large, short-lived problems one after another (the tuner): with fixed segments, a few live blocks pin whole
-    segments that ``empty_cache`` cannot return (a day0 run on the H100 failed 16 GiB allocations with 44 GiB
-    reserved but unallocated); expandable segments return their unused pages. Returns whether it set it."""
+    large, short-lived problems one after another (the tuner): a day0 run on the H100 failed 8-16 GiB allocations
+    with 40-44 GiB reserved but unallocated, which we read as fixed segments pinned by a few live blocks (not
+    verified; expandable segments give unused pages back). Returns whether it set it."""
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or torch.cuda.is_initialized():
         return False
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_SETTINGS

@@ -65,13 +65,13 @@ def test_the_flashmla_reports_sets_name_live_rows_and_run_through_our_op():
         fm._prefill_set(2, 4096, 2, 0, "cpu")
     pre4 = fm._prefill_set(8, 4096, 2, 0, "cpu", fm.V4_D, 64, v4=True)
     assert not pre["kv"][pre["slots"].long()].isnan().any() and not pre4["kv"][pre4["slots"].long()].isnan().any()
-    assert ((pre4["lengths"] >= 32) & (pre4["lengths"] <= 64)).all() and pre4["sink"].shape == (2,)
+    lengths, sink = pre4["extra"]["topk_length"], pre4["extra"]["attn_sink"]
+    assert ((lengths >= 32) & (lengths <= 64)).all() and (lengths < 64).any() and sink.shape == (2,)
     outs = [sparse_attention_decode(v32["q"], v32["kv"], v32["slots"], fm.D ** -0.5, fm.DV),
             sparse_attention_decode(v4["q"], v4["kv"], v4["slots"], fm.V4_D ** -0.5, fm.V4_D, attn_sink=v4["sink"],
                                     extra_kv_cache=v4["entries"], extra_indices=v4["entry_slots"]),
             sparse_attention_prefill(pre["q"], pre["kv"], pre["slots"], fm.D ** -0.5, fm.DV),
-            sparse_attention_prefill(pre4["q"], pre4["kv"], pre4["slots"], fm.V4_D ** -0.5, fm.DV,
-                                     attn_sink=pre4["sink"], topk_length=pre4["lengths"])]
+            sparse_attention_prefill(pre4["q"], pre4["kv"], pre4["slots"], fm.V4_D ** -0.5, fm.DV, **pre4["extra"])]
     assert all(out.isfinite().all() for out, _ in outs)
     assert v4["slots"].shape == (1, 2, fm.V4_WINDOW) and v4["entry_slots"].shape == (1, 2, 64)
 

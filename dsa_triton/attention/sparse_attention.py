@@ -137,12 +137,17 @@ def _sm_count() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else FALLBACK_SMS
 
 
+def resident_programs(config: dict) -> int:
+    """Programs an SM runs at once, as the default counts them: two below 64 rows at 4 warps (a program needs at most
+    half the registers), else one (at 8 warps one program's registers fill an SM; our reading of the H100's B=1,
+    s_q=2 FP8 decode at 1.7x FlashMLA's time: 256 programs of 32 rows at 8 warps, two waves; not measured since)."""
+    return 2 if config["BLOCK_H"] < WGMMA_ROWS and config["num_warps"] == 4 else 1
+
+
 def _default(phase: str):
     """The widest head tile (64 rows: wgmma) whose tiles still fill one wave, else the narrowest (wider tiles that
     leave SMs idle are slower); the longest token tile that fits; then splits over k up to one wave of programs
-    (two per SM below 64 rows at 4 warps, where a program needs at most half the registers; at 8 warps one
-    program's registers fill an SM (our reading of the H100's B=1, s_q=2 FP8 decode at 1.7x FlashMLA's time: 256
-    programs of 32 rows at 8 warps, two waves))."""
+    (:func:`resident_programs` an SM)."""
     constraint = _constraint(phase)
 
     def default(_phase, shape) -> dict:
@@ -156,7 +161,7 @@ def _default(phase: str):
             fitting += [c for c in candidates if bh <= top and constraint(c, shape) is None][:1]
         config = next((c for c in fitting if R * cdiv(M, c["BLOCK_H"]) * cdiv(k, c["BLOCK_N"]) >= sms), fitting[-1])
         programs = R * cdiv(M, config["BLOCK_H"])
-        wave = sms * (2 if config["BLOCK_H"] < WGMMA_ROWS and config["num_warps"] == 4 else 1)
+        wave = sms * resident_programs(config)
         while (config["num_splits"] * 2 <= min(SPACE["num_splits"][-1], cdiv(k, config["BLOCK_N"]))
                and programs * config["num_splits"] * 2 <= wave):
             config["num_splits"] *= 2

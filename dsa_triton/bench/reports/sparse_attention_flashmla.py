@@ -58,8 +58,8 @@ def _v4_decode_set(B: int, S: int, H: int, k2: int, seed: int, device) -> dict:
 
 
 def _prefill_set(T: int, L: int, H: int, seed: int, device, d: int = D, k: int = K, v4: bool = False) -> dict:
-    """``T`` tokens of ``H`` heads, each over the top-``k`` of ``L`` bf16 rows ``d`` wide; ``v4``: with a sink per
-    head and per-token lengths."""
+    """``T`` tokens of ``H`` heads, each over the top-``k`` of ``L`` bf16 rows ``d`` wide; ``extra``: the keywords
+    both ops take besides (``v4``: a sink per head and per-token lengths)."""
     g = torch.Generator(device=device).manual_seed(seed)
     kv, table = random_paged_cache(1, L, P, d, torch.bfloat16, g)
     logical = torch.rand(T, L, generator=g, device=device).topk(k, dim=1).indices
@@ -69,8 +69,8 @@ def _prefill_set(T: int, L: int, H: int, seed: int, device, d: int = D, k: int =
     if v4:
         short = torch.rand(T, generator=g, device=device) < 0.25
         lengths = torch.where(short, torch.randint(k // 2, k + 1, (T,), generator=g, device=device), k)
-        extra = {"sink": torch.randn(H, generator=g, device=device), "lengths": lengths.int()}
-    return {"q": q, "kv": kv.flatten(0, 1), "slots": slots, **extra}
+        extra = {"attn_sink": torch.randn(H, generator=g, device=device), "topk_length": lengths.int()}
+    return {"q": q, "kv": kv.flatten(0, 1), "slots": slots, "extra": extra}
 
 
 def _disagreement(ours: torch.Tensor, theirs: torch.Tensor) -> tuple[float, int]:
@@ -133,12 +133,11 @@ def flashmla_report(device, ceilings: Ceilings | None) -> list[dict]:
     for T, L, H, d, k, v4 in PREFILL:
         sets = rotation(lambda i: _prefill_set(T, L, H, i, device, d, k, v4), L * d * 2, device, max_sets=2)
         scale = d ** -0.5
-        v4_args = lambda s: {"attn_sink": s["sink"], "topk_length": s["lengths"]} if v4 else {}  # noqa: E731
-        theirs = [flashmla.prefill(s["q"], s["kv"], s["slots"], scale, DV, **v4_args(s)) for s in sets]
+        theirs = [flashmla.prefill(s["q"], s["kv"], s["slots"], scale, DV, **s["extra"]) for s in sets]
         rows.append(_row(f"prefill {'V4 ' if v4 else ''}bf16 T={T} L={L} Hq={H}" + (f" k={k}" if v4 else ""),
                          2.0 * T * H * k * (d + DV),
                          lambda s: sparse_attention_prefill(s["q"], s["kv"], s["slots"], scale, DV,
-                                                            check_values=False, **v4_args(s)),
+                                                            check_values=False, **s["extra"]),
                          theirs, sets, device, ceilings))
         del sets, theirs
         torch.cuda.empty_cache()
